@@ -1,0 +1,17 @@
+"""The `gen` command: generate text, and subcommands (train, eval, bench, convert)."""
+from __future__ import annotations
+
+import click
+
+from cli.train import train_cmd
+
+
+@click.group()
+def main():
+    """Run a decoder-only language model with softmax or linear attention."""
+
+
+main.add_command(train_cmd)
+
+if __name__ == "__main__":
+    main()

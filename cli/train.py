@@ -1,0 +1,40 @@
+"""`gen train`: train the tokenizer and a model on a corpus (see models/train.py)."""
+from __future__ import annotations
+
+import click
+
+from cli.common import run_guarded
+
+
+@click.command("train")
+@click.option("--train", "train_file", required=True, type=click.Path(dir_okay=False), help="training corpus")
+@click.option("--valid", "valid_file", type=click.Path(dir_okay=False), help="held-out corpus for evaluation")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="run directory (checkpoints; resumes)")
+@click.option("--export", type=click.Path(file_okay=False), help="write the final model dir here")
+@click.option("--vocab-size", default=4096, show_default=True)
+@click.option("--tokenizer", type=click.Path(dir_okay=False), help="reuse this tokenizer.model")
+@click.option("--dim", default=256, show_default=True)
+@click.option("--layers", default=6, show_default=True)
+@click.option("--heads", default=8, show_default=True)
+@click.option("--kv-heads", type=int)
+@click.option("--seq-len", default=256, show_default=True)
+@click.option("--batch-size", default=32, show_default=True)
+@click.option("--steps", default=800, show_default=True)
+@click.option("--lr", default=3e-3, show_default=True)
+@click.option("--warmup", default=100, show_default=True)
+@click.option("--paths", default="softmax,linear", show_default=True, help="attention paths whose losses are averaged")
+@click.option("--feature-map", default="elu1", show_default=True)
+@click.option("--linear-rope/--no-linear-rope", default=True, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--eval-every", default=200, show_default=True)
+@click.option("--eval-docs", default=200, show_default=True)
+@click.option("--save-every", default=20, show_default=True)
+@click.option("--threads", type=int)
+@click.option("--amp", default="bfloat16", show_default=True, help="autocast dtype, or 'none'")
+def train_cmd(train_file, valid_file, out, export, paths, amp, **kw):
+    """Train a tokenizer and a model on documents separated by '<|endoftext|>' lines."""
+    from models.train import TrainArgs, train
+    args = TrainArgs(train=train_file, valid=valid_file, out=out, export=export,
+                     paths=tuple(p.strip() for p in paths.split(",") if p.strip()),
+                     amp=None if amp == "none" else amp, **kw)
+    run_guarded(lambda: train(args))

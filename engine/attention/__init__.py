@@ -1,0 +1,26 @@
+"""The two attention paths behind one protocol.
+
+Each path is a state class with `allocate(cfg, batch, max_len, device, dtype, ...)`,
+`begin(tokens, valid) -> Block`, `attend(layer, q, k, v, block)` and `end(block)`, plus a
+stateless full-sequence function and its plain-torch reference twin.
+"""
+from engine.attention.base import Block, State
+from engine.attention.feature_maps import FEATURE_MAPS, get_feature_map
+from engine.attention.linear import (LinearState, linear_attention,
+                                     linear_attention_reference)
+from engine.attention.softmax import (KVState, softmax_attention,
+                                      softmax_attention_reference)
+from engine.errors import InvalidArgumentError
+
+STATES = {"softmax": KVState, "linear": LinearState}
+
+
+def check_path(name: str) -> str:
+    if name not in STATES:
+        raise InvalidArgumentError(f"unknown attention {name!r}; valid: {', '.join(STATES)}")
+    return name
+
+
+__all__ = ["Block", "State", "KVState", "LinearState", "STATES", "FEATURE_MAPS", "check_path",
+           "get_feature_map", "softmax_attention", "softmax_attention_reference",
+           "linear_attention", "linear_attention_reference"]

@@ -1,0 +1,139 @@
+"""Linear attention run as an RNN, with a chunked parallel form for prompt blocks.
+
+    S_i = S_{i-1} + phi(k_i) v_i^T        S: (B, Hkv, F, Dv)
+    z_i = z_{i-1} + phi(k_i)              z: (B, Hkv, F)
+    out_i = phi(q_i)^T S_i / (phi(q_i)^T z_i + EPS)
+
+The state is kept in fp32 whatever the weights' dtype. With grouped-query attention the
+state is per key/value head and shared by the query heads of its group, exactly like the KV
+cache. No 1/sqrt(d) scale is applied: any scalar on phi(q) cancels between numerator and
+denominator. Pads are masked after the feature map (elu+1 maps 0 to 1), so they leave S and
+z untouched.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.base import State
+from engine.attention.feature_maps import FeatureMap, get_feature_map
+
+EPS = 1e-6          # the denominator's eps: out = num / (phi(q)^T z + EPS)
+CHUNK = 64          # block length of the chunked parallel form
+
+
+@dataclass(eq=False)
+class LinearState(State):
+    S: torch.Tensor = None           # (L, B, Hkv, F, Dv) fp32
+    z: torch.Tensor = None           # (L, B, Hkv, F) fp32
+    feature_map: FeatureMap = None
+
+    path = "linear"
+
+    @classmethod
+    def allocate(cls, cfg, batch: int, max_len: int | None, device, dtype,
+                 feature_map: str | None = None) -> "LinearState":
+        fmap = get_feature_map(feature_map or cfg.feature_map)
+        F_ = fmap.out_dim(cfg.head_dim)
+        L, Hkv = cfg.num_hidden_layers, cfg.num_key_value_heads
+        return cls(seen=torch.zeros(batch, dtype=torch.long, device=device), pos=0,
+                   S=torch.zeros(L, batch, Hkv, F_, cfg.head_dim, device=device, dtype=torch.float32),
+                   z=torch.zeros(L, batch, Hkv, F_, device=device, dtype=torch.float32),
+                   feature_map=fmap)
+
+    max_len = None   # no capacity limit: the state does not grow
+
+    def tensors(self):
+        return [self.S, self.z]
+
+    def attend(self, layer: int, q, k, v, block):
+        """q (B, H, T, D); k, v (B, Hkv, T, D) -> (B, H, T, Dv) in q's dtype."""
+        phi_q, phi_k, v32 = featurize(self.feature_map, q, k, v, block.valid)
+        S, z = self.S[layer], self.z[layer]
+        if block.length == 1:
+            out = linear_attention_step(phi_q, phi_k, v32, S, z)
+        else:
+            out, S_new, z_new = linear_attention_chunked(phi_q, phi_k, v32, S, z)
+            S.copy_(S_new)
+            z.copy_(z_new)
+        return out.flatten(1, 2).to(q.dtype)
+
+
+def featurize(fmap, q, k, v, valid=None):
+    """Apply phi in fp32, group query heads by their kv head, zero pad keys.
+
+    Returns phi_q (B, Hkv, G, T, F), phi_k (B, Hkv, T, F), v (B, Hkv, T, Dv), all fp32.
+    """
+    B, H, T, _ = q.shape
+    Hkv = k.shape[1]
+    phi_q = fmap(q).view(B, Hkv, H // Hkv, T, -1)
+    phi_k = fmap(k)
+    if valid is not None:
+        phi_k = phi_k * valid[:, None, :, None]
+    return phi_q, phi_k, v.float()
+
+
+def linear_attention_step(phi_q, phi_k, v, S, z):
+    """One token of the recurrence; updates S (B, Hkv, F, Dv) and z (B, Hkv, F) in place.
+
+    phi_q (B, Hkv, G, 1, F), phi_k (B, Hkv, 1, F), v (B, Hkv, 1, Dv) -> (B, Hkv, G, 1, Dv).
+    """
+    S.view(-1, *S.shape[2:]).baddbmm_(phi_k.flatten(0, 1).transpose(1, 2), v.flatten(0, 1))
+    z.add_(phi_k[:, :, 0])
+    num = phi_q @ S.unsqueeze(2)                                    # (B, Hkv, G, 1, Dv)
+    den = phi_q @ z[:, :, None, :, None]                            # (B, Hkv, G, 1, 1)
+    return num / (den + EPS)
+
+
+def linear_attention_chunked(phi_q, phi_k, v, S=None, z=None, chunk: int = CHUNK):
+    """Chunked parallel form: masked quadratic inside a chunk, the carried state across chunks.
+
+    Cost is linear in T and the (T, F, Dv) cumulative sum is never built. Differentiable
+    (used for training); returns (out (B, Hkv, G, T, Dv), S_new, z_new) without touching S, z.
+    """
+    B, Hkv, G, T, F_ = phi_q.shape
+    Dv = v.shape[-1]
+    if S is None:
+        S = phi_q.new_zeros(B, Hkv, F_, Dv)
+        z = phi_q.new_zeros(B, Hkv, F_)
+    outs = []
+    for s in range(0, T, chunk):
+        e = min(s + chunk, T)
+        qc, kc, vc = phi_q[:, :, :, s:e], phi_k[:, :, s:e], v[:, :, s:e]
+        A = (qc @ kc.unsqueeze(2).transpose(-1, -2)).tril()          # (B, Hkv, G, C, C)
+        num = qc @ S.unsqueeze(2) + A @ vc.unsqueeze(2)               # (B, Hkv, G, C, Dv)
+        den = qc @ z[:, :, None, :, None] + A.sum(-1, keepdim=True)   # (B, Hkv, G, C, 1)
+        outs.append(num / (den + EPS))
+        S = S + kc.transpose(-1, -2) @ vc
+        z = z + kc.sum(2)
+    return torch.cat(outs, dim=3), S, z
+
+
+def linear_attention(q, k, v, feature_map: str | FeatureMap, valid=None):
+    """Stateless causal linear attention over a whole sequence (training and full forward)."""
+    fmap = get_feature_map(feature_map) if isinstance(feature_map, str) else feature_map
+    phi_q, phi_k, v32 = featurize(fmap, q, k, v, valid)
+    out, _, _ = linear_attention_chunked(phi_q, phi_k, v32)
+    return out.flatten(1, 2).to(q.dtype)
+
+
+def linear_attention_reference(q, k, v, feature_map: str | FeatureMap, valid=None):
+    """Plain-torch twin: the naive masked quadratic form, plus the final S and z it implies.
+
+    Returns out (B, H, T, Dv), S (B, Hkv, F, Dv), z (B, Hkv, F).
+    """
+    fmap = get_feature_map(feature_map) if isinstance(feature_map, str) else feature_map
+    B, H, T, _ = q.shape
+    groups = H // k.shape[1]
+    phi_q = fmap(q)
+    phi_k = fmap(k)
+    if valid is not None:
+        phi_k = phi_k * valid[:, None, :, None]
+    v = v.float()
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    A = (phi_q @ phi_k.repeat_interleave(groups, 1).transpose(-1, -2)) * causal    # (B, H, T, T)
+    out = (A @ v.repeat_interleave(groups, 1)) / (A.sum(-1, keepdim=True) + EPS)
+    S = torch.einsum("bhtf,bhtd->bhfd", phi_k, v)
+    z = phi_k.sum(2)
+    return out.to(q.dtype), S, z

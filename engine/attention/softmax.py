@@ -1,0 +1,99 @@
+"""Softmax attention with a preallocated KV cache.
+
+KVState.k, .v: (L, B, Hkv, S_max, D), allocated once in the model's dtype and written in
+place. Scores are q.k / sqrt(D); a masked softmax gives future slots and pad slots weight
+exactly 0 (boolean masks, so exp(-inf) = 0, no large-negative approximations).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.base import Block, State
+from engine.errors import ContextFullError
+
+
+@dataclass(eq=False)
+class KVState(State):
+    k: torch.Tensor = None          # (L, B, Hkv, S_max, D)
+    v: torch.Tensor = None          # (L, B, Hkv, S_max, D)
+    key_valid: torch.Tensor = None  # (B, S_max) bool, False at pad slots
+
+    path = "softmax"
+
+    @classmethod
+    def allocate(cls, cfg, batch: int, max_len: int, device, dtype, **_) -> "KVState":
+        shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        return cls(seen=torch.zeros(batch, dtype=torch.long, device=device), pos=0,
+                   k=torch.zeros(shape, device=device, dtype=dtype),
+                   v=torch.zeros(shape, device=device, dtype=dtype),
+                   key_valid=torch.ones(batch, max_len, dtype=torch.bool, device=device))
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def tensors(self):
+        return [self.k, self.v]
+
+    def begin(self, tokens, valid=None) -> Block:
+        self._check(tokens, valid)
+        T, start = tokens.shape[1], self.pos
+        if start + T > self.max_len:
+            raise ContextFullError(
+                f"KV cache full: {start} tokens held + {T} new > max_len {self.max_len}; "
+                f"allocate a larger state (init_state(max_len=...)) or shorten the input")
+        block = super().begin(tokens, valid)
+        if block.valid is not None:
+            self.key_valid[:, start:start + T] = block.valid
+        if self.padded or (T > 1 and start > 0):
+            # query slot start+i sees key slot j iff j <= start+i and the key is real;
+            # it always sees itself, so a pad query's row is never all-masked (no NaN).
+            q_slot = torch.arange(start, start + T, device=self.device)[:, None]
+            k_slot = torch.arange(start + T, device=self.device)[None, :]
+            causal = k_slot <= q_slot                                     # (T, S)
+            keys = self.key_valid[:, None, None, :start + T]              # (B, 1, 1, S)
+            block.mask = (causal & keys) | (k_slot == q_slot)             # (B, 1, T, S)
+        return block
+
+    def attend(self, layer: int, q, k, v, block: Block):
+        """q (B, H, T, D); k, v (B, Hkv, T, D) -> (B, H, T, D)."""
+        start, end = block.start, block.start + block.length
+        cache_k, cache_v = self.k[layer], self.v[layer]
+        cache_k[:, :, start:end] = k
+        cache_v[:, :, start:end] = v
+        keys, values = cache_k[:, :, :end], cache_v[:, :, :end]
+        causal = block.mask is None and block.length > 1   # prefill from empty, no pads
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=block.mask,
+                                              is_causal=causal, enable_gqa=True)
+
+
+def softmax_attention(q, k, v, valid=None):
+    """Stateless causal attention over a whole sequence (training and full forward).
+
+    q (B, H, T, D); k, v (B, Hkv, T, D); valid (B, T) bool or None.
+    """
+    if valid is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    T = q.shape[2]
+    idx = torch.arange(T, device=q.device)
+    mask = ((idx[None, :] <= idx[:, None]) & valid[:, None, None, :]) | (idx[None, :] == idx[:, None])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def softmax_attention_reference(q, k, v, valid=None):
+    """Plain-torch twin of `softmax_attention`: explicit scores, mask, softmax, weighted sum."""
+    B, H, T, D = q.shape
+    groups = H // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(D)                  # (B, H, T, T)
+    idx = torch.arange(T, device=q.device)
+    allowed = (idx[None, :] <= idx[:, None]).expand(B, 1, T, T)
+    if valid is not None:
+        allowed = (allowed & valid[:, None, None, :]) | (idx[None, :] == idx[:, None])
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v

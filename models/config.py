@@ -1,0 +1,164 @@
+"""Model configuration: a frozen dataclass read from and written to `config.json`.
+
+Keys use Hugging Face Llama names so that a Llama directory loads as is and our own
+exports load in `transformers`. Our own keys (`attention`, `feature_map`,
+`position_encoding`, `linear_rope`, `trained_for`) are ignored by other readers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+
+from engine.errors import ConfigError
+
+SUPPORTED_MODEL_TYPES = ("llama",)
+ATTENTION_PATHS = ("softmax", "linear")
+POSITION_ENCODINGS = ("rope", "none")
+
+# Keys without which no model can be built; everything else has the Hugging Face default.
+REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "vocab_size")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    vocab_size: int
+    num_key_value_heads: int | None = None      # None: = num_attention_heads (no GQA)
+    head_dim: int | None = None                 # None: hidden_size // num_attention_heads
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+    bos_token_id: int = 1
+    eos_token_id: int | tuple[int, ...] = 2
+    model_type: str = "llama"
+    # --- this engine's own keys ---
+    attention: str = "softmax"                  # default attention path for this checkpoint
+    feature_map: str = "elu1"                   # linear attention feature map
+    position_encoding: str = "rope"             # "rope" or "none"
+    linear_rope: bool = True                    # rotate q, k before the feature map in linear mode
+    trained_for: tuple[str, ...] = ("softmax",)  # paths the weights were trained for
+    torch_dtype: str | None = None              # dtype the weights were saved in, informational
+
+    def __post_init__(self):
+        if self.num_key_value_heads is None:
+            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if isinstance(self.eos_token_id, list):
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        if isinstance(self.trained_for, (list, str)):
+            tf = (self.trained_for,) if isinstance(self.trained_for, str) else tuple(self.trained_for)
+            object.__setattr__(self, "trained_for", tf)
+        self.validate()
+
+    # ------------------------------------------------------------------ checks
+    def validate(self, where: str = "config") -> None:
+        def bad(msg):
+            raise ConfigError(f"{where}: {msg}")
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            bad(f"unsupported model_type {self.model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        for key in REQUIRED_KEYS + ("num_key_value_heads", "head_dim"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value <= 0:
+                bad(f"{key} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            bad(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.position_encoding == "rope" and self.head_dim % 2:
+            bad(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.attention not in ATTENTION_PATHS:
+            bad(f"attention must be one of {', '.join(ATTENTION_PATHS)}, got {self.attention!r}")
+        if self.position_encoding not in POSITION_ENCODINGS:
+            bad(f"position_encoding must be one of {', '.join(POSITION_ENCODINGS)}, "
+                f"got {self.position_encoding!r}")
+        for path in self.trained_for:
+            if path not in ATTENTION_PATHS:
+                bad(f"trained_for lists unknown path {path!r}; valid: {', '.join(ATTENTION_PATHS)}")
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        eos = self.eos_token_id
+        return tuple(eos) if isinstance(eos, (tuple, list)) else (eos,)
+
+    @property
+    def num_groups(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ json
+    @classmethod
+    def from_dict(cls, raw: dict, where: str = "config") -> "ModelConfig":
+        raw = dict(raw)
+        model_type = raw.get("model_type", "llama")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(f"{where}: unsupported model_type {model_type!r}; "
+                              f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        for key in REQUIRED_KEYS:
+            if key not in raw:
+                raise ConfigError(f"{where}: missing required key {key!r}")
+        if "rope_theta" not in raw and isinstance(raw.get("rope_parameters"), dict):
+            raw["rope_theta"] = raw["rope_parameters"].get("rope_theta", 10000.0)
+        unsupported = {
+            "attention_bias": lambda v: bool(v), "mlp_bias": lambda v: bool(v),
+            "hidden_act": lambda v: v not in ("silu", "swish"),
+            "rope_scaling": lambda v: v not in (None, {}) and (v or {}).get("rope_type", "default") != "default",
+        }
+        for key, is_bad in unsupported.items():
+            if key in raw and is_bad(raw[key]):
+                raise ConfigError(f"{where}: unsupported setting {key}={raw[key]!r}")
+        rope_params = raw.get("rope_parameters")
+        if isinstance(rope_params, dict) and rope_params.get("rope_type", "default") != "default":
+            raise ConfigError(f"{where}: unsupported rope_type {rope_params['rope_type']!r}; only 'default'")
+        if "torch_dtype" not in raw and isinstance(raw.get("dtype"), str):
+            raw["torch_dtype"] = raw["dtype"]
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in raw.items() if k in names}
+        try:
+            return cls(**kwargs)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {str(e).split(': ', 1)[-1]}") from None
+        except TypeError as e:
+            raise ConfigError(f"{where}: {e}") from None
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> "ModelConfig":
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise ConfigError(f"{path}: no such file; a model directory needs a config.json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                raw = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a JSON object")
+        return cls.from_dict(raw, where=path)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["eos_token_id"] = list(self.eos_ids) if len(self.eos_ids) > 1 else self.eos_ids[0]
+        d["trained_for"] = list(self.trained_for)
+        d["architectures"] = ["LlamaForCausalLM"]
+        d["hidden_act"] = "silu"
+        d["attention_bias"] = False
+        d["mlp_bias"] = False
+        if d["torch_dtype"] is None:
+            del d["torch_dtype"]
+        return d
+
+    def to_json(self, path: str | os.PathLike) -> None:
+        tmp = f"{os.fspath(path)}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, indent=2, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, path)

@@ -1,0 +1,44 @@
+"""Corpus files: documents separated by a line `<|endoftext|>`.
+
+Each document becomes BOS + text + EOS when tokenized; the marker itself never reaches
+the model.
+"""
+from __future__ import annotations
+
+import os
+from typing import Iterator
+
+from engine.errors import InvalidArgumentError
+
+DOC_SEPARATOR = "<|endoftext|>"
+
+
+def iter_documents(path: str | os.PathLike) -> Iterator[str]:
+    """Yield the documents of `path`, stripped of surrounding blank lines; empty ones skipped."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise InvalidArgumentError(f"{path}: no such file; pass a text file of documents "
+                                   f"separated by lines '{DOC_SEPARATOR}'")
+    lines: list[str] = []
+    with open(path, encoding="utf-8", errors="strict") as f:
+        try:
+            for line in f:
+                if line.strip() == DOC_SEPARATOR:
+                    doc = "".join(lines).strip()
+                    if doc:
+                        yield doc
+                    lines = []
+                else:
+                    lines.append(line)
+        except UnicodeDecodeError as e:
+            raise InvalidArgumentError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    doc = "".join(lines).strip()
+    if doc:
+        yield doc
+
+
+def read_documents(path: str | os.PathLike) -> list[str]:
+    docs = list(iter_documents(path))
+    if not docs:
+        raise InvalidArgumentError(f"{os.fspath(path)}: holds no documents")
+    return docs

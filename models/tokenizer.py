@@ -1,0 +1,54 @@
+"""SentencePiece tokenizer: load, encode documents, and train a new one on a corpus."""
+from __future__ import annotations
+
+import os
+import tempfile
+
+from engine.errors import CheckpointError
+
+
+class Tokenizer:
+    def __init__(self, path: str | os.PathLike):
+        import sentencepiece as spm
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path}: no such tokenizer file")
+        try:
+            self.sp = spm.SentencePieceProcessor(model_file=path)
+        except (RuntimeError, OSError) as e:
+            raise CheckpointError(f"{path}: not a SentencePiece model ({str(e).splitlines()[0]})") from None
+        self.path = path
+        self.bos_id = self.sp.bos_id()
+        self.eos_id = self.sp.eos_id()
+        self.vocab_size = self.sp.vocab_size()
+
+    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+        ids = self.sp.encode(text)
+        return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+
+    def decode(self, ids) -> str:
+        return self.sp.decode([int(i) for i in ids])
+
+
+def train_tokenizer(docs: list[str], out_path: str, vocab_size: int, model_type: str = "bpe",
+                    seed_sentences: int = 2_000_000) -> Tokenizer:
+    """Train SentencePiece on documents; writes `out_path` (a .model file)."""
+    import sentencepiece as spm
+    with tempfile.TemporaryDirectory() as tmp:
+        text = os.path.join(tmp, "corpus.txt")
+        with open(text, "w", encoding="utf-8") as f:
+            for doc in docs:
+                for line in doc.splitlines():
+                    if line.strip():
+                        f.write(line.strip() + "\n")
+        prefix = os.path.join(tmp, "tok")
+        spm.SentencePieceTrainer.train(
+            input=text, model_prefix=prefix, vocab_size=vocab_size, model_type=model_type,
+            byte_fallback=True, character_coverage=1.0, split_digits=True,
+            normalization_rule_name="identity", remove_extra_whitespaces=False,
+            unk_id=0, bos_id=1, eos_id=2, pad_id=-1, input_sentence_size=seed_sentences,
+            shuffle_input_sentence=True, num_threads=os.cpu_count() or 1, minloglevel=2,
+            allow_whitespace_only_pieces=True, add_dummy_prefix=False)
+        os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+        os.replace(prefix + ".model", out_path)
+    return Tokenizer(out_path)

@@ -1,0 +1,211 @@
+"""Train a small decoder-only model (and its tokenizer) on a corpus of documents.
+
+    gen train --train train.txt --valid valid.txt --out runs/tiny --export weights/tiny
+
+Every document becomes BOS + text + EOS; the token stream is cut into random windows.
+`--paths softmax,linear` trains one set of weights on the mean of both paths' losses, so
+one checkpoint serves both. Checkpoints (`OUT/checkpoint.pt`) are written atomically every
+`--save-every` steps; starting again with the same OUT resumes from the last one.
+Batches are a pure function of (seed, step), so a resumed run sees the batches an
+uninterrupted one would have.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from engine.evaluate import evaluate
+from models.config import ModelConfig
+from models.corpus import read_documents
+from models.tokenizer import Tokenizer, train_tokenizer
+from models.transformer import Transformer
+from models.weights import save_pretrained
+
+
+@dataclass
+class TrainArgs:
+    train: str
+    valid: str | None
+    out: str
+    export: str | None = None
+    vocab_size: int = 4096
+    tokenizer: str | None = None          # an existing tokenizer.model instead of training one
+    dim: int = 256
+    layers: int = 6
+    heads: int = 8
+    kv_heads: int | None = None
+    intermediate: int | None = None       # default: ~8/3 dim rounded to 32
+    seq_len: int = 512
+    batch_size: int = 16
+    steps: int = 4000
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 200
+    weight_decay: float = 0.1
+    paths: tuple[str, ...] = ("softmax", "linear")
+    feature_map: str = "elu1"
+    linear_rope: bool = True
+    seed: int = 0
+    eval_every: int = 500
+    eval_docs: int = 200
+    save_every: int = 100
+    threads: int | None = None
+    export_dtype: str = "float16"
+    amp: str | None = "bfloat16"          # autocast dtype for the forward pass; None: fp32
+    progress: bool = True
+
+    def model_config(self, tok: Tokenizer) -> ModelConfig:
+        inter = self.intermediate or int(round(self.dim * 8 / 3 / 32) * 32)
+        return ModelConfig(
+            hidden_size=self.dim, intermediate_size=inter, num_hidden_layers=self.layers,
+            num_attention_heads=self.heads, num_key_value_heads=self.kv_heads or self.heads,
+            vocab_size=tok.vocab_size, max_position_embeddings=self.seq_len, rms_norm_eps=1e-5,
+            tie_word_embeddings=True, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
+            attention=self.paths[0], feature_map=self.feature_map, linear_rope=self.linear_rope,
+            trained_for=tuple(self.paths))
+
+
+def lr_at(step: int, a: TrainArgs) -> float:
+    if step < a.warmup:
+        return a.lr * (step + 1) / a.warmup
+    t = min(1.0, (step - a.warmup) / max(1, a.steps - a.warmup))
+    return a.lr * (a.min_lr_ratio + (1 - a.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def tokenize_corpus(tok: Tokenizer, docs: list[str]) -> torch.Tensor:
+    ids: list[int] = []
+    for doc in docs:
+        ids += tok.encode(doc, bos=True, eos=True)
+    return torch.tensor(ids, dtype=torch.int32)
+
+
+def get_batch(stream: torch.Tensor, a: TrainArgs, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(a.seed * 1_000_003 + step)
+    starts = torch.randint(0, len(stream) - a.seq_len - 1, (a.batch_size,), generator=g)
+    return torch.stack([stream[s:s + a.seq_len + 1] for s in starts.tolist()]).long()
+
+
+def loss_fn(model: Transformer, batch: torch.Tensor, paths, feature_map) -> dict[str, torch.Tensor]:
+    x, y = batch[:, :-1], batch[:, 1:]
+    return {p: F.cross_entropy(model(x, attention=p, feature_map=feature_map).float().flatten(0, 1),
+                               y.flatten()) for p in paths}
+
+
+def _atomic_save(obj, path: str) -> None:
+    tmp = path + ".tmp"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def train(a: TrainArgs, log=print) -> Transformer:
+    os.makedirs(a.out, exist_ok=True)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    random.seed(a.seed)
+    torch.manual_seed(a.seed)
+
+    tok_path = os.path.join(a.out, "tokenizer.model")
+    train_docs = read_documents(a.train)
+    if not os.path.exists(tok_path):
+        if a.tokenizer:
+            import shutil
+            shutil.copyfile(a.tokenizer, tok_path)
+        else:
+            log(f"training tokenizer: {a.vocab_size} pieces on {len(train_docs)} documents")
+            train_tokenizer(train_docs, tok_path, a.vocab_size)
+    tok = Tokenizer(tok_path)
+    stream = tokenize_corpus(tok, train_docs)
+    if len(stream) <= a.seq_len + 1:
+        raise ValueError(f"{a.train}: {len(stream)} tokens, fewer than one window of {a.seq_len + 1}")
+    valid_docs = read_documents(a.valid)[: a.eval_docs] if a.valid else []
+    log(f"corpus: {len(train_docs)} documents, {len(stream)} tokens "
+        f"({sum(len(d.encode()) for d in train_docs) / len(stream):.2f} bytes/token)")
+
+    cfg = a.model_config(tok)
+    model = Transformer(cfg)
+    _init_weights(model, cfg)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": a.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=a.lr, betas=(0.9, 0.95))
+    step, history = 0, []
+    ckpt = os.path.join(a.out, "checkpoint.pt")
+    if os.path.exists(ckpt):
+        saved = torch.load(ckpt, map_location="cpu", weights_only=False)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        step, history = saved["step"], saved.get("history", [])
+        torch.set_rng_state(saved["torch_rng"])
+        log(f"resumed from {ckpt} at step {step}")
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"model: {n_params / 1e6:.2f}M parameters, {cfg.num_hidden_layers} layers, dim {cfg.hidden_size}, "
+        f"paths {','.join(a.paths)}, feature map {a.feature_map}")
+
+    def save():
+        _atomic_save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                      "history": history, "torch_rng": torch.get_rng_state(), "args": asdict(a),
+                      "config": cfg.to_dict()}, ckpt)
+
+    bar = None
+    if a.progress:
+        from tqdm import tqdm
+        bar = tqdm(total=a.steps, initial=step, desc="train", unit="step", dynamic_ncols=True)
+    model.train()
+    t_last, tok_since = time.perf_counter(), 0
+    while step < a.steps:
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, a)
+        with torch.autocast(device_type="cpu", dtype=getattr(torch, a.amp or "float32"), enabled=bool(a.amp)):
+            losses = loss_fn(model, get_batch(stream, a, step), a.paths, a.feature_map)
+        loss = sum(losses.values()) / len(losses)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        tok_since += a.batch_size * a.seq_len
+        now = time.perf_counter()
+        tps = tok_since / max(now - t_last, 1e-9)
+        history.append({"step": step, **{k: round(v.item(), 4) for k, v in losses.items()}})
+        if bar:
+            bar.set_postfix({**{k: f"{float(v):.3f}" for k, v in losses.items()}, "tok/s": f"{tps:.0f}"})
+            bar.update(1)
+        if step % 20 == 0:
+            t_last, tok_since = now, 0
+        if step % a.save_every == 0 or step == a.steps:
+            save()
+        if valid_docs and (step % a.eval_every == 0 or step == a.steps):
+            model.eval()
+            res = {p: evaluate(model, tok, valid_docs, attention=p, feature_map=a.feature_map) for p in a.paths}
+            model.train()
+            msg = "  ".join(f"{p} {r.bits_per_byte:.4f} bpb ({r.nats_per_token:.3f} nats/tok)" for p, r in res.items())
+            (bar.write if bar else log)(f"step {step} lr {lr_at(step, a):.2e} eval: {msg}")
+            history.append({"step": step, "eval": {p: r.to_dict() for p, r in res.items()}})
+            save()
+            with open(os.path.join(a.out, "history.json"), "w") as f:
+                json.dump(history[-2000:], f)
+    if bar:
+        bar.close()
+    model.eval()
+    if a.export:
+        export(model, a, tok_path)
+    return model
+
+
+def export(model: Transformer, a: TrainArgs, tok_path: str) -> None:
+    save_pretrained(model, a.export, dtype=getattr(torch, a.export_dtype), tokenizer_path=tok_path)
+
+
+def _init_weights(model: Transformer, cfg: ModelConfig) -> None:
+    """GPT-2 style: N(0, 0.02), residual projections scaled by 1/sqrt(2L)."""
+    for name, p in model.named_parameters():
+        if p.dim() >= 2:
+            std = 0.02 / math.sqrt(2 * cfg.num_hidden_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+            torch.nn.init.normal_(p, mean=0.0, std=std)

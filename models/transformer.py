@@ -1,0 +1,205 @@
+"""A decoder-only Llama-shaped transformer whose attention runs either path.
+
+    embed -> L x [x + attn(rmsnorm(x)); x + swiglu(rmsnorm(x))] -> rmsnorm -> lm_head
+
+Runtime weights are fused where that saves kernel launches on the decode path:
+`qkv` = [q_proj; k_proj; v_proj] and `gate_up` = [gate_proj; up_proj]. Checkpoint names
+are mapped onto these in one place, `models.weights`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from engine.attention import (STATES, State, check_path, get_feature_map,
+                              linear_attention, linear_attention_reference,
+                              softmax_attention, softmax_attention_reference)
+from engine.attention.base import Block
+from models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):  # (B, T, C), computed in fp32 like HF Llama
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Rotary(nn.Module):
+    """Rotary embeddings in the half-split layout of Hugging Face Llama checkpoints."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        self.head_dim, self.theta = head_dim, theta
+        self._cos = self._sin = None
+
+    def inv_freq(self, device) -> torch.Tensor:  # (D/2,) fp32, as Hugging Face computes it
+        exponent = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim
+        return 1.0 / self.theta ** exponent
+
+    def table(self, n: int, device, dtype):
+        """cos, sin tables (n, D) in `dtype`, grown on demand (positions may pass the trained range)."""
+        c = self._cos
+        if c is None or c.shape[0] < n or c.device != torch.device(device) or c.dtype != dtype:
+            size = max(n, 2 * (c.shape[0] if c is not None else 0), 256)
+            t = torch.arange(size, device=device, dtype=torch.int64).float()
+            freqs = torch.outer(t, self.inv_freq(device))
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._cos, self._sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        return self._cos, self._sin
+
+    def forward(self, positions, dtype):  # (B, T) -> cos, sin (B, 1, T, D)
+        cos, sin = self.table(int(positions.max()) + 1 if positions.numel() else 1, positions.device, dtype)
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+
+    def for_range(self, start: int, T: int, device, dtype):  # positions start..start+T-1, no sync
+        cos, sin = self.table(start + T, device, dtype)
+        return cos[start:start + T][None, None], sin[start:start + T][None, None]
+
+
+def apply_rotary(x, cos, sin):  # x (B, H, T, D)
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.H, self.Hkv, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, (self.H + 2 * self.Hkv) * self.D, bias=False)
+        self.o_proj = nn.Linear(self.H * self.D, cfg.hidden_size, bias=False)
+
+    def forward(self, x, rope, attend):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).split([self.H * self.D, self.Hkv * self.D, self.Hkv * self.D], dim=-1)
+        q = q.view(B, T, self.H, self.D).transpose(1, 2)       # (B, H, T, D)
+        k = k.view(B, T, self.Hkv, self.D).transpose(1, 2)     # (B, Hkv, T, D)
+        v = v.view(B, T, self.Hkv, self.D).transpose(1, 2)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        out = attend(q, k, v)                                   # (B, H, T, D)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.H * self.D))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Block_(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, rope, attend):
+        x = x + self.self_attn(self.input_layernorm(x), rope, attend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block_(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta) if cfg.position_encoding == "rope" else None
+
+    @property
+    def device(self):
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self):
+        return self.embed_tokens.weight.dtype
+
+    def uses_rope(self, path: str) -> bool:
+        return self.rotary is not None and (path == "softmax" or self.config.linear_rope)
+
+    # ------------------------------------------------------------------ decoding
+    def init_state(self, batch: int = 1, max_len: int | None = None, attention: str | None = None,
+                   feature_map: str | None = None, device=None, dtype=None) -> State:
+        """Allocate a decoding state once. `attention` picks the path (default: the config's).
+
+        max_len: the KV cache's capacity in slots (softmax; default max_position_embeddings);
+        the linear state has no capacity limit and ignores it.
+        """
+        path = check_path(attention or self.config.attention)
+        if feature_map is not None:
+            get_feature_map(feature_map)   # validate even when the path is softmax
+        return STATES[path].allocate(self.config, batch, max_len or self.config.max_position_embeddings,
+                                     device or self.device, dtype or self.dtype, feature_map=feature_map)
+
+    @torch.inference_mode()
+    def step(self, tokens: torch.Tensor, state: State, valid: torch.Tensor | None = None,
+             last_only: bool = False) -> torch.Tensor:
+        """Run a prompt block (T > 1) or one token (T = 1) through the model, writing into `state`.
+
+        tokens (B, T) int64; valid (B, T) bool, False at left pads (prompt blocks only).
+        Returns logits (B, T, V), or (B, 1, V) for the last position if `last_only`.
+        """
+        block = state.begin(tokens, valid)
+        x = self.embed_tokens(tokens)
+        rope = None
+        if self.uses_rope(state.path):
+            if state.padded:   # sequences sit at different positions: gather per sequence
+                rope = self.rotary(block.positions, x.dtype)
+            else:              # every sequence at start..start+T-1: slice, no gather, no sync
+                rope = self.rotary.for_range(block.start, block.length, x.device, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, lambda q, k, v, i=i: state.attend(i, q, k, v, block))
+        state.end(block)
+        if last_only:
+            x = x[:, -1:]
+        return self.lm_head(self.norm(x))
+
+    # ------------------------------------------------------------------ full sequences
+    def forward(self, tokens: torch.Tensor, attention: str | None = None, valid: torch.Tensor | None = None,
+                feature_map: str | None = None, reference: bool = False) -> torch.Tensor:
+        """Stateless causal forward over whole sequences (training, evaluation, tests).
+
+        `reference=True` runs the plain-torch twins (uncached full attention; the naive masked
+        quadratic form of linear attention). Returns logits (B, T, V).
+        """
+        path = check_path(attention or self.config.attention)
+        fmap = get_feature_map(feature_map or self.config.feature_map)
+        if path == "softmax":
+            attend = (softmax_attention_reference if reference else softmax_attention)
+            attend_fn = lambda q, k, v: attend(q, k, v, valid)  # noqa: E731
+        elif reference:
+            attend_fn = lambda q, k, v: linear_attention_reference(q, k, v, fmap, valid)[0]  # noqa: E731
+        else:
+            attend_fn = lambda q, k, v: linear_attention(q, k, v, fmap, valid)  # noqa: E731
+        x = self.embed_tokens(tokens)
+        rope = None
+        if self.uses_rope(path):
+            T = tokens.shape[1]
+            positions = (torch.arange(T, device=tokens.device).expand_as(tokens) if valid is None
+                         else (valid.long().cumsum(1) - 1).clamp_min(0))
+            rope = self.rotary(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, rope, attend_fn)
+        return self.lm_head(self.norm(x))
