@@ -13,25 +13,34 @@ import torch.nn.functional as F
 from engine.errors import InvalidArgumentError
 
 
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Linear attention computes and stores in fp32 at least (fp64 stays fp64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 class FeatureMap:
     name: str = ""
 
     def out_dim(self, d: int) -> int:
         return d
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (..., d) -> (..., F), fp32
-        return self.apply(x.float())
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (..., d) -> (..., F), fp32 or fp64
+        return self.apply(x.to(state_dtype(x.dtype)))
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
 
 class Elu1(FeatureMap):
-    """elu(x) + 1 (Katharopoulos et al. 2020): positive, smooth, ~exp(x) for x < 0."""
+    """elu(x) + 1 (Katharopoulos et al. 2020): x + 1 for x > 0, exp(x) below.
+
+    Written as exp(x) rather than (exp(x) - 1) + 1, which cancels to exactly 0 in fp32 for
+    x < -17; the exponent is floored at -60 so phi >= e^-60 > 0 always.
+    """
     name = "elu1"
 
     def apply(self, x):
-        return F.elu(x) + 1.0
+        return torch.where(x > 0, x + 1.0, torch.exp(x.clamp(-60.0, 0.0)))
 
 
 class Relu(FeatureMap):

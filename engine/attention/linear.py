@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.base import State
-from engine.attention.feature_maps import FeatureMap, get_feature_map
+from engine.attention.feature_maps import FeatureMap, get_feature_map, state_dtype
 
 EPS = 1e-6          # the denominator's eps: out = num / (phi(q)^T z + EPS)
 CHUNK = 64          # block length of the chunked parallel form
@@ -25,8 +25,8 @@ CHUNK = 64          # block length of the chunked parallel form
 
 @dataclass(eq=False)
 class LinearState(State):
-    S: torch.Tensor = None           # (L, B, Hkv, F, Dv) fp32
-    z: torch.Tensor = None           # (L, B, Hkv, F) fp32
+    S: torch.Tensor = None           # (L, B, Hkv, F, Dv) fp32 (fp64 for an fp64 model)
+    z: torch.Tensor = None           # (L, B, Hkv, F) fp32 (fp64 for an fp64 model)
     feature_map: FeatureMap = None
 
     path = "linear"
@@ -36,10 +36,10 @@ class LinearState(State):
                  feature_map: str | None = None) -> "LinearState":
         fmap = get_feature_map(feature_map or cfg.feature_map)
         F_ = fmap.out_dim(cfg.head_dim)
-        L, Hkv = cfg.num_hidden_layers, cfg.num_key_value_heads
+        L, Hkv, sd = cfg.num_hidden_layers, cfg.num_key_value_heads, state_dtype(dtype)
         return cls(seen=torch.zeros(batch, dtype=torch.long, device=device), pos=0,
-                   S=torch.zeros(L, batch, Hkv, F_, cfg.head_dim, device=device, dtype=torch.float32),
-                   z=torch.zeros(L, batch, Hkv, F_, device=device, dtype=torch.float32),
+                   S=torch.zeros(L, batch, Hkv, F_, cfg.head_dim, device=device, dtype=sd),
+                   z=torch.zeros(L, batch, Hkv, F_, device=device, dtype=sd),
                    feature_map=fmap)
 
     max_len = None   # no capacity limit: the state does not grow
@@ -71,7 +71,7 @@ def featurize(fmap, q, k, v, valid=None):
     phi_k = fmap(k)
     if valid is not None:
         phi_k = phi_k * valid[:, None, :, None]
-    return phi_q, phi_k, v.float()
+    return phi_q, phi_k, v.to(phi_k.dtype)
 
 
 def linear_attention_step(phi_q, phi_k, v, S, z):
@@ -130,7 +130,7 @@ def linear_attention_reference(q, k, v, feature_map: str | FeatureMap, valid=Non
     phi_k = fmap(k)
     if valid is not None:
         phi_k = phi_k * valid[:, None, :, None]
-    v = v.float()
+    v = v.to(phi_k.dtype)
     causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
     A = (phi_q @ phi_k.repeat_interleave(groups, 1).transpose(-1, -2)) * causal    # (B, H, T, T)
     out = (A @ v.repeat_interleave(groups, 1)) / (A.sum(-1, keepdim=True) + EPS)

@@ -1,0 +1,73 @@
+"""config.json: Hugging Face Llama key names in and out, errors that name the key and the file."""
+import json
+
+import pytest
+
+from engine.errors import ConfigError
+from models.config import ModelConfig
+
+BASE = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "vocab_size": 97, "model_type": "llama"}
+
+
+def write(tmp_path, raw):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(raw))
+    return path
+
+
+def test_roundtrip(tmp_path):
+    cfg = ModelConfig(**{k: v for k, v in BASE.items()}, num_key_value_heads=2, eos_token_id=(2, 7),
+                      attention="linear", feature_map="cos1", trained_for=("softmax", "linear"))
+    cfg.to_json(tmp_path / "config.json")
+    back = ModelConfig.from_json(tmp_path / "config.json")
+    assert back == cfg
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert raw["eos_token_id"] == [2, 7] and raw["num_key_value_heads"] == 2 and raw["head_dim"] == 16
+
+
+def test_defaults_and_derived_fields(tmp_path):
+    cfg = ModelConfig.from_json(write(tmp_path, BASE))
+    assert cfg.num_key_value_heads == 4 and cfg.head_dim == 16 and cfg.eos_ids == (2,)
+    assert cfg.attention == "softmax" and cfg.trained_for == ("softmax",)
+
+
+def test_rope_parameters_spelling(tmp_path):
+    cfg = ModelConfig.from_json(write(tmp_path, {**BASE, "rope_parameters": {"rope_theta": 500000.0,
+                                                                             "rope_type": "default"}}))
+    assert cfg.rope_theta == 500000.0
+    assert ModelConfig.from_json(write(tmp_path, {**BASE, "rope_theta": 1234.0})).rope_theta == 1234.0
+
+
+@pytest.mark.parametrize("key", ["hidden_size", "vocab_size", "num_hidden_layers"])
+def test_missing_key_names_key_and_file(tmp_path, key):
+    raw = {k: v for k, v in BASE.items() if k != key}
+    path = write(tmp_path, raw)
+    with pytest.raises(ConfigError, match=f"{path}.*missing required key '{key}'"):
+        ModelConfig.from_json(path)
+
+
+def test_unsupported_model_type_names_supported(tmp_path):
+    path = write(tmp_path, {**BASE, "model_type": "gpt2"})
+    with pytest.raises(ConfigError, match=r"config.json: unsupported model_type 'gpt2'; supported: llama"):
+        ModelConfig.from_json(path)
+
+
+@pytest.mark.parametrize("bad,match", [({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
+                                       ({"attention": "flash"}, "attention must be one of softmax, linear"),
+                                       ({"hidden_act": "gelu"}, "unsupported setting hidden_act"),
+                                       ({"hidden_size": -1}, "hidden_size must be a positive integer")],
+                         ids=["kv-heads", "attention", "act", "negative"])
+def test_bad_values(tmp_path, bad, match):
+    path = write(tmp_path, {**BASE, **bad})
+    with pytest.raises(ConfigError, match=match) as info:
+        ModelConfig.from_json(path)
+    assert str(path) in str(info.value)
+
+
+def test_missing_file_and_bad_json(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        ModelConfig.from_json(tmp_path / "config.json")
+    (tmp_path / "config.json").write_text("{nope")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        ModelConfig.from_json(tmp_path / "config.json")

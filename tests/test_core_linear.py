@@ -1,0 +1,155 @@
+"""Linear path: recurrence == chunked prefill == naive masked quadratic form, state included."""
+import pytest
+import torch
+
+from engine.attention.feature_maps import FEATURE_MAPS, get_feature_map
+from engine.attention.linear import (CHUNK, EPS, featurize, linear_attention_chunked,
+                                     linear_attention_reference, linear_attention_step)
+from engine.errors import InvalidArgumentError
+from tests.conftest import tiny_model
+
+FMAPS = list(FEATURE_MAPS)
+
+
+def max_diff(a, b):
+    d = (a.float() - b.float()).abs().max().item()
+    print(f"max |diff| = {d:.3e}")
+    return d
+
+
+def qkv(B=2, H=4, Hkv=2, T=70, D=8, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, H, T, D, generator=g).to(dtype), torch.randn(B, Hkv, T, D, generator=g).to(dtype),
+            torch.randn(B, Hkv, T, D, generator=g).to(dtype))
+
+
+@pytest.mark.parametrize("fmap", FMAPS)
+@pytest.mark.parametrize("T", [1, 17, CHUNK, CHUNK + 6, 3 * CHUNK], ids=lambda t: f"T{t}")
+def test_recurrence_equals_chunked_equals_naive(fmap, T):
+    q, k, v = qkv(T=T)
+    fm = get_feature_map(fmap)
+    ref_out, ref_S, ref_z = linear_attention_reference(q, k, v, fm)
+    phi_q, phi_k, v32 = featurize(fm, q, k, v)
+    out_c, S_c, z_c = linear_attention_chunked(phi_q, phi_k, v32)
+    S = torch.zeros_like(S_c)
+    z = torch.zeros_like(z_c)
+    out_r = torch.cat([linear_attention_step(phi_q[:, :, :, t:t + 1], phi_k[:, :, t:t + 1], v32[:, :, t:t + 1], S, z)
+                       for t in range(T)], dim=3)
+    assert max_diff(out_c.flatten(1, 2), ref_out) <= 1e-5
+    assert max_diff(out_r.flatten(1, 2), ref_out) <= 1e-5
+    for S_, z_ in ((S_c, z_c), (S, z)):
+        assert max_diff(S_, ref_S) <= 1e-5 * max(1.0, ref_S.abs().max().item())
+        assert max_diff(z_, ref_z) <= 1e-5 * max(1.0, ref_z.abs().max().item())
+
+
+@pytest.mark.parametrize("fmap", FMAPS)
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["MHA", "GQA"])
+def test_model_steps_equal_prefill_equal_naive(fmap, kv_heads):
+    model = tiny_model(num_key_value_heads=kv_heads)
+    T = 20
+    tokens = torch.randint(0, 97, (2, T), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        naive = model(tokens, "linear", feature_map=fmap, reference=True)
+        chunked_full = model(tokens, "linear", feature_map=fmap)
+    s_pre = model.init_state(2, None, "linear", feature_map=fmap)
+    prefill = model.step(tokens, s_pre)
+    s_rec = model.init_state(2, None, "linear", feature_map=fmap)
+    steps = torch.cat([model.step(tokens[:, t:t + 1], s_rec) for t in range(T)], 1)
+    assert max_diff(chunked_full, naive) <= 1e-5
+    assert max_diff(prefill, naive) <= 1e-5
+    assert max_diff(steps, naive) <= 1e-5
+    assert max_diff(s_pre.S, s_rec.S) <= 1e-5 * s_rec.S.abs().max().item()
+    assert max_diff(s_pre.z, s_rec.z) <= 1e-5 * s_rec.z.abs().max().item()
+
+
+@pytest.mark.parametrize("fmap", FMAPS)
+@pytest.mark.parametrize("t1,t2", [(CHUNK, CHUNK), (37, 50), (CHUNK, 45), (1, 2 * CHUNK + 3), (100, 1)],
+                         ids=lambda x: str(x))
+def test_prefill_then_prefill_equals_one_prefill(fmap, t1, t2):
+    model = tiny_model(num_hidden_layers=1)
+    tokens = torch.randint(0, 97, (1, t1 + t2), generator=torch.Generator().manual_seed(t1))
+    one = model.init_state(1, None, "linear", feature_map=fmap)
+    out_one = model.step(tokens, one)
+    two = model.init_state(1, None, "linear", feature_map=fmap)
+    out_two = torch.cat([model.step(tokens[:, :t1], two), model.step(tokens[:, t1:], two)], 1)
+    assert max_diff(out_two, out_one) <= 1e-5
+    assert max_diff(two.S, one.S) <= 1e-5 * one.S.abs().max().item()
+    assert max_diff(two.z, one.z) <= 1e-5 * one.z.abs().max().item()
+    assert two.pos == one.pos == t1 + t2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_state_is_fp32_for_half_models(dtype):
+    model = tiny_model(dtype=dtype)
+    state = model.init_state(1, None, "linear")
+    assert state.S.dtype == torch.float32 and state.z.dtype == torch.float32
+    logits = model.step(torch.tensor([[1, 2, 3, 4]]), state)
+    model.step(torch.tensor([[5]]), state)
+    assert logits.dtype == dtype and state.S.dtype == torch.float32 and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("fmap", FMAPS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_adversarial_half_inputs_stay_finite(fmap, dtype):
+    """In bf16 elu(x)+1 is exactly 0 for x < -8; maps run in fp32 and the denominator has EPS (PITFALLS #12)."""
+    B, H, T, D = 1, 2, 9, 8
+    q = torch.full((B, H, T, D), -30.0, dtype=dtype)
+    k = torch.full((B, H, T, D), -30.0, dtype=dtype)
+    k[..., ::2, :] = 60.0
+    v = torch.randn(B, H, T, D).to(dtype)
+    fm = get_feature_map(fmap)
+    phi = fm(q)
+    assert phi.dtype == torch.float32
+    if fmap in ("elu1", "softmax"):
+        assert (phi > 0).all(), "strictly positive feature map underflowed to 0"
+    sim = fm(q) @ fm(k).transpose(-1, -2)
+    assert (sim >= 0).all(), "similarity went negative"
+    phi_q, phi_k, v32 = featurize(fm, q, k, v)
+    out, S, z = linear_attention_chunked(phi_q, phi_k, v32)
+    den = phi_q @ z[:, :, None, :, None] + EPS
+    assert (den >= EPS).all() and torch.isfinite(out).all() and torch.isfinite(S).all()
+
+
+def test_long_decode_stays_close_to_fp64():
+    """20,000 one-token steps: finite, and within 1e-3 of the same run in fp64 (PITFALLS #13)."""
+    n = 20_000
+    m32 = tiny_model(num_hidden_layers=1, hidden_size=32, intermediate_size=48, num_attention_heads=2,
+                     num_key_value_heads=2)
+    m64 = tiny_model(num_hidden_layers=1, hidden_size=32, intermediate_size=48, num_attention_heads=2,
+                     num_key_value_heads=2).double()
+    tokens = torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(0))
+    s32, s64 = m32.init_state(1, None, "linear"), m64.init_state(1, None, "linear")
+    worst = 0.0
+    for t in range(n):
+        tok = tokens[t].view(1, 1)
+        a, b = m32.step(tok, s32), m64.step(tok, s64)
+        if t % 100 == 99 or t == n - 1:
+            assert torch.isfinite(a).all(), f"non-finite logits at step {t}"
+            worst = max(worst, (a.double() - b).abs().max().item())
+    print(f"max |fp32 - fp64| over {n} steps = {worst:.3e}; z max = {s32.z.max().item():.1f}")
+    assert s32.seen.item() == n
+    assert worst <= 1e-3
+
+
+def test_unknown_feature_map_lists_valid_names():
+    model = tiny_model()
+    with pytest.raises(InvalidArgumentError, match="unknown feature map 'gelu'; valid: elu1, relu, softmax, cos1"):
+        model.init_state(1, None, "linear", feature_map="gelu")
+
+
+@pytest.mark.parametrize("fmap,width", [("elu1", 16), ("relu", 16), ("softmax", 16), ("cos1", 17)])
+def test_feature_maps_report_width_and_state_bytes(fmap, width):
+    model = tiny_model()
+    cfg = model.config
+    assert FEATURE_MAPS[fmap].out_dim(cfg.head_dim) == width
+    state = model.init_state(2, None, "linear", feature_map=fmap)
+    expected = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * (width * cfg.head_dim + width) * 4
+    assert state.nbytes == expected
+
+
+def test_cos1_similarity_is_one_plus_cosine():
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(5, 8, generator=g), torch.randn(5, 8, generator=g)
+    fm = get_feature_map("cos1")
+    sim = (fm(a) * fm(b)).sum(-1)
+    assert max_diff(sim, 1 + torch.cosine_similarity(a, b, dim=-1)) <= 1e-6
