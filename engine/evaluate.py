@@ -83,3 +83,17 @@ def evaluate(model, tokenizer, docs: list[str], attention: str | None = None, fe
     return EvalResult(attention=attention, perplexity=math.exp(nats), nats_per_token=nats,
                       bits_per_byte=nll / math.log(2) / max(n_bytes, 1), tokens=n_tok, bytes=n_bytes,
                       documents=len(docs), context=context)
+
+
+def evaluate_file(model, tokenizer, path, attention: str | None = None, feature_map: str | None = None,
+                  context: int | None = None, batch_size: int = 8, progress: bool = False) -> EvalResult:
+    """Score every document of a corpus file (documents separated by `<|endoftext|>` lines)."""
+    from engine.errors import InvalidArgumentError
+    from models.corpus import read_documents
+    if tokenizer is None:
+        raise InvalidArgumentError("this checkpoint ships no tokenizer.model; evaluation needs one to "
+                                   "encode the text")
+    if context is not None and context < 2:
+        raise InvalidArgumentError(f"context must be at least 2 tokens, got {context}")
+    return evaluate(model, tokenizer, read_documents(path), attention=attention, feature_map=feature_map,
+                    context=context, batch_size=batch_size, progress=progress)

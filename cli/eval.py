@@ -1,0 +1,37 @@
+"""`gen eval`: perplexity, nats/token and bits per byte of a model over a corpus file."""
+from __future__ import annotations
+
+import json
+
+import click
+
+from cli.common import run_guarded
+
+
+@click.command("eval")
+@click.option("--model", "model_name", default="tiny", show_default=True, help="registered name or path")
+@click.option("--attention", type=click.Choice(["softmax", "linear"]), help="default: the model's own")
+@click.option("--feature-map", help="linear attention feature map (elu1, relu, softmax, cos1)")
+@click.option("--data", required=True, type=click.Path(dir_okay=False),
+              help="documents separated by '<|endoftext|>' lines")
+@click.option("--context", type=int, help="window length in tokens (default: max_position_embeddings)")
+@click.option("--batch-size", default=8, show_default=True)
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--dtype", default="float32", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+def eval_cmd(model_name, attention, feature_map, data, context, batch_size, device, dtype, as_json):
+    """Score each document as BOS + text + EOS; bits per byte is the headline."""
+    from engine.evaluate import evaluate_file
+    from models.loader import load_model
+
+    def run():
+        model, tokenizer = load_model(model_name, device=device, dtype=dtype)
+        res = evaluate_file(model, tokenizer, data, attention=attention, feature_map=feature_map,
+                            context=context, batch_size=batch_size, progress=not as_json)
+        if as_json:
+            click.echo(json.dumps({"model": str(model_name), "data": data, **res.to_dict()}))
+        else:
+            click.echo(f"{res.attention}: {res.bits_per_byte:.4f} bits/byte, {res.nats_per_token:.4f} nats/token, "
+                       f"perplexity {res.perplexity:.3f} ({res.documents} documents, {res.tokens} tokens, "
+                       f"{res.bytes} bytes, context {res.context})")
+    run_guarded(run)
