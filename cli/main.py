@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import click
 
+from cli.convert import convert_cmd
 from cli.eval import eval_cmd
 from cli.train import train_cmd
 
@@ -14,6 +15,7 @@ def main():
 
 main.add_command(train_cmd)
 main.add_command(eval_cmd)
+main.add_command(convert_cmd)
 
 if __name__ == "__main__":
     main()

@@ -1,4 +1,9 @@
-"""Find and load a model: a registered name (`tiny`) or a path to a checkpoint."""
+"""Find and load a model: a registered name (`tiny`) or a path to a checkpoint.
+
+A path is a Hugging Face layout directory (`models.hf_dir`) or a llama2.c file (`models.llama2c`).
+Both readers hand back memory-mapped tensors under Hugging Face names; `build` maps them onto
+the runtime model (`models.weights.hf_to_runtime`), copying only what it must fuse or convert.
+"""
 from __future__ import annotations
 
 import os
@@ -8,9 +13,11 @@ import torch
 
 from engine.errors import CheckpointError, InvalidArgumentError
 from models.config import ModelConfig
+from models.hf_dir import read_hf_dir
+from models.llama2c import read_llama2c
 from models.tokenizer import Tokenizer
 from models.transformer import Transformer
-from models.weights import check_tensors, hf_to_runtime
+from models.weights import hf_to_runtime
 
 WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"
 REGISTRY = {"tiny": WEIGHTS_DIR / "tiny"}
@@ -44,23 +51,33 @@ def resolve(model: str | os.PathLike) -> Path:
 
 def load_model(model: str | os.PathLike, device: str | torch.device = "cpu",
                dtype: str | torch.dtype | None = None) -> tuple[Transformer, Tokenizer | None]:
-    """Load weights (+ tokenizer when one ships) onto `device` in `dtype` (default: fp32)."""
+    """Load weights (+ tokenizer when one ships) onto `device` in `dtype` (default: fp32).
+
+    The model computes in `dtype` whatever dtype the checkpoint stores.
+    """
     path = resolve(model)
     dtype = parse_dtype(dtype) or torch.float32
+    tokenizer, interleaved = None, False
     if path.is_dir():
-        cfg, tensors = _read_hf_dir(path)
+        cfg, tensors = read_hf_dir(path)
         tok_path = path / "tokenizer.model"
         tokenizer = Tokenizer(tok_path) if tok_path.is_file() else None
-    else:
-        raise CheckpointError(f"{path}: unrecognised checkpoint file; pass a Hugging Face layout directory")
-    return build(cfg, tensors, device, dtype), tokenizer
+    elif path.suffix in (".safetensors", ".json"):
+        raise CheckpointError(f"{path}: pass the directory holding config.json and the safetensors file(s)")
+    else:   # llama2.c files have no fixed suffix: the header decides
+        cfg, tensors = read_llama2c(path)
+        interleaved = True
+    return build(cfg, tensors, device, dtype, interleaved_rotary=interleaved), tokenizer
 
 
-def build(cfg: ModelConfig, hf_tensors, device, dtype) -> Transformer:
-    """Instantiate the runtime model from Hugging Face-named tensors, without a random init."""
+def build(cfg: ModelConfig, hf_tensors, device, dtype, interleaved_rotary: bool = False) -> Transformer:
+    """Instantiate the runtime model from Hugging Face-named tensors, without a random init.
+
+    interleaved_rotary: q/k rows in Meta's layout (llama2.c); permuted once, while fusing.
+    """
     with torch.device("meta"):
         model = Transformer(cfg)
-    runtime = {k: v.to(device=device, dtype=dtype) for k, v in hf_to_runtime(hf_tensors, cfg).items()}
+    runtime = hf_to_runtime(hf_tensors, cfg, device, dtype, interleaved_rotary=interleaved_rotary)
     if cfg.tie_word_embeddings:
         runtime["lm_head.weight"] = runtime["embed_tokens.weight"]
     model.load_state_dict(runtime, assign=True, strict=True)
@@ -69,16 +86,14 @@ def build(cfg: ModelConfig, hf_tensors, device, dtype) -> Transformer:
     return model.eval()
 
 
-def _read_hf_dir(path: Path):
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-    cfg = ModelConfig.from_json(path / "config.json")
-    st = path / "model.safetensors"
-    if not st.is_file():
-        raise CheckpointError(f"{path}: no model.safetensors")
-    try:
-        tensors = load_file(st)
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{st}: cannot read safetensors ({str(e).splitlines()[0]})") from None
-    check_tensors(tensors, cfg, str(st))
-    return cfg, tensors
+def path_warning(cfg: ModelConfig, attention: str | None) -> str | None:
+    """A one-line warning when `attention` is a path the weights were not trained for, else None.
+
+    Running linear attention on a softmax-trained checkpoint is allowed (it is the comparison
+    people make); the caller prints this line.
+    """
+    path = attention or cfg.attention
+    if path in cfg.trained_for:
+        return None
+    return (f"warning: these weights were trained for {' and '.join(cfg.trained_for)} attention, "
+            f"not {path}; expect degraded output")

@@ -10,6 +10,11 @@ model.layers.N.mlp.{gate,up}_proj.weight      layers.N.mlp.gate_up.weight     (r
 model.layers.N.mlp.down_proj.weight           layers.N.mlp.down_proj.weight
 model.norm.weight                             norm.weight
 lm_head.weight (absent when tied)             lm_head.weight
+
+llama2.c files hold the same tensors under Meta's names in a fixed order (`llama2c_layout`), with
+the q and k rows of each head in Meta's interleaved rotary layout (pairs 2i, 2i+1) where Hugging
+Face and the runtime use half-split pairs (i, i + D/2): `interleaved_to_half` permutes them, once,
+while loading or converting.
 """
 from __future__ import annotations
 
@@ -57,19 +62,61 @@ def check_tensors(tensors, cfg: ModelConfig, where: str) -> None:
             raise CheckpointError(f"{where}: tensor {name} has shape {list(found)}, expected {list(shape)}")
 
 
-def hf_to_runtime(tensors, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Map Hugging Face names to runtime names (fusing q/k/v and gate/up)."""
+def interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """q/k rows (n_heads*D, C) from Meta's interleaved rotary pairs to Hugging Face's half-split.
+
+    Returns a view (n_heads, 2, D/2, C); `.reshape(w.shape)` materialises it, or copy it
+    straight into a destination viewed the same way (one copy, see `hf_to_runtime`).
+    """
+    rows, C = w.shape
+    return w.view(n_heads, rows // n_heads // 2, 2, C).transpose(1, 2)
+
+
+def half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Inverse of `interleaved_to_half`, as a (rows, C) tensor."""
+    rows, C = w.shape
+    return w.view(n_heads, 2, rows // n_heads // 2, C).transpose(1, 2).reshape(rows, C)
+
+
+def _fuse(parts, device, dtype) -> torch.Tensor:
+    """Write each part straight into its rows of one new matrix (the single copy of the load).
+
+    parts: (rows_i, C) tensors, or the (H, 2, D/2, C) views of `interleaved_to_half`; dtype and
+    device conversion happen in the same copy.
+    """
+    rows = sum(p.numel() // p.shape[-1] for p in parts)
+    out = torch.empty(rows, parts[0].shape[-1], device=device, dtype=dtype)
+    start = 0
+    for p in parts:
+        n = p.numel() // p.shape[-1]
+        out[start:start + n].view(p.shape).copy_(p)
+        start += n
+    return out
+
+
+def hf_to_runtime(tensors, cfg: ModelConfig, device="cpu", dtype: torch.dtype = torch.float32,
+                  interleaved_rotary: bool = False) -> dict[str, torch.Tensor]:
+    """Map Hugging Face names to runtime names on `device` in `dtype`.
+
+    q/k/v and gate/up are fused, which copies them once; every other tensor is passed through
+    `.to()`, which returns the (memory-mapped) tensor itself when device and dtype already match.
+    interleaved_rotary: q/k rows are in Meta's layout (llama2.c) and are permuted during the fuse.
+    """
     out = {"embed_tokens.weight": tensors["model.embed_tokens.weight"],
            "norm.weight": tensors["model.norm.weight"]}
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = tensors["lm_head.weight"]
+    rotary_heads = {"self_attn.q_proj.weight": cfg.num_attention_heads,
+                    "self_attn.k_proj.weight": cfg.num_key_value_heads} if interleaved_rotary else {}
     for i in range(cfg.num_hidden_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         for name in PLAIN:
             out[dst + name] = tensors[src + name]
         for fused, parts in FUSED.items():
-            out[dst + fused] = torch.cat([tensors[src + p] for p in parts], dim=0)
-    return out
+            ts = [interleaved_to_half(tensors[src + p], rotary_heads[p]) if p in rotary_heads
+                  else tensors[src + p] for p in parts]
+            out[dst + fused] = _fuse(ts, device, dtype)
+    return {k: v.to(device=device, dtype=dtype) for k, v in out.items()}
 
 
 def runtime_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -106,3 +153,47 @@ def save_pretrained(model, out_dir: str, dtype: torch.dtype | None = None,
     cfg.replace(torch_dtype=str(dtype).removeprefix("torch.")).to_json(os.path.join(out_dir, "config.json"))
     if tokenizer_path and os.path.abspath(tokenizer_path) != os.path.abspath(os.path.join(out_dir, "tokenizer.model")):
         shutil.copyfile(tokenizer_path, os.path.join(out_dir, "tokenizer.model"))
+
+
+# llama2.c (Meta) name -> Hugging Face per-layer suffix
+LLAMA2C_LAYER = {"attention_norm": "input_layernorm.weight", "wq": "self_attn.q_proj.weight",
+                 "wk": "self_attn.k_proj.weight", "wv": "self_attn.v_proj.weight",
+                 "wo": "self_attn.o_proj.weight", "ffn_norm": "post_attention_layernorm.weight",
+                 "w1": "mlp.gate_proj.weight", "w2": "mlp.down_proj.weight", "w3": "mlp.up_proj.weight"}
+LLAMA2C_ORDER = {  # per-layer tensors are stored stacked: every layer's wq, then every layer's wk, ...
+    0: ("tok_embeddings", "attention_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w1", "w2", "w3", "norm",
+        "freqs_cos", "freqs_sin", "output"),
+    1: ("attention_norm", "ffn_norm", "norm", "tok_embeddings", "wq", "wk", "wv", "wo", "w1", "w2", "w3",
+        "output"),
+}
+
+
+def llama2c_layout(cfg: ModelConfig, version: int) -> list[tuple[str | None, tuple[int, ...]]]:
+    """(Hugging Face name, shape) of every float32 tensor of a llama2.c file, in file order.
+
+    The name is None for the legacy format's unused RoPE tables (seq_len x D/2 each, skipped);
+    `output` (lm_head) is present only when the classifier is not shared (tie_word_embeddings False).
+    """
+    shapes = hf_shapes(cfg)
+    top = {"tok_embeddings": "model.embed_tokens.weight", "norm": "model.norm.weight", "output": "lm_head.weight"}
+    rope_table = (cfg.max_position_embeddings, cfg.head_dim // 2)
+    layout = []
+    for meta in LLAMA2C_ORDER[version]:
+        if meta in LLAMA2C_LAYER:
+            names = [f"model.layers.{i}.{LLAMA2C_LAYER[meta]}" for i in range(cfg.num_hidden_layers)]
+            layout += [(n, shapes[n]) for n in names]
+        elif meta in ("freqs_cos", "freqs_sin"):
+            layout.append((None, rope_table))
+        elif top[meta] in shapes:   # lm_head only when untied
+            layout.append((top[meta], shapes[top[meta]]))
+    return layout
+
+
+def hf_to_llama2c(tensors, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Hugging Face tensors with q/k rows permuted back to Meta's interleaved rotary layout."""
+    out = dict(tensors)
+    for i in range(cfg.num_hidden_layers):
+        for proj, heads in (("q", cfg.num_attention_heads), ("k", cfg.num_key_value_heads)):
+            name = f"model.layers.{i}.self_attn.{proj}_proj.weight"
+            out[name] = half_to_interleaved(tensors[name], heads)
+    return out

@@ -1,0 +1,30 @@
+"""`gen convert`: rewrite checkpoints from other projects in the Hugging Face layout."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from cli.common import fail, run_guarded
+
+
+@click.group("convert")
+def convert_cmd():
+    """Convert a checkpoint to a Hugging Face Llama layout directory."""
+
+
+@convert_cmd.command("llama2c")
+@click.argument("src", type=click.Path(exists=True, dir_okay=False))
+@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.option("--tokenizer", type=click.Path(exists=True, dir_okay=False),
+              help="a SentencePiece tokenizer.model to copy into OUT_DIR")
+@click.option("--force", is_flag=True, help="overwrite a model already in OUT_DIR")
+@click.option("--progress/--no-progress", default=True, show_default=True)
+def llama2c_cmd(src, out_dir, tokenizer, force, progress):
+    """Convert a llama2.c checkpoint SRC (legacy or version 1) into OUT_DIR."""
+    from models.llama2c import convert_llama2c
+    if not force and (Path(out_dir) / "config.json").exists():
+        fail(f"{out_dir}: already holds a model (config.json); pass --force to overwrite it")
+    cfg = run_guarded(lambda: convert_llama2c(src, out_dir, tokenizer_path=tokenizer, progress=progress))
+    click.echo(f"wrote {out_dir}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+               f"{cfg.num_attention_heads} heads ({cfg.num_key_value_heads} kv), vocab {cfg.vocab_size}", err=True)

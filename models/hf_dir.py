@@ -1,0 +1,116 @@
+"""Hugging Face layout directories on disk: read (single file or shards, memory-mapped), write (streamed).
+
+    DIR/config.json
+    DIR/model.safetensors                                   one file, or
+    DIR/model.safetensors.index.json + model-0000i-of-0000n.safetensors   shards
+    DIR/tokenizer.model                                     optional
+
+Reading never copies: `safe_open` maps the file and hands out views of it. Names are checked
+against the config here; mapping them onto the runtime model is `models.weights`' job.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from engine.errors import CheckpointError
+from models.config import ModelConfig
+from models.weights import check_tensors, hf_shapes
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+def read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Config and every tensor the config needs (memory-mapped views), checked for name and shape."""
+    path = Path(path)
+    cfg = ModelConfig.from_json(path / "config.json")
+    if (path / SINGLE).is_file():
+        shards = {SINGLE: None}                       # None: every tensor the file holds
+        where = path / SINGLE
+    elif (path / INDEX).is_file():
+        shards = _read_index(path / INDEX, cfg)
+        where = path / INDEX
+    else:
+        hint = " (pytorch_model.bin is not supported: save with safetensors)" \
+            if (path / "pytorch_model.bin").exists() else ""
+        raise CheckpointError(f"{path}: no {SINGLE} or {INDEX}{hint}")
+    tensors = {}
+    for shard, names in shards.items():
+        tensors.update(_read_safetensors(path / shard, names))
+    check_tensors(tensors, cfg, str(where))
+    return cfg, tensors
+
+
+def _read_index(index: Path, cfg: ModelConfig) -> dict[str, list[str]]:
+    """shard file -> names of the tensors we need from it."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError("weight_map is not an object")
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
+    shards: dict[str, list[str]] = {}
+    for name in hf_shapes(cfg):
+        if name not in weight_map:
+            raise CheckpointError(f"{index}: missing tensor {name}")
+        shard = weight_map[name]
+        if not (index.parent / shard).is_file():
+            raise CheckpointError(f"{index}: shard {shard} (holding {name}) not found")
+        shards.setdefault(shard, []).append(name)
+    return shards
+
+
+def _read_safetensors(file: Path, names: list[str] | None) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError, safe_open
+    try:
+        with safe_open(file, framework="pt") as f:
+            keys = set(f.keys())
+            wanted = sorted(keys) if names is None else names
+            for name in wanted:
+                if name not in keys:
+                    raise CheckpointError(f"{file}: missing tensor {name}")
+            return {name: f.get_tensor(name) for name in wanted}
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{file}: truncated or corrupt safetensors file "
+                              f"({str(e).splitlines()[0]})") from None
+
+
+# ---------------------------------------------------------------------------- writing
+DTYPE_CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
+
+
+def write_safetensors(file: str | os.PathLike, tensors: dict[str, torch.Tensor],
+                      shapes: dict[str, tuple[int, ...]] | None = None,
+                      metadata: dict[str, str] | None = None, progress=None) -> None:
+    """Stream `tensors` into a safetensors `file`, one tensor materialised at a time.
+
+    shapes: the shape to record for a name when it differs from the tensor's (a permuted view such
+    as `interleaved_to_half`'s is made contiguous and reshaped as it is written). So converting a
+    memory-mapped checkpoint never holds a second copy of the model. `progress` (tqdm-like,
+    .update(n)) advances by each tensor's byte count.
+    """
+    file, shapes = os.fspath(file), shapes or {}
+    header, offset = {"__metadata__": metadata or {"format": "pt"}}, 0
+    for name, t in tensors.items():
+        shape = tuple(shapes.get(name, t.shape))
+        if torch.Size(shape).numel() != t.numel():
+            raise ValueError(f"{name}: shape {list(shape)} does not fit {t.numel()} elements")
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": DTYPE_CODES[t.dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)                       # tensor data starts 8-byte aligned
+    tmp = f"{file}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for t in tensors.values():
+            t = t.detach().to("cpu").contiguous()
+            f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            if progress is not None:
+                progress.update(t.numel() * t.element_size())
+    os.replace(tmp, file)
