@@ -29,7 +29,7 @@ def read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     path = Path(path)
     cfg = ModelConfig.from_json(path / "config.json")
     if (path / SINGLE).is_file():
-        shards = {SINGLE: None}                       # None: every tensor the file holds
+        shards = {SINGLE: list(hf_shapes(cfg))}      # extra tensors (rotary caches...) are ignored
         where = path / SINGLE
     elif (path / INDEX).is_file():
         shards = _read_index(path / INDEX, cfg)
@@ -64,16 +64,16 @@ def _read_index(index: Path, cfg: ModelConfig) -> dict[str, list[str]]:
     return shards
 
 
-def _read_safetensors(file: Path, names: list[str] | None) -> dict[str, torch.Tensor]:
+def _read_safetensors(file: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """The named tensors of one file, as views of its memory map."""
     from safetensors import SafetensorError, safe_open
     try:
         with safe_open(file, framework="pt") as f:
             keys = set(f.keys())
-            wanted = sorted(keys) if names is None else names
-            for name in wanted:
+            for name in names:
                 if name not in keys:
                     raise CheckpointError(f"{file}: missing tensor {name}")
-            return {name: f.get_tensor(name) for name in wanted}
+            return {name: f.get_tensor(name) for name in names}
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"{file}: truncated or corrupt safetensors file "
                               f"({str(e).splitlines()[0]})") from None
