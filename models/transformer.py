@@ -17,6 +17,7 @@ from engine.attention import (STATES, State, check_path, get_feature_map,
                               softmax_attention, softmax_attention_reference)
 from engine.attention.base import Block
 from models.config import ModelConfig
+from models.decode import DecodePlan, decode_one, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -26,9 +27,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):  # (B, T, C), computed in fp32 like HF Llama
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps, x.shape[-1])
 
 
 def rotate_half(x):
@@ -42,7 +41,7 @@ class Rotary(nn.Module):
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
         self.head_dim, self.theta = head_dim, theta
-        self._cos = self._sin = None
+        self._cos = self._sin = self._sin_signed = None
 
     def inv_freq(self, device) -> torch.Tensor:  # (D/2,) fp32, as Hugging Face computes it
         exponent = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim
@@ -57,7 +56,16 @@ class Rotary(nn.Module):
             freqs = torch.outer(t, self.inv_freq(device))
             emb = torch.cat((freqs, freqs), dim=-1)
             self._cos, self._sin = emb.cos().to(dtype), emb.sin().to(dtype)
+            self._sin_signed = torch.cat((-self._sin[:, :self.head_dim // 2], self._sin[:, self.head_dim // 2:]), -1)
         return self._cos, self._sin
+
+    def signed_table(self, n: int, device, dtype):
+        """cos and sign-folded sin (n, D): rotate_half(x) * sin == x[..., perm] * sin_signed, exactly,
+        with perm swapping the two halves (models.decode). Checks only the length per call."""
+        c = self._cos
+        if c is None or c.shape[0] < n or c.dtype != dtype or c.device != device:
+            self.table(n, device, dtype)
+        return self._cos, self._sin_signed
 
     def forward(self, positions, dtype):  # (B, T) -> cos, sin (B, 1, T, D)
         cos, sin = self.table(int(positions.max()) + 1 if positions.numel() else 1, positions.device, dtype)
@@ -127,6 +135,9 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta) if cfg.position_encoding == "rope" else None
+        self._plan = None
+
+    fast_decode = True   # T = 1 steps take the lean path (models.decode); False: the module path
 
     @property
     def device(self):
@@ -161,6 +172,11 @@ class Transformer(nn.Module):
         tokens (B, T) int64; valid (B, T) bool, False at left pads (prompt blocks only).
         Returns logits (B, T, V), or (B, 1, V) for the last position if `last_only`.
         """
+        if self.fast_decode and valid is None and tokens.dim() == 2 and tokens.shape[1] == 1:
+            plan = self._plan
+            if plan is None or not plan.valid_for(tokens.device, self.embed_tokens.weight.dtype):
+                plan = self._plan = DecodePlan(self, tokens.device, self.embed_tokens.weight.dtype)
+            return decode_one(plan, tokens, state)
         block = state.begin(tokens, valid)
         x = self.embed_tokens(tokens)
         rope = None

@@ -22,7 +22,7 @@ class Block:
     """Per-call constants, computed once by `State.begin()` and shared by every layer."""
     start: int                          # state.pos before this block
     length: int                         # T
-    positions: torch.Tensor             # (B, T) int64 rotary positions
+    positions: torch.Tensor | None      # (B, T) int64 rotary positions once padded; None: start..start+T-1
     valid: torch.Tensor | None          # (B, T) bool, False at pads; None: no pads
     mask: torch.Tensor | None = None    # softmax only: (B, 1, T, start + T) bool, True = attend
 
@@ -78,7 +78,8 @@ class State:
                 valid = None
             else:
                 self.padded = True
-        return Block(self.pos, T, self._positions(T, valid), valid)
+        # unpadded sequences all sit at start..start+T-1: no per-sequence positions to build
+        return Block(self.pos, T, self._positions(T, valid) if self.padded else None, valid)
 
     def end(self, block: Block) -> None:
         """Advance the state's own position past `block` (called once per model step)."""
