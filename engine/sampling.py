@@ -1,0 +1,160 @@
+"""Choosing the next token from logits: penalty, temperature, top-k, top-p, min-p, a seeded draw.
+
+Every filter is a pure function of a (B, V) logits tensor that returns a new (B, V) tensor
+with the removed tokens set to -inf. The `Sampler` owns one `torch.Generator` per sequence,
+so a request's draws depend on its seed alone: other code drawing from torch's global RNG
+in between, or other requests sampling on the same model, cannot change them. Row b of a
+batch draws from its own generator seeded with the request's seed, so a batched request
+samples exactly what the same prompt alone would (given equal logits).
+
+Order (that of Hugging Face and llama.cpp): repetition penalty on the raw logits ->
+temperature -> top-k -> top-p -> min-p -> draw. Temperature 0 is greedy: argmax of the
+penalized logits, no division at all.
+
+Repetition penalty (CTRL, Keskar et al. 2019), sign-aware: a seen token's logit is divided
+by the penalty when positive and multiplied by it when negative, so it always moves down and
+the token's odds against every unseen token drop, whatever its sign (dividing a negative
+logit would raise it: transformers #2302). It is applied once per distinct token however
+often the token occurs. Prompt tokens count as seen, as in transformers and llama.cpp
+(left pads do not). A logit of exactly 0 is left at 0 by this rule.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from engine.errors import InvalidArgumentError
+
+GREEDY_BELOW = 1e-6   # temperatures below this are greedy: softmax(l / T) is one-hot in fp32 anyway
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 = greedy; top_k 0 = off; top_p 1 = off; min_p 0 = off; penalty 1 = off;
+    seed None = a fresh nondeterministic seed (from the OS, not from torch's global RNG)."""
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        def bad(msg):
+            raise InvalidArgumentError(msg)
+        if not _finite(self.temperature) or self.temperature < 0:
+            bad(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            bad(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
+        if not _finite(self.top_p) or not 0 < self.top_p <= 1:
+            bad(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+        if not _finite(self.min_p) or not 0 <= self.min_p <= 1:
+            bad(f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
+        if not _finite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            bad(f"repetition_penalty must be > 0 (1 = off, > 1 discourages repeats), got {self.repetition_penalty}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not 0 <= self.seed < 2 ** 63):
+            bad(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x and abs(x) != float("inf")
+
+
+# ---------------------------------------------------------------------- pure functions of logits
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """logits (B, V) float; seen (B, V) bool, True at tokens already in the sequence."""
+    if penalty == 1.0:
+        return logits
+    penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalized, logits)
+
+
+def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep exactly the k largest logits per row (ties broken by index); k = 0 or >= V: all."""
+    if k <= 0 or k >= logits.shape[-1]:
+        return logits
+    keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, logits.topk(k, dim=-1).indices, True)
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches p (nucleus)."""
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(-1)
+    mass_before = probs.cumsum(-1) - probs             # mass of the strictly more likely tokens
+    drop_sorted = mass_before >= p                     # the most likely token is always kept
+    drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def min_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Drop tokens whose probability is below p times the most likely token's."""
+    if p <= 0.0:
+        return logits
+    probs = logits.softmax(-1)
+    return logits.masked_fill(probs < p * probs.amax(-1, keepdim=True), float("-inf"))
+
+
+def filtered_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None) -> torch.Tensor:
+    """logits (B, V) -> the fp32 logits the draw samples from: penalized, scaled, filtered."""
+    x = logits.float()
+    if seen is not None:
+        x = apply_repetition_penalty(x, seen, params.repetition_penalty)
+    if params.greedy:
+        return x
+    x = x / params.temperature
+    x = top_k_filter(x, params.top_k)
+    x = top_p_filter(x, params.top_p)
+    return min_p_filter(x, params.min_p)
+
+
+# ---------------------------------------------------------------------- the stateful sampler
+class Sampler:
+    """Samples one token per sequence per step and remembers which tokens each sequence holds.
+
+    batch: number of sequences; vocab_size: V. Call `observe(prompt ids, valid)` once with the
+    prompt, then `sample(logits)` each step (it observes the token it returns).
+    """
+
+    def __init__(self, params: SamplingParams, batch: int, vocab_size: int, device="cpu"):
+        self.params = params
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        self.seed = seed
+        self.generators = []
+        if not params.greedy:   # greedy never draws: no generator to make
+            for _ in range(batch):
+                g = torch.Generator(device=device)
+                g.manual_seed(seed)
+                self.generators.append(g)
+        self.seen = (torch.zeros(batch, vocab_size, dtype=torch.bool, device=device)
+                     if params.repetition_penalty != 1.0 else None)
+
+    def observe(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """tokens (B, T) int64; valid (B, T) bool, False at pads (not counted as seen)."""
+        if self.seen is None:
+            return
+        hit = torch.ones_like(tokens, dtype=torch.int32) if valid is None else valid.int()
+        # OR the hits in: a pad's id is not marked by the pad itself
+        marks = torch.zeros_like(self.seen, dtype=torch.int32).scatter_add_(1, tokens, hit)
+        self.seen |= marks > 0
+
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits (B, V) -> next tokens (B,) int64."""
+        x = filtered_logits(logits, self.params, self.seen)
+        if self.params.greedy:
+            tokens = x.argmax(-1)
+        else:
+            probs = x.softmax(-1)
+            tokens = torch.cat([torch.multinomial(probs[b], 1, generator=g)
+                                for b, g in enumerate(self.generators)])
+        self.observe(tokens[:, None])
+        return tokens
