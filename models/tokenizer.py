@@ -29,6 +29,32 @@ class Tokenizer:
     def decode(self, ids) -> str:
         return self.sp.decode([int(i) for i in ids])
 
+    def decode_continuation(self, ids) -> str:
+        """The text `ids` add after whatever precedes them: like `decode`, but the first token's
+        leading space is kept (SentencePiece drops it at the start of a text, which would glue
+        the first generated word to the prompt). decode(a + b) == decode(a) + decode_continuation(b)
+        whenever `a` ends on a whole character.
+        """
+        anchor_id, anchor_text = self._anchor()
+        text = self.sp.decode([anchor_id] + [int(i) for i in ids])
+        return text[len(anchor_text):] if text.startswith(anchor_text) else self.decode(ids)
+
+    def _anchor(self) -> tuple[int, str]:
+        """A plain piece (no space, not a byte or control piece) that decodes to itself."""
+        if getattr(self, "_anchor_cache", None) is None:
+            sp = self.sp
+            for i in range(self.vocab_size):
+                if sp.is_control(i) or sp.is_unknown(i) or sp.is_byte(i) or sp.is_unused(i):
+                    continue
+                piece = sp.id_to_piece(i)
+                if piece and "\u2581" not in piece and sp.decode([i]) == piece:
+                    self._anchor_cache = (i, piece)
+                    break
+            else:
+                raise CheckpointError(f"{self.path}: no plain piece to anchor decoding; the vocabulary is all "
+                                      f"byte, control or space pieces")
+        return self._anchor_cache
+
 
 def train_tokenizer(docs: list[str], out_path: str, vocab_size: int, model_type: str = "bpe",
                     seed_sentences: int = 2_000_000) -> Tokenizer:

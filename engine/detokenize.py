@@ -1,0 +1,42 @@
+"""Incremental detokenization: text chunks released as tokens arrive, exactly the final text.
+
+Decoding each token on its own is wrong twice over with SentencePiece: it drops the leading
+space of every piece ("Daenerysisthe", llama2.c PR #1), and a character split across
+byte-fallback tokens comes out as U+FFFD (TGI #131). Instead each step decodes the tokens
+not yet released, with the tokenizer's `decode_continuation` (first token's space kept), and
+releases that text unless it ends in U+FFFD: then the tokens end inside a character, and the
+text waits for the token that completes it. Nothing else is held, so output without spaces streams token by token (transformers PR
+#36708 held it back until a space). `finish()` flushes an incomplete tail as the tokenizer
+decodes it, so the joined chunks always equal `decode_continuation(all ids)`.
+
+Between two release points decoding is concatenative (decode_continuation(a + b) ==
+decode_continuation(a) + decode_continuation(b) when `a` ends on a whole character), so each
+step decodes only the tokens since the last release: constant cost per token.
+"""
+from __future__ import annotations
+
+REPLACEMENT = "\ufffd"
+
+
+class StreamDecoder:
+    """One sequence's detokenizer. tokenizer: anything with `decode_continuation(ids) -> str`."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.start = 0      # ids[:start] are released; ids[start:] are held (mid-character)
+
+    def push(self, token: int) -> str:
+        """Add one token id; return the text it releases ("" while inside a character)."""
+        self.ids.append(int(token))
+        text = self.tokenizer.decode_continuation(self.ids[self.start:])
+        if text.endswith(REPLACEMENT):
+            return ""       # the bytes of a character are not all here yet
+        self.start = len(self.ids)
+        return text
+
+    def finish(self) -> str:
+        """Release what is still held; an incomplete character decodes as the tokenizer says."""
+        text = self.tokenizer.decode_continuation(self.ids[self.start:]) if self.start < len(self.ids) else ""
+        self.start = len(self.ids)
+        return text
