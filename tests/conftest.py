@@ -38,3 +38,67 @@ def shared_path(*parts: str) -> Path:
     if not path.exists():
         pytest.skip(f"{path} not found: ../shared is absent on this machine")
     return path
+
+
+# ---------------------------------------------------------------------- generation fixtures
+WORDS = ("the cat dog sat ran on a mat happy little big girl boy saw tree sun day went home "
+         "and then she he said hello friend played ball park time once upon").split()
+
+
+def generated_sentences(n: int = 400, seed: int = 0) -> list[str]:
+    """Plain English-like sentences made from a small word list (deterministic)."""
+    import random
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))).capitalize() + "."
+            for _ in range(n)]
+
+
+@pytest.fixture(scope="session")
+def small_tokenizer(tmp_path_factory):
+    """A 300-piece byte-fallback SentencePiece model trained here (no ../shared needed)."""
+    from models.tokenizer import train_tokenizer
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.model"
+    return train_tokenizer(generated_sentences(), str(path), vocab_size=300)
+
+
+@pytest.fixture(scope="session")
+def small_model_dir(tmp_path_factory, small_tokenizer):
+    """A saved random model (HF layout) with the small tokenizer: for load() and the CLI."""
+    from models.weights import save_pretrained
+    out = tmp_path_factory.mktemp("model")
+    model = tiny_model(seed=3, vocab_size=small_tokenizer.vocab_size, max_position_embeddings=64,
+                       trained_for=("softmax", "linear"))
+    save_pretrained(model, str(out), tokenizer_path=small_tokenizer.path)
+    return out
+
+
+class ScriptState:
+    """The state a ScriptedModel hands out: counts steps, holds no tensors, has no capacity."""
+    max_len = None
+    nbytes = 0
+
+    def __init__(self, batch: int):
+        self.batch, self.steps = batch, 0
+
+
+class ScriptedModel:
+    """A stand-in for Transformer (same init_state/step calls) whose logits make greedy decoding
+    emit `scripts[b]` one token per step (then repeat the script's last token)."""
+
+    def __init__(self, scripts: list[list[int]], vocab_size: int, eos_token_id=2):
+        self.scripts = scripts
+        self.config = tiny_config(vocab_size=vocab_size, eos_token_id=eos_token_id)
+        self.device = torch.device("cpu")
+        self.calls: list[tuple[tuple[int, ...], bool]] = []   # (tokens shape, last_only) per step
+
+    def init_state(self, batch=1, max_len=None, attention=None, feature_map=None, device=None, dtype=None):
+        return ScriptState(batch)
+
+    def step(self, tokens, state, valid=None, last_only=False):
+        self.calls.append((tuple(tokens.shape), last_only))
+        k = state.steps
+        state.steps += 1
+        logits = torch.full((tokens.shape[0], 1, self.config.vocab_size), -1e4)
+        for b, script in enumerate(self.scripts):
+            logits[b, 0, script[min(k, len(script) - 1)]] = 0.0
+        return logits

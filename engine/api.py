@@ -1,0 +1,169 @@
+"""The Python API: load a model once, then stream or generate.
+
+    from engine import load
+    llm = load("tiny", attention="linear")
+    for chunk in llm.stream("Once upon a time", max_new_tokens=200, temperature=0.8, seed=1):
+        print(chunk, end="", flush=True)
+    r = llm.generate("Once upon a time", max_new_tokens=50, temperature=0)
+    r.text, r.ids, r.finish_reason, r.stats.decode_tokens_per_s
+    rs = llm.generate(["Once", "The dog"], temperature=0)       # a batch: a list of results
+
+A prompt is text (encoded with BOS first) or a list of token ids (used as given: add the BOS
+id yourself if the model wants one), for checkpoints that ship no tokenizer. Every call has
+its own state and its own sampler, so streams on one `LLM` are independent of each other.
+"""
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+from engine.attention import check_path, get_feature_map
+from engine.errors import InvalidArgumentError
+from engine.generate import Generation, GenerationConfig, Result
+from engine.sampling import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class UntrainedPathWarning(UserWarning):
+    """The chosen attention path is not one the weights were trained for."""
+
+
+def load(model: str = "tiny", attention: str | None = None, feature_map: str | None = None,
+         device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None) -> "LLM":
+    """Load a registered model name (`tiny`) or a checkpoint path; attention None = the model's own.
+
+    Warns (UntrainedPathWarning) when `attention` is a path the weights were not trained for.
+    """
+    from models.loader import load_model
+    if attention is not None:
+        check_path(attention)
+    if feature_map is not None:
+        get_feature_map(feature_map)
+    net, tokenizer = load_model(model, device=device, dtype=dtype)
+    return LLM(net, tokenizer, attention=attention, feature_map=feature_map, name=str(model), _stacklevel=3)
+
+
+class LLM:
+    """A loaded model + tokenizer (or None) + the attention path and feature map to run."""
+
+    def __init__(self, model, tokenizer=None, attention: str | None = None, feature_map: str | None = None,
+                 name: str | None = None, _stacklevel: int = 2):
+        from models.loader import path_warning
+        self.model, self.tokenizer, self.name = model, tokenizer, name
+        self.attention = check_path(attention or model.config.attention)
+        self.feature_map = feature_map
+        if feature_map is not None:
+            get_feature_map(feature_map)
+        message = path_warning(model.config, self.attention)
+        if message:
+            warnings.warn(message.removeprefix("warning: "), UntrainedPathWarning, stacklevel=_stacklevel)
+
+    # ------------------------------------------------------------------ prompts
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Text -> [BOS] + its ids; a sequence of ids (or a 1-D tensor) -> a list, unchanged."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidArgumentError("the prompt is empty; give some text or token ids")
+            if self.tokenizer is None:
+                raise InvalidArgumentError("this model ships no tokenizer; pass the prompt as token ids "
+                                           "(in the CLI: --ids 1,2,3)")
+            return self.tokenizer.encode(prompt, bos=True)
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        if not isinstance(prompt, Sequence) or not all(_is_int(i) for i in prompt):
+            raise InvalidArgumentError(f"a prompt is text or a list of token ids, got {type(prompt).__name__}")
+        return [int(i) for i in prompt]
+
+    # ------------------------------------------------------------------ generating
+    def start(self, prompts: Sequence[Prompt], **settings) -> Generation:
+        """A batch as an iterator of TokenEvents (row, id, text, finish_reason); see engine.generate."""
+        config = make_config(**settings)
+        return Generation(self.model, [self.encode(p) for p in prompts], config, self.tokenizer,
+                          attention=self.attention, feature_map=self.feature_map)
+
+    def stream(self, prompt: Prompt, **settings) -> "TextStream":
+        """Iterate text chunks as they are generated; `.result` afterwards. Settings: see `make_config`."""
+        if self.tokenizer is None:
+            raise InvalidArgumentError("this model ships no tokenizer, so there is no text to stream; "
+                                       "use start() for token events or generate() for ids")
+        return TextStream(self.start([prompt], **settings))
+
+    def generate(self, prompt: Prompt | Sequence[Prompt], **settings) -> Result | list[Result]:
+        """One prompt -> a Result; a list of prompts -> a list of Results (one batch). Settings: make_config."""
+        single = is_single_prompt(prompt)
+        results = self.start([prompt] if single else list(prompt), **settings).run()
+        return results[0] if single else results
+
+
+def make_config(*, max_new_tokens: int = 256, temperature: float = 0.8, top_k: int = 0,
+                top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
+                seed: int | None = None, stop: str | Sequence[str] | None = None,
+                eos_ids: Sequence[int] | None = None, ignore_eos: bool = False,
+                max_context: int | None = None) -> GenerationConfig:
+    """The settings every generating call takes as keyword arguments, checked (InvalidArgumentError).
+
+    temperature 0 = greedy; top_k 0, top_p 1, min_p 0, repetition_penalty 1 = off (engine.sampling);
+    seed None = fresh; stop: strings that end the text (cut before them); eos_ids None = the
+    model's and tokenizer's EOS ids; max_context: softmax context per sequence (engine.generate).
+    """
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                              repetition_penalty=repetition_penalty, seed=seed)
+    return GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
+                            eos_ids=None if eos_ids is None else tuple(eos_ids),
+                            ignore_eos=ignore_eos, max_context=max_context)
+
+
+class TextStream:
+    """An iterator of one prompt's text chunks (never empty strings).
+
+    The state is freed when the generation ends, when `close()` is called (or a `with` block
+    left), or when the stream is dropped: `for chunk in llm.stream(...): break` frees it at
+    the break. A stream kept in a variable can be resumed after a break until it is closed.
+    """
+
+    def __init__(self, generation: Generation):
+        self.generation = generation
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        for event in self.generation:
+            if event.text:
+                return event.text
+        raise StopIteration
+
+    def close(self) -> None:
+        self.generation.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def state(self):
+        return self.generation.state
+
+    @property
+    def result(self) -> Result:
+        """The finished result, or what was generated so far (finish_reason None)."""
+        return self.generation.result(0)
+
+
+def is_single_prompt(prompt) -> bool:
+    if isinstance(prompt, str):
+        return True
+    if isinstance(prompt, torch.Tensor):
+        return prompt.dim() == 1
+    if isinstance(prompt, Sequence) and prompt and all(_is_int(i) for i in prompt):
+        return True
+    return False
+
+
+def _is_int(x) -> bool:
+    return (isinstance(x, int) and not isinstance(x, bool)) or (isinstance(x, torch.Tensor) and x.dim() == 0)

@@ -1,0 +1,265 @@
+"""The generation loop: prefill, then one `model.step` per token, for one prompt or a batch.
+
+The loop never asks which attention path runs: it allocates a state with
+`model.init_state(...)`, prefills the prompts as one block (logits for the last position
+only), then feeds back one token per sequence per step. Prompts of different lengths are
+left-padded and carry a `valid` mask, so every sequence's real tokens sit at the positions
+they would have alone: greedy batch output equals each prompt generated alone.
+
+A `Generation` is an iterator of `TokenEvent`s (one per sequence per step, in row order).
+It owns the state and frees it as soon as the sequences finish, the consumer calls
+`close()` (or leaves a `with` block), or the iterator is dropped. An exception raised by the
+model or the sampler reaches the consumer through `next()`, and the state is freed then too.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from engine.detokenize import StreamDecoder
+from engine.errors import InvalidArgumentError
+from engine.sampling import Sampler, SamplingParams
+from engine.stopping import StopText, check_stop_strings
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """What to generate and when to stop (the sampler's settings are in `sampling`).
+
+    eos_ids: the EOS set; None means the model config's ids together with the tokenizer's.
+    ignore_eos: never stop on EOS (fixed-length runs for benchmarks).
+    max_context: real tokens one sequence may hold in the softmax KV cache, prompt included
+    (default: the config's max_position_embeddings). The linear state has no limit.
+    """
+    max_new_tokens: int = 256
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    eos_ids: tuple[int, ...] | None = None
+    ignore_eos: bool = False
+    max_context: int | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "stop", check_stop_strings(self.stop))
+        n = self.max_new_tokens
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise InvalidArgumentError(f"max_new_tokens must be an integer >= 1, got {n!r}")
+        c = self.max_context
+        if c is not None and (not isinstance(c, int) or isinstance(c, bool) or c < 1):
+            raise InvalidArgumentError(f"max_context must be an integer >= 1, got {c!r}")
+        if self.eos_ids is not None:
+            object.__setattr__(self, "eos_ids", tuple(int(i) for i in self.eos_ids))
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int
+    new_tokens: int
+    prefill_s: float                # the prompt block's step (the whole batch's)
+    time_to_first_token_s: float    # from the call to the first sampled token
+    decode_s: float                 # from the first token to this sequence's last
+    decode_tokens_per_s: float      # (new_tokens - 1) / decode_s; 0 with fewer than 2 tokens
+    state_bytes: int                # the decoding state's tensors (the whole batch's)
+    attention: str
+    batch: int
+    seed: int                       # the sampler's seed (drawn from the OS when none was given)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Result:
+    text: str                       # the continuation ("" without a tokenizer), cut before a stop string
+    ids: list[int]                  # every sampled id, an EOS or the tokens of a stop string included
+    finish_reason: str | None       # "stop", "length", "context"; None while unfinished
+    stats: Stats
+
+
+@dataclass
+class TokenEvent:
+    row: int                        # which prompt of the batch
+    id: int                         # the sampled token
+    text: str                       # text this token releases (may be "": held back, or EOS)
+    finish_reason: str | None       # set on the sequence's last token
+
+
+class Generation:
+    """Generate from `prompts` (lists of token ids) with `model`; iterate for `TokenEvent`s.
+
+    tokenizer: needed for text and stop strings; without one, every event's text is "".
+    After iteration, `results[b]` holds each sequence's `Result`.
+    """
+
+    def __init__(self, model, prompts: list[list[int]], config: GenerationConfig, tokenizer=None,
+                 attention: str | None = None, feature_map: str | None = None):
+        self.model, self.config, self.tokenizer = model, config, tokenizer
+        self.attention = attention or model.config.attention
+        self.feature_map = feature_map
+        self.prompts = check_prompts(prompts, model.config.vocab_size)
+        if config.stop and tokenizer is None:
+            raise InvalidArgumentError("stop strings need a tokenizer, and this model ships none; "
+                                       "drop --stop or use a checkpoint with tokenizer.model")
+        B, N = len(self.prompts), config.max_new_tokens
+        P, shortest = max(len(p) for p in self.prompts), min(len(p) for p in self.prompts)
+        context = config.max_context or model.config.max_position_embeddings
+        # The state is allocated here, once. A state with a capacity (the KV cache) gets room for
+        # each sequence's last fed-back token, pads included; the linear state ignores max_len.
+        self.state = model.init_state(batch=B, max_len=max(P, min(P - shortest + context, P + N - 1)),
+                                      attention=self.attention, feature_map=feature_map, device=model.device)
+        self.context = context if self.state.max_len is not None else None
+        if self.context is not None and P > self.context:
+            self.state = None
+            raise InvalidArgumentError(
+                f"the prompt has {P} tokens but the context holds {self.context} (max_context); "
+                f"shorten the prompt, raise max_context, or use linear attention (no limit)")
+        self.state_bytes = self.state.nbytes
+        self.eos = frozenset(() if config.ignore_eos else eos_set(model.config, tokenizer, config.eos_ids))
+        self.ids: list[list[int]] = [[] for _ in range(B)]
+        self.texts: list[str] = [""] * B      # text released so far, per sequence
+        self.results: list[Result | None] = [None] * B
+        self.seed = config.sampling.seed
+        self._t0 = time.perf_counter()
+        self._prefill_s = 0.0
+        self._t_first = None
+        self._t_last = [None] * B
+        self._it = self._run()
+
+    # ------------------------------------------------------------------ iterator protocol
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> TokenEvent:
+        return next(self._it)
+
+    def close(self) -> None:
+        """Stop generating and free the state (safe to call more than once)."""
+        self._it.close()
+        self.state = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def done(self) -> bool:
+        return all(r is not None for r in self.results)
+
+    def run(self) -> list[Result]:
+        """Generate to the end; return every sequence's result."""
+        for _ in self:
+            pass
+        return self.results
+
+    # ------------------------------------------------------------------ the loop
+    def _run(self):
+        self._t0 = time.perf_counter()   # the clock starts at the first next(), not at construction
+        model, cfg = self.model, self.config
+        N, B = cfg.max_new_tokens, len(self.prompts)
+        tokens, valid = left_pad(self.prompts, model.device)              # (B, P), (B, P) or None
+        sampler = Sampler(cfg.sampling, B, model.config.vocab_size, model.device)
+        self.seed = sampler.seed
+        sampler.observe(tokens, valid)
+        decoders = [StreamDecoder(self.tokenizer) if self.tokenizer is not None else None for _ in range(B)]
+        stoppers = [StopText(cfg.stop) for _ in range(B)]
+        try:
+            t = time.perf_counter()
+            logits = model.step(tokens, self.state, valid=valid, last_only=True)[:, -1]   # (B, V)
+            self._prefill_s = time.perf_counter() - t
+            for n in range(1, N + 1):
+                nxt = sampler.sample(logits)                                # (B,)
+                now = time.perf_counter()
+                if self._t_first is None:
+                    self._t_first = now
+                for b, tok in enumerate(nxt.tolist()):
+                    if self.results[b] is not None:
+                        continue
+                    self.ids[b].append(tok)
+                    text, reason = self._text(tok, decoders[b], stoppers[b])
+                    if reason is None and n == N:
+                        reason = "length"
+                    if reason is None and self.context is not None and len(self.prompts[b]) + n > self.context:
+                        reason = "context"   # feeding `tok` back would need one more cache slot
+                    if reason is not None:
+                        text += flush(decoders[b], stoppers[b])
+                    self.texts[b] += text
+                    if reason is not None:
+                        self._t_last[b] = now
+                        self.results[b] = self.result(b, reason)
+                    yield TokenEvent(b, tok, text, reason)
+                if self.done:
+                    return
+                logits = model.step(nxt[:, None], self.state)[:, -1]        # (B, V)
+        finally:
+            self.state = None   # the frame's last reference to the state goes with the generator
+
+    def _text(self, tok: int, decoder, stopper) -> tuple[str, str | None]:
+        if tok in self.eos:
+            return "", "stop"
+        if decoder is None:
+            return "", None
+        text = stopper.push(decoder.push(tok))
+        return text, ("stop" if stopper.matched is not None else None)
+
+    def result(self, b: int = 0, reason: str | None = None) -> Result:
+        """Sequence b's result; before it finishes, what it holds so far (finish_reason None)."""
+        if self.results[b] is not None:
+            return self.results[b]
+        ids = self.ids[b]
+        now = time.perf_counter()
+        t_first = self._t_first if self._t_first is not None else now
+        t_last = self._t_last[b] or now
+        decode_s = max(t_last - t_first, 0.0) if ids else 0.0
+        stats = Stats(prompt_tokens=len(self.prompts[b]), new_tokens=len(ids), prefill_s=self._prefill_s,
+                      time_to_first_token_s=(t_first - self._t0) if ids else 0.0, decode_s=decode_s,
+                      decode_tokens_per_s=(len(ids) - 1) / decode_s if len(ids) > 1 and decode_s > 0 else 0.0,
+                      state_bytes=self.state_bytes, attention=self.attention, batch=len(self.prompts),
+                      seed=self.seed)
+        return Result(self.texts[b], list(ids), reason, stats)
+
+
+def flush(decoder, stopper) -> str:
+    """At a sequence's end: release the detokenizer's tail, then the stop filter's held text."""
+    tail = decoder.finish() if decoder is not None else ""
+    return stopper.push(tail) + stopper.finish()
+
+
+def eos_set(model_config, tokenizer, eos_ids=None) -> set[int]:
+    """The ids that end a sequence: the given ones, else the config's and the tokenizer's together
+    (they disagree in some checkpoints: transformers #31362)."""
+    if eos_ids is not None:
+        return set(eos_ids)
+    ids = set(model_config.eos_ids)
+    if tokenizer is not None and tokenizer.eos_id is not None and tokenizer.eos_id >= 0:
+        ids.add(tokenizer.eos_id)
+    return ids
+
+
+def check_prompts(prompts, vocab_size: int) -> list[list[int]]:
+    if not prompts:
+        raise InvalidArgumentError("no prompts given; pass at least one prompt")
+    out = []
+    for p in prompts:
+        p = [int(i) for i in p]
+        if not p:
+            raise InvalidArgumentError("the prompt is empty; give it at least one token")
+        bad = [i for i in p if not 0 <= i < vocab_size]
+        if bad:
+            raise InvalidArgumentError(f"token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+        out.append(p)
+    return out
+
+
+def left_pad(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Prompts -> tokens (B, P) int64 padded on the left with id 0, and valid (B, P) bool
+    (False at pads), or None when all prompts have the same length."""
+    P = max(len(p) for p in prompts)
+    tokens = torch.tensor([[0] * (P - len(p)) + p for p in prompts], dtype=torch.long, device=device)
+    if all(len(p) == P for p in prompts):
+        return tokens, None
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    valid = torch.arange(P, device=device)[None, :] >= (P - lengths)[:, None]
+    return tokens, valid
