@@ -1,18 +1,72 @@
-"""The `gen` command: generate text, and subcommands (train, eval, bench, convert)."""
+"""The `gen` command: generate text by default, or run a subcommand (train, eval, convert, ...).
+
+    gen [OPTIONS] PROMPT          generate (the `generate` subcommand, implied)
+    gen COMMAND [ARGS]...         a subcommand
+
+Only the first argument decides: if it names a subcommand, that subcommand runs; anything
+else (an option, a prompt) goes to `generate`. So a prompt that equals a subcommand's name
+goes after `--` (`gen -- bench`), after any option (`gen --model tiny bench`), or in
+`--prompt` (`gen --prompt bench`). New subcommands are registered with one line each below.
+"""
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import click
 
 from cli.convert import convert_cmd
 from cli.eval import eval_cmd
+from cli.generate import generate_cmd
 from cli.train import train_cmd
 
+DEFAULT_COMMAND = "generate"
 
-@click.group()
+
+class GenGroup(click.Group):
+    """A click group whose arguments go to `generate` unless the first one names a subcommand,
+    and whose usage errors (its own and its subcommands') are one line on stderr, exit code 2."""
+
+    def parse_args(self, ctx, args):
+        if args and args[0] not in self.commands and args[0] not in ctx.help_option_names:
+            args = [DEFAULT_COMMAND, *args]
+        return super().parse_args(ctx, args)
+
+    def format_usage(self, ctx, formatter):
+        formatter.write_usage(ctx.command_path, "[OPTIONS] PROMPT | COMMAND [ARGS]...")
+
+    def make_context(self, *args, **kwargs):
+        with one_line_errors():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx):
+        with one_line_errors():
+            return super().invoke(ctx)
+
+
+@contextmanager
+def one_line_errors():
+    """click's usage errors print a usage block; print `gen: error: <what>` instead."""
+    try:
+        yield
+    except click.exceptions.NoArgsIsHelpError:
+        raise
+    except click.ClickException as e:
+        hint = " (see gen --help)" if isinstance(e, click.UsageError) else ""
+        click.echo(f"gen: error: {e.format_message()}{hint}", err=True)
+        raise click.exceptions.Exit(e.exit_code) from None
+
+
+@click.group(cls=GenGroup, no_args_is_help=True)
 def main():
-    """Run a decoder-only language model with softmax or linear attention."""
+    """Run a decoder-only language model with softmax or linear attention.
+
+    `gen [OPTIONS] PROMPT` generates (see `gen generate --help` for the options);
+    `gen COMMAND ...` runs a subcommand. A prompt that equals a subcommand's name goes after
+    `--`, as in `gen -- bench`, or in --prompt: `gen --prompt bench`.
+    """
 
 
+main.add_command(generate_cmd)
 main.add_command(train_cmd)
 main.add_command(eval_cmd)
 main.add_command(convert_cmd)

@@ -1,0 +1,143 @@
+"""`gen [OPTIONS] PROMPT`: stream a continuation to stdout, then one summary line on stderr."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+
+import click
+
+from cli.common import fail, run_guarded
+
+
+@click.command("generate")
+@click.argument("prompt", required=False)
+@click.option("--prompt", "prompt_opt", metavar="TEXT", help="the prompt, when it equals a subcommand's name")
+@click.option("--ids", metavar="1,2,3", help="a prompt of token ids instead of text (no BOS added)")
+@click.option("--model", "model_name", default="tiny", show_default=True, help="registered name or path")
+@click.option("--attention", type=click.Choice(["softmax", "linear"]), help="default: the model's own")
+@click.option("--feature-map", help="linear attention feature map (elu1, relu, softmax, cos1)")
+@click.option("--max-new-tokens", default=256, show_default=True, type=int)
+@click.option("--temperature", default=0.8, show_default=True, type=float, help="0 = greedy")
+@click.option("--top-k", default=0, show_default=True, type=int, help="0 = off")
+@click.option("--top-p", default=1.0, show_default=True, type=float, help="1 = off")
+@click.option("--min-p", default=0.0, show_default=True, type=float, help="0 = off")
+@click.option("--repetition-penalty", default=1.0, show_default=True, type=float,
+              help="1 = off; > 1 discourages tokens already in the prompt or output")
+@click.option("--seed", type=int, help="default: a fresh seed, shown in the summary")
+@click.option("--stop", multiple=True, help="stop before this string (repeatable)")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--dtype", help="float32 (default), bfloat16, float16")
+@click.option("--max-context", type=int, help="softmax context in tokens, prompt included "
+                                                "(default: the model's max_position_embeddings)")
+@click.option("--echo", is_flag=True, help="print the prompt before the continuation")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object (text, ids, finish_reason, stats)")
+def generate_cmd(prompt, prompt_opt, ids, model_name, attention, feature_map, max_new_tokens, temperature,
+                 top_k, top_p, min_p, repetition_penalty, seed, stop, device, dtype, max_context, echo, as_json):
+    """Generate a continuation of PROMPT ('-' reads it from stdin) and stream it to stdout.
+
+    A prompt equal to a subcommand's name goes after `--` (`gen -- bench`) or in --prompt.
+    Ctrl-C stops and keeps what was printed.
+    """
+    from engine.api import make_config
+    settings = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                    min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop or None,
+                    max_context=max_context)
+
+    def run():
+        the_prompt = read_prompt(prompt, prompt_opt, ids)
+        make_config(**settings)                      # bad settings fail before the model loads
+        llm = load_quietly(model_name, attention, feature_map, device, dtype)
+        generation = llm.start([the_prompt], **settings)
+        if max_context is not None and generation.context is None:
+            click.echo(f"gen: warning: --max-context is ignored: {llm.attention} attention has no context limit",
+                       err=True)
+        if as_json:
+            result = generation.run()[0]
+            click.echo(json.dumps({"text": result.text, "ids": result.ids, "finish_reason": result.finish_reason,
+                                   "stats": result.stats.to_dict()}, ensure_ascii=False))
+            return
+        stream(llm, generation, the_prompt, echo)
+
+    run_guarded(run)
+
+
+def read_prompt(prompt, prompt_opt, ids):
+    """Exactly one of PROMPT, --prompt, --ids -> text or a list of ids."""
+    given = [p for p in (prompt, prompt_opt, ids) if p is not None]
+    if len(given) != 1:
+        fail("give one prompt: PROMPT, --prompt TEXT, or --ids 1,2,3" if not given else
+             "give the prompt once: PROMPT, --prompt or --ids, not several")
+    if ids is not None:
+        try:
+            out = [int(x) for x in ids.replace(" ", "").split(",") if x != ""]
+        except ValueError:
+            fail(f"--ids takes comma-separated integers like 1,2,3, got {ids!r}")
+        if not out:
+            fail("the prompt is empty; --ids needs at least one token id")
+        return out
+    text = given[0]
+    if prompt == "-":
+        text = sys.stdin.read().removesuffix("\n")
+    if not text:
+        fail("the prompt is empty; give some text (or '-' to read it from stdin)")
+    return text
+
+
+def load_quietly(model_name, attention, feature_map, device, dtype):
+    """Load; a warning (weights not trained for this attention path) becomes one stderr line."""
+    from engine.api import load
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        llm = load(model_name, attention=attention, feature_map=feature_map, device=device, dtype=dtype)
+    for w in caught:
+        click.echo(f"gen: warning: {w.message}", err=True)
+    return llm
+
+
+def stream(llm, generation, prompt, echo: bool) -> None:
+    out = sys.stdout
+    tok = llm.tokenizer
+    try:
+        if echo:
+            out.write(prompt if isinstance(prompt, str) else
+                      tok.decode(prompt) if tok is not None else " ".join(map(str, prompt)) + " ")
+        for event in generation:
+            # without a tokenizer there is no text: print the ids
+            out.write(event.text if tok is not None else f"{event.id} ")
+            out.flush()
+        out.write("\n")
+        out.flush()
+    except KeyboardInterrupt:
+        generation.close()
+        out.write("\n")
+        out.flush()
+        click.echo(summary(generation.result(0), interrupted=True), err=True)
+        sys.exit(130)
+    except BrokenPipeError:   # `gen ... | head`: the reader left; stop quietly
+        generation.close()
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
+    click.echo(summary(generation.result(0)), err=True)
+
+
+def summary(result, interrupted: bool = False) -> str:
+    """One line in the manner of llama.cpp's timings."""
+    s = result.stats
+    prefill_ms = s.prefill_s * 1e3
+    prompt_rate = s.prompt_tokens / s.prefill_s if s.prefill_s > 0 else 0.0
+    ms_per_token = 1e3 / s.decode_tokens_per_s if s.decode_tokens_per_s > 0 else 0.0
+    what = "KV cache" if s.attention == "softmax" else "linear state"
+    finish = "interrupted" if interrupted else result.finish_reason
+    return (f"gen: prompt {s.prompt_tokens} tokens in {prefill_ms:.1f} ms ({prompt_rate:.1f} tokens/s) | "
+            f"{s.new_tokens} new tokens, {s.decode_tokens_per_s:.1f} tokens/s ({ms_per_token:.2f} ms/token), "
+            f"first token after {s.time_to_first_token_s * 1e3:.1f} ms | {what} {human_bytes(s.state_bytes)} | "
+            f"{s.attention} attention, seed {s.seed} | finish: {finish}")
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
