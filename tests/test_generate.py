@@ -251,3 +251,10 @@ def test_load_by_path_and_untrained_path_warning(small_model_dir, tmp_path):
 def test_stream_needs_a_tokenizer():
     with pytest.raises(InvalidArgumentError, match="no tokenizer"):
         make_llm("softmax").stream([1, 2])
+
+
+def test_public_names():
+    import engine
+    assert engine.load is load and engine.LLM is LLM and engine.Generation is Generation
+    with pytest.raises(AttributeError):
+        engine.no_such_name
