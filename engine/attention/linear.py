@@ -20,6 +20,7 @@ from engine.attention.base import State
 from engine.attention.feature_maps import FeatureMap, get_feature_map, state_dtype
 
 EPS = 1e-6          # the denominator's eps: out = num / (phi(q)^T z + EPS)
+_EPS = torch.tensor(EPS, dtype=torch.float64)   # 0-dim: no scalar wrap per decode step; same value
 CHUNK = 64          # block length of the chunked parallel form
 
 
@@ -44,13 +45,24 @@ class LinearState(State):
 
     max_len = None   # no capacity limit: the state does not grow
 
+    def __post_init__(self):
+        self._layers = list(zip(self.S.unbind(0), self.z.unbind(0)))   # per-layer views, made once
+
     def tensors(self):
         return [self.S, self.z]
 
     def attend(self, layer: int, q, k, v, block):
         """q (B, H, T, D); k, v (B, Hkv, T, D) -> (B, H, T, Dv) in q's dtype."""
+        S, z = self._layers[layer]                          # (B, Hkv, F, Dv), (B, Hkv, F)
+        if block.length == 1 and block.valid is None:   # decode: featurize without the pad mask
+            B, H, _, _ = q.shape
+            fm = self.feature_map
+            phi_k = fm(k)                                                   # (B, Hkv, 1, F)
+            phi_q = fm(q).view(B, k.shape[1], H // k.shape[1], 1, phi_k.shape[-1])
+            out = linear_attention_step(phi_q, phi_k, v if v.dtype == phi_k.dtype else v.to(phi_k.dtype), S, z)
+            out = out.view(B, H, 1, out.shape[-1])
+            return out if out.dtype == q.dtype else out.to(q.dtype)
         phi_q, phi_k, v32 = featurize(self.feature_map, q, k, v, block.valid)
-        S, z = self.S[layer], self.z[layer]
         if block.length == 1:
             out = linear_attention_step(phi_q, phi_k, v32, S, z)
         else:
@@ -83,7 +95,7 @@ def linear_attention_step(phi_q, phi_k, v, S, z):
     z.add_(phi_k[:, :, 0])
     num = phi_q @ S.unsqueeze(2)                                    # (B, Hkv, G, 1, Dv)
     den = phi_q @ z[:, :, None, :, None]                            # (B, Hkv, G, 1, 1)
-    return num / (den + EPS)
+    return num / (den + _EPS)
 
 
 def linear_attention_chunked(phi_q, phi_k, v, S=None, z=None, chunk: int = CHUNK):
