@@ -1,0 +1,66 @@
+"""`gen bench`: decode latency and memory of softmax vs linear attention as the context grows."""
+from __future__ import annotations
+
+import click
+
+from cli.common import run_guarded
+
+
+def parse_contexts(ctx, param, value):
+    if value is None:
+        return None
+    try:
+        out = tuple(int(v) for v in value.replace(" ", "").split(",") if v)
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers such as 128,2048, got {value!r}") from None
+    if not out or any(c < 1 for c in out):
+        raise click.BadParameter(f"context depths must be positive integers, got {value!r}")
+    return out
+
+
+@click.command("bench")
+@click.option("--model", "model_name", default="tiny", show_default=True, help="registered name or path")
+@click.option("--contexts", callback=parse_contexts, metavar="N,N,...",
+              help="context depths to sweep  [default: 128,512,2048,8192,32768]")
+@click.option("--attention", type=click.Choice(["softmax", "linear", "both"]), default="both", show_default=True)
+@click.option("--feature-map", help="linear attention feature map (default: the model's)")
+@click.option("--steps", default=64, show_default=True, help="timed decode steps per depth")
+@click.option("--warmup", default=8, show_default=True, help="untimed decode steps before them")
+@click.option("--threads", type=int, help="torch threads (default: torch's own choice)")
+@click.option("--dtype", default="float32", show_default=True)
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write the report as JSON here")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="write the two-panel plot (PNG) here")
+@click.option("--compare-hf", is_flag=True, help="also time transformers' generate on the same checkpoint")
+@click.option("--hf-new-tokens", default=128, show_default=True, help="greedy tokens per --compare-hf run")
+@click.option("--hf-repeats", default=3, show_default=True, help="timed runs per side (median counts)")
+@click.option("--isolate/--no-isolate", default=True, show_default=True,
+              help="a fresh subprocess per configuration, so peak RSS is that configuration's own")
+@click.option("--quiet", is_flag=True, help="no progress bar")
+def bench_cmd(model_name, contexts, attention, feature_map, steps, warmup, threads, dtype, device, json_path,
+              plot_path, compare_hf, hf_new_tokens, hf_repeats, isolate, quiet):
+    """Prefill to each depth, then time decode steps, for each attention path, on one checkpoint.
+
+    Prints a table and a summary naming the crossover depth; --json and --plot save them.
+    """
+    from engine.bench import DEFAULT_CONTEXTS, BenchSettings, run_bench, write_json
+    from engine.bench.report import format_table, summary_lines
+
+    def run():
+        settings = BenchSettings(model=model_name, contexts=contexts or DEFAULT_CONTEXTS,
+                                 attentions=("softmax", "linear") if attention == "both" else (attention,),
+                                 feature_map=feature_map, steps=steps, warmup=warmup, threads=threads,
+                                 dtype=dtype, device=device, isolate=isolate)
+        report = run_bench(settings, compare_hf=compare_hf, hf_new_tokens=hf_new_tokens,
+                           hf_repeats=hf_repeats, progress=not quiet)
+        click.echo(format_table(report["results"]))
+        click.echo("")
+        for line in summary_lines(report):
+            click.echo(line)
+        if json_path:
+            write_json(report, json_path)
+            click.echo(f"wrote {json_path}")
+        if plot_path:
+            from engine.bench.plot import plot
+            click.echo(f"wrote {plot(report, plot_path)}")
+    run_guarded(run)

@@ -1,0 +1,94 @@
+"""`gen bench`: decode memory and latency of softmax vs linear attention on the same weights.
+
+    from engine.bench import BenchSettings, run_bench
+    report = run_bench(BenchSettings(model="tiny", contexts=(128, 2048)))
+
+Modules: `sweep` (one configuration, in-process or in a fresh subprocess), `memory` (state
+bytes by formula, up-front refusal of depths the machine cannot hold, peak RSS), `report`
+(machine, summary, crossover, target checks, table), `plot`, `hf_compare`.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from engine.bench.memory import available_bytes, check_fits, run_bytes
+from engine.bench.report import (check_targets, decode_crossover, machine_info, memory_crossover)
+from engine.bench.sweep import (DEFAULT_CONTEXTS, BenchError, BenchSettings, run_in_process,
+                                run_isolated)
+
+__all__ = ["BenchSettings", "BenchError", "DEFAULT_CONTEXTS", "run_bench", "write_json"]
+
+
+def model_info(model) -> dict:
+    cfg = model.config
+    seen, n_params, n_bytes = set(), 0, 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            n_params += p.numel()
+            n_bytes += p.numel() * p.element_size()
+    return {"parameters": n_params, "weight_bytes": n_bytes, "layers": cfg.num_hidden_layers,
+            "hidden_size": cfg.hidden_size, "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
+            "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size,
+            "max_position_embeddings": cfg.max_position_embeddings, "trained_for": list(cfg.trained_for)}
+
+
+def run_bench(settings: BenchSettings, compare_hf: bool = False, hf_new_tokens: int = 128,
+              hf_prompt: str | None = None, hf_repeats: int = 3, progress: bool = True) -> dict:
+    """Run the sweep (and the transformers comparison); returns the report dict (JSON-ready).
+
+    Every configuration is checked against MemAvailable before the first one runs.
+    """
+    from tqdm import tqdm
+
+    from models.loader import load_model, resolve
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    path = resolve(settings.model)
+    model, tokenizer = load_model(path, device=settings.device, dtype=settings.dtype)
+    info = model_info(model)
+    fmap = settings.feature_map or model.config.feature_map
+    configs = settings.configurations()
+    check_fits([(a, c, run_bytes(model.config, a, c, settings.slots(c), model.dtype, info["weight_bytes"], fmap))
+                for a, c in configs])
+
+    results = []
+    bar = tqdm(configs, desc="gen bench", unit="config", disable=not progress, leave=False)
+    for attention, context in bar:
+        bar.set_postfix_str(f"{attention} @ {context}")
+        if settings.isolate:
+            results.append(run_isolated(str(path), settings, attention, context))
+        else:
+            results.append(run_in_process(model, settings, attention, context))
+    bar.close()
+
+    report = {
+        "settings": {**settings.to_dict(), "model_path": str(path), "feature_map": fmap,
+                     "machine": machine_info(settings.threads), "model_info": info,
+                     "available_bytes_at_start": available_bytes()},
+        "rss_method": results[0]["rss_method"] if results else None,
+        "results": results,
+    }
+    summary: dict = {"decode_crossover": decode_crossover(results)}
+    if "linear" in settings.attentions:
+        summary["linear_state_bytes"] = next(r["state_bytes"] for r in results if r["attention"] == "linear")
+        summary["memory_crossover_slots"] = memory_crossover(model.config, model.dtype, fmap)
+    report["summary"] = summary
+    if compare_hf:
+        from engine.bench.hf_compare import DEFAULT_PROMPT
+        from engine.bench.hf_compare import compare_hf as run_compare
+        report["compare_hf"] = run_compare(path, model, tokenizer, new_tokens=hf_new_tokens,
+                                           prompt=hf_prompt or DEFAULT_PROMPT, repeats=hf_repeats)
+    report["targets"] = check_targets(results, report.get("compare_hf"))
+    return report
+
+
+def write_json(report: dict, path: str | os.PathLike) -> None:
+    tmp = f"{os.fspath(path)}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)

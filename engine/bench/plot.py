@@ -1,0 +1,52 @@
+"""The bench plot: decode ms/token and memory against context depth, one line per attention path."""
+from __future__ import annotations
+
+import os
+
+from engine.bench.report import by_path
+
+STYLE = {"softmax": dict(color="tab:blue", marker="o"), "linear": dict(color="tab:orange", marker="s")}
+
+
+def plot(report: dict, path: str | os.PathLike) -> str:
+    """Write a two-panel PNG (log-scale x) to `path`; returns the path."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = by_path(report["results"])
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, recs in paths.items():
+        ctx = [r["context"] for r in recs]
+        style = STYLE.get(name, {})
+        label = name + (f" ({recs[0]['feature_map']})" if recs[0].get("feature_map") else "")
+        ax_t.plot(ctx, [r["decode_ms_per_token"] for r in recs], label=label, **style)
+        ax_t.fill_between(ctx, [r["decode_ms_per_token"] for r in recs],
+                          [r["decode_ms_per_token_p90"] for r in recs], alpha=0.15, color=style.get("color"))
+        ax_m.plot(ctx, [r["state_bytes"] / 2**20 for r in recs], label=f"{label}: state", **style)
+        ax_m.plot(ctx, [r["peak_rss_bytes"] / 2**20 for r in recs], label=f"{label}: peak RSS",
+                  linestyle="--", alpha=0.7, **style)
+    cross = report.get("summary", {}).get("decode_crossover")
+    if cross and cross.get("estimate"):
+        ax_t.axvline(cross["estimate"], color="grey", linestyle=":", label=f"crossover ~{cross['estimate']}")
+    trained = report["settings"]["model_info"]["max_position_embeddings"]
+    for ax in (ax_t, ax_m):
+        ax.axvline(trained, color="red", alpha=0.3, linewidth=1)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context depth (tokens)")
+        ax.grid(True, which="both", alpha=0.3)
+    ax_t.set_ylabel("decode ms/token (median; band to p90)")
+    ax_t.set_title("decode latency")
+    ax_m.set_yscale("log")
+    ax_m.set_ylabel("MiB")
+    ax_m.set_title(f"memory (red line: trained positions {trained})")
+    ax_t.legend(fontsize=8)
+    ax_m.legend(fontsize=7)
+    s = report["settings"]
+    m = s["machine"]
+    fig.suptitle(f"{s['model']} - {m['cpu']}, {m['threads']} thread(s), {s['dtype']}, torch {m['torch']}",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return os.fspath(path)

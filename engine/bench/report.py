@@ -1,0 +1,155 @@
+"""Turn bench records into the machine description, the summary, the target checks and a table."""
+from __future__ import annotations
+
+import math
+import os
+import platform
+
+import torch
+
+from engine.bench.memory import human, total_bytes
+
+TARGETS = {   # name: (what, threshold), checked on whatever depths the run holds
+    "linear_decode_flat": "linear decode ms/token at the deepest context / at the shallowest <= 1.10",
+    "linear_state_constant": "linear state bytes identical at every depth",
+    "softmax_bytes_formula": "softmax cache bytes == 2*L*Hkv*D*T*bytes at every depth",
+    "linear_prefill_speedup": "softmax prefill time / linear prefill time at 16384 tokens >= 3",
+    "decode_vs_hf": "engine greedy decode tokens/s / transformers generate tokens/s >= 10",
+}
+
+
+def machine_info(threads: int | None = None) -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {"cpu": cpu, "logical_cpus": os.cpu_count(), "memory_bytes": total_bytes(),
+            "platform": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__, "threads": threads or torch.get_num_threads()}
+
+
+def by_path(results: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for r in sorted(results, key=lambda r: r["context"]):
+        out.setdefault(r["attention"], []).append(r)
+    return out
+
+
+def decode_crossover(results: list[dict]) -> dict | None:
+    """The first depth at which linear decode is cheaper than softmax, with a log-x interpolation
+    between the last depth where it was not and that one. None if either path is missing."""
+    paths = by_path(results)
+    if "softmax" not in paths or "linear" not in paths:
+        return None
+    soft = {r["context"]: r["decode_ms_per_token"] for r in paths["softmax"]}
+    lin = {r["context"]: r["decode_ms_per_token"] for r in paths["linear"]}
+    common = sorted(set(soft) & set(lin))
+    prev = None
+    for c in common:
+        gap = lin[c] - soft[c]          # > 0: softmax still cheaper
+        if gap < 0:
+            if prev is None:
+                return {"first_depth": c, "estimate": c, "note": "linear is cheaper already at the shallowest depth"}
+            pc, pgap = prev
+            t = pgap / (pgap - gap)      # where the gap crosses zero, linear in log(context)
+            est = math.exp(math.log(pc) + t * (math.log(c) - math.log(pc)))
+            return {"first_depth": c, "estimate": round(est), "note": f"between {pc} and {c}"}
+        prev = (c, gap)
+    return {"first_depth": None, "estimate": None, "note": f"softmax stays cheaper up to {common[-1]}"}
+
+
+def memory_crossover(cfg, dtype, feature_map) -> int:
+    """Cache slots past which the KV cache holds more bytes than the (fixed) linear state."""
+    from engine.bench.memory import kv_cache_bytes, linear_state_bytes
+    per_slot = kv_cache_bytes(cfg, 1, dtype)
+    return math.ceil(linear_state_bytes(cfg, feature_map, dtype) / per_slot)
+
+
+def check_targets(results: list[dict], compare_hf: dict | None = None) -> dict:
+    paths = by_path(results)
+    out: dict[str, dict] = {}
+    lin = paths.get("linear", [])
+    soft = paths.get("softmax", [])
+    if len(lin) >= 2:
+        lo, hi = lin[0], lin[-1]
+        v = hi["decode_ms_per_token"] / lo["decode_ms_per_token"]
+        out["linear_decode_flat"] = {"value": round(v, 3), "at": [lo["context"], hi["context"]], "met": v <= 1.10}
+    if lin:
+        sizes = sorted({r["state_bytes"] for r in lin})
+        out["linear_state_constant"] = {"value": sizes, "met": len(sizes) == 1}
+    if soft:
+        ok = all(r["state_bytes"] == r["state_bytes_formula"] for r in soft)
+        out["softmax_bytes_formula"] = {"value": [[r["context"], r["state_bytes"], r["state_bytes_formula"]]
+                                                  for r in soft], "met": ok}
+    both = {r["context"] for r in lin} & {r["context"] for r in soft}
+    if both:
+        at = 16384 if 16384 in both else max(both)
+        s = next(r for r in soft if r["context"] == at)
+        lr = next(r for r in lin if r["context"] == at)
+        v = s["prefill_s"] / lr["prefill_s"]
+        out["linear_prefill_speedup"] = {"value": round(v, 2), "at": at, "met": v >= 3 if at == 16384 else None}
+    if compare_hf:
+        out["decode_vs_hf"] = {"value": round(compare_hf["ratio"], 2), "met": compare_hf["ratio"] >= 10}
+    for name, rec in out.items():
+        rec["target"] = TARGETS[name]
+    return out
+
+
+def summary_lines(report: dict) -> list[str]:
+    s = report["settings"]
+    m = s["machine"]
+    lines = [f"machine: {m['cpu']}, {m['logical_cpus']} logical CPUs, {human(m['memory_bytes'])}; "
+             f"{m['platform']}; python {m['python']}, torch {m['torch']}, {m['threads']} thread(s), "
+             f"dtype {s['dtype']}, device {s['device']}"]
+    model = s["model_info"]
+    lines.append(f"model: {s['model']} ({model['parameters'] / 1e6:.2f}M parameters, L={model['layers']}, "
+                 f"C={model['hidden_size']}, H={model['heads']}, Hkv={model['kv_heads']}, D={model['head_dim']}, "
+                 f"trained positions {model['max_position_embeddings']})")
+    lines.append(f"decode: {s['steps']} timed steps after {s['warmup']} warm-up steps, batch 1, greedy, EOS ignored; "
+                 f"peak RSS: {report['rss_method']}")
+    cross = report["summary"].get("decode_crossover")
+    if cross:
+        if cross["first_depth"] is not None:
+            lines.append(f"crossover: linear decode becomes cheaper than softmax at ~{cross['estimate']} tokens "
+                         f"of context ({cross['note']}; first measured depth where it is: {cross['first_depth']})")
+        else:
+            lines.append(f"crossover: none measured ({cross['note']})")
+    mem = report["summary"].get("memory_crossover_slots")
+    if mem is not None:
+        lines.append(f"memory: the KV cache outgrows the linear state past {mem} tokens "
+                     f"(linear state {human(report['summary']['linear_state_bytes'])} at every depth)")
+    if any(r["beyond_trained_positions"] for r in report["results"]):
+        lines.append(f"* beyond the model's trained positions ({model['max_position_embeddings']}): "
+                     f"timed and measured, but the model's outputs there are not meaningful")
+    hf = report.get("compare_hf")
+    if hf:
+        lines.append(f"compare-hf: engine {hf['engine_tokens_per_s']:.0f} tok/s vs transformers {hf['transformers']} "
+                     f"generate {hf['hf_tokens_per_s']:.0f} tok/s = {hf['ratio']:.2f}x ({hf['new_tokens']} greedy tokens "
+                     f"after a {hf['prompt_tokens']}-token prompt, batch 1, median of {hf['repeats']}; "
+                     f"same tokens: {hf['same_tokens']})")
+    for name, t in report.get("targets", {}).items():
+        met = {True: "met", False: "NOT met", None: "n/a"}[t["met"]]
+        lines.append(f"target {name}: {t['value'] if not isinstance(t['value'], list) or len(t['value']) < 4 else '...'}"
+                     f"{' at ' + str(t['at']) if 'at' in t else ''} -> {met} ({t['target']})")
+    return lines
+
+
+def format_table(results: list[dict]) -> str:
+    head = ["attention", "context", "prefill s", "prefill tok/s", "decode ms/tok", "p90 ms", "decode tok/s",
+            "state bytes", "peak RSS"]
+    rows = []
+    for r in sorted(results, key=lambda r: (r["context"], r["attention"])):
+        rows.append([r["attention"] + (f" ({r['feature_map']})" if r.get("feature_map") else ""),
+                     f"{r['context']}{'*' if r['beyond_trained_positions'] else ''}",
+                     f"{r['prefill_s']:.3f}", f"{r['prefill_tokens_per_s']:.0f}",
+                     f"{r['decode_ms_per_token']:.3f}", f"{r['decode_ms_per_token_p90']:.3f}",
+                     f"{r['decode_tokens_per_s']:.0f}", f"{r['state_bytes']} ({human(r['state_bytes'])})",
+                     human(r["peak_rss_bytes"])])
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    fmt = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+    return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])

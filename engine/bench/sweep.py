@@ -1,0 +1,161 @@
+"""The sweep: for each (attention, context) prefill to that depth, then time decode steps.
+
+One configuration = one fresh state sized to the depth: the KV cache holds exactly
+context + warmup + steps slots. The prompt is `context` random token ids (seeded), run as
+one prefill block with logits for its last position only; then `warmup` untimed decode
+steps, then `steps` timed ones, each a `model.step` on one token plus the greedy argmax
+that picks the next (EOS ignored: runs have a fixed length). Python's GC is off while timing.
+
+By default each configuration runs in a fresh subprocess (`engine.bench.worker`), so its
+peak resident set (VmHWM) is its own: the model, one state, one prefill.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from engine.attention import check_path, get_feature_map
+from engine.bench.memory import peak_rss_bytes, state_bytes_formula
+from engine.errors import EngineError, InvalidArgumentError
+
+DEFAULT_CONTEXTS = (128, 512, 2048, 8192, 32768)
+
+
+class BenchError(EngineError, RuntimeError):
+    """A benchmark configuration failed (the worker's own error is quoted)."""
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    model: str = "tiny"
+    contexts: tuple[int, ...] = DEFAULT_CONTEXTS
+    attentions: tuple[str, ...] = ("softmax", "linear")
+    feature_map: str | None = None      # linear path; None: the model config's
+    steps: int = 64                     # timed decode steps per configuration
+    warmup: int = 8                     # untimed decode steps before them
+    threads: int | None = None          # torch intra-op threads; None: torch's default
+    dtype: str = "float32"
+    device: str = "cpu"
+    isolate: bool = True                # a fresh subprocess per configuration
+    seed: int = 0
+    contexts_sorted: tuple[int, ...] = field(init=False, repr=False)
+
+    def __post_init__(self):
+        ctx = tuple(int(c) for c in self.contexts)
+        if not ctx or any(c < 1 for c in ctx):
+            raise InvalidArgumentError(f"contexts must be positive integers, got {self.contexts!r}")
+        for a in self.attentions:
+            check_path(a)
+        if self.feature_map is not None:
+            get_feature_map(self.feature_map)
+        if self.steps < 1 or self.warmup < 0:
+            raise InvalidArgumentError(f"steps must be >= 1 and warmup >= 0, got {self.steps}, {self.warmup}")
+        if self.threads is not None and self.threads < 1:
+            raise InvalidArgumentError(f"threads must be >= 1, got {self.threads}")
+        object.__setattr__(self, "contexts", ctx)
+        object.__setattr__(self, "contexts_sorted", tuple(sorted(set(ctx))))
+
+    def configurations(self) -> list[tuple[str, int]]:
+        """(attention, context) in the order they run: context-major, shallow first."""
+        return [(a, c) for c in self.contexts_sorted for a in self.attentions]
+
+    def slots(self, context: int) -> int:
+        return context + self.warmup + self.steps
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("contexts_sorted")
+        d["contexts"] = list(self.contexts_sorted)
+        d["attentions"] = list(self.attentions)
+        return d
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile of an ascending list (q in [0, 100])."""
+    k = max(1, math.ceil(q / 100 * len(sorted_values)))
+    return sorted_values[k - 1]
+
+
+def _next_token(logits: torch.Tensor) -> torch.Tensor:   # (B, 1, V) -> (B, 1)
+    return logits[:, -1].argmax(-1, keepdim=True)
+
+
+def measure(model, attention: str, context: int, steps: int, warmup: int,
+            feature_map: str | None = None, seed: int = 0) -> dict:
+    """Prefill `context` tokens, then time `steps` decode steps (after `warmup`). In-process."""
+    cfg = model.config
+    slots = context + warmup + steps
+    if model.rotary is not None:   # grow the rotary table once, outside every timing
+        model.rotary.table(slots, model.device, model.dtype)
+    prompt = torch.randint(0, cfg.vocab_size, (1, context), generator=torch.Generator().manual_seed(seed))
+    scratch = model.init_state(1, max_len=16 + warmup, attention=attention, feature_map=feature_map)
+    tok = _next_token(model.step(prompt[:, :16], scratch, last_only=True))      # warm the kernels
+    for _ in range(warmup):
+        tok = _next_token(model.step(tok, scratch))
+    del scratch
+
+    state = model.init_state(1, max_len=slots, attention=attention, feature_map=feature_map)
+    gc.collect()
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        tok = _next_token(model.step(prompt, state, last_only=True))
+        prefill_s = time.perf_counter() - t0
+        for _ in range(warmup):
+            tok = _next_token(model.step(tok, state))
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            tok = _next_token(model.step(tok, state))
+            times.append(time.perf_counter() - t0)
+    finally:
+        gc.enable()
+    times.sort()
+    median = statistics.median(times)
+    fmap = (feature_map or cfg.feature_map) if attention == "linear" else None
+    return {
+        "attention": attention, "feature_map": fmap, "context": context,
+        "state_slots": slots if attention == "softmax" else None,
+        "decode_depths": [context, slots - 1],
+        "prefill_s": prefill_s, "prefill_tokens_per_s": context / prefill_s,
+        "decode_ms_per_token": median * 1e3, "decode_ms_per_token_p90": percentile(times, 90) * 1e3,
+        "decode_ms_per_token_min": times[0] * 1e3, "decode_tokens_per_s": 1.0 / median,
+        "state_bytes": state.nbytes,
+        "state_bytes_formula": state_bytes_formula(cfg, attention, slots, model.dtype, fmap),
+        "beyond_trained_positions": slots > cfg.max_position_embeddings,
+        "steps": steps, "warmup": warmup,
+    }
+
+
+def run_in_process(model, settings: BenchSettings, attention: str, context: int) -> dict:
+    rec = measure(model, attention, context, settings.steps, settings.warmup, settings.feature_map, settings.seed)
+    rec["peak_rss_bytes"] = peak_rss_bytes()
+    rec["rss_method"] = ("VmHWM of the bench process itself (--no-isolate): the peak over everything "
+                         "run so far, not this configuration alone")
+    return rec
+
+
+def run_isolated(model_path: str, settings: BenchSettings, attention: str, context: int) -> dict:
+    """Run one configuration in a fresh `python -m engine.bench.worker`; returns its record."""
+    job = {"model": model_path, "dtype": settings.dtype, "device": settings.device, "threads": settings.threads,
+           "attention": attention, "context": context, "steps": settings.steps, "warmup": settings.warmup,
+           "feature_map": settings.feature_map, "seed": settings.seed}
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    proc = subprocess.run([sys.executable, "-m", "engine.bench.worker"], input=json.dumps(job),
+                          capture_output=True, text=True, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise BenchError(f"{attention} at context {context}: worker exited with code {proc.returncode}: {tail}")
+    return json.loads(lines[-1])

@@ -1,0 +1,36 @@
+"""One bench configuration in a fresh process: `python -m engine.bench.worker` with a JSON job
+on stdin; prints one JSON record on stdout. Peak RSS is this process's VmHWM at the end."""
+from __future__ import annotations
+
+import json
+import sys
+
+
+def main() -> int:
+    job = json.loads(sys.stdin.read())
+    import torch
+
+    from engine.bench.memory import peak_rss_bytes, rss_bytes
+    from engine.bench.sweep import measure
+    from engine.errors import EngineError
+    from models.loader import load_model
+    if job.get("threads"):
+        torch.set_num_threads(job["threads"])
+    try:
+        model, _ = load_model(job["model"], device=job["device"], dtype=job["dtype"])
+        after_load = rss_bytes()
+        rec = measure(model, job["attention"], job["context"], job["steps"], job["warmup"],
+                      job.get("feature_map"), job.get("seed", 0))
+    except EngineError as e:
+        print(f"gen: error: {e}", file=sys.stderr)
+        return 2
+    rec["peak_rss_bytes"] = peak_rss_bytes()
+    rec["rss_after_load_bytes"] = after_load
+    rec["rss_method"] = ("VmHWM (/proc/self/status) of a fresh subprocess running only this configuration: "
+                         "interpreter, torch, model weights, one state, one prefill")
+    print(json.dumps(rec))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

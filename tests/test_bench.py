@@ -1,0 +1,184 @@
+"""`gen bench` bookkeeping, not the clock: state bytes vs formulas, JSON keys, plot, refusals."""
+import json
+import sys
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from engine.bench import BenchSettings, run_bench, write_json
+from engine.bench.memory import (DepthTooLargeError, check_fits, kv_cache_bytes, linear_state_bytes, run_bytes)
+from engine.bench.report import check_targets, decode_crossover
+from engine.bench.sweep import BenchError, measure, percentile
+from tests.conftest import tiny_model
+
+RESULT_KEYS = {"attention", "context", "prefill_tokens_per_s", "decode_ms_per_token", "decode_ms_per_token_p90",
+               "decode_tokens_per_s", "state_bytes", "peak_rss_bytes"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A saved random model in the Hugging Face layout (no tokenizer), 32 trained positions."""
+    from models.weights import save_pretrained
+    out = tmp_path_factory.mktemp("bench_model")
+    save_pretrained(tiny_model(seed=4, num_key_value_heads=2, max_position_embeddings=32,
+                               trained_for=("softmax", "linear")), str(out))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["Hkv4", "Hkv2", "Hkv1"])
+@pytest.mark.parametrize("slots", [1, 37])
+def test_kv_cache_bytes_formula_matches_the_state(dtype, kv_heads, slots):
+    model = tiny_model(num_key_value_heads=kv_heads, dtype=dtype)
+    cfg = model.config
+    state = model.init_state(1, max_len=slots, attention="softmax")
+    explicit = 2 * cfg.num_hidden_layers * kv_heads * cfg.head_dim * slots * torch.finfo(dtype).bits // 8
+    assert state.nbytes == kv_cache_bytes(cfg, slots, dtype) == explicit
+
+
+@pytest.mark.parametrize("fmap,width", [("elu1", 16), ("cos1", 17)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kv_heads", [4, 1], ids=["Hkv4", "Hkv1"])
+def test_linear_state_bytes_formula_matches_the_state(fmap, width, dtype, kv_heads):
+    """L * Hkv * (F * Dv + F) * 4 whatever the weights' dtype: the state is fp32, per kv head."""
+    model = tiny_model(num_key_value_heads=kv_heads, dtype=dtype)
+    cfg = model.config
+    state = model.init_state(1, attention="linear", feature_map=fmap)
+    explicit = cfg.num_hidden_layers * kv_heads * (width * cfg.head_dim + width) * 4
+    assert state.nbytes == linear_state_bytes(cfg, fmap, dtype) == explicit
+
+
+def test_measure_reports_bytes_from_the_state_and_flags_untrained_depths():
+    model = tiny_model(max_position_embeddings=24)
+    recs = {(a, c): measure(model, a, c, steps=3, warmup=1) for a in ("softmax", "linear") for c in (4, 20)}
+    for (attention, context), r in recs.items():
+        assert RESULT_KEYS - {"peak_rss_bytes"} <= set(r)
+        assert r["state_bytes"] == r["state_bytes_formula"]
+        assert r["beyond_trained_positions"] == (context + 1 + 3 > 24)
+        assert r["decode_ms_per_token"] <= r["decode_ms_per_token_p90"]
+    assert recs["softmax", 20]["state_slots"] == 24
+    assert recs["softmax", 20]["state_bytes"] == kv_cache_bytes(model.config, 24, torch.float32)
+    assert recs["linear", 4]["state_bytes"] == recs["linear", 20]["state_bytes"]
+
+
+def test_run_bench_json_and_plot(model_dir, tmp_path):
+    report = run_bench(BenchSettings(model=str(model_dir), contexts=(40, 8), steps=3, warmup=1, isolate=False),
+                       progress=False)
+    write_json(report, tmp_path / "bench.json")
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert {"settings", "results", "summary", "targets"} <= set(data)
+    s = data["settings"]
+    assert s["contexts"] == [8, 40] and s["machine"]["torch"] == torch.__version__ and s["dtype"] == "float32"
+    assert [(r["attention"], r["context"]) for r in data["results"]] == [
+        ("softmax", 8), ("linear", 8), ("softmax", 40), ("linear", 40)]
+    for r in data["results"]:
+        assert RESULT_KEYS <= set(r) and r["peak_rss_bytes"] > 0
+    assert [r["beyond_trained_positions"] for r in data["results"]] == [False, False, True, True]
+    assert data["targets"]["linear_state_constant"]["met"] is True
+    assert data["targets"]["softmax_bytes_formula"]["met"] is True
+    assert "decode_crossover" in data["summary"]
+
+    from engine.bench.plot import plot
+    out = plot(report, tmp_path / "bench.png")
+    assert open(out, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_isolated_configuration_measures_its_own_peak_rss(model_dir):
+    report = run_bench(BenchSettings(model=str(model_dir), contexts=(8,), attentions=("linear",), steps=2,
+                                     warmup=1, threads=1), progress=False)
+    (rec,) = report["results"]
+    assert "fresh subprocess" in rec["rss_method"]
+    assert rec["peak_rss_bytes"] >= rec["rss_after_load_bytes"] > 0
+
+
+def test_depth_beyond_memory_is_refused_up_front(model_dir, monkeypatch):
+    import engine.bench as bench
+    import engine.bench.sweep as sweep
+    monkeypatch.setattr("engine.bench.memory.available_bytes", lambda: 64 * 2**20)
+    monkeypatch.setattr(sweep, "measure", lambda *a, **k: pytest.fail("ran a configuration before refusing"))
+    with pytest.raises(DepthTooLargeError, match=r"context 10000000 \((softmax|linear)\) needs \d+ bytes"):
+        bench.run_bench(BenchSettings(model=str(model_dir), contexts=(8, 10_000_000), isolate=False),
+                        progress=False)
+
+
+def test_check_fits_names_the_bytes_needed():
+    cfg = tiny_model().config
+    parts = run_bytes(cfg, "softmax", 1000, 1072, torch.float32, weight_bytes=10**6)
+    assert parts["state"] == kv_cache_bytes(cfg, 1072, torch.float32)
+    check_fits([("softmax", 1000, parts)], available=10 * parts["total"])
+    with pytest.raises(DepthTooLargeError, match=f"needs {parts['total']} bytes"):
+        check_fits([("softmax", 1000, parts)], available=parts["total"])
+
+
+def test_crossover_is_interpolated_in_log_depth():
+    rec = lambda a, c, ms: {"attention": a, "context": c, "decode_ms_per_token": ms}  # noqa: E731
+    res = [rec("softmax", 100, 1.0), rec("linear", 100, 2.0), rec("softmax", 10000, 3.0), rec("linear", 10000, 2.0)]
+    cross = decode_crossover(res)
+    assert cross["first_depth"] == 10000 and cross["estimate"] == 1000
+    assert decode_crossover(res[:2])["first_depth"] is None
+    assert decode_crossover([r for r in res if r["attention"] == "linear"]) is None
+
+
+def test_targets_from_records():
+    base = dict(decode_ms_per_token=1.0, prefill_s=1.0, state_bytes=10, state_bytes_formula=10)
+    res = [dict(base, attention="linear", context=128), dict(base, attention="linear", context=32768,
+                                                            decode_ms_per_token=1.2, prefill_s=0.25),
+           dict(base, attention="softmax", context=128), dict(base, attention="softmax", context=32768)]
+    t = check_targets(res, {"ratio": 12.0})
+    assert t["linear_decode_flat"]["met"] is False and t["linear_decode_flat"]["value"] == 1.2
+    assert t["linear_prefill_speedup"]["at"] == 32768 and t["linear_prefill_speedup"]["met"] is None
+    assert t["decode_vs_hf"]["met"] is True and t["softmax_bytes_formula"]["met"] is True
+
+
+def test_percentile_nearest_rank():
+    xs = list(range(1, 11))
+    assert percentile(xs, 50) == 5 and percentile(xs, 90) == 9 and percentile(xs, 100) == 10
+
+
+def test_cli_bench_table_json_plot(model_dir, tmp_path):
+    from cli.main import main
+    out_json, out_png = tmp_path / "b.json", tmp_path / "b.png"
+    res = CliRunner().invoke(main, ["bench", "--model", str(model_dir), "--contexts", "8,40", "--steps", "2",
+                                    "--warmup", "1", "--no-isolate", "--quiet", "--threads", "1",
+                                    "--json", str(out_json), "--plot", str(out_png)])
+    assert res.exit_code == 0, res.output
+    assert "decode ms/tok" in res.output and "crossover" in res.output and "torch" in res.output
+    assert "beyond the model's trained positions" in res.output
+    data = json.loads(out_json.read_text())
+    assert len(data["results"]) == 4 and all(RESULT_KEYS <= set(r) for r in data["results"])
+    assert out_png.stat().st_size > 0
+
+
+def test_cli_refuses_a_depth_the_machine_cannot_hold(model_dir):
+    from cli.main import main
+    res = CliRunner().invoke(main, ["bench", "--model", str(model_dir), "--contexts", "8,100000000000",
+                                    "--no-isolate", "--quiet"])
+    assert res.exit_code == 2
+    assert "needs" in res.output and "bytes" in res.output and "MemAvailable" in res.output
+
+
+def test_cli_rejects_bad_contexts(model_dir):
+    from cli.main import main
+    res = CliRunner().invoke(main, ["bench", "--model", str(model_dir), "--contexts", "8,x"])
+    assert res.exit_code == 2 and "comma-separated" in res.output
+
+
+def test_compare_hf_reports_both_rates(model_dir):
+    pytest.importorskip("transformers")
+    from engine.bench.hf_compare import compare_hf
+    from models.loader import load_model
+    model, tok = load_model(model_dir)
+    res = compare_hf(model_dir, model, tok, new_tokens=4, repeats=1)
+    assert {"engine_tokens_per_s", "hf_tokens_per_s", "ratio"} <= set(res)
+    assert res["ratio"] == pytest.approx(res["engine_tokens_per_s"] / res["hf_tokens_per_s"])
+    assert res["same_tokens"] is True      # greedy on the same fp32 weights: the same ids
+
+
+def test_compare_hf_without_transformers_says_how_to_install(model_dir, monkeypatch):
+    from engine.bench.hf_compare import compare_hf
+    from models.loader import load_model
+    monkeypatch.setitem(sys.modules, "transformers", None)     # import transformers -> ImportError
+    model, tok = load_model(model_dir)
+    with pytest.raises(BenchError, match="pip install"):
+        compare_hf(model_dir, model, tok, new_tokens=4, repeats=1)
