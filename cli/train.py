@@ -30,6 +30,7 @@ from cli.common import run_guarded
 @click.option("--eval-docs", default=200, show_default=True)
 @click.option("--save-every", default=20, show_default=True)
 @click.option("--threads", type=int)
+@click.option("--stop-after", type=int, help="save a checkpoint and stop at this step (resume later)")
 @click.option("--amp", default="bfloat16", show_default=True, help="autocast dtype, or 'none'")
 def train_cmd(train_file, valid_file, out, export, paths, amp, **kw):
     """Train a tokenizer and a model on documents separated by '<|endoftext|>' lines."""

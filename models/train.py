@@ -59,6 +59,7 @@ class TrainArgs:
     threads: int | None = None
     export_dtype: str = "float16"
     amp: str | None = "bfloat16"          # autocast dtype for the forward pass; None: fp32
+    stop_after: int | None = None         # save and stop at this step (the schedule still spans `steps`)
     progress: bool = True
 
     def model_config(self, tok: Tokenizer) -> ModelConfig:
@@ -159,7 +160,8 @@ def train(a: TrainArgs, log=print) -> Transformer:
         bar = tqdm(total=a.steps, initial=step, desc="train", unit="step", dynamic_ncols=True)
     model.train()
     t_last, tok_since = time.perf_counter(), 0
-    while step < a.steps:
+    end = min(a.steps, a.stop_after) if a.stop_after else a.steps
+    while step < end:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, a)
         with torch.autocast(device_type="cpu", dtype=getattr(torch, a.amp or "float32"), enabled=bool(a.amp)):
@@ -179,7 +181,7 @@ def train(a: TrainArgs, log=print) -> Transformer:
             bar.update(1)
         if step % 20 == 0:
             t_last, tok_since = now, 0
-        if step % a.save_every == 0 or step == a.steps:
+        if step % a.save_every == 0 or step == end:
             save()
         if valid_docs and (step % a.eval_every == 0 or step == a.steps):
             model.eval()
@@ -194,7 +196,7 @@ def train(a: TrainArgs, log=print) -> Transformer:
     if bar:
         bar.close()
     model.eval()
-    if a.export:
+    if a.export and step == a.steps:
         export(model, a, tok_path)
     return model
 

@@ -23,9 +23,9 @@ def corpus(tmp_path_factory):
 
 
 def args(corpus, out, steps, **kw):
-    base = dict(train=str(corpus / "train.txt"), valid=str(corpus / "valid.txt"), out=str(out),
+    base = dict(warmup=2, train=str(corpus / "train.txt"), valid=str(corpus / "valid.txt"), out=str(out),
                 export=str(out / "export"), vocab_size=320, dim=32, layers=1, heads=2, seq_len=32,
-                batch_size=4, steps=steps, warmup=1, lr=3e-3, eval_every=1000, eval_docs=5,
+                batch_size=4, steps=steps, lr=3e-3, eval_every=1000, eval_docs=5,
                 save_every=1, progress=False, amp=None, seed=0)
     base.update(kw)
     return TrainArgs(**base)
@@ -53,7 +53,8 @@ def test_two_steps_lower_the_loss_and_export_loads(corpus, tmp_path):
 
 def test_resume_continues_exactly(corpus, tmp_path):
     straight = train(args(corpus, tmp_path / "straight", steps=4), log=lambda *_: None)
-    train(args(corpus, tmp_path / "split", steps=2), log=lambda *_: None)     # "killed" after 2 steps
+    train(args(corpus, tmp_path / "split", steps=4, stop_after=2), log=lambda *_: None)   # stopped at step 2
+    assert not (tmp_path / "split" / "export").exists()     # exported only when the schedule ends
     logs = []
     resumed = train(args(corpus, tmp_path / "split", steps=4), log=logs.append)
     assert any("resumed" in line and "step 2" in line for line in logs), logs
