@@ -1,6 +1,9 @@
 """`gen bench`: decode latency and memory of softmax vs linear attention as the context grows."""
 from __future__ import annotations
 
+import shlex
+import sys
+
 import click
 
 from cli.common import run_guarded
@@ -53,6 +56,7 @@ def bench_cmd(model_name, contexts, attention, feature_map, steps, warmup, threa
                                  dtype=dtype, device=device, isolate=isolate)
         report = run_bench(settings, compare_hf=compare_hf, hf_new_tokens=hf_new_tokens,
                            hf_repeats=hf_repeats, progress=not quiet)
+        report["settings"]["command"] = " ".join(["gen", *map(shlex.quote, sys.argv[1:])])
         click.echo(format_table(report["results"]))
         click.echo("")
         for line in summary_lines(report):

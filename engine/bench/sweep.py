@@ -89,6 +89,13 @@ def _next_token(logits: torch.Tensor) -> torch.Tensor:   # (B, 1, V) -> (B, 1)
     return logits[:, -1].argmax(-1, keepdim=True)
 
 
+def _clock(device: torch.device) -> float:
+    """perf_counter after the device has finished its queued work (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def measure(model, attention: str, context: int, steps: int, warmup: int,
             feature_map: str | None = None, seed: int = 0) -> dict:
     """Prefill `context` tokens, then time `steps` decode steps (after `warmup`). In-process."""
@@ -98,7 +105,7 @@ def measure(model, attention: str, context: int, steps: int, warmup: int,
         model.rotary.table(slots, model.device, model.dtype)
     prompt = torch.randint(0, cfg.vocab_size, (1, context), generator=torch.Generator().manual_seed(seed))
     scratch = model.init_state(1, max_len=16 + warmup, attention=attention, feature_map=feature_map)
-    tok = _next_token(model.step(prompt[:, :16], scratch, last_only=True))      # warm the kernels
+    tok = _next_token(model.step(prompt[:, :16].to(model.device), scratch, last_only=True))   # warm the kernels
     for _ in range(warmup):
         tok = _next_token(model.step(tok, scratch))
     del scratch
@@ -106,17 +113,19 @@ def measure(model, attention: str, context: int, steps: int, warmup: int,
     state = model.init_state(1, max_len=slots, attention=attention, feature_map=feature_map)
     gc.collect()
     gc.disable()
+    dev = model.device
+    prompt = prompt.to(dev)
     try:
-        t0 = time.perf_counter()
+        t0 = _clock(dev)
         tok = _next_token(model.step(prompt, state, last_only=True))
-        prefill_s = time.perf_counter() - t0
+        prefill_s = _clock(dev) - t0
         for _ in range(warmup):
             tok = _next_token(model.step(tok, state))
         times = []
         for _ in range(steps):
-            t0 = time.perf_counter()
+            t0 = _clock(dev)
             tok = _next_token(model.step(tok, state))
-            times.append(time.perf_counter() - t0)
+            times.append(_clock(dev) - t0)
     finally:
         gc.enable()
     times.sort()
