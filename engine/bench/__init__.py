@@ -19,6 +19,11 @@ from engine.bench.report import (check_targets, decode_crossover, machine_info, 
 from engine.bench.sweep import (DEFAULT_CONTEXTS, BenchError, BenchSettings, run_in_process,
                                 run_isolated)
 
+STATE_FORMULAS = {
+    "softmax": "2 * L * B * Hkv * D * T * bytes(dtype)   (T = slots the cache holds)",
+    "linear": "L * B * Hkv * (F * Dv + F) * 4   (fp32; per key/value head under GQA; F = feature_map.out_dim(D))",
+}
+
 __all__ = ["BenchSettings", "BenchError", "DEFAULT_CONTEXTS", "run_bench", "write_json"]
 
 
@@ -72,7 +77,7 @@ def run_bench(settings: BenchSettings, compare_hf: bool = False, hf_new_tokens: 
         "rss_method": results[0]["rss_method"] if results else None,
         "results": results,
     }
-    summary: dict = {"decode_crossover": decode_crossover(results)}
+    summary: dict = {"decode_crossover": decode_crossover(results), "state_formulas": STATE_FORMULAS}
     if "linear" in settings.attentions:
         summary["linear_state_bytes"] = next(r["state_bytes"] for r in results if r["attention"] == "linear")
         summary["memory_crossover_slots"] = memory_crossover(model.config, model.dtype, fmap)

@@ -123,6 +123,9 @@ def summary_lines(report: dict) -> list[str]:
     if mem is not None:
         lines.append(f"memory: the KV cache outgrows the linear state past {mem} tokens "
                      f"(linear state {human(report['summary']['linear_state_bytes'])} at every depth)")
+    for path, formula in report["summary"]["state_formulas"].items():
+        if path in s["attentions"]:
+            lines.append(f"state bytes ({path}): {formula}")
     if any(r["beyond_trained_positions"] for r in report["results"]):
         lines.append(f"* beyond the model's trained positions ({model['max_position_embeddings']}): "
                      f"timed and measured, but the model's outputs there are not meaningful")
