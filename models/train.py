@@ -175,9 +175,10 @@ def train(a: TrainArgs, log=print) -> Transformer:
         tok_since += a.batch_size * a.seq_len
         now = time.perf_counter()
         tps = tok_since / max(now - t_last, 1e-9)
-        history.append({"step": step, **{k: round(v.item(), 4) for k, v in losses.items()}})
+        values = {k: v.item() for k, v in losses.items()}
+        history.append({"step": step, **{k: round(v, 4) for k, v in values.items()}})
         if bar:
-            bar.set_postfix({**{k: f"{float(v):.3f}" for k, v in losses.items()}, "tok/s": f"{tps:.0f}"})
+            bar.set_postfix({**{k: f"{v:.3f}" for k, v in values.items()}, "tok/s": f"{tps:.0f}"})
             bar.update(1)
         if step % 20 == 0:
             t_last, tok_since = now, 0

@@ -20,7 +20,8 @@ from engine.attention.base import State
 from engine.attention.feature_maps import FeatureMap, get_feature_map, state_dtype
 
 EPS = 1e-6          # the denominator's eps: out = num / (phi(q)^T z + EPS)
-_EPS = torch.tensor(EPS, dtype=torch.float64)   # 0-dim: no scalar wrap per decode step; same value
+# 0-dim tensors in each state dtype: no scalar wrap and no dtype cast per decode step
+_EPS = {dt: torch.tensor(EPS, dtype=dt) for dt in (torch.float32, torch.float64)}
 CHUNK = 64          # block length of the chunked parallel form
 
 
@@ -91,11 +92,11 @@ def linear_attention_step(phi_q, phi_k, v, S, z):
 
     phi_q (B, Hkv, G, 1, F), phi_k (B, Hkv, 1, F), v (B, Hkv, 1, Dv) -> (B, Hkv, G, 1, Dv).
     """
-    S.view(-1, *S.shape[2:]).baddbmm_(phi_k.flatten(0, 1).transpose(1, 2), v.flatten(0, 1))
+    S.addcmul_(phi_k.transpose(-1, -2), v)                          # (B, Hkv, F, 1) * (B, Hkv, 1, Dv)
     z.add_(phi_k[:, :, 0])
     num = phi_q @ S.unsqueeze(2)                                    # (B, Hkv, G, 1, Dv)
     den = phi_q @ z[:, :, None, :, None]                            # (B, Hkv, G, 1, 1)
-    return num / (den + _EPS)
+    return num / (den + _EPS[den.dtype])
 
 
 def linear_attention_chunked(phi_q, phi_k, v, S=None, z=None, chunk: int = CHUNK):
