@@ -11,6 +11,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from engine.attention.feature_maps import FEATURE_MAPS
 from engine.errors import ConfigError
 
 SUPPORTED_MODEL_TYPES = ("llama",)
@@ -78,6 +79,10 @@ class ModelConfig:
         if self.position_encoding not in POSITION_ENCODINGS:
             bad(f"position_encoding must be one of {', '.join(POSITION_ENCODINGS)}, "
                 f"got {self.position_encoding!r}")
+        if self.feature_map not in FEATURE_MAPS:
+            bad(f"feature_map must be one of {', '.join(FEATURE_MAPS)}, got {self.feature_map!r}")
+        if not isinstance(self.linear_rope, bool):
+            bad(f"linear_rope must be true or false, got {self.linear_rope!r}")
         for path in self.trained_for:
             if path not in ATTENTION_PATHS:
                 bad(f"trained_for lists unknown path {path!r}; valid: {', '.join(ATTENTION_PATHS)}")

@@ -71,3 +71,16 @@ def test_missing_file_and_bad_json(tmp_path):
     (tmp_path / "config.json").write_text("{nope")
     with pytest.raises(ConfigError, match="not valid JSON"):
         ModelConfig.from_json(tmp_path / "config.json")
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("feature_map", "gelu", "feature_map must be one of elu1, relu, softmax, cos1, got 'gelu'"),
+    ("linear_rope", "yes", "linear_rope must be true or false, got 'yes'"),
+    ("attention", "flash", "attention must be one of softmax, linear, got 'flash'"),
+], ids=["feature_map", "linear_rope", "attention"])
+def test_bad_engine_keys_name_key_and_file(tmp_path, key, value, message):
+    path = write(tmp_path, {**BASE, key: value})
+    with pytest.raises(ConfigError) as e:
+        ModelConfig.from_json(path)
+    print(e.value)
+    assert str(e.value) == f"{path}: {message}"
