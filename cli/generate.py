@@ -31,7 +31,7 @@ from cli.common import fail, run_guarded
 @click.option("--dtype", help="float32 (default), bfloat16, float16")
 @click.option("--max-context", type=int, help="softmax context in tokens, prompt included "
                                                 "(default: the model's max_position_embeddings)")
-@click.option("--echo", is_flag=True, help="print the prompt before the continuation")
+@click.option("--echo", is_flag=True, help="print the prompt before the streamed continuation (not with --json)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object (text, ids, finish_reason, stats)")
 def generate_cmd(prompt, prompt_opt, ids, model_name, attention, feature_map, max_new_tokens, temperature,
                  top_k, top_p, min_p, repetition_penalty, seed, stop, device, dtype, max_context, echo, as_json):
@@ -53,10 +53,20 @@ def generate_cmd(prompt, prompt_opt, ids, model_name, attention, feature_map, ma
         if max_context is not None and generation.context is None:
             click.echo(f"gen: warning: --max-context is ignored: {llm.attention} attention has no context limit",
                        err=True)
+        if feature_map is not None and llm.attention != "linear":
+            click.echo(f"gen: warning: --feature-map is ignored: {llm.attention} attention has no feature map",
+                       err=True)
         if as_json:
-            result = generation.run()[0]
-            click.echo(json.dumps({"text": result.text, "ids": result.ids, "finish_reason": result.finish_reason,
+            try:
+                result, code = generation.run()[0], 0
+            except KeyboardInterrupt:   # Ctrl-C: what was generated so far, finish_reason "interrupted"
+                generation.close()
+                result, code = generation.result(0), 130
+            click.echo(json.dumps({"text": result.text, "ids": result.ids,
+                                   "finish_reason": result.finish_reason or "interrupted",
                                    "stats": result.stats.to_dict()}, ensure_ascii=False))
+            if code:
+                sys.exit(code)
             return
         stream(llm, generation, the_prompt, echo)
 

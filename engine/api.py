@@ -139,6 +139,11 @@ class TextStream:
     def close(self) -> None:
         self.generation.close()
 
+    def __del__(self):
+        # The Generation and its loop's generator reference each other, so without this the
+        # state of a stream left by `break` would wait for the cycle collector.
+        self.close()
+
     def __enter__(self):
         return self
 

@@ -35,6 +35,23 @@ def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
         raise InvalidArgumentError(f"unknown dtype {name!r}; valid: float32, float16, bfloat16") from None
 
 
+def parse_device(device: str | torch.device) -> torch.device:
+    """A torch device this machine has; otherwise an InvalidArgumentError saying what it has."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InvalidArgumentError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidArgumentError(f"device {device!r} asked for, but this torch build or machine has no CUDA; "
+                                   f"use --device cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise InvalidArgumentError(f"device {device!r} does not exist; this machine has "
+                                   f"{torch.cuda.device_count()} CUDA device(s)")
+    if dev.type not in ("cpu", "cuda", "mps", "xpu"):
+        raise InvalidArgumentError(f"unsupported device {device!r}; use cpu or cuda")
+    return dev
+
+
 def resolve(model: str | os.PathLike) -> Path:
     """A registered name or an existing path; otherwise an error listing the known names."""
     if isinstance(model, str) and model in REGISTRY:
@@ -57,6 +74,7 @@ def load_model(model: str | os.PathLike, device: str | torch.device = "cpu",
     """
     path = resolve(model)
     dtype = parse_dtype(dtype) or torch.float32
+    device = parse_device(device)
     tokenizer, interleaved = None, False
     if path.is_dir():
         cfg, tensors = read_hf_dir(path)

@@ -186,6 +186,7 @@ BAD = {
     "unknown-attention": (["--attention", "fast", "hi"], "--attention"),
     "unknown-feature-map": (["--attention", "linear", "--feature-map", "tanh", "hi"], "feature map"),
     "unknown-dtype": (["--dtype", "int8", "hi"], "dtype"),
+    "unknown-device": (["--device", "gpu0", "hi"], "unknown device"),
     "unknown-option": (["--frobnicate", "hi"], "--frobnicate"),
 }
 
@@ -201,6 +202,18 @@ def test_bad_input_is_one_line_and_exit_code_2(small_model_dir, name):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("gen: error:") and expect in lines[0]
     assert "Traceback" not in r.output and r.stdout == ""
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_device_without_cuda_is_one_line(small_model_dir):
+    r = gen("--model", small_model_dir, "--device", "cuda", "hi")
+    print(repr(r.stderr))
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1 and "no CUDA" in r.stderr and "Traceback" not in r.output
+
+
+def test_feature_map_with_softmax_warns_that_it_is_ignored(small_model_dir):
+    r = gen("--model", small_model_dir, "--attention", "softmax", "--feature-map", "relu", "--max-new-tokens", "2", "hi")
+    assert r.exit_code == 0 and "--feature-map is ignored: softmax attention" in r.stderr
 
 
 def test_empty_stdin_prompt(small_model_dir):

@@ -165,11 +165,15 @@ def test_leaving_a_stream_early_frees_the_state(monkeypatch, path, small_tokeniz
     llm = make_llm(path, tokenizer=small_tokenizer)
     refs = spy_states(monkeypatch, llm.model)
     chunks = 0
-    for _ in llm.stream("the cat", max_new_tokens=50, temperature=0, ignore_eos=True):
-        chunks += 1
-        assert alive(refs)                             # the state exists while streaming...
-        break
-    assert chunks == 1 and len(refs) == 1 and not alive(refs)    # ...and is gone once the loop is left
+    gc.disable()   # freed by reference counting at the break, not whenever the cycle collector runs
+    try:
+        for _ in llm.stream("the cat", max_new_tokens=50, temperature=0, ignore_eos=True):
+            chunks += 1
+            assert [r for r in refs if r() is not None]   # the state exists while streaming...
+            break
+        assert chunks == 1 and len(refs) == 1 and refs[0]() is None   # ...and is gone once the loop is left
+    finally:
+        gc.enable()
 
     s = llm.stream("the cat", max_new_tokens=50, temperature=0, ignore_eos=True)
     next(s)
