@@ -39,9 +39,10 @@ def parse_contexts(ctx, param, value):
 @click.option("--hf-repeats", default=3, show_default=True, help="timed runs per side (median counts)")
 @click.option("--isolate/--no-isolate", default=True, show_default=True,
               help="a fresh subprocess per configuration, so peak RSS is that configuration's own")
+@click.option("--native", is_flag=True, help="run batch-1 fp32 CPU softmax decode steps in C (engine.native)")
 @click.option("--quiet", is_flag=True, help="no progress bar")
 def bench_cmd(model_name, contexts, attention, feature_map, steps, warmup, threads, dtype, device, json_path,
-              plot_path, compare_hf, hf_new_tokens, hf_repeats, isolate, quiet):
+              plot_path, compare_hf, hf_new_tokens, hf_repeats, isolate, native, quiet):
     """Prefill to each depth, then time decode steps, for each attention path, on one checkpoint.
 
     Prints a table and a summary naming the crossover depth; --json and --plot save them.
@@ -53,7 +54,7 @@ def bench_cmd(model_name, contexts, attention, feature_map, steps, warmup, threa
         settings = BenchSettings(model=model_name, contexts=contexts or DEFAULT_CONTEXTS,
                                  attentions=("softmax", "linear") if attention == "both" else (attention,),
                                  feature_map=feature_map, steps=steps, warmup=warmup, threads=threads,
-                                 dtype=dtype, device=device, isolate=isolate)
+                                 dtype=dtype, device=device, isolate=isolate, native=native)
         report = run_bench(settings, compare_hf=compare_hf, hf_new_tokens=hf_new_tokens,
                            hf_repeats=hf_repeats, progress=not quiet)
         report["settings"]["command"] = " ".join(["gen", *map(shlex.quote, sys.argv[1:])])

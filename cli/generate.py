@@ -32,9 +32,11 @@ from cli.common import fail, run_guarded
 @click.option("--max-context", type=int, help="softmax context in tokens, prompt included "
                                                 "(default: the model's max_position_embeddings)")
 @click.option("--echo", is_flag=True, help="print the prompt before the streamed continuation (not with --json)")
+@click.option("--native", is_flag=True, help="run batch-1 fp32 CPU softmax decode steps in C (built on first use)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object (text, ids, finish_reason, stats)")
 def generate_cmd(prompt, prompt_opt, ids, model_name, attention, feature_map, max_new_tokens, temperature,
-                 top_k, top_p, min_p, repetition_penalty, seed, stop, device, dtype, max_context, echo, as_json):
+                 top_k, top_p, min_p, repetition_penalty, seed, stop, device, dtype, max_context, echo, native,
+                 as_json):
     """Generate a continuation of PROMPT ('-' reads it from stdin) and stream it to stdout.
 
     A prompt equal to a subcommand's name goes after `--` (`gen -- bench`) or in --prompt.
@@ -48,7 +50,7 @@ def generate_cmd(prompt, prompt_opt, ids, model_name, attention, feature_map, ma
     def run():
         the_prompt = read_prompt(prompt, prompt_opt, ids)
         make_config(**settings)                      # bad settings fail before the model loads
-        llm = load_quietly(model_name, attention, feature_map, device, dtype)
+        llm = load_quietly(model_name, attention, feature_map, device, dtype, native)
         generation = llm.start([the_prompt], **settings)
         if max_context is not None and generation.context is None:
             click.echo(f"gen: warning: --max-context is ignored: {llm.attention} attention has no context limit",
@@ -95,12 +97,13 @@ def read_prompt(prompt, prompt_opt, ids):
     return text
 
 
-def load_quietly(model_name, attention, feature_map, device, dtype):
+def load_quietly(model_name, attention, feature_map, device, dtype, native=False):
     """Load; a warning (weights not trained for this attention path) becomes one stderr line."""
     from engine.api import load
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        llm = load(model_name, attention=attention, feature_map=feature_map, device=device, dtype=dtype)
+        llm = load(model_name, attention=attention, feature_map=feature_map, device=device, dtype=dtype,
+                   native=native)
     for w in caught:
         click.echo(f"gen: warning: {w.message}", err=True)
     return llm

@@ -32,8 +32,11 @@ class UntrainedPathWarning(UserWarning):
 
 
 def load(model: str = "tiny", attention: str | None = None, feature_map: str | None = None,
-         device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None) -> "LLM":
+         device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
+         native: bool = False) -> "LLM":
     """Load a registered model name (`tiny`) or a checkpoint path; attention None = the model's own.
+
+    native=True runs batch-1 fp32 CPU softmax decode steps in C (engine.native; built on first use).
 
     Warns (UntrainedPathWarning) when `attention` is a path the weights were not trained for.
     """
@@ -43,6 +46,7 @@ def load(model: str = "tiny", attention: str | None = None, feature_map: str | N
     if feature_map is not None:
         get_feature_map(feature_map)
     net, tokenizer = load_model(model, device=device, dtype=dtype)
+    net.native_decode = native
     return LLM(net, tokenizer, attention=attention, feature_map=feature_map, name=str(model), _stacklevel=3)
 
 

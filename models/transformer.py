@@ -138,6 +138,7 @@ class Transformer(nn.Module):
         self._plan = None
 
     fast_decode = True   # T = 1 steps take the lean path (models.decode); False: the module path
+    native_decode = False  # True: batch-1 fp32 CPU softmax steps run in C (engine.native), if it builds
 
     @property
     def device(self):
@@ -173,6 +174,13 @@ class Transformer(nn.Module):
         Returns logits (B, T, V), or (B, 1, V) for the last position if `last_only`.
         """
         if self.fast_decode and valid is None and tokens.dim() == 2 and tokens.shape[1] == 1:
+            if self.native_decode:
+                from engine.native import NativeDecoder, applies
+                if applies(self, state, tokens):
+                    native = getattr(state, "_native", None)
+                    if native is None or not native.valid_for(self):
+                        native = state._native = NativeDecoder(self, state)
+                    return native.step(tokens, state)
             plan = self._plan
             if plan is None or not plan.valid_for(tokens.device, self.embed_tokens.weight.dtype):
                 plan = self._plan = DecodePlan(self, tokens.device, self.embed_tokens.weight.dtype)

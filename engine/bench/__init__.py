@@ -54,6 +54,7 @@ def run_bench(settings: BenchSettings, compare_hf: bool = False, hf_new_tokens: 
         torch.set_num_threads(settings.threads)
     path = resolve(settings.model)
     model, tokenizer = load_model(path, device=settings.device, dtype=settings.dtype)
+    model.native_decode = settings.native
     info = model_info(model)
     fmap = settings.feature_map or model.config.feature_map
     configs = settings.configurations()

@@ -110,7 +110,10 @@ def summary_lines(report: dict) -> list[str]:
     lines.append(f"model: {s['model']} ({model['parameters'] / 1e6:.2f}M parameters, L={model['layers']}, "
                  f"C={model['hidden_size']}, H={model['heads']}, Hkv={model['kv_heads']}, D={model['head_dim']}, "
                  f"trained positions {model['max_position_embeddings']})")
-    lines.append(f"decode: {s['steps']} timed steps after {s['warmup']} warm-up steps, batch 1, greedy, EOS ignored; "
+    step_kind = ("native C step (engine.native) for fp32 CPU softmax, PyTorch otherwise" if s.get("native")
+                 else "PyTorch step")
+    lines.append(f"decode: {s['steps']} timed steps after {s['warmup']} warm-up steps, batch 1, greedy, EOS ignored, "
+                 f"{step_kind}; "
                  f"peak RSS: {report['rss_method']}")
     cross = report["summary"].get("decode_crossover")
     if cross:

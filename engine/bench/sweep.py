@@ -46,6 +46,7 @@ class BenchSettings:
     dtype: str = "float32"
     device: str = "cpu"
     isolate: bool = True                # a fresh subprocess per configuration
+    native: bool = False                # batch-1 fp32 CPU softmax decode steps in C (engine.native)
     seed: int = 0
     contexts_sorted: tuple[int, ...] = field(init=False, repr=False)
 
@@ -157,7 +158,7 @@ def run_isolated(model_path: str, settings: BenchSettings, attention: str, conte
     """Run one configuration in a fresh `python -m engine.bench.worker`; returns its record."""
     job = {"model": model_path, "dtype": settings.dtype, "device": settings.device, "threads": settings.threads,
            "attention": attention, "context": context, "steps": settings.steps, "warmup": settings.warmup,
-           "feature_map": settings.feature_map, "seed": settings.seed}
+           "feature_map": settings.feature_map, "seed": settings.seed, "native": settings.native}
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

@@ -18,6 +18,7 @@ def main() -> int:
         torch.set_num_threads(job["threads"])
     try:
         model, _ = load_model(job["model"], device=job["device"], dtype=job["dtype"])
+        model.native_decode = bool(job.get("native"))
         after_load = rss_bytes()
         rec = measure(model, job["attention"], job["context"], job["steps"], job["warmup"],
                       job.get("feature_map"), job.get("seed", 0))
