@@ -39,7 +39,7 @@ def parse_contexts(ctx, param, value):
 @click.option("--hf-repeats", default=3, show_default=True, help="timed runs per side (median counts)")
 @click.option("--isolate/--no-isolate", default=True, show_default=True,
               help="a fresh subprocess per configuration, so peak RSS is that configuration's own")
-@click.option("--native", is_flag=True, help="run batch-1 fp32 CPU softmax decode steps in C (engine.native)")
+@click.option("--native", is_flag=True, help="run batch-1 fp32 CPU decode steps in C (engine.native), both paths")
 @click.option("--quiet", is_flag=True, help="no progress bar")
 def bench_cmd(model_name, contexts, attention, feature_map, steps, warmup, threads, dtype, device, json_path,
               plot_path, compare_hf, hf_new_tokens, hf_repeats, isolate, native, quiet):

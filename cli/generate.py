@@ -32,7 +32,7 @@ from cli.common import fail, run_guarded
 @click.option("--max-context", type=int, help="softmax context in tokens, prompt included "
                                                 "(default: the model's max_position_embeddings)")
 @click.option("--echo", is_flag=True, help="print the prompt before the streamed continuation (not with --json)")
-@click.option("--native", is_flag=True, help="run batch-1 fp32 CPU softmax decode steps in C (built on first use)")
+@click.option("--native", is_flag=True, help="run batch-1 fp32 CPU decode steps in C, either path (built on first use)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object (text, ids, finish_reason, stats)")
 def generate_cmd(prompt, prompt_opt, ids, model_name, attention, feature_map, max_new_tokens, temperature,
                  top_k, top_p, min_p, repetition_penalty, seed, stop, device, dtype, max_context, echo, native,

@@ -36,7 +36,7 @@ def load(model: str = "tiny", attention: str | None = None, feature_map: str | N
          native: bool = False) -> "LLM":
     """Load a registered model name (`tiny`) or a checkpoint path; attention None = the model's own.
 
-    native=True runs batch-1 fp32 CPU softmax decode steps in C (engine.native; built on first use).
+    native=True runs batch-1 fp32 CPU decode steps in C, either path (engine.native; built on first use).
 
     Warns (UntrainedPathWarning) when `attention` is a path the weights were not trained for.
     """

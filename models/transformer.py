@@ -138,7 +138,7 @@ class Transformer(nn.Module):
         self._plan = None
 
     fast_decode = True   # T = 1 steps take the lean path (models.decode); False: the module path
-    native_decode = False  # True: batch-1 fp32 CPU softmax steps run in C (engine.native), if it builds
+    native_decode = False  # True: batch-1 fp32 CPU one-token steps run in C (engine.native)
 
     @property
     def device(self):

@@ -110,7 +110,7 @@ def summary_lines(report: dict) -> list[str]:
     lines.append(f"model: {s['model']} ({model['parameters'] / 1e6:.2f}M parameters, L={model['layers']}, "
                  f"C={model['hidden_size']}, H={model['heads']}, Hkv={model['kv_heads']}, D={model['head_dim']}, "
                  f"trained positions {model['max_position_embeddings']})")
-    step_kind = ("native C step (engine.native) for fp32 CPU softmax, PyTorch otherwise" if s.get("native")
+    step_kind = ("native C step (engine.native, single-threaded) for batch-1 fp32 CPU, PyTorch otherwise" if s.get("native")
                  else "PyTorch step")
     lines.append(f"decode: {s['steps']} timed steps after {s['warmup']} warm-up steps, batch 1, greedy, EOS ignored, "
                  f"{step_kind}; "

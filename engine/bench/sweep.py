@@ -46,7 +46,7 @@ class BenchSettings:
     dtype: str = "float32"
     device: str = "cpu"
     isolate: bool = True                # a fresh subprocess per configuration
-    native: bool = False                # batch-1 fp32 CPU softmax decode steps in C (engine.native)
+    native: bool = False                # batch-1 fp32 CPU decode steps in C (engine.native)
     seed: int = 0
     contexts_sorted: tuple[int, ...] = field(init=False, repr=False)
 

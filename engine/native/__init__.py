@@ -1,11 +1,12 @@
-"""An optional native decode step (engine/native/decode.c): batch 1, fp32, CPU, softmax path.
+"""An optional native decode step (engine/native/decode.c): batch 1, fp32, CPU, either path.
 
     model.native_decode = True        # or load(..., native=True), gen --native, gen bench --native
 
-With it, `Transformer.step` runs a one-token softmax step of an unpadded batch-1 fp32 CPU state
-in C instead of ~125 PyTorch calls; every other case takes the PyTorch path as before. The C
-code reads the model's weight tensors and writes the state's KV cache in place through their
-data pointers, so prefill (PyTorch) and decode (C) share one state. It is compiled on first use
+With it, `Transformer.step` runs a one-token step of an unpadded batch-1 fp32 CPU state (a KV
+cache, or a linear state with any of the four feature maps) in C instead of ~125 PyTorch calls;
+every other case takes the PyTorch path as before. The C code reads the model's weight tensors
+and writes the state's own tensors in place through their data pointers, so prefill (PyTorch)
+and decode (C) share one state. It is compiled on first use
 with the system C compiler ($CC, else cc) into ~/.cache/gen-engine (or $GEN_ENGINE_CACHE),
 keyed by the source's hash; without a compiler, NativeUnavailableError says so.
 tests/test_native.py holds it to the PyTorch step.
@@ -40,7 +41,11 @@ class Plan(ctypes.Structure):   # field for field the C struct Plan
                 + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
                 + [(n, _P) for n in ("embed", "norm", "head")]
                 + [(n, _PP) for n in ("ln1", "wqkv", "wo", "ln2", "wgu", "wd")]
-                + [(n, _P) for n in ("k", "v", "x", "xb", "qkv", "att", "gu", "hb", "scores")])
+                + [(n, _P) for n in ("k", "v", "x", "xb", "qkv", "att", "gu", "hb", "scores")]
+                + [("mode", ctypes.c_int), ("F", ctypes.c_int), ("lin_eps", ctypes.c_float)]
+                + [(n, _P) for n in ("S", "z", "phi_q", "phi_k")])
+
+MODES = {"elu1": 1, "relu": 2, "softmax": 3, "cos1": 4}   # linear feature maps; 0 is softmax attention
 
 
 def library():
@@ -73,9 +78,13 @@ def library():
 
 def applies(model, state, tokens) -> bool:
     """The cases the C step covers; the caller falls back to PyTorch for all others."""
-    return (state.path == "softmax" and tokens.shape == (1, 1) and not state.padded
-            and tokens.device.type == "cpu" and state.k.dtype == torch.float32
-            and model.embed_tokens.weight.dtype == torch.float32)
+    if tokens.shape != (1, 1) or state.padded or tokens.device.type != "cpu":
+        return False
+    if model.embed_tokens.weight.dtype != torch.float32:
+        return False
+    if state.path == "softmax":
+        return state.k.dtype == torch.float32
+    return state.S.dtype == torch.float32 and state.feature_map.name in MODES
 
 
 def _ptr(t: torch.Tensor):
@@ -97,24 +106,30 @@ class NativeDecoder:
                                                           model.lm_head.weight]
         if not all(w.is_contiguous() and w.dtype == torch.float32 and w.device.type == "cpu" for w in flat):
             raise NativeUnavailableError("the native decode step needs contiguous fp32 CPU weights")
-        if not (state.k.is_contiguous() and state.v.is_contiguous()):
-            raise NativeUnavailableError("the native decode step needs a contiguous KV cache")
+        tensors = state.tensors()   # [k, v] or [S, z]
+        if not all(t.is_contiguous() for t in tensors):
+            raise NativeUnavailableError("the native decode step needs a contiguous state")
         H, Hkv, D, I, C = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                            cfg.intermediate_size, cfg.hidden_size)
-        S = state.max_len
+        linear = state.path == "linear"
+        F_ = state.feature_map.out_dim(D) if linear else 0
         self.scratch = {n: torch.zeros(size) for n, size in
                         (("x", C), ("xb", C), ("qkv", (H + 2 * Hkv) * D), ("att", H * D), ("gu", 2 * I),
-                         ("hb", I), ("scores", S))}
+                         ("hb", I), ("scores", 1 if linear else state.max_len), ("phi_q", max(F_, 1)),
+                         ("phi_k", max(F_, 1)))}
         self.tables = {n: (_P * cfg.num_hidden_layers)(*[_ptr(layer[i]) for layer in weights])
                        for i, n in enumerate(("ln1", "wqkv", "wo", "ln2", "wgu", "wd"))}
-        self.keep = (flat, state.k, state.v)   # the pointers stay valid while these live
-        self.plan = Plan(L=cfg.num_hidden_layers, C=C, H=H, Hkv=Hkv, D=D, I=I, V=cfg.vocab_size, S_max=S,
-                         eps=cfg.rms_norm_eps, scale=D ** -0.5, embed=_ptr(model.embed_tokens.weight),
-                         norm=_ptr(model.norm.weight), head=_ptr(model.lm_head.weight),
-                         k=_ptr(state.k), v=_ptr(state.v), **self.tables,
+        from engine.attention.linear import EPS
+        self.keep = (flat, tensors)   # the pointers stay valid while these live
+        state_ptrs = dict(S=_ptr(state.S), z=_ptr(state.z)) if linear else dict(k=_ptr(state.k), v=_ptr(state.v))
+        self.plan = Plan(L=cfg.num_hidden_layers, C=C, H=H, Hkv=Hkv, D=D, I=I, V=cfg.vocab_size,
+                         S_max=0 if linear else state.max_len, eps=cfg.rms_norm_eps, scale=D ** -0.5,
+                         embed=_ptr(model.embed_tokens.weight), norm=_ptr(model.norm.weight),
+                         head=_ptr(model.lm_head.weight), mode=MODES[state.feature_map.name] if linear else 0,
+                         F=F_, lin_eps=EPS, **state_ptrs, **self.tables,
                          **{n: _ptr(t) for n, t in self.scratch.items()})
         self.plan_ref = ctypes.byref(self.plan)
-        self.rope = model.uses_rope("softmax")
+        self.rope = model.uses_rope(state.path)
         self.V, self.D = cfg.vocab_size, D
 
     def valid_for(self, model) -> bool:
