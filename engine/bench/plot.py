@@ -36,7 +36,7 @@ def plot(report: dict, path: str | os.PathLike) -> str:
         ax.set_xlabel("context depth (tokens)")
         ax.grid(True, which="both", alpha=0.3)
     ax_t.set_ylabel("decode ms/token (median; band to p90)")
-    ax_t.set_title("decode latency")
+    ax_t.set_title("decode latency (native C step)" if report["settings"].get("native") else "decode latency")
     ax_m.set_yscale("log")
     ax_m.set_ylabel("MiB")
     ax_m.set_title(f"memory (red line: trained positions {trained})")
