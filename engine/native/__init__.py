@@ -57,7 +57,7 @@ def library():
     if cc is None:
         raise NativeUnavailableError("the native decode step needs a C compiler (cc or gcc) on PATH; "
                                      "install one or run without --native")
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS + [cc, _cpu_id()]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("GEN_ENGINE_CACHE") or Path.home() / ".cache" / "gen-engine")
     lib = cache / f"decode-{key}.so"
     if not lib.exists():
@@ -74,6 +74,17 @@ def library():
     _LIB.gen_decode_step.argtypes = [ctypes.POINTER(Plan), ctypes.c_int, ctypes.c_int, _P, _P, _P]
     _LIB.gen_decode_step.restype = None
     return _LIB
+
+
+def _cpu_id() -> str:
+    """What -march=native compiled for: a library built on another CPU is not reused."""
+    import platform
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln for ln in f if ln.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    return f"{platform.machine()} {platform.processor()} {flags.strip()}"
 
 
 def applies(model, state, tokens) -> bool:
