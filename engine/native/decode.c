@@ -77,23 +77,14 @@ static void linear_attend(const Plan *p, int l, const float *q, const float *k, 
     }
 }
 
-static void matvec(float *out, const float *w, const float *x, int rows, int cols) {
+/* out (rows) = W (rows, cols) . x, or out += W . x when `add` */
+static void matvec(float *out, const float *w, const float *x, int rows, int cols, int add) {
     for (int r = 0; r < rows; r++) {
         const float *row = w + (size_t)r * cols;
         float s = 0.0f;
         #pragma omp simd reduction(+:s)
         for (int c = 0; c < cols; c++) s += row[c] * x[c];
-        out[r] = s;
-    }
-}
-
-static void matvec_add(float *out, const float *w, const float *x, int rows, int cols) {
-    for (int r = 0; r < rows; r++) {
-        const float *row = w + (size_t)r * cols;
-        float s = 0.0f;
-        #pragma omp simd reduction(+:s)
-        for (int c = 0; c < cols; c++) s += row[c] * x[c];
-        out[r] += s;
+        out[r] = add ? out[r] + s : s;
     }
 }
 
@@ -122,7 +113,7 @@ void gen_decode_step(const Plan *p, int token, int pos, const float *cos, const 
     for (int i = 0; i < C; i++) x[i] = p->embed[(size_t)token * C + i];
     for (int l = 0; l < p->L; l++) {
         rms_norm(p->xb, x, p->ln1[l], C, p->eps);
-        matvec(p->qkv, p->wqkv[l], p->xb, (H + 2 * Hkv) * D, C);
+        matvec(p->qkv, p->wqkv[l], p->xb, (H + 2 * Hkv) * D, C, 0);
         float *q = p->qkv, *k = q + H * D, *v = k + Hkv * D;
         if (cos) {
             for (int h = 0; h < H; h++) rotate(q + h * D, cos, sin, D);
@@ -159,15 +150,15 @@ void gen_decode_step(const Plan *p, int token, int pos, const float *cos, const 
                 }
             }
         }
-        matvec_add(x, p->wo[l], p->att, C, H * D);
+        matvec(x, p->wo[l], p->att, C, H * D, 1);
         rms_norm(p->xb, x, p->ln2[l], C, p->eps);
-        matvec(p->gu, p->wgu[l], p->xb, 2 * I, C);
+        matvec(p->gu, p->wgu[l], p->xb, 2 * I, C, 0);
         for (int i = 0; i < I; i++) {
             float g = p->gu[i];
             p->hb[i] = g / (1.0f + expf(-g)) * p->gu[I + i];
         }
-        matvec_add(x, p->wd[l], p->hb, C, I);
+        matvec(x, p->wd[l], p->hb, C, I, 1);
     }
     rms_norm(p->xb, x, p->norm, C, p->eps);
-    matvec(logits, p->head, p->xb, p->V, C);
+    matvec(logits, p->head, p->xb, p->V, C, 0);
 }
