@@ -51,6 +51,13 @@ def rms_norm(x, weight, eps, n):
     return weight * (x32 * r if x.dtype == torch.float32 else (x32 * r).to(x.dtype))
 
 
+def layer_weights(model) -> list[tuple]:
+    """Per layer, the weights one decode step reads: (ln1, qkv, o, ln2, gate_up, down)."""
+    return [(b.input_layernorm.weight, b.self_attn.qkv.weight, b.self_attn.o_proj.weight,
+             b.post_attention_layernorm.weight, b.mlp.gate_up.weight, b.mlp.down_proj.weight)
+            for b in model.layers]
+
+
 class DecodePlan:
     """Everything one decode step needs that does not change from token to token."""
 
@@ -60,9 +67,7 @@ class DecodePlan:
         self.H, self.Hkv, self.D, self.inter = (cfg.num_attention_heads, cfg.num_key_value_heads,
                                                 cfg.head_dim, cfg.intermediate_size)
         self.halves = [self.inter, self.inter]
-        self.layers = [(b.input_layernorm.weight, b.self_attn.qkv.weight, b.self_attn.o_proj.weight,
-                        b.post_attention_layernorm.weight, b.mlp.gate_up.weight, b.mlp.down_proj.weight)
-                       for b in model.layers]
+        self.layers = layer_weights(model)
         self.embed, self.norm, self.head = model.embed_tokens.weight, model.norm.weight, model.lm_head.weight
         const = dict(device=device, dtype=torch.float32)
         self.eps = torch.tensor(cfg.rms_norm_eps, **const)

@@ -16,6 +16,7 @@ from engine.attention import (STATES, State, check_path, get_feature_map,
                               linear_attention, linear_attention_reference,
                               softmax_attention, softmax_attention_reference)
 from engine.attention.base import Block
+from engine.native import NativeDecoder, applies as native_applies
 from models.config import ModelConfig
 from models.decode import DecodePlan, decode_one, rms_norm
 
@@ -174,13 +175,11 @@ class Transformer(nn.Module):
         Returns logits (B, T, V), or (B, 1, V) for the last position if `last_only`.
         """
         if self.fast_decode and valid is None and tokens.dim() == 2 and tokens.shape[1] == 1:
-            if self.native_decode:
-                from engine.native import NativeDecoder, applies
-                if applies(self, state, tokens):
-                    native = getattr(state, "_native", None)
-                    if native is None or not native.valid_for(self):
-                        native = state._native = NativeDecoder(self, state)
-                    return native.step(tokens, state)
+            if self.native_decode and native_applies(self, state, tokens):
+                native = getattr(state, "_native", None)
+                if native is None or not native.valid_for(self):
+                    native = state._native = NativeDecoder(self, state)
+                return native.step(tokens, state)
             plan = self._plan
             if plan is None or not plan.valid_for(tokens.device, self.embed_tokens.weight.dtype):
                 plan = self._plan = DecodePlan(self, tokens.device, self.embed_tokens.weight.dtype)

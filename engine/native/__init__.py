@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from engine.attention.linear import EPS
 from engine.errors import EngineError
 
 SOURCE = Path(__file__).with_name("decode.c")
@@ -106,13 +107,11 @@ class NativeDecoder:
     """The Plan for one (model, state) pair: weight and cache pointers, scratch, made once."""
 
     def __init__(self, model, state):
-        from models.decode import _EPOCH
+        from models.decode import _EPOCH, layer_weights
         self.library = library()
         cfg = model.config
         self.model, self.epoch = model, _EPOCH
-        weights = [(b.input_layernorm.weight, b.self_attn.qkv.weight, b.self_attn.o_proj.weight,
-                    b.post_attention_layernorm.weight, b.mlp.gate_up.weight, b.mlp.down_proj.weight)
-                   for b in model.layers]
+        weights = layer_weights(model)
         flat = [w for layer in weights for w in layer] + [model.embed_tokens.weight, model.norm.weight,
                                                           model.lm_head.weight]
         if not all(w.is_contiguous() and w.dtype == torch.float32 and w.device.type == "cpu" for w in flat):
@@ -130,7 +129,6 @@ class NativeDecoder:
                          ("phi_k", max(F_, 1)))}
         self.tables = {n: (_P * cfg.num_hidden_layers)(*[_ptr(layer[i]) for layer in weights])
                        for i, n in enumerate(("ln1", "wqkv", "wo", "ln2", "wgu", "wd"))}
-        from engine.attention.linear import EPS
         self.keep = (flat, tensors)   # the pointers stay valid while these live
         state_ptrs = dict(S=_ptr(state.S), z=_ptr(state.z)) if linear else dict(k=_ptr(state.k), v=_ptr(state.v))
         self.plan = Plan(L=cfg.num_hidden_layers, C=C, H=H, Hkv=Hkv, D=D, I=I, V=cfg.vocab_size,
