@@ -6,7 +6,10 @@ import sys
 
 import click
 
-from cli.common import run_guarded
+from cli.common import check_output_path, run_guarded
+from engine.bench import DEFAULT_CONTEXTS, BenchSettings, run_bench, write_json
+from engine.bench.plot import plot
+from engine.bench.report import format_table, summary_lines
 
 
 def parse_contexts(ctx, param, value):
@@ -29,7 +32,7 @@ def parse_contexts(ctx, param, value):
 @click.option("--feature-map", help="linear attention feature map (default: the model's)")
 @click.option("--steps", default=64, show_default=True, help="timed decode steps per depth")
 @click.option("--warmup", default=8, show_default=True, help="untimed decode steps before them")
-@click.option("--threads", type=int, help="torch threads (default: torch's own choice)")
+@click.option("--threads", type=int, help="CPU threads (default: 1, see README 'Threads')")
 @click.option("--dtype", default="float32", show_default=True)
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write the report as JSON here")
@@ -39,22 +42,25 @@ def parse_contexts(ctx, param, value):
 @click.option("--hf-repeats", default=3, show_default=True, help="timed runs per side (median counts)")
 @click.option("--isolate/--no-isolate", default=True, show_default=True,
               help="a fresh subprocess per configuration, so peak RSS is that configuration's own")
-@click.option("--native", is_flag=True, help="run batch-1 fp32 CPU decode steps in C (engine.native), both paths")
+@click.option("--backend", type=click.Choice(["auto", "torch", "native", "module"]), default="auto", show_default=True,
+              help="decode step form: auto = the C step where it applies, else PyTorch")
+@click.option("--native", is_flag=True, help="alias of --backend native")
 @click.option("--quiet", is_flag=True, help="no progress bar")
 def bench_cmd(model_name, contexts, attention, feature_map, steps, warmup, threads, dtype, device, json_path,
-              plot_path, compare_hf, hf_new_tokens, hf_repeats, isolate, native, quiet):
+              plot_path, compare_hf, hf_new_tokens, hf_repeats, isolate, backend, native, quiet):
     """Prefill to each depth, then time decode steps, for each attention path, on one checkpoint.
 
     Prints a table and a summary naming the crossover depth; --json and --plot save them.
     """
-    from engine.bench import DEFAULT_CONTEXTS, BenchSettings, run_bench, write_json
-    from engine.bench.report import format_table, summary_lines
-
     def run():
+        for out in (json_path, plot_path):   # fail before measuring, not after the whole run
+            if out:
+                check_output_path(out)
         settings = BenchSettings(model=model_name, contexts=contexts or DEFAULT_CONTEXTS,
                                  attentions=("softmax", "linear") if attention == "both" else (attention,),
                                  feature_map=feature_map, steps=steps, warmup=warmup, threads=threads,
-                                 dtype=dtype, device=device, isolate=isolate, native=native)
+                                 dtype=dtype, device=device, isolate=isolate,
+                                 backend="native" if native else backend)
         report = run_bench(settings, compare_hf=compare_hf, hf_new_tokens=hf_new_tokens,
                            hf_repeats=hf_repeats, progress=not quiet)
         report["settings"]["command"] = " ".join(["gen", *map(shlex.quote, sys.argv[1:])])
@@ -66,6 +72,5 @@ def bench_cmd(model_name, contexts, attention, feature_map, steps, warmup, threa
             write_json(report, json_path)
             click.echo(f"wrote {json_path}")
         if plot_path:
-            from engine.bench.plot import plot
             click.echo(f"wrote {plot(report, plot_path)}")
     run_guarded(run)

@@ -1,6 +1,7 @@
 """What every command shares: turning engine errors into one line on stderr and exit code 2."""
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -11,6 +12,17 @@ from engine.errors import EngineError
 def fail(message: str, code: int = 2) -> None:
     click.echo(f"gen: error: {message}", err=True)
     sys.exit(code)
+
+
+def check_output_path(path: str) -> None:
+    """An output file's directory must exist and be writable; else one line, exit 2, before any work."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        fail(f"{path}: directory {parent} does not exist; create it first")
+    if not os.access(parent, os.W_OK):
+        fail(f"{path}: directory {parent} is not writable")
+    if os.path.isdir(path):
+        fail(f"{path}: is a directory; give a file name")
 
 
 def run_guarded(fn):

@@ -6,6 +6,7 @@ from pathlib import Path
 import click
 
 from cli.common import fail, run_guarded
+from models.llama2c import convert_llama2c
 
 
 @click.group("convert")
@@ -22,7 +23,6 @@ def convert_cmd():
 @click.option("--progress/--no-progress", default=True, show_default=True)
 def llama2c_cmd(src, out_dir, tokenizer, force, progress):
     """Convert a llama2.c checkpoint SRC (legacy or version 1) into OUT_DIR."""
-    from models.llama2c import convert_llama2c
     if not force and (Path(out_dir) / "config.json").exists():
         fail(f"{out_dir}: already holds a model (config.json); pass --force to overwrite it")
     cfg = run_guarded(lambda: convert_llama2c(src, out_dir, tokenizer_path=tokenizer, progress=progress))

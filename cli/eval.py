@@ -6,6 +6,8 @@ import json
 import click
 
 from cli.common import run_guarded
+from engine.evaluate import evaluate_file
+from engine.loader import load_model
 
 
 @click.command("eval")
@@ -21,9 +23,6 @@ from cli.common import run_guarded
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def eval_cmd(model_name, attention, feature_map, data, context, batch_size, device, dtype, as_json):
     """Score each document as BOS + text + EOS; bits per byte is the headline."""
-    from engine.evaluate import evaluate_file
-    from models.loader import load_model
-
     def run():
         model, tokenizer = load_model(model_name, device=device, dtype=dtype)
         res = evaluate_file(model, tokenizer, data, attention=attention, feature_map=feature_map,

@@ -9,6 +9,7 @@ import warnings
 import click
 
 from cli.common import fail, run_guarded
+from engine.api import load, make_config
 
 
 @click.command("generate")
@@ -32,17 +33,20 @@ from cli.common import fail, run_guarded
 @click.option("--max-context", type=int, help="softmax context in tokens, prompt included "
                                                 "(default: the model's max_position_embeddings)")
 @click.option("--echo", is_flag=True, help="print the prompt before the streamed continuation (not with --json)")
-@click.option("--native", is_flag=True, help="run batch-1 fp32 CPU decode steps in C, either path (built on first use)")
+@click.option("--backend", type=click.Choice(["auto", "torch", "native", "module"]), default="auto", show_default=True,
+              help="decode step form: auto = the C step where it applies, else PyTorch")
+@click.option("--native", is_flag=True, help="alias of --backend native")
+@click.option("--threads", type=int, help="CPU threads (default: 1; see README 'Threads')")
+@click.option("-v", "--verbose", is_flag=True, help="say which step form ran and why a faster one did not")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object (text, ids, finish_reason, stats)")
 def generate_cmd(prompt, prompt_opt, ids, model_name, attention, feature_map, max_new_tokens, temperature,
-                 top_k, top_p, min_p, repetition_penalty, seed, stop, device, dtype, max_context, echo, native,
-                 as_json):
+                 top_k, top_p, min_p, repetition_penalty, seed, stop, device, dtype, max_context, echo, backend, native,
+                 threads, verbose, as_json):
     """Generate a continuation of PROMPT ('-' reads it from stdin) and stream it to stdout.
 
     A prompt equal to a subcommand's name goes after `--` (`gen -- bench`) or in --prompt.
     Ctrl-C stops and keeps what was printed.
     """
-    from engine.api import make_config
     settings = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                     min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop or None,
                     max_context=max_context)
@@ -50,7 +54,8 @@ def generate_cmd(prompt, prompt_opt, ids, model_name, attention, feature_map, ma
     def run():
         the_prompt = read_prompt(prompt, prompt_opt, ids)
         make_config(**settings)                      # bad settings fail before the model loads
-        llm = load_quietly(model_name, attention, feature_map, device, dtype, native)
+        llm = load_quietly(model_name, attention, feature_map, device, dtype, "native" if native else backend,
+                          threads)
         generation = llm.start([the_prompt], **settings)
         if max_context is not None and generation.context is None:
             click.echo(f"gen: warning: --max-context is ignored: {llm.attention} attention has no context limit",
@@ -70,7 +75,7 @@ def generate_cmd(prompt, prompt_opt, ids, model_name, attention, feature_map, ma
             if code:
                 sys.exit(code)
             return
-        stream(llm, generation, the_prompt, echo)
+        stream(llm, generation, the_prompt, echo, verbose)
 
     run_guarded(run)
 
@@ -97,19 +102,18 @@ def read_prompt(prompt, prompt_opt, ids):
     return text
 
 
-def load_quietly(model_name, attention, feature_map, device, dtype, native=False):
+def load_quietly(model_name, attention, feature_map, device, dtype, backend="auto", threads=None):
     """Load; a warning (weights not trained for this attention path) becomes one stderr line."""
-    from engine.api import load
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         llm = load(model_name, attention=attention, feature_map=feature_map, device=device, dtype=dtype,
-                   native=native)
+                   backend=backend, threads=threads)
     for w in caught:
         click.echo(f"gen: warning: {w.message}", err=True)
     return llm
 
 
-def stream(llm, generation, prompt, echo: bool) -> None:
+def stream(llm, generation, prompt, echo: bool, verbose: bool = False) -> None:
     out = sys.stdout
     tok = llm.tokenizer
     try:
@@ -133,6 +137,9 @@ def stream(llm, generation, prompt, echo: bool) -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(1)
     click.echo(summary(generation.result(0)), err=True)
+    if verbose:
+        click.echo(f"gen: step form: {llm.step.last_form}; forms available: {', '.join(llm.step.forms_available)}; "
+                   f"fallback: {llm.step.fallback or 'none'}", err=True)
 
 
 def summary(result, interrupted: bool = False) -> str:
@@ -146,7 +153,7 @@ def summary(result, interrupted: bool = False) -> str:
     return (f"gen: prompt {s.prompt_tokens} tokens in {prefill_ms:.1f} ms ({prompt_rate:.1f} tokens/s) | "
             f"{s.new_tokens} new tokens, {s.decode_tokens_per_s:.1f} tokens/s ({ms_per_token:.2f} ms/token), "
             f"first token after {s.time_to_first_token_s * 1e3:.1f} ms | {what} {human_bytes(s.state_bytes)} | "
-            f"{s.attention} attention, seed {s.seed} | finish: {finish}")
+            f"{s.attention} attention, seed {s.seed} | step {s.step_form or '?'} | finish: {finish}")
 
 
 def human_bytes(n: int) -> str:

@@ -1,9 +1,10 @@
-"""`gen train`: train the tokenizer and a model on a corpus (see models/train.py)."""
+"""`gen train`: train the tokenizer and a model on a corpus (see engine/train.py)."""
 from __future__ import annotations
 
 import click
 
 from cli.common import run_guarded
+from engine.train import TrainArgs, train
 
 
 @click.command("train")
@@ -34,7 +35,6 @@ from cli.common import run_guarded
 @click.option("--amp", default="bfloat16", show_default=True, help="autocast dtype, or 'none'")
 def train_cmd(train_file, valid_file, out, export, paths, amp, **kw):
     """Train a tokenizer and a model on documents separated by '<|endoftext|>' lines."""
-    from models.train import TrainArgs, train
     args = TrainArgs(train=train_file, valid=valid_file, out=out, export=export,
                      paths=tuple(p.strip() for p in paths.split(",") if p.strip()),
                      amp=None if amp == "none" else amp, **kw)

@@ -1,26 +1,12 @@
-"""The engine: attention paths, sampling, stop rules, the generation loop and the Python API.
+"""The engine: attention paths, the transformer, step forms, sampling, stop rules, the generation
+loop and the Python API.
 
     from engine import load
     llm = load("tiny", attention="linear")
-
-Public names are imported lazily, so `import engine.attention` (which the model code does)
-does not pull in the loader and its model imports.
 """
-from __future__ import annotations
+from engine.api import LLM, TextStream, UntrainedPathWarning, load, make_config
+from engine.generate import Generation, GenerationConfig, Result, Stats, TokenEvent
+from engine.sampling import Sampler, SamplingParams
 
-import importlib
-
-_EXPORTS = {
-    "load": "engine.api", "LLM": "engine.api", "TextStream": "engine.api", "UntrainedPathWarning": "engine.api",
-    "Generation": "engine.generate", "GenerationConfig": "engine.generate", "Result": "engine.generate",
-    "Stats": "engine.generate", "TokenEvent": "engine.generate",
-    "make_config": "engine.api", "Sampler": "engine.sampling", "SamplingParams": "engine.sampling",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'engine' has no attribute {name!r}")
+__all__ = sorted(["load", "LLM", "TextStream", "UntrainedPathWarning", "Generation", "GenerationConfig", "Result",
+                  "Stats", "TokenEvent", "make_config", "Sampler", "SamplingParams"])

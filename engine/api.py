@@ -22,7 +22,11 @@ import torch
 from engine.attention import check_path, get_feature_map
 from engine.errors import InvalidArgumentError
 from engine.generate import Generation, GenerationConfig, Result
+from engine.loader import load_model
 from engine.sampling import SamplingParams
+from engine.steps import Stepper, check_backend
+from engine.threads import set_threads
+from models.registry import path_warning
 
 Prompt = str | Sequence[int]
 
@@ -33,30 +37,33 @@ class UntrainedPathWarning(UserWarning):
 
 def load(model: str = "tiny", attention: str | None = None, feature_map: str | None = None,
          device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
-         native: bool = False) -> "LLM":
+         backend: str = "auto", threads: int | None = None, native: bool = False) -> "LLM":
     """Load a registered model name (`tiny`) or a checkpoint path; attention None = the model's own.
 
-    native=True runs batch-1 fp32 CPU decode steps in C, either path (engine.native; built on first use).
+    backend: which form runs one-token decode steps (engine.steps): "auto" (default: the C step
+    where it applies, else PyTorch), "torch", "native", or "module" (the reference).
+    native=True is an alias of backend="native". threads: CPU threads (default: engine.threads).
 
     Warns (UntrainedPathWarning) when `attention` is a path the weights were not trained for.
     """
-    from models.loader import load_model
     if attention is not None:
         check_path(attention)
     if feature_map is not None:
         get_feature_map(feature_map)
+    backend = "native" if native else check_backend(backend)
+    set_threads(threads)
     net, tokenizer = load_model(model, device=device, dtype=dtype)
-    net.native_decode = native
-    return LLM(net, tokenizer, attention=attention, feature_map=feature_map, name=str(model), _stacklevel=3)
+    return LLM(net, tokenizer, attention=attention, feature_map=feature_map, name=str(model), backend=backend,
+               _stacklevel=3)
 
 
 class LLM:
     """A loaded model + tokenizer (or None) + the attention path and feature map to run."""
 
     def __init__(self, model, tokenizer=None, attention: str | None = None, feature_map: str | None = None,
-                 name: str | None = None, _stacklevel: int = 2):
-        from models.loader import path_warning
+                 name: str | None = None, backend: str = "auto", _stacklevel: int = 2):
         self.model, self.tokenizer, self.name = model, tokenizer, name
+        self.step = Stepper(model, backend)      # the step form the generation loop calls
         self.attention = check_path(attention or model.config.attention)
         self.feature_map = feature_map
         if feature_map is not None:
@@ -86,7 +93,7 @@ class LLM:
         """A batch as an iterator of TokenEvents (row, id, text, finish_reason); see engine.generate."""
         config = make_config(**settings)
         return Generation(self.model, [self.encode(p) for p in prompts], config, self.tokenizer,
-                          attention=self.attention, feature_map=self.feature_map)
+                          attention=self.attention, feature_map=self.feature_map, step=self.step)
 
     def stream(self, prompt: Prompt, **settings) -> "TextStream":
         """Iterate text chunks as they are generated; `.result` afterwards. Settings: see `make_config`."""

@@ -13,6 +13,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
+
+from engine.errors import InvalidArgumentError
+from models.corpus import read_documents
 
 
 @dataclass
@@ -59,7 +63,6 @@ def evaluate(model, tokenizer, docs: list[str], attention: str | None = None, fe
     nll, n_tok = 0.0, 0
     bar = None
     if progress:
-        from tqdm import tqdm
         bar = tqdm(total=len(items), desc=f"eval {attention}", unit="win", leave=False)
     dev = model.device
     for b in range(0, len(items), batch_size):
@@ -88,8 +91,6 @@ def evaluate(model, tokenizer, docs: list[str], attention: str | None = None, fe
 def evaluate_file(model, tokenizer, path, attention: str | None = None, feature_map: str | None = None,
                   context: int | None = None, batch_size: int = 8, progress: bool = False) -> EvalResult:
     """Score every document of a corpus file (documents separated by `<|endoftext|>` lines)."""
-    from engine.errors import InvalidArgumentError
-    from models.corpus import read_documents
     if tokenizer is None:
         raise InvalidArgumentError("this checkpoint ships no tokenizer.model; evaluation needs one to "
                                    "encode the text")

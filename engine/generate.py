@@ -1,6 +1,6 @@
 """The generation loop: prefill, then one `model.step` per token, for one prompt or a batch.
 
-The loop never asks which attention path runs: it allocates a state with
+The loop never asks which attention path or step form runs: it allocates a state with
 `model.init_state(...)`, prefills the prompts as one block (logits for the last position
 only), then feeds back one token per sequence per step. Prompts of different lengths are
 left-padded and carry a `valid` mask, so every sequence's real tokens sit at the positions
@@ -64,6 +64,7 @@ class Stats:
     attention: str
     batch: int
     seed: int                       # the sampler's seed (drawn from the OS when none was given)
+    step_form: str | None = None    # the form that ran the last decode step (engine.steps), if known
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -93,8 +94,9 @@ class Generation:
     """
 
     def __init__(self, model, prompts: list[list[int]], config: GenerationConfig, tokenizer=None,
-                 attention: str | None = None, feature_map: str | None = None):
+                 attention: str | None = None, feature_map: str | None = None, step=None):
         self.model, self.config, self.tokenizer = model, config, tokenizer
+        self.step = step or model.step   # an engine.steps.Stepper picks the step form; default: the module path
         self.attention = attention or model.config.attention
         self.feature_map = feature_map
         self.prompts = check_prompts(prompts, model.config.vocab_size)
@@ -167,7 +169,7 @@ class Generation:
         stoppers = [StopText(cfg.stop) for _ in range(B)]
         try:
             t = time.perf_counter()
-            logits = model.step(tokens, self.state, valid=valid, last_only=True)[:, -1]   # (B, V)
+            logits = self.step(tokens, self.state, valid=valid, last_only=True)[:, -1]   # (B, V)
             self._prefill_s = time.perf_counter() - t
             for n in range(1, N + 1):
                 nxt = sampler.sample(logits)                                # (B,)
@@ -192,7 +194,7 @@ class Generation:
                     yield TokenEvent(b, tok, text, reason)
                 if self.done:
                     return
-                logits = model.step(nxt[:, None], self.state)[:, -1]        # (B, V)
+                logits = self.step(nxt[:, None], self.state)[:, -1]        # (B, V)
         finally:
             self.state = None   # the frame's last reference to the state goes with the generator
 
@@ -217,7 +219,7 @@ class Generation:
                       time_to_first_token_s=(t_first - self._t0) if ids else 0.0, decode_s=decode_s,
                       decode_tokens_per_s=(len(ids) - 1) / decode_s if len(ids) > 1 and decode_s > 0 else 0.0,
                       state_bytes=self.state_bytes, attention=self.attention, batch=len(self.prompts),
-                      seed=self.seed)
+                      seed=self.seed, step_form=getattr(self.step, "last_form", None))
         return Result(self.texts[b], list(ids), reason, stats)
 
 

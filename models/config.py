@@ -11,12 +11,13 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from engine.attention.feature_maps import FEATURE_MAPS
-from engine.errors import ConfigError
+from models.errors import ConfigError
 
 SUPPORTED_MODEL_TYPES = ("llama",)
 ATTENTION_PATHS = ("softmax", "linear")
 POSITION_ENCODINGS = ("rope", "none")
+# Feature maps a config may name; engine.attention.feature_maps implements each (a test holds the two together).
+FEATURE_MAP_NAMES = ("elu1", "relu", "softmax", "cos1")
 
 # Keys without which no model can be built; everything else has the Hugging Face default.
 REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers",
@@ -79,8 +80,8 @@ class ModelConfig:
         if self.position_encoding not in POSITION_ENCODINGS:
             bad(f"position_encoding must be one of {', '.join(POSITION_ENCODINGS)}, "
                 f"got {self.position_encoding!r}")
-        if self.feature_map not in FEATURE_MAPS:
-            bad(f"feature_map must be one of {', '.join(FEATURE_MAPS)}, got {self.feature_map!r}")
+        if self.feature_map not in FEATURE_MAP_NAMES:
+            bad(f"feature_map must be one of {', '.join(FEATURE_MAP_NAMES)}, got {self.feature_map!r}")
         if not isinstance(self.linear_rope, bool):
             bad(f"linear_rope must be true or false, got {self.linear_rope!r}")
         for path in self.trained_for:

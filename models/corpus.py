@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from typing import Iterator
 
-from engine.errors import InvalidArgumentError
+from models.errors import InvalidArgumentError
 
 DOC_SEPARATOR = "<|endoftext|>"
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from engine.errors import CheckpointError
+from models.errors import CheckpointError
 from models.config import ModelConfig
 from models.weights import check_tensors, hf_shapes
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from engine.errors import CheckpointError, ConfigError
+from models.errors import CheckpointError, ConfigError
 from models.config import ModelConfig
 from models.weights import hf_to_llama2c, interleaved_to_half, llama2c_layout, runtime_to_hf
 

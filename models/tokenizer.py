@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import tempfile
 
-from engine.errors import CheckpointError
+from models.errors import CheckpointError
 
 
 class Tokenizer:

@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from engine.errors import CheckpointError
+from models.errors import CheckpointError
 from models.config import ModelConfig
 
 FUSED = {  # runtime suffix -> checkpoint suffixes, concatenated along rows

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from models.config import ModelConfig
-from models.transformer import Transformer
+from engine.transformer import Transformer
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("GEN_SHARED_DIR", ROOT.parent / "shared"))

@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from engine.bench import BenchSettings, run_bench, write_json
 from engine.bench.memory import (DepthTooLargeError, check_fits, kv_cache_bytes, linear_state_bytes, run_bytes)
-from engine.bench.report import check_targets, decode_crossover
+from engine.bench.report import decode_crossover
 from engine.bench.sweep import BenchError, measure, percentile
 from tests.conftest import tiny_model
 
@@ -67,7 +67,7 @@ def test_run_bench_json_and_plot(model_dir, tmp_path):
                        progress=False)
     write_json(report, tmp_path / "bench.json")
     data = json.loads((tmp_path / "bench.json").read_text())
-    assert {"settings", "results", "summary", "targets"} <= set(data)
+    assert {"settings", "results", "summary"} <= set(data) and "targets" not in data
     s = data["settings"]
     assert s["contexts"] == [8, 40] and s["machine"]["torch"] == torch.__version__ and s["dtype"] == "float32"
     assert [(r["attention"], r["context"]) for r in data["results"]] == [
@@ -75,8 +75,9 @@ def test_run_bench_json_and_plot(model_dir, tmp_path):
     for r in data["results"]:
         assert RESULT_KEYS <= set(r) and r["peak_rss_bytes"] > 0
     assert [r["beyond_trained_positions"] for r in data["results"]] == [False, False, True, True]
-    assert data["targets"]["linear_state_constant"]["met"] is True
-    assert data["targets"]["softmax_bytes_formula"]["met"] is True
+    lin = [r for r in data["results"] if r["attention"] == "linear"]
+    assert len({r["state_bytes"] for r in lin}) == 1
+    assert all(r["state_bytes"] == r["state_bytes_formula"] for r in data["results"] if r["attention"] == "softmax")
     assert "decode_crossover" in data["summary"]
 
     from engine.bench.plot import plot
@@ -120,15 +121,21 @@ def test_crossover_is_interpolated_in_log_depth():
     assert decode_crossover([r for r in res if r["attention"] == "linear"]) is None
 
 
-def test_targets_from_records():
-    base = dict(decode_ms_per_token=1.0, prefill_s=1.0, state_bytes=10, state_bytes_formula=10)
-    res = [dict(base, attention="linear", context=128), dict(base, attention="linear", context=32768,
-                                                            decode_ms_per_token=1.2, prefill_s=0.25),
-           dict(base, attention="softmax", context=128), dict(base, attention="softmax", context=32768)]
-    t = check_targets(res, {"ratio": 12.0})
-    assert t["linear_decode_flat"]["met"] is False and t["linear_decode_flat"]["value"] == 1.2
-    assert t["linear_prefill_speedup"]["at"] == 32768 and t["linear_prefill_speedup"]["met"] is None
-    assert t["decode_vs_hf"]["met"] is True and t["softmax_bytes_formula"]["met"] is True
+def test_report_holds_measurements_not_targets(model_dir):
+    """The shipped report says what was measured; acceptance targets live in tests and docs."""
+    from engine.bench.report import summary_lines
+    report = run_bench(BenchSettings(model=str(model_dir), contexts=(8,), steps=2, warmup=1, isolate=False),
+                       progress=False)
+    text = "\n".join(summary_lines(report))
+    assert "target" not in text and "NOT met" not in text and "targets" not in report
+
+
+def test_bench_output_directory_checked_before_measuring(model_dir, tmp_path):
+    from cli.main import main
+    r = CliRunner().invoke(main, ["bench", "--model", str(model_dir), "--contexts", "8", "--steps", "2",
+                                  "--json", str(tmp_path / "missing" / "b.json")])
+    assert r.exit_code == 2 and "does not exist" in r.output and ".tmp" not in r.output
+    assert "decode" not in r.output   # nothing was measured
 
 
 def test_percentile_nearest_rank():
@@ -167,7 +174,7 @@ def test_cli_rejects_bad_contexts(model_dir):
 def test_compare_hf_reports_both_rates(model_dir):
     pytest.importorskip("transformers")
     from engine.bench.hf_compare import compare_hf
-    from models.loader import load_model
+    from engine.loader import load_model
     model, tok = load_model(model_dir)
     res = compare_hf(model_dir, model, tok, new_tokens=4, repeats=1)
     assert {"engine_tokens_per_s", "hf_tokens_per_s", "ratio"} <= set(res)
@@ -177,7 +184,7 @@ def test_compare_hf_reports_both_rates(model_dir):
 
 def test_compare_hf_without_transformers_says_how_to_install(model_dir, monkeypatch):
     from engine.bench.hf_compare import compare_hf
-    from models.loader import load_model
+    from engine.loader import load_model
     monkeypatch.setitem(sys.modules, "transformers", None)     # import transformers -> ImportError
     model, tok = load_model(model_dir)
     with pytest.raises(BenchError, match="pip install"):

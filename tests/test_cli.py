@@ -97,7 +97,8 @@ def test_sampling_options_reach_the_sampler(small_model_dir):
 
 
 def test_context_finish_and_max_context_warning_for_linear(small_model_dir):
-    out = gen_json("--model", small_model_dir, "--max-new-tokens", "50", "--max-context", "8", "--ids", "1,2,3")
+    out = gen_json("--model", small_model_dir, "--max-new-tokens", "50", "--max-context", "8", "--temperature", "0",
+                   "--ids", "1,2,3")
     assert out["finish_reason"] == "context" and len(out["ids"]) == 6
     r = gen("--model", small_model_dir, "--attention", "linear", "--max-context", "8", "--max-new-tokens", "3",
             "--ids", "1,2,3")
@@ -133,8 +134,8 @@ def test_model_without_tokenizer_takes_and_prints_ids(tmp_path):
 @pytest.fixture
 def tiny_is(monkeypatch, small_model_dir):
     """Make the registered name `tiny` (the default --model) point at the small random model."""
-    import models.loader
-    monkeypatch.setitem(models.loader.REGISTRY, "tiny", small_model_dir)
+    import models.registry
+    monkeypatch.setitem(models.registry.REGISTRY, "tiny", small_model_dir)
     return small_model_dir
 
 

@@ -6,7 +6,8 @@ checkpoints we write load in transformers with the same logits. fp32, 40-token s
 import pytest
 import torch
 
-from models.loader import REGISTRY, load_model
+from engine.loader import load_model
+from models.registry import REGISTRY
 from models.weights import save_pretrained
 from tests.conftest import shared_path, tiny_model
 
@@ -87,7 +88,7 @@ def test_comparison_detects_a_wrong_rotary_layout(tmp_path):
     """Negative control: the exact matches above are not vacuous. Reading the q/k rows as if
     they were llama2.c's interleaved layout must move the logits far outside the tolerance."""
     from models.hf_dir import read_hf_dir
-    from models.loader import build
+    from engine.loader import build
     model = hf_random(num_key_value_heads=2)
     model.save_pretrained(tmp_path)
     cfg, tensors = read_hf_dir(tmp_path)

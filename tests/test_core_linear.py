@@ -134,9 +134,9 @@ def test_adversarial_half_inputs_stay_finite(fmap, dtype):
     state = LinearState.allocate(tiny_model().config.replace(num_hidden_layers=1, num_attention_heads=H,
                                                              num_key_value_heads=H, head_dim=D),
                                  B, None, "cpu", dtype, feature_map=fmap)
-    block = state.begin(torch.zeros(B, 1, dtype=torch.long))
+    span = state.open(torch.zeros(B, 1, dtype=torch.long))
     for t in range(T):
-        step_out = state.attend(0, q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], block)
+        step_out = state.attend(0, q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], span)
         assert step_out.dtype == dtype and torch.isfinite(step_out).all(), f"non-finite output at step {t}"
     assert torch.isfinite(state.S).all() and torch.isfinite(state.z).all()
 

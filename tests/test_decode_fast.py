@@ -1,8 +1,9 @@
-"""The lean one-token step (models.decode) against the module path it replaces, token for token."""
+"""The torch step form (engine.steps.torch_step) against the module path it replaces, token for token."""
 import pytest
 import torch
 
 import engine.attention.softmax as softmax_mod
+from engine.steps import Stepper
 from tests.conftest import tiny_model
 
 PROMPT, STEPS = 7, 6
@@ -16,14 +17,12 @@ def max_diff(a, b):
 
 def run(model, path, tokens, fast, valid=None, fmap=None):
     """Prefill tokens[:, :PROMPT] (module path), then step the rest one at a time."""
-    model.fast_decode = fast
-    try:
-        state = model.init_state(tokens.shape[0], tokens.shape[1], attention=path, feature_map=fmap)
-        outs = [model.step(tokens[:, :PROMPT], state, valid=valid, last_only=True)]
-        outs += [model.step(tokens[:, t:t + 1], state) for t in range(PROMPT, tokens.shape[1])]
-        return torch.cat(outs, 1), state
-    finally:
-        model.fast_decode = True
+    step = Stepper(model, "torch" if fast else "module")
+    state = model.init_state(tokens.shape[0], tokens.shape[1], attention=path, feature_map=fmap)
+    outs = [step(tokens[:, :PROMPT], state, valid=valid, last_only=True)]
+    outs += [step(tokens[:, t:t + 1], state) for t in range(PROMPT, tokens.shape[1])]
+    assert step.last_form == ("torch" if fast else "module")
+    return torch.cat(outs, 1), state
 
 
 @pytest.mark.parametrize("path", ["softmax", "linear"])
@@ -84,8 +83,9 @@ def test_plan_is_rebuilt_when_parameters_are_replaced():
     """load_state_dict(assign=True) swaps Parameter objects; the hoisted plan must follow."""
     model, other = tiny_model(seed=0), tiny_model(seed=1)
     tok = torch.tensor([[3]])
-    model.step(tok, model.init_state(1, 4))                      # builds the plan
+    step = Stepper(model, "torch")
+    step(tok, model.init_state(1, 4))                            # builds the plan
     model.load_state_dict(other.state_dict(), assign=True)
-    got = model.step(tok, model.init_state(1, 4))
+    got = step(tok, model.init_state(1, 4))
     want = other.step(tok, other.init_state(1, 4))
     assert max_diff(got, want) == 0.0

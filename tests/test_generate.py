@@ -144,14 +144,14 @@ def alive(refs):
 def test_exception_in_a_step_reaches_the_caller_and_frees_the_state(monkeypatch, path, at_step):
     llm = make_llm(path)
     refs = spy_states(monkeypatch, llm.model)
-    real_step, calls = llm.model.step, []
+    real_step, calls = llm.step, []
 
     def step(*a, **kw):
         calls.append(1)
         if len(calls) == at_step + 1:
             raise Boom(f"injected at step {at_step}")
         return real_step(*a, **kw)
-    monkeypatch.setattr(llm.model, "step", step)
+    monkeypatch.setattr(llm, "step", step)
     gen = llm.start([PROMPTS[0]], max_new_tokens=10, temperature=0, ignore_eos=True)
     with pytest.raises(Boom):
         for _ in gen:

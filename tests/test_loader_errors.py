@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from cli.main import main as gen
 from engine.errors import CheckpointError, ConfigError
 from models.llama2c import export_llama2c
-from models.loader import load_model
+from engine.loader import load_model
 from models.weights import save_pretrained
 from tests.conftest import tiny_model
 from tests.test_loaders import shard

@@ -10,7 +10,8 @@ from safetensors.torch import load_file, save_file
 from cli.main import main as gen
 from models.hf_dir import read_hf_dir, write_safetensors
 from models.llama2c import convert_llama2c, export_llama2c, read_header, read_llama2c
-from models.loader import build, load_model, path_warning
+from engine.loader import build, load_model
+from models.registry import path_warning
 from models.weights import half_to_interleaved, interleaved_to_half, save_pretrained
 from tests.conftest import shared_path, tiny_model
 

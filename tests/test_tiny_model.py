@@ -34,7 +34,7 @@ def greedy_ids(model, tokenizer, attention: str, n: int = N_NEW) -> list[int]:
 
 @pytest.fixture(scope="module")
 def tiny():
-    from models.loader import load_model
+    from engine.loader import load_model
     return load_model("tiny", dtype="float32")
 
 
@@ -74,7 +74,7 @@ def test_golden_greedy_continuation(tiny, path):
 
 if __name__ == "__main__" and "--update" in sys.argv:
     sys.path.insert(0, str(ROOT))
-    from models.loader import load_model
+    from engine.loader import load_model
     model, tok = load_model("tiny", dtype="float32")
     data = {"prompt": PROMPT, "new_tokens": N_NEW}
     for p in ("softmax", "linear"):

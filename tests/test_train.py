@@ -6,8 +6,8 @@ import torch
 
 from engine.evaluate import evaluate_file, windows
 from models.corpus import read_documents
-from models.loader import load_model
-from models.train import TrainArgs, get_batch, loss_fn, tokenize_corpus, train
+from engine.loader import load_model
+from engine.train import TrainArgs, get_batch, loss_fn, tokenize_corpus, train
 from models.tokenizer import Tokenizer
 
 WORDS = "the a cat dog sun big small red happy sad ran jumped saw played with park tree ball girl boy".split()

@@ -1,10 +1,10 @@
 """The two attention paths behind one protocol.
 
 Each path is a state class with `allocate(cfg, batch, max_len, device, dtype, ...)`,
-`begin(tokens, valid) -> Block`, `attend(layer, q, k, v, block)` and `end(block)`, plus a
+`open(tokens, real) -> Span`, `attend(layer, q, k, v, span)` and `commit(span)` (declared in `base.State`), plus a
 stateless full-sequence function and its plain-torch reference twin.
 """
-from engine.attention.base import Block, State
+from engine.attention.base import Span, State
 from engine.attention.feature_maps import FEATURE_MAPS, get_feature_map
 from engine.attention.linear import (LinearState, linear_attention,
                                      linear_attention_reference)
@@ -21,6 +21,6 @@ def check_path(name: str) -> str:
     return name
 
 
-__all__ = ["Block", "State", "KVState", "LinearState", "STATES", "FEATURE_MAPS", "check_path",
+__all__ = ["Span", "State", "KVState", "LinearState", "STATES", "FEATURE_MAPS", "check_path",
            "get_feature_map", "softmax_attention", "softmax_attention_reference",
            "linear_attention", "linear_attention_reference"]

@@ -1,12 +1,17 @@
-"""What both attention paths share: the block bookkeeping of a decoding state.
+"""The state protocol both attention paths implement, declared once.
+
+    state = KVState.allocate(cfg, batch, max_len, device, dtype)     # or LinearState.allocate(...)
+    span = state.open(tokens, real)          # a block of T tokens: where it goes, who is real
+    out = state.attend(layer, q, k, v, span) # per layer: write the block's keys/values, attend
+    state.commit(span)                       # once per model step: advance the state's position
 
 Layout convention for the whole code base: activations are (B, T, C); per-head tensors are
 (B, H, T, D); caches and states carry a leading layer axis L.
 
-A state owns its position. `pos` counts the slots written so far (pads included); `seen`
-counts each sequence's real tokens, which is the rotary position of its next token. Pads
-come only from left-padded prompt blocks (see `Block.valid`); a sequence's real tokens
-then get the positions 0, 1, 2... they would get alone.
+A state owns its position. `slots` counts the slots written so far (pads included); `lengths`
+counts each sequence's real tokens, which is the rotary position of its next token. Pads come
+only from left-padded prompt blocks (see `Span.real`); a sequence's real tokens then get the
+positions 0, 1, 2... they would get alone.
 """
 from __future__ import annotations
 
@@ -18,41 +23,82 @@ from engine.errors import StateMismatchError
 
 
 @dataclass
-class Block:
-    """Per-call constants, computed once by `State.begin()` and shared by every layer."""
-    start: int                          # state.pos before this block
+class Span:
+    """One call's bookkeeping, computed once by `State.open()` and shared by every layer."""
+    start: int                          # state.slots before this call
     length: int                         # T
     positions: torch.Tensor | None      # (B, T) int64 rotary positions once padded; None: start..start+T-1
-    valid: torch.Tensor | None          # (B, T) bool, False at pads; None: no pads
-    mask: torch.Tensor | None = None    # softmax only: (B, 1, T, start + T) bool, True = attend
+    real: torch.Tensor | None           # (B, T) bool, False at pads; None: no pads
+    attn_mask: torch.Tensor | None = None   # softmax only: (B, 1, T, start + T) bool, True = attend
 
 
 @dataclass(eq=False)
 class State:
-    """Fields common to KVState and LinearState (see their modules for the tensors)."""
-    seen: torch.Tensor      # (B,) int64 real tokens per sequence
-    pos: int                # slots written so far
+    """Fields and calls common to KVState and LinearState (see their modules for the tensors)."""
+    lengths: torch.Tensor   # (B,) int64 real tokens per sequence
+    slots: int              # slots written so far, pads included
     padded: bool = False    # a pad has been written: sequences no longer share positions
 
     path = ""               # "softmax" or "linear", set by subclasses
+    max_len = None          # capacity in slots (a property on KVState); None: the state does not grow
 
-    @property
-    def batch_size(self) -> int:
-        return self.seen.shape[0]
+    # ------------------------------------------------------------------ the protocol
+    @classmethod
+    def allocate(cls, cfg, batch: int, max_len: int | None, device, dtype,
+                 feature_map: str | None = None) -> "State":
+        """A state for `batch` sequences, allocated once; `step()` never grows it."""
+        raise NotImplementedError
 
-    @property
-    def device(self) -> torch.device:
-        return self.seen.device
+    def open(self, tokens: torch.Tensor, real: torch.Tensor | None = None) -> Span:
+        """tokens (B, T); real (B, T) bool, False at left pads. Checks shapes and capacity."""
+        self._check(tokens, real)
+        T = tokens.shape[1]
+        if real is not None:
+            if bool(real.all()):
+                real = None
+            else:
+                self.padded = True
+        # unpadded sequences all sit at start..start+T-1: no per-sequence positions to build
+        return Span(self.slots, T, self._positions(T, real) if self.padded else None, real)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: Span) -> torch.Tensor:
+        """q (B, H, T, D); k, v (B, Hkv, T, D): write the span's keys/values, return (B, H, T, Dv)."""
+        raise NotImplementedError
+
+    def commit(self, span: Span) -> None:
+        """Advance the state's own position past `span` (once per model step, after every layer)."""
+        self.slots += span.length
+        if span.real is None:
+            self.lengths += span.length
+        else:
+            self.lengths += span.real.sum(1)
 
     def tensors(self) -> list[torch.Tensor]:
         raise NotImplementedError
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def pos(self) -> int:      # the name earlier releases used for `slots`
+        return self.slots
+
+    @property
+    def seen(self) -> torch.Tensor:   # the name earlier releases used for `lengths`
+        return self.lengths
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.lengths.device
 
     @property
     def nbytes(self) -> int:
         """Bytes held by the state's tensors (the per-layer caches; bookkeeping excluded)."""
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
-    def _check(self, tokens: torch.Tensor, valid: torch.Tensor | None) -> None:
+    def _check(self, tokens: torch.Tensor, real: torch.Tensor | None) -> None:
         if tokens.dim() != 2:
             raise StateMismatchError(f"tokens must be (batch, time), got shape {tuple(tokens.shape)}")
         if tokens.shape[0] != self.batch_size:
@@ -61,30 +107,11 @@ class State:
                 f"{self.batch_size}; allocate a state with init_state(batch={tokens.shape[0]}, ...)")
         if tokens.shape[1] == 0:
             raise StateMismatchError("tokens hold no time steps; pass at least one token")
-        if valid is not None and valid.shape != tokens.shape:
+        if real is not None and real.shape != tokens.shape:
             raise StateMismatchError(
-                f"valid mask has shape {tuple(valid.shape)}, tokens {tuple(tokens.shape)}; they must match")
+                f"pad mask has shape {tuple(real.shape)}, tokens {tuple(tokens.shape)}; they must match")
 
-    def _positions(self, T: int, valid: torch.Tensor | None) -> torch.Tensor:
-        if valid is None:
-            return self.seen[:, None] + torch.arange(T, device=self.device)
-        return self.seen[:, None] + (valid.long().cumsum(1) - 1).clamp_min(0)
-
-    def begin(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> Block:
-        self._check(tokens, valid)
-        T = tokens.shape[1]
-        if valid is not None:
-            if bool(valid.all()):
-                valid = None
-            else:
-                self.padded = True
-        # unpadded sequences all sit at start..start+T-1: no per-sequence positions to build
-        return Block(self.pos, T, self._positions(T, valid) if self.padded else None, valid)
-
-    def end(self, block: Block) -> None:
-        """Advance the state's own position past `block` (called once per model step)."""
-        self.pos += block.length
-        if block.valid is None:
-            self.seen += block.length
-        else:
-            self.seen += block.valid.sum(1)
+    def _positions(self, T: int, real: torch.Tensor | None) -> torch.Tensor:
+        if real is None:
+            return self.lengths[:, None] + torch.arange(T, device=self.device)
+        return self.lengths[:, None] + (real.long().cumsum(1) - 1).clamp_min(0)

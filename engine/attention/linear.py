@@ -39,7 +39,7 @@ class LinearState(State):
         fmap = get_feature_map(feature_map or cfg.feature_map)
         F_ = fmap.out_dim(cfg.head_dim)
         L, Hkv, sd = cfg.num_hidden_layers, cfg.num_key_value_heads, state_dtype(dtype)
-        return cls(seen=torch.zeros(batch, dtype=torch.long, device=device), pos=0,
+        return cls(lengths=torch.zeros(batch, dtype=torch.long, device=device), slots=0,
                    S=torch.zeros(L, batch, Hkv, F_, cfg.head_dim, device=device, dtype=sd),
                    z=torch.zeros(L, batch, Hkv, F_, device=device, dtype=sd),
                    feature_map=fmap)
@@ -52,10 +52,10 @@ class LinearState(State):
     def tensors(self):
         return [self.S, self.z]
 
-    def attend(self, layer: int, q, k, v, block):
+    def attend(self, layer: int, q, k, v, span):
         """q (B, H, T, D); k, v (B, Hkv, T, D) -> (B, H, T, Dv) in q's dtype."""
         S, z = self._layers[layer]                          # (B, Hkv, F, Dv), (B, Hkv, F)
-        if block.length == 1 and block.valid is None:   # decode: featurize without the pad mask
+        if span.length == 1 and span.real is None:   # decode: featurize without the pad mask
             B, H, _, _ = q.shape
             fm = self.feature_map
             phi_k = fm(k)                                                   # (B, Hkv, 1, F)
@@ -63,8 +63,8 @@ class LinearState(State):
             out = linear_attention_step(phi_q, phi_k, v if v.dtype == phi_k.dtype else v.to(phi_k.dtype), S, z)
             out = out.view(B, H, 1, out.shape[-1])
             return out if out.dtype == q.dtype else out.to(q.dtype)
-        phi_q, phi_k, v32 = featurize(self.feature_map, q, k, v, block.valid)
-        if block.length == 1:
+        phi_q, phi_k, v32 = featurize(self.feature_map, q, k, v, span.real)
+        if span.length == 1:
             out = linear_attention_step(phi_q, phi_k, v32, S, z)
         else:
             out, S_new, z_new = linear_attention_chunked(phi_q, phi_k, v32, S, z)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import Block, State
+from engine.attention.base import Span, State
 from engine.errors import ContextFullError
 
 # Decode (one query, no mask) from this many cached keys on uses two matmuls instead of SDPA:
@@ -24,17 +24,17 @@ ONE_QUERY_MATMUL_FROM = 1024
 class KVState(State):
     k: torch.Tensor = None          # (L, B, Hkv, S_max, D)
     v: torch.Tensor = None          # (L, B, Hkv, S_max, D)
-    key_valid: torch.Tensor = None  # (B, S_max) bool, False at pad slots
+    slot_real: torch.Tensor = None  # (B, S_max) bool, False at pad slots
 
     path = "softmax"
 
     @classmethod
     def allocate(cls, cfg, batch: int, max_len: int, device, dtype, **_) -> "KVState":
         shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        return cls(seen=torch.zeros(batch, dtype=torch.long, device=device), pos=0,
+        return cls(lengths=torch.zeros(batch, dtype=torch.long, device=device), slots=0,
                    k=torch.zeros(shape, device=device, dtype=dtype),
                    v=torch.zeros(shape, device=device, dtype=dtype),
-                   key_valid=torch.ones(batch, max_len, dtype=torch.bool, device=device))
+                   slot_real=torch.ones(batch, max_len, dtype=torch.bool, device=device))
 
     @property
     def max_len(self) -> int:
@@ -43,41 +43,41 @@ class KVState(State):
     def tensors(self):
         return [self.k, self.v]
 
-    def begin(self, tokens, valid=None) -> Block:
-        self._check(tokens, valid)
-        T, start = tokens.shape[1], self.pos
+    def open(self, tokens, real=None) -> Span:
+        self._check(tokens, real)
+        T, start = tokens.shape[1], self.slots
         if start + T > self.max_len:
             raise ContextFullError(
                 f"KV cache full: {start} tokens held + {T} new > max_len {self.max_len}; "
                 f"allocate a larger state (init_state(max_len=...)) or shorten the input")
-        block = super().begin(tokens, valid)
-        if block.valid is not None:
-            self.key_valid[:, start:start + T] = block.valid
+        span = super().open(tokens, real)
+        if span.real is not None:
+            self.slot_real[:, start:start + T] = span.real
         if self.padded or (T > 1 and start > 0):
             # query slot start+i sees key slot j iff j <= start+i and the key is real;
             # it always sees itself, so a pad query's row is never all-masked (no NaN).
             q_slot = torch.arange(start, start + T, device=self.device)[:, None]
             k_slot = torch.arange(start + T, device=self.device)[None, :]
             causal = k_slot <= q_slot                                     # (T, S)
-            keys = self.key_valid[:, None, None, :start + T]              # (B, 1, 1, S)
-            block.mask = (causal & keys) | (k_slot == q_slot)             # (B, 1, T, S)
-        return block
+            keys = self.slot_real[:, None, None, :start + T]              # (B, 1, 1, S)
+            span.attn_mask = (causal & keys) | (k_slot == q_slot)         # (B, 1, T, S)
+        return span
 
     def __post_init__(self):
         self._layers = list(zip(self.k.unbind(0), self.v.unbind(0)))   # per-layer views, made once
         self._scale = torch.tensor(self.k.shape[-1] ** -0.5, device=self.k.device)
 
-    def attend(self, layer: int, q, k, v, block: Block):
+    def attend(self, layer: int, q, k, v, span: Span):
         """q (B, H, T, D); k, v (B, Hkv, T, D) -> (B, H, T, D)."""
-        start, T = block.start, block.length
+        start, T = span.start, span.length
         cache_k, cache_v = self._layers[layer]                  # (B, Hkv, S_max, D)
         cache_k.narrow(2, start, T).copy_(k)
         cache_v.narrow(2, start, T).copy_(v)
         keys, values = cache_k.narrow(2, 0, start + T), cache_v.narrow(2, 0, start + T)
-        if T == 1 and block.mask is None and start >= ONE_QUERY_MATMUL_FROM:
+        if T == 1 and span.attn_mask is None and start >= ONE_QUERY_MATMUL_FROM:
             return one_query_attention(q, keys, values, self._scale)
-        causal = block.mask is None and T > 1   # prefill from empty, no pads
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=block.mask,
+        causal = span.attn_mask is None and T > 1   # prefill from empty, no pads
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=span.attn_mask,
                                               is_causal=causal, enable_gqa=True)
 
 

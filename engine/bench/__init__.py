@@ -14,8 +14,15 @@ import os
 
 import torch
 
+from tqdm import tqdm
+
+from engine.bench.hf_compare import DEFAULT_PROMPT
+from engine.bench.hf_compare import compare_hf as run_compare
 from engine.bench.memory import available_bytes, check_fits, run_bytes
-from engine.bench.report import (check_targets, decode_crossover, machine_info, memory_crossover)
+from engine.bench.report import decode_crossover, machine_info, memory_crossover
+from engine.loader import load_model
+from engine.threads import current_threads, set_threads
+from models.registry import resolve
 from engine.bench.sweep import (DEFAULT_CONTEXTS, BenchError, BenchSettings, run_in_process,
                                 run_isolated)
 
@@ -47,14 +54,9 @@ def run_bench(settings: BenchSettings, compare_hf: bool = False, hf_new_tokens: 
 
     Every configuration is checked against MemAvailable before the first one runs.
     """
-    from tqdm import tqdm
-
-    from models.loader import load_model, resolve
-    if settings.threads:
-        torch.set_num_threads(settings.threads)
+    set_threads(settings.threads)
     path = resolve(settings.model)
     model, tokenizer = load_model(path, device=settings.device, dtype=settings.dtype)
-    model.native_decode = settings.native
     info = model_info(model)
     fmap = settings.feature_map or model.config.feature_map
     configs = settings.configurations()
@@ -73,7 +75,7 @@ def run_bench(settings: BenchSettings, compare_hf: bool = False, hf_new_tokens: 
 
     report = {
         "settings": {**settings.to_dict(), "model_path": str(path), "feature_map": fmap,
-                     "machine": machine_info(settings.threads), "model_info": info,
+                     "machine": machine_info(current_threads()), "model_info": info,
                      "available_bytes_at_start": available_bytes()},
         "rss_method": results[0]["rss_method"] if results else None,
         "results": results,
@@ -84,11 +86,8 @@ def run_bench(settings: BenchSettings, compare_hf: bool = False, hf_new_tokens: 
         summary["memory_crossover_slots"] = memory_crossover(model.config, model.dtype, fmap)
     report["summary"] = summary
     if compare_hf:
-        from engine.bench.hf_compare import DEFAULT_PROMPT
-        from engine.bench.hf_compare import compare_hf as run_compare
         report["compare_hf"] = run_compare(path, model, tokenizer, new_tokens=hf_new_tokens,
                                            prompt=hf_prompt or DEFAULT_PROMPT, repeats=hf_repeats)
-    report["targets"] = check_targets(results, report.get("compare_hf"))
     return report
 
 

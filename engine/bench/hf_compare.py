@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 
 from engine.bench.sweep import BenchError
+from engine.generate import Generation, GenerationConfig
+from engine.sampling import SamplingParams
 
 DEFAULT_PROMPT = "Once upon a time"
 
@@ -45,12 +47,6 @@ def greedy_step_loop(model, ids: list[int], n: int) -> torch.Tensor:
 
 def _engine_generation(model, ids: list[int], n: int):
     """The engine's own generation loop, greedy, EOS ignored, no tokenizer (no text work)."""
-    try:
-        from engine.generate import Generation, GenerationConfig
-        from engine.sampling import SamplingParams
-    except ImportError:
-        return None
-
     def run():
         cfg = GenerationConfig(max_new_tokens=n, sampling=SamplingParams(temperature=0.0, seed=0), ignore_eos=True)
         gen = Generation(model, [ids], cfg, tokenizer=None, attention="softmax")

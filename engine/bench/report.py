@@ -1,4 +1,4 @@
-"""Turn bench records into the machine description, the summary, the target checks and a table."""
+"""Turn bench records into the machine description, the summary and a table (measurements only)."""
 from __future__ import annotations
 
 import math
@@ -7,15 +7,8 @@ import platform
 
 import torch
 
-from engine.bench.memory import human, total_bytes
+from engine.bench.memory import human, kv_cache_bytes, linear_state_bytes, total_bytes
 
-TARGETS = {   # name: (what, threshold), checked on whatever depths the run holds
-    "linear_decode_flat": "linear decode ms/token at the deepest context / at the shallowest <= 1.10",
-    "linear_state_constant": "linear state bytes identical at every depth",
-    "softmax_bytes_formula": "softmax cache bytes == 2*L*Hkv*D*T*bytes at every depth",
-    "linear_prefill_speedup": "softmax prefill time / linear prefill time at 16384 tokens >= 3",
-    "decode_vs_hf": "engine greedy decode tokens/s / transformers generate tokens/s >= 10",
-}
 
 
 def machine_info(threads: int | None = None) -> dict:
@@ -65,39 +58,8 @@ def decode_crossover(results: list[dict]) -> dict | None:
 
 def memory_crossover(cfg, dtype, feature_map) -> int:
     """Cache slots past which the KV cache holds more bytes than the (fixed) linear state."""
-    from engine.bench.memory import kv_cache_bytes, linear_state_bytes
     per_slot = kv_cache_bytes(cfg, 1, dtype)
     return math.ceil(linear_state_bytes(cfg, feature_map, dtype) / per_slot)
-
-
-def check_targets(results: list[dict], compare_hf: dict | None = None) -> dict:
-    paths = by_path(results)
-    out: dict[str, dict] = {}
-    lin = paths.get("linear", [])
-    soft = paths.get("softmax", [])
-    if len(lin) >= 2:
-        lo, hi = lin[0], lin[-1]
-        v = hi["decode_ms_per_token"] / lo["decode_ms_per_token"]
-        out["linear_decode_flat"] = {"value": round(v, 3), "at": [lo["context"], hi["context"]], "met": v <= 1.10}
-    if lin:
-        sizes = sorted({r["state_bytes"] for r in lin})
-        out["linear_state_constant"] = {"value": sizes, "met": len(sizes) == 1}
-    if soft:
-        ok = all(r["state_bytes"] == r["state_bytes_formula"] for r in soft)
-        out["softmax_bytes_formula"] = {"value": [[r["context"], r["state_bytes"], r["state_bytes_formula"]]
-                                                  for r in soft], "met": ok}
-    both = {r["context"] for r in lin} & {r["context"] for r in soft}
-    if both:
-        at = 16384 if 16384 in both else max(both)
-        s = next(r for r in soft if r["context"] == at)
-        lr = next(r for r in lin if r["context"] == at)
-        v = s["prefill_s"] / lr["prefill_s"]
-        out["linear_prefill_speedup"] = {"value": round(v, 2), "at": at, "met": v >= 3 if at == 16384 else None}
-    if compare_hf:
-        out["decode_vs_hf"] = {"value": round(compare_hf["ratio"], 2), "met": compare_hf["ratio"] >= 10}
-    for name, rec in out.items():
-        rec["target"] = TARGETS[name]
-    return out
 
 
 def summary_lines(report: dict) -> list[str]:
@@ -110,8 +72,8 @@ def summary_lines(report: dict) -> list[str]:
     lines.append(f"model: {s['model']} ({model['parameters'] / 1e6:.2f}M parameters, L={model['layers']}, "
                  f"C={model['hidden_size']}, H={model['heads']}, Hkv={model['kv_heads']}, D={model['head_dim']}, "
                  f"trained positions {model['max_position_embeddings']})")
-    step_kind = ("native C step (engine.native, single-threaded) for batch-1 fp32 CPU, PyTorch otherwise" if s.get("native")
-                 else "PyTorch step")
+    forms = sorted({r.get("step_form") or "?" for r in report["results"]})
+    step_kind = f"backend {s.get('backend', 'auto')}, step form(s) that ran: {', '.join(forms)}"
     lines.append(f"decode: {s['steps']} timed steps after {s['warmup']} warm-up steps, batch 1, greedy, EOS ignored, "
                  f"{step_kind}; "
                  f"peak RSS: {report['rss_method']}")
@@ -138,16 +100,12 @@ def summary_lines(report: dict) -> list[str]:
                      f"generate {hf['hf_tokens_per_s']:.0f} tok/s = {hf['ratio']:.2f}x ({hf['new_tokens']} greedy tokens "
                      f"after a {hf['prompt_tokens']}-token prompt, batch 1, median of {hf['repeats']}; "
                      f"same tokens: {hf['same_tokens']})")
-    for name, t in report.get("targets", {}).items():
-        met = {True: "met", False: "NOT met", None: "n/a"}[t["met"]]
-        lines.append(f"target {name}: {t['value'] if not isinstance(t['value'], list) or len(t['value']) < 4 else '...'}"
-                     f"{' at ' + str(t['at']) if 'at' in t else ''} -> {met} ({t['target']})")
     return lines
 
 
 def format_table(results: list[dict]) -> str:
     head = ["attention", "context", "prefill s", "prefill tok/s", "decode ms/tok", "p90 ms", "decode tok/s",
-            "state bytes", "peak RSS"]
+            "state bytes", "peak RSS", "step"]
     rows = []
     for r in sorted(results, key=lambda r: (r["context"], r["attention"])):
         rows.append([r["attention"] + (f" ({r['feature_map']})" if r.get("feature_map") else ""),
@@ -155,7 +113,7 @@ def format_table(results: list[dict]) -> str:
                      f"{r['prefill_s']:.3f}", f"{r['prefill_tokens_per_s']:.0f}",
                      f"{r['decode_ms_per_token']:.3f}", f"{r['decode_ms_per_token_p90']:.3f}",
                      f"{r['decode_tokens_per_s']:.0f}", f"{r['state_bytes']} ({human(r['state_bytes'])})",
-                     human(r["peak_rss_bytes"])])
+                     human(r["peak_rss_bytes"]), r.get("step_form") or "?"])
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
     fmt = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
     return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])

@@ -26,6 +26,7 @@ import torch
 from engine.attention import check_path, get_feature_map
 from engine.bench.memory import peak_rss_bytes, state_bytes_formula
 from engine.errors import EngineError, InvalidArgumentError
+from engine.steps import Stepper, check_backend
 
 DEFAULT_CONTEXTS = (128, 512, 2048, 8192, 32768)
 
@@ -42,11 +43,12 @@ class BenchSettings:
     feature_map: str | None = None      # linear path; None: the model config's
     steps: int = 64                     # timed decode steps per configuration
     warmup: int = 8                     # untimed decode steps before them
-    threads: int | None = None          # torch intra-op threads; None: torch's default
+    threads: int | None = None          # CPU threads; None: engine.threads.default_threads()
     dtype: str = "float32"
     device: str = "cpu"
     isolate: bool = True                # a fresh subprocess per configuration
-    native: bool = False                # batch-1 fp32 CPU decode steps in C (engine.native)
+    backend: str = "auto"               # the decode step form (engine.steps): auto, torch, native, module
+    native: bool = False                # alias of backend="native"
     seed: int = 0
     contexts_sorted: tuple[int, ...] = field(init=False, repr=False)
 
@@ -62,6 +64,9 @@ class BenchSettings:
             raise InvalidArgumentError(f"steps must be >= 1 and warmup >= 0, got {self.steps}, {self.warmup}")
         if self.threads is not None and self.threads < 1:
             raise InvalidArgumentError(f"threads must be >= 1, got {self.threads}")
+        if self.native:
+            object.__setattr__(self, "backend", "native")
+        check_backend(self.backend)
         object.__setattr__(self, "contexts", ctx)
         object.__setattr__(self, "contexts_sorted", tuple(sorted(set(ctx))))
 
@@ -98,17 +103,21 @@ def _clock(device: torch.device) -> float:
 
 
 def measure(model, attention: str, context: int, steps: int, warmup: int,
-            feature_map: str | None = None, seed: int = 0) -> dict:
-    """Prefill `context` tokens, then time `steps` decode steps (after `warmup`). In-process."""
+            feature_map: str | None = None, seed: int = 0, backend: str = "auto") -> dict:
+    """Prefill `context` tokens, then time `steps` decode steps (after `warmup`). In-process.
+
+    The steps run through a `Stepper` for `backend`; the record names the form that ran them.
+    """
     cfg = model.config
+    step = Stepper(model, backend)
     slots = context + warmup + steps
     if model.rotary is not None:   # grow the rotary table once, outside every timing
         model.rotary.table(slots, model.device, model.dtype)
     prompt = torch.randint(0, cfg.vocab_size, (1, context), generator=torch.Generator().manual_seed(seed))
     scratch = model.init_state(1, max_len=16 + warmup, attention=attention, feature_map=feature_map)
-    tok = _next_token(model.step(prompt[:, :16].to(model.device), scratch, last_only=True))   # warm the kernels
+    tok = _next_token(step(prompt[:, :16].to(model.device), scratch, last_only=True))   # warm the kernels
     for _ in range(warmup):
-        tok = _next_token(model.step(tok, scratch))
+        tok = _next_token(step(tok, scratch))
     del scratch
 
     state = model.init_state(1, max_len=slots, attention=attention, feature_map=feature_map)
@@ -118,14 +127,14 @@ def measure(model, attention: str, context: int, steps: int, warmup: int,
     prompt = prompt.to(dev)
     try:
         t0 = _clock(dev)
-        tok = _next_token(model.step(prompt, state, last_only=True))
+        tok = _next_token(step(prompt, state, last_only=True))
         prefill_s = _clock(dev) - t0
         for _ in range(warmup):
-            tok = _next_token(model.step(tok, state))
+            tok = _next_token(step(tok, state))
         times = []
         for _ in range(steps):
             t0 = _clock(dev)
-            tok = _next_token(model.step(tok, state))
+            tok = _next_token(step(tok, state))
             times.append(_clock(dev) - t0)
     finally:
         gc.enable()
@@ -143,11 +152,13 @@ def measure(model, attention: str, context: int, steps: int, warmup: int,
         "state_bytes_formula": state_bytes_formula(cfg, attention, slots, model.dtype, fmap),
         "beyond_trained_positions": slots > cfg.max_position_embeddings,
         "steps": steps, "warmup": warmup,
+        "step_form": step.last_form, "fallback": step.fallback,
     }
 
 
 def run_in_process(model, settings: BenchSettings, attention: str, context: int) -> dict:
-    rec = measure(model, attention, context, settings.steps, settings.warmup, settings.feature_map, settings.seed)
+    rec = measure(model, attention, context, settings.steps, settings.warmup, settings.feature_map, settings.seed,
+                  settings.backend)
     rec["peak_rss_bytes"] = peak_rss_bytes()
     rec["rss_method"] = ("VmHWM of the bench process itself (--no-isolate): the peak over everything "
                          "run so far, not this configuration alone")
@@ -158,7 +169,7 @@ def run_isolated(model_path: str, settings: BenchSettings, attention: str, conte
     """Run one configuration in a fresh `python -m engine.bench.worker`; returns its record."""
     job = {"model": model_path, "dtype": settings.dtype, "device": settings.device, "threads": settings.threads,
            "attention": attention, "context": context, "steps": settings.steps, "warmup": settings.warmup,
-           "feature_map": settings.feature_map, "seed": settings.seed, "native": settings.native}
+           "feature_map": settings.feature_map, "seed": settings.seed, "backend": settings.backend}
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

@@ -5,23 +5,21 @@ from __future__ import annotations
 import json
 import sys
 
+from engine.bench.memory import peak_rss_bytes, rss_bytes
+from engine.bench.sweep import measure
+from engine.errors import EngineError
+from engine.loader import load_model
+from engine.threads import set_threads
+
 
 def main() -> int:
     job = json.loads(sys.stdin.read())
-    import torch
-
-    from engine.bench.memory import peak_rss_bytes, rss_bytes
-    from engine.bench.sweep import measure
-    from engine.errors import EngineError
-    from models.loader import load_model
-    if job.get("threads"):
-        torch.set_num_threads(job["threads"])
+    set_threads(job.get("threads"))
     try:
         model, _ = load_model(job["model"], device=job["device"], dtype=job["dtype"])
-        model.native_decode = bool(job.get("native"))
         after_load = rss_bytes()
         rec = measure(model, job["attention"], job["context"], job["steps"], job["warmup"],
-                      job.get("feature_map"), job.get("seed", 0))
+                      job.get("feature_map"), job.get("seed", 0), job.get("backend", "auto"))
     except EngineError as e:
         print(f"gen: error: {e}", file=sys.stderr)
         return 2

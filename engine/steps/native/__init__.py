@@ -1,15 +1,21 @@
-"""An optional native decode step (engine/native/decode.c): batch 1, fp32, CPU, either path.
+"""The native step form (decode.c via ctypes): one-token steps in C, either attention path.
 
-    model.native_decode = True        # or load(..., native=True), gen --native, gen bench --native
+    make_step(model, backend="native")      # or load(..., backend="native"), gen --backend native
 
-With it, `Transformer.step` runs a one-token step of an unpadded batch-1 fp32 CPU state (a KV
-cache, or a linear state with any of the four feature maps) in C instead of ~125 PyTorch calls;
-every other case takes the PyTorch path as before. The C code reads the model's weight tensors
-and writes the state's own tensors in place through their data pointers, so prefill (PyTorch)
-and decode (C) share one state. It is compiled on first use
-with the system C compiler ($CC, else cc) into ~/.cache/gen-engine (or $GEN_ENGINE_CACHE),
-keyed by the source's hash; without a compiler, NativeUnavailableError says so.
-tests/test_native.py holds it to the PyTorch step.
+It runs a one-token step of an unpadded batch-1 fp32 CPU state (a KV cache, or a linear state
+with any of the four feature maps) in C instead of ~125 PyTorch calls; `why_not` names every
+other case, which the Stepper hands to the torch form. The C code reads the model's weight
+tensors and writes the state's own tensors in place through their data pointers, so prefill
+(PyTorch) and decode (C) share one state.
+
+Pointers: a `NativeStep` keeps one plan per state it has stepped (a weak map, so a freed state
+frees its plan). Before every step it re-checks each weight's storage pointer, dtype and device
+against the plan's, and rebuilds the plan when any moved (`model.half().float()` swaps the
+storage under the same Parameter objects: stepping on with old pointers would read freed memory).
+
+It is compiled on first use with the system C compiler ($CC, else cc) into ~/.cache/gen-engine
+(or $GEN_ENGINE_CACHE), keyed by the source's hash, the flags and the CPU; without a compiler,
+NativeUnavailableError says so. tests/test_native.py holds it to the module path.
 """
 from __future__ import annotations
 
@@ -23,8 +29,11 @@ from pathlib import Path
 
 import torch
 
+import weakref
+
 from engine.attention.linear import EPS
 from engine.errors import EngineError
+from engine.transformer import layer_weights
 
 SOURCE = Path(__file__).with_name("decode.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared"]
@@ -88,15 +97,41 @@ def _cpu_id() -> str:
     return f"{platform.machine()} {platform.processor()} {flags.strip()}"
 
 
-def applies(model, state, tokens) -> bool:
-    """The cases the C step covers; the caller falls back to PyTorch for all others."""
-    if tokens.shape != (1, 1) or state.padded or tokens.device.type != "cpu":
-        return False
+def why_not(model, state, tokens) -> str | None:
+    """None for the cases the C step covers; otherwise the reason (the caller falls back)."""
+    if tokens.device.type != "cpu":
+        return f"the native step runs on the CPU, not {tokens.device.type}"
+    if tokens.shape != (1, 1):
+        return f"the native step runs batch 1, not batch {tokens.shape[0]}"
+    if state.padded:
+        return "the native step does not run padded states"
     if model.embed_tokens.weight.dtype != torch.float32:
-        return False
-    if state.path == "softmax":
-        return state.k.dtype == torch.float32
-    return state.S.dtype == torch.float32 and state.feature_map.name in MODES
+        return f"the native step needs fp32 weights, not {str(model.embed_tokens.weight.dtype).removeprefix('torch.')}"
+    tensors = state.tensors()
+    if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
+        return "the native step needs a contiguous fp32 state"
+    if state.path == "linear" and state.feature_map.name not in MODES:
+        return f"the native step has no feature map {state.feature_map.name!r}"
+    return None
+
+
+class NativeStep:
+    """The native form: `why_not(state, tokens)`, then `step(tokens, state)` via `__call__`."""
+    name = "native"
+
+    def __init__(self, model, threads: int | None = None):
+        self.library = library()          # raises NativeUnavailableError without a compiler
+        self.model, self.threads = model, threads
+        self.plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # state -> NativeDecoder
+
+    def why_not(self, state, tokens) -> str | None:
+        return why_not(self.model, state, tokens)
+
+    def __call__(self, tokens: torch.Tensor, state) -> torch.Tensor:
+        plan = self.plans.get(state)
+        if plan is None or not plan.still_valid(state):
+            plan = self.plans[state] = NativeDecoder(self.model, state)
+        return plan.step(tokens, state)
 
 
 def _ptr(t: torch.Tensor):
@@ -107,10 +142,9 @@ class NativeDecoder:
     """The Plan for one (model, state) pair: weight and cache pointers, scratch, made once."""
 
     def __init__(self, model, state):
-        from models.decode import _EPOCH, layer_weights
         self.library = library()
         cfg = model.config
-        self.model, self.epoch = model, _EPOCH
+        self.model, self.epoch = model, model.weights_epoch
         weights = layer_weights(model)
         flat = [w for layer in weights for w in layer] + [model.embed_tokens.weight, model.norm.weight,
                                                           model.lm_head.weight]
@@ -130,6 +164,8 @@ class NativeDecoder:
         self.tables = {n: (_P * cfg.num_hidden_layers)(*[_ptr(layer[i]) for layer in weights])
                        for i, n in enumerate(("ln1", "wqkv", "wo", "ln2", "wgu", "wd"))}
         self.keep = (flat, tensors)   # the pointers stay valid while these live
+        self.flat, self.tensors = flat, tensors
+        self.pointers = self._pointers()
         state_ptrs = dict(S=_ptr(state.S), z=_ptr(state.z)) if linear else dict(k=_ptr(state.k), v=_ptr(state.v))
         self.plan = Plan(L=cfg.num_hidden_layers, C=C, H=H, Hkv=Hkv, D=D, I=I, V=cfg.vocab_size,
                          S_max=0 if linear else state.max_len, eps=cfg.rms_norm_eps, scale=D ** -0.5,
@@ -141,14 +177,20 @@ class NativeDecoder:
         self.rope = model.uses_rope(state.path)
         self.V, self.D = cfg.vocab_size, D
 
-    def valid_for(self, model) -> bool:
-        from models.decode import _EPOCH
-        return self.model is model and self.epoch == _EPOCH
+    def _pointers(self) -> list:
+        """(storage pointer, dtype, device) of every weight and state tensor the plan points into."""
+        return [(t.data_ptr(), t.dtype, t.device) for t in self.flat + self.tensors]
+
+    def still_valid(self, state) -> bool:
+        """The plan's pointers are still the tensors' own (checked before every step)."""
+        if self.epoch != self.model.weights_epoch:
+            return False   # .to()/load_state_dict: Parameter objects or their storage were replaced
+        return self._pointers() == self.pointers and state.tensors()[0] is self.tensors[0]
 
     def step(self, tokens: torch.Tensor, state) -> torch.Tensor:
         """tokens (1, 1) -> logits (1, 1, V); writes one cache slot and advances the state."""
-        block = state.begin(tokens)          # capacity check (ContextFullError), as the PyTorch path
-        pos = block.start
+        span = state.open(tokens)            # capacity check (ContextFullError), as the PyTorch path
+        pos = span.start
         token = int(tokens[0, 0])
         if not 0 <= token < self.V:
             raise IndexError(f"token id {token} outside the vocabulary (0..{self.V - 1})")
@@ -159,5 +201,5 @@ class NativeDecoder:
             sin = ctypes.cast(s.data_ptr() + pos * self.D * 4, _P)
         logits = torch.empty(1, 1, self.V)
         self.library.gen_decode_step(self.plan_ref, token, pos, cos, sin, _ptr(logits))
-        state.end(block)
+        state.commit(span)
         return logits

@@ -20,12 +20,13 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from engine.evaluate import evaluate
+from engine.transformer import Transformer
 from models.config import ModelConfig
 from models.corpus import read_documents
 from models.tokenizer import Tokenizer, train_tokenizer
-from models.transformer import Transformer
 from models.weights import save_pretrained
 
 
@@ -156,7 +157,6 @@ def train(a: TrainArgs, log=print) -> Transformer:
 
     bar = None
     if a.progress:
-        from tqdm import tqdm
         bar = tqdm(total=a.steps, initial=step, desc="train", unit="step", dynamic_ncols=True)
     model.train()
     t_last, tok_since = time.perf_counter(), 0

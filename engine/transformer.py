@@ -5,6 +5,9 @@
 Runtime weights are fused where that saves kernel launches on the decode path:
 `qkv` = [q_proj; k_proj; v_proj] and `gate_up` = [gate_proj; up_proj]. Checkpoint names
 are mapped onto these in one place, `models.weights`.
+
+`Transformer.step` is the module path: the reference every faster form of the one-token step
+(`engine.steps`) is held to by tests. The generation loop calls a `Stepper`, which picks the form.
 """
 from __future__ import annotations
 
@@ -15,10 +18,29 @@ import torch.nn.functional as F
 from engine.attention import (STATES, State, check_path, get_feature_map,
                               linear_attention, linear_attention_reference,
                               softmax_attention, softmax_attention_reference)
-from engine.attention.base import Block
-from engine.native import NativeDecoder, applies as native_applies
 from models.config import ModelConfig
-from models.decode import DecodePlan, decode_one, rms_norm
+
+
+def rms_norm(x, weight, eps, n):
+    """RMSNorm in fp32 like Hugging Face Llama; x (..., C). eps, n: floats or 0-dim tensors.
+
+    (x * x).sum / n is bit-identical to x.pow(2).mean (torch's mean is sum then div_), and
+    addcdiv(eps, s, n) to s / n + eps; with 0-dim tensors for eps and n that is 7 kernels, no
+    scalar wrapping.
+    """
+    x32 = x if x.dtype == torch.float32 else x.float()
+    if isinstance(eps, torch.Tensor):
+        r = torch.addcdiv(eps, (x32 * x32).sum(-1, keepdim=True), n).rsqrt_()
+    else:
+        r = (x32 * x32).sum(-1, keepdim=True).div_(n).add_(eps).rsqrt_()
+    return weight * (x32 * r if x.dtype == torch.float32 else (x32 * r).to(x.dtype))
+
+
+def layer_weights(model) -> list[tuple]:
+    """Per layer, the weights one decode step reads: (ln1, qkv, o, ln2, gate_up, down)."""
+    return [(b.input_layernorm.weight, b.self_attn.qkv.weight, b.self_attn.o_proj.weight,
+             b.post_attention_layernorm.weight, b.mlp.gate_up.weight, b.mlp.down_proj.weight)
+            for b in model.layers]
 
 
 class RMSNorm(nn.Module):
@@ -62,7 +84,7 @@ class Rotary(nn.Module):
 
     def signed_table(self, n: int, device, dtype):
         """cos and sign-folded sin (n, D): rotate_half(x) * sin == x[..., perm] * sin_signed, exactly,
-        with perm swapping the two halves (models.decode). Checks only the length per call."""
+        with perm swapping the two halves (engine.steps.torch_step). Checks only the length per call."""
         c = self._cos
         if c is None or c.shape[0] < n or c.dtype != dtype or c.device != device:
             self.table(n, device, dtype)
@@ -112,7 +134,7 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-class Block_(nn.Module):
+class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -130,16 +152,23 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block_(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta) if cfg.position_encoding == "rope" else None
-        self._plan = None
+        self.weights_epoch = 0   # moves whenever the weights may have moved: step forms rebuild their plans
 
-    fast_decode = True   # T = 1 steps take the lean path (models.decode); False: the module path
-    native_decode = False  # True: batch-1 fp32 CPU one-token steps run in C (engine.native)
+    def _apply(self, fn, *args, **kwargs):   # .to(), .half(), .float(), .cuda(): new storage
+        out = super()._apply(fn, *args, **kwargs)
+        self.weights_epoch += 1
+        return out
+
+    def load_state_dict(self, *args, **kwargs):   # assign=True replaces the Parameter objects
+        out = super().load_state_dict(*args, **kwargs)
+        self.weights_epoch += 1
+        return out
 
     @property
     def device(self):
@@ -174,27 +203,17 @@ class Transformer(nn.Module):
         tokens (B, T) int64; valid (B, T) bool, False at left pads (prompt blocks only).
         Returns logits (B, T, V), or (B, 1, V) for the last position if `last_only`.
         """
-        if self.fast_decode and valid is None and tokens.dim() == 2 and tokens.shape[1] == 1:
-            if self.native_decode and native_applies(self, state, tokens):
-                native = getattr(state, "_native", None)
-                if native is None or not native.valid_for(self):
-                    native = state._native = NativeDecoder(self, state)
-                return native.step(tokens, state)
-            plan = self._plan
-            if plan is None or not plan.valid_for(tokens.device, self.embed_tokens.weight.dtype):
-                plan = self._plan = DecodePlan(self, tokens.device, self.embed_tokens.weight.dtype)
-            return decode_one(plan, tokens, state)
-        block = state.begin(tokens, valid)
+        span = state.open(tokens, valid)
         x = self.embed_tokens(tokens)
         rope = None
         if self.uses_rope(state.path):
             if state.padded:   # sequences sit at different positions: gather per sequence
-                rope = self.rotary(block.positions, x.dtype)
+                rope = self.rotary(span.positions, x.dtype)
             else:              # every sequence at start..start+T-1: slice, no gather, no sync
-                rope = self.rotary.for_range(block.start, block.length, x.device, x.dtype)
+                rope = self.rotary.for_range(span.start, span.length, x.device, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, lambda q, k, v, i=i: state.attend(i, q, k, v, block))
-        state.end(block)
+            x = layer(x, rope, lambda q, k, v, i=i: state.attend(i, q, k, v, span))
+        state.commit(span)
         if last_only:
             x = x[:, -1:]
         return self.lm_head(self.norm(x))

@@ -1,0 +1,75 @@
+"""Build the runtime model from a checkpoint on disk (`models.registry`) on a device, in a dtype.
+
+`build` maps Hugging Face-named tensors onto the runtime model (`models.weights.hf_to_runtime`),
+copying only what it must fuse or convert; the rest stay views of the file's memory map.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from engine.transformer import Transformer
+from models.config import ModelConfig
+from models.errors import InvalidArgumentError
+from models.registry import read_checkpoint, resolve
+from models.weights import hf_to_runtime
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise InvalidArgumentError(f"unknown dtype {name!r}; valid: float32, float16, bfloat16") from None
+
+
+def parse_device(device: str | torch.device) -> torch.device:
+    """A torch device this machine has; otherwise an InvalidArgumentError saying what it has."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InvalidArgumentError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidArgumentError(f"device {device!r} asked for, but this torch build or machine has no CUDA; "
+                                   f"use --device cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise InvalidArgumentError(f"device {device!r} does not exist; this machine has "
+                                   f"{torch.cuda.device_count()} CUDA device(s)")
+    if dev.type not in ("cpu", "cuda"):
+        raise InvalidArgumentError(f"unsupported device {device!r}; use cpu or cuda")
+    return dev
+
+
+def load_model(model: str | os.PathLike, device: str | torch.device = "cpu",
+               dtype: str | torch.dtype | None = None):
+    """Load weights (+ tokenizer when one ships) onto `device` in `dtype` (default: fp32).
+
+    Returns (Transformer, tokenizer or None). The model computes in `dtype` whatever dtype the
+    checkpoint stores.
+    """
+    path = resolve(model)
+    dtype = parse_dtype(dtype) or torch.float32
+    device = parse_device(device)
+    ckpt = read_checkpoint(path)
+    return build(ckpt.config, ckpt.tensors, device, dtype, interleaved_rotary=ckpt.interleaved_rotary), ckpt.tokenizer
+
+
+def build(cfg: ModelConfig, hf_tensors, device, dtype, interleaved_rotary: bool = False) -> Transformer:
+    """Instantiate the runtime model from Hugging Face-named tensors, without a random init.
+
+    interleaved_rotary: q/k rows in Meta's layout (llama2.c); permuted once, while fusing.
+    """
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    runtime = hf_to_runtime(hf_tensors, cfg, device, dtype, interleaved_rotary=interleaved_rotary)
+    if cfg.tie_word_embeddings:
+        runtime["lm_head.weight"] = runtime["embed_tokens.weight"]
+    model.load_state_dict(runtime, assign=True, strict=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model.eval()

@@ -1,0 +1,106 @@
+"""The forms of the one-token decode step, side by side behind one protocol; the caller picks one.
+
+    step = make_step(model, backend="auto", threads=None)   # "auto" | "torch" | "native" | "module"
+    logits = step(tokens, state)          # (B, T) -> (B, T, V); prompt blocks run model.step
+    step.last_form                        # the form that ran the last one-token step
+    step.fallback                         # why a faster form did not run it (None: it did)
+
+Forms, each held to the module reference by tests:
+  module  `Transformer.step` itself: nn.Module calls per layer, the reference every form equals
+  torch   `engine.steps.torch_step`: the same arithmetic with the per-token overheads removed
+  native  `engine.steps.native`: the step in C, on the model's own weights and the state's tensors
+
+A form is any object with `name`, `why_not(state, tokens) -> str | None` (None: it can run this
+step) and `__call__(tokens, state) -> logits (B, 1, V)`. It owns whatever it caches (plans, raw
+pointers) and re-checks it before every step; nothing is hung on the model or the state.
+
+Backends: "torch" runs the torch form; "native" the native form where it applies and torch where
+it does not (the reason is kept in `fallback`), and it raises if the C step cannot be built;
+"auto" (the default) is "native" that falls back to torch when the C step cannot be built
+either; "module" runs the reference for every step.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from engine.errors import InvalidArgumentError
+from engine.steps.native import NativeStep, NativeUnavailableError
+from engine.steps.torch_step import TorchStep
+
+BACKENDS = ("auto", "torch", "native", "module")
+
+
+class StepForm(Protocol):
+    name: str
+
+    def why_not(self, state, tokens: torch.Tensor) -> str | None: ...
+
+    def __call__(self, tokens: torch.Tensor, state) -> torch.Tensor: ...
+
+
+class ModuleStep:
+    """The reference: `Transformer.step`, module by module."""
+    name = "module"
+
+    def __init__(self, model):
+        self.model = model
+
+    def why_not(self, state, tokens):
+        return None
+
+    def __call__(self, tokens, state):
+        return self.model.step(tokens, state)
+
+
+def check_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise InvalidArgumentError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    return backend
+
+
+class Stepper:
+    """What the generation loop calls. Prompt blocks (and padded blocks) run the module path;
+    one-token steps run the first form of `forms` that applies (the last one always does)."""
+
+    def __init__(self, model, backend: str = "auto", threads: int | None = None):
+        self.model, self.backend = model, check_backend(backend)
+        self.forms: list[StepForm] = []
+        self.fallback: str | None = None
+        if backend in ("auto", "native"):
+            try:
+                self.forms.append(NativeStep(model, threads=threads))
+            except NativeUnavailableError as e:
+                if backend == "native":
+                    raise
+                self.fallback = str(e)
+        if backend == "module":
+            self.forms.append(ModuleStep(model))
+        else:
+            self.forms.append(TorchStep(model))
+        self.last_form: str | None = None
+
+    @property
+    def forms_available(self) -> list[str]:
+        return [f.name for f in self.forms]
+
+    def __call__(self, tokens: torch.Tensor, state, valid: torch.Tensor | None = None,
+                 last_only: bool = False) -> torch.Tensor:
+        if valid is None and tokens.dim() == 2 and tokens.shape[1] == 1:
+            for form in self.forms:
+                reason = form.why_not(state, tokens)
+                if reason is None:
+                    self.last_form = form.name
+                    return form(tokens, state)
+                self.fallback = f"{form.name}: {reason}"
+        self.last_form = "module"
+        return self.model.step(tokens, state, valid=valid, last_only=last_only)
+
+
+def make_step(model, backend: str = "auto", threads: int | None = None) -> Stepper:
+    return Stepper(model, backend, threads)
+
+
+__all__ = ["BACKENDS", "StepForm", "Stepper", "ModuleStep", "TorchStep", "NativeStep", "NativeUnavailableError",
+           "make_step", "check_backend"]
