@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
-from models.errors import CheckpointError, ConfigError
 from models.config import ModelConfig
+from models.errors import CheckpointError, ConfigError
+from models.hf_dir import SINGLE, write_safetensors
 from models.weights import hf_to_llama2c, interleaved_to_half, llama2c_layout, runtime_to_hf
 
 MAGIC = 0x616B3432
@@ -156,11 +159,6 @@ def convert_llama2c(src: str | os.PathLike, out_dir: str | os.PathLike, tokenize
 
     Streams tensor by tensor from the memory-mapped input; `progress` shows a bar over bytes written.
     """
-    import shutil
-
-    from tqdm import tqdm
-
-    from models.hf_dir import SINGLE, write_safetensors
     cfg, tensors = read_llama2c(src)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
