@@ -18,6 +18,7 @@ from cli.bench import bench_cmd
 from cli.convert import convert_cmd
 from cli.eval import eval_cmd
 from cli.generate import generate_cmd
+from cli.serve import serve_cmd
 from cli.train import train_cmd
 
 DEFAULT_COMMAND = "generate"
@@ -72,6 +73,7 @@ main.add_command(train_cmd)
 main.add_command(eval_cmd)
 main.add_command(convert_cmd)
 main.add_command(bench_cmd)
+main.add_command(serve_cmd)
 
 if __name__ == "__main__":
     main()

@@ -76,6 +76,63 @@ class State:
     def tensors(self) -> list[torch.Tensor]:
         raise NotImplementedError
 
+    # ------------------------------------------------------------------ saving and batching
+    def identity(self) -> dict:
+        """What a saved state must match to be loaded: path, tensor shapes without the batch and
+        slot axes, dtype (and the feature map on the linear path). JSON-able."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        """{"tensors": {name: tensor}, "meta": JSON-able dict}: the tensors (copies, the KV cache cut
+        to the slots written), lengths, slots, padded, and `identity()`. See `load_state_dict`."""
+        tensors = {name: t.clone() for name, t in self._saved_tensors().items()}
+        tensors["lengths"] = self.lengths.clone()
+        meta = dict(self.identity(), slots=int(self.slots), padded=bool(self.padded),
+                    batch=self.batch_size)
+        return {"tensors": tensors, "meta": meta}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Copy a `state_dict()` into this state (same identity and batch; enough capacity), in place."""
+        meta, tensors = sd["meta"], sd["tensors"]
+        mine = self.identity()
+        theirs = {k: meta.get(k) for k in mine}
+        if theirs != mine:
+            diff = ", ".join(f"{k}: saved {theirs[k]!r}, here {mine[k]!r}" for k in mine if theirs[k] != mine[k])
+            raise StateMismatchError(f"the saved state does not fit this state ({diff}); "
+                                     f"load it into a state of the same model, path and dtype")
+        if meta["batch"] != self.batch_size:
+            raise StateMismatchError(f"the saved state holds {meta['batch']} sequences, this state "
+                                     f"{self.batch_size}; allocate a state with batch={meta['batch']}")
+        if self.max_len is not None and meta["slots"] > self.max_len:
+            raise StateMismatchError(f"the saved state holds {meta['slots']} slots but this state has room "
+                                     f"for {self.max_len}; allocate it with max_len >= {meta['slots']}")
+        self._load_tensors(tensors, meta["slots"])
+        self.lengths.copy_(tensors["lengths"])
+        self.slots, self.padded = int(meta["slots"]), bool(meta["padded"])
+
+    def select_rows(self, idx, max_len: int | None = None) -> "State":
+        """A new state holding rows `idx` (a list of ints) of this one, copied; this state is unchanged.
+        A KV cache drops the leading slots that are pads in every kept row and gets capacity
+        `max_len` (default: its own minus the slots dropped)."""
+        raise NotImplementedError
+
+    @classmethod
+    def concat(cls, states: list["State"], max_len: int | None = None) -> "State":
+        """One batch state holding the rows of `states` in order (copies; the inputs are unchanged).
+        KV caches are right-aligned to the longest (shorter ones get leading pad slots, masked), so
+        every row keeps its own positions; `max_len` is the new capacity (default: the largest)."""
+        raise NotImplementedError
+
+    def _saved_tensors(self) -> dict:
+        raise NotImplementedError
+
+    def _load_tensors(self, tensors: dict, slots: int) -> None:
+        raise NotImplementedError
+
+    def _after_regroup(self) -> None:
+        """Recompute `padded` after rows were regrouped: False iff every slot of every row is real."""
+        self.padded = not bool((self.lengths == self.slots).all())
+
     # ------------------------------------------------------------------ derived
     @property
     def pos(self) -> int:      # the name earlier releases used for `slots`

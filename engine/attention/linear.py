@@ -18,6 +18,7 @@ import torch
 
 from engine.attention.base import State
 from engine.attention.feature_maps import FeatureMap, get_feature_map, state_dtype
+from engine.errors import StateMismatchError
 
 EPS = 1e-6          # the denominator's eps: out = num / (phi(q)^T z + EPS)
 # 0-dim tensors in each state dtype: no scalar wrap and no dtype cast per decode step
@@ -51,6 +52,49 @@ class LinearState(State):
 
     def tensors(self):
         return [self.S, self.z]
+
+    # ------------------------------------------------------------------ saving and batching
+    def identity(self) -> dict:
+        L, _, Hkv, F_, Dv = self.S.shape
+        return {"path": self.path, "layers": L, "kv_heads": Hkv, "features": F_, "head_dim": Dv,
+                "feature_map": self.feature_map.name, "dtype": str(self.S.dtype).removeprefix("torch.")}
+
+    def _saved_tensors(self):
+        return {"S": self.S, "z": self.z}
+
+    def _load_tensors(self, tensors, slots):
+        self.S.copy_(tensors["S"])
+        self.z.copy_(tensors["z"])
+
+    def select_rows(self, idx, max_len=None) -> "LinearState":
+        idx = torch.as_tensor(list(idx), dtype=torch.long, device=self.device)
+        out = LinearState(lengths=self.lengths[idx].clone(), slots=0, S=self.S[:, idx].clone(),
+                          z=self.z[:, idx].clone(), feature_map=self.feature_map)
+        out.slots = int(out.lengths.max()) if len(idx) else 0
+        out._after_regroup()
+        return out
+
+    @classmethod
+    def concat(cls, states, max_len=None) -> "LinearState":
+        for s in states:
+            if s.identity() != states[0].identity():
+                raise StateMismatchError("states of different shapes, dtypes or feature maps cannot share a batch")
+        out = cls(lengths=torch.cat([s.lengths for s in states]), slots=0,
+                  S=torch.cat([s.S for s in states], 1), z=torch.cat([s.z for s in states], 1),
+                  feature_map=states[0].feature_map)
+        out.slots = int(out.lengths.max())
+        out._after_regroup()
+        return out
+
+    @classmethod
+    def from_state_dict(cls, sd, max_len: int | None = None, device=None) -> "LinearState":
+        """A new state from `state_dict()` output (`max_len` is ignored: the state does not grow)."""
+        S, z = sd["tensors"]["S"], sd["tensors"]["z"]
+        out = cls(lengths=torch.zeros(S.shape[1], dtype=torch.long, device=device or S.device), slots=0,
+                  S=torch.zeros_like(S, device=device), z=torch.zeros_like(z, device=device),
+                  feature_map=get_feature_map(sd["meta"]["feature_map"]))
+        out.load_state_dict(sd)
+        return out
 
     def attend(self, layer: int, q, k, v, span):
         """q (B, H, T, D); k, v (B, Hkv, T, D) -> (B, H, T, Dv) in q's dtype."""

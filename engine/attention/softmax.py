@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import Span, State
-from engine.errors import ContextFullError
+from engine.errors import ContextFullError, StateMismatchError
 
 # Decode (one query, no mask) from this many cached keys on uses two matmuls instead of SDPA:
 # measured on the 2-core dev VM, 1 thread: SDPA's kernel wins below ~1k keys, the matmuls above (2x at 32k).
@@ -66,6 +66,82 @@ class KVState(State):
     def __post_init__(self):
         self._layers = list(zip(self.k.unbind(0), self.v.unbind(0)))   # per-layer views, made once
         self._scale = torch.tensor(self.k.shape[-1] ** -0.5, device=self.k.device)
+
+    # ------------------------------------------------------------------ saving and batching
+    def identity(self) -> dict:
+        L, _, Hkv, _, D = self.k.shape
+        return {"path": self.path, "layers": L, "kv_heads": Hkv, "head_dim": D,
+                "dtype": str(self.k.dtype).removeprefix("torch.")}
+
+    def _saved_tensors(self):
+        n = self.slots
+        return {"k": self.k[:, :, :, :n], "v": self.v[:, :, :, :n], "slot_real": self.slot_real[:, :n]}
+
+    def _load_tensors(self, tensors, slots):
+        self.k[:, :, :, :slots].copy_(tensors["k"])
+        self.v[:, :, :, :slots].copy_(tensors["v"])
+        self.slot_real.fill_(True)
+        self.slot_real[:, :slots].copy_(tensors["slot_real"])
+
+    def first_real_slot(self) -> torch.Tensor:
+        """(B,) int64: each row's first real slot (= slots for a row with none)."""
+        real = self.slot_real[:, :self.slots]
+        first = real.int().argmax(1)
+        return torch.where(real.any(1), first, torch.full_like(first, self.slots))
+
+    def select_rows(self, idx, max_len=None) -> "KVState":
+        idx = torch.as_tensor(list(idx), dtype=torch.long, device=self.device)
+        drop = int(self.first_real_slot()[idx].min()) if len(idx) and self.slots else 0
+        n = self.slots - drop
+        max_len = max(max_len or self.max_len - drop, n)
+        L, _, Hkv, _, D = self.k.shape
+        out = KVState.allocate_shape(L, len(idx), Hkv, max_len, D, self.device, self.k.dtype)
+        out.k[:, :, :, :n] = self.k[:, idx, :, drop:self.slots]
+        out.v[:, :, :, :n] = self.v[:, idx, :, drop:self.slots]
+        out.slot_real[:, :n] = self.slot_real[idx, drop:self.slots]
+        out.lengths.copy_(self.lengths[idx])
+        out.slots = n
+        out._after_regroup()
+        return out
+
+    @classmethod
+    def concat(cls, states, max_len=None) -> "KVState":
+        P = max(s.slots for s in states)
+        max_len = max(max_len or max(s.max_len for s in states), P)
+        L, _, Hkv, _, D = states[0].k.shape
+        out = cls.allocate_shape(L, sum(s.batch_size for s in states), Hkv, max_len, D,
+                                 states[0].device, states[0].k.dtype)
+        b = 0
+        for s in states:
+            if s.identity() != states[0].identity():
+                raise StateMismatchError("states of different shapes or dtypes cannot share a batch")
+            rows, lo = slice(b, b + s.batch_size), P - s.slots      # right-align: pads in [0, lo)
+            out.k[:, rows, :, lo:P] = s.k[:, :, :, :s.slots]
+            out.v[:, rows, :, lo:P] = s.v[:, :, :, :s.slots]
+            out.slot_real[rows, :lo] = False
+            out.slot_real[rows, lo:P] = s.slot_real[:, :s.slots]
+            out.lengths[rows] = s.lengths
+            b += s.batch_size
+        out.slots = P
+        out._after_regroup()
+        return out
+
+    @classmethod
+    def allocate_shape(cls, layers, batch, kv_heads, max_len, head_dim, device, dtype) -> "KVState":
+        shape = (layers, batch, kv_heads, max_len, head_dim)
+        return cls(lengths=torch.zeros(batch, dtype=torch.long, device=device), slots=0,
+                   k=torch.zeros(shape, device=device, dtype=dtype),
+                   v=torch.zeros(shape, device=device, dtype=dtype),
+                   slot_real=torch.ones(batch, max_len, dtype=torch.bool, device=device))
+
+    @classmethod
+    def from_state_dict(cls, sd, max_len: int | None = None, device=None) -> "KVState":
+        """A new state from `state_dict()` output, with capacity `max_len` (default: the slots saved)."""
+        k, meta = sd["tensors"]["k"], sd["meta"]
+        L, B, Hkv, n, D = k.shape
+        out = cls.allocate_shape(L, B, Hkv, max(max_len or n, n), D, device or k.device, k.dtype)
+        out.load_state_dict(sd)
+        return out
 
     def attend(self, layer: int, q, k, v, span: Span):
         """q (B, H, T, D); k, v (B, Hkv, T, D) -> (B, H, T, D)."""

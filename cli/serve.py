@@ -1,0 +1,38 @@
+"""`gen serve`: an OpenAI-compatible HTTP server (see engine/serve and README 'Serving')."""
+from __future__ import annotations
+
+import click
+
+from cli.common import fail, run_guarded
+from engine.serve import open_server, run
+
+
+@click.command("serve")
+@click.option("--model", "model_name", default="tiny", show_default=True,
+              help="registered name or path; also the name clients send as `model`")
+@click.option("--attention", type=click.Choice(["softmax", "linear"]),
+              help="default path (default: the model's own); requests may pick either with `attention`")
+@click.option("--feature-map", help="linear attention feature map (elu1, relu, softmax, cos1)")
+@click.option("--host", default="127.0.0.1", show_default=True, help="address to bind (loopback by default)")
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--max-batch", default=16, show_default=True, type=int, help="sequences decoded at once")
+@click.option("--max-queue", type=int, help="requests waiting for a row beyond those (default 4 x max-batch); "
+                                            "more get 429 with Retry-After")
+@click.option("--max-context", type=int, help="softmax tokens per sequence, prompt included "
+                                               "(default: the model's max_position_embeddings)")
+@click.option("--dtype", help="float32 (default), bfloat16, float16")
+@click.option("--backend", type=click.Choice(["auto", "torch", "native", "module"]), default="torch",
+              show_default=True, help="decode step form (torch: the same form at every batch size)")
+@click.option("--threads", type=int, help="CPU threads (default: 1)")
+def serve_cmd(model_name, attention, feature_map, host, port, max_batch, max_queue, max_context, dtype, backend,
+              threads):
+    """Serve MODEL over HTTP: /v1/models, /v1/completions, /v1/chat/completions (OpenAI format, SSE streams)."""
+    if max_batch < 1:
+        fail(f"--max-batch must be >= 1, got {max_batch}")
+    if max_context is not None and max_context < 2:
+        fail(f"--max-context must be >= 2, got {max_context}")
+    if not 0 < port < 65536:
+        fail(f"--port must be in 1..65535, got {port}")
+    server = run_guarded(lambda: open_server(model_name, attention, feature_map, dtype, backend, threads,
+                                             max_batch, max_context, max_queue))
+    run_guarded(lambda: run(server, host=host, port=port))

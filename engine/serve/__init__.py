@@ -1,0 +1,46 @@
+"""`gen serve`: an OpenAI-compatible HTTP server with continuous batching on either attention path.
+
+    from engine.serve import Server, create_app, run
+    server = Server(llm, name="tiny", max_batch=16, max_context=256)
+    run(server, host="127.0.0.1", port=8000)       # or: uvicorn.run(create_app(server), ...)
+
+A leaf of the engine: nothing else in engine/ imports it.
+"""
+from __future__ import annotations
+
+import uvicorn
+
+from engine.api import load
+from engine.serve.app import create_app
+from engine.serve.chat import ChatTemplate
+from engine.serve.prefix_cache import PrefixCache
+from engine.serve.scheduler import Job, Scheduler
+from engine.serve.server import Server
+from models.registry import resolve
+
+
+def open_server(model: str, attention: str | None = None, feature_map: str | None = None, dtype=None,
+                backend: str = "torch", threads: int | None = None, max_batch: int = 16,
+                max_context: int | None = None, max_queue: int | None = None) -> Server:
+    """Load `model` (a registered name or a path) and wrap it in a Server named `model`, with the
+    chat template shipped next to its weights when there is one.
+
+    backend "torch" by default: one step form for every batch size, so a request's tokens do not
+    depend on how many others share its step (the native C step runs batch 1 only).
+    """
+    llm = load(model, attention=attention, feature_map=feature_map, dtype=dtype, backend=backend, threads=threads)
+    template = ChatTemplate.find(resolve(model), llm.tokenizer) if llm.tokenizer is not None else None
+    return Server(llm, name=str(model), max_batch=max_batch, max_context=max_context, max_queue=max_queue,
+                  chat_template=template)
+
+
+def run(server: Server, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    """Serve until interrupted (Ctrl-C); prints the prefix cache's figures on the way out."""
+    uvicorn.run(create_app(server), host=host, port=port, log_level=log_level)
+    s = server.scheduler.cache.stats()
+    print(f"prefix cache: {s['hits']} hits / {s['misses']} misses, {s['tokens_saved']} prompt tokens "
+          f"restored (~{s['time_saved_s']:.2f} s of prefill saved); held: "
+          + ", ".join(f"{p}: {d['entries']} prompts, {d['bytes'] / 2**20:.2f} MiB" for p, d in s["by_path"].items()))
+
+
+__all__ = ["Server", "open_server", "create_app", "run", "ChatTemplate", "PrefixCache", "Job", "Scheduler"]

@@ -1,0 +1,237 @@
+"""The HTTP app (FastAPI): OpenAI's /v1/models, /v1/completions, /v1/chat/completions, plus /health
+and /stats. Streaming answers are Server-Sent Events (sse-starlette) ending in `data: [DONE]`.
+
+Bodies are parsed here (not by FastAPI's 422 machinery) so every bad request is a 400 with an
+OpenAI-style error body; an unknown model is a 404, a full server a 429 with Retry-After, a
+failure inside the engine a 500 (in a stream, after the 200 has gone: an `error` event, then the
+stream ends). A client that goes away cancels its job: the row leaves before the next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from sse_starlette.sse import EventSourceResponse
+from starlette.responses import JSONResponse
+
+from engine.serve.errors import APIError, bad_request, server_error
+from engine.serve.scheduler import Failure, Token
+from engine.serve.schemas import ChatRequest, CompletionRequest, parse
+from engine.serve.server import COMPLETION_DEFAULT_MAX_TOKENS, Server
+
+POLL_S = 0.25     # a non-streaming handler checks for a vanished client this often
+
+
+def create_app(server: Server) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app):
+        server.scheduler.start()
+        try:
+            yield
+        finally:
+            server.scheduler.stop()
+
+    app = FastAPI(title="gen", lifespan=lifespan)
+    app.state.server = server
+    created = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        return exc.response()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": server.name}
+
+    @app.get("/stats")
+    async def stats():
+        return server.scheduler.stats()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": server.name, "object": "model", "created": created,
+                                            "owned_by": "gen"}]}
+
+    @app.get("/v1/models/{name}")
+    async def model(name: str):
+        server.check_model(name)
+        return {"id": server.name, "object": "model", "created": created, "owned_by": "gen"}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = parse(CompletionRequest, await _json(request))
+        server.check_model(req.model)
+        return await _serve(request, req, server.completion_ids(req), CompletionFormat(server, req),
+                            COMPLETION_DEFAULT_MAX_TOKENS)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        req = parse(ChatRequest, await _json(request))
+        server.check_model(req.model)
+        return await _serve(request, req, server.chat_ids(req), ChatFormat(server, req), None)
+
+    async def _serve(request: Request, req, ids, fmt, default_max_tokens):
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        job = server.make_job(req, ids, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev),
+                              default_max_tokens)
+        server.submit(job)
+        if req.stream:
+            return EventSourceResponse(_stream(job, queue, fmt, req.include_usage), ping=15)
+        try:
+            while True:
+                try:
+                    ev = await asyncio.wait_for(queue.get(), POLL_S)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        job.cancel()
+                        return JSONResponse({}, status_code=499)
+                    continue
+                if isinstance(ev, Failure):
+                    return server_error(ev.message).response()
+                fmt.add(ev)
+                if ev.finish_reason is not None:
+                    return fmt.whole(usage(job))
+        finally:
+            job.cancel()
+
+    async def _stream(job, queue, fmt, include_usage):
+        try:
+            for chunk in fmt.opening():
+                yield {"data": json.dumps(chunk)}
+            while True:
+                ev = await queue.get()
+                if isinstance(ev, Failure):
+                    yield {"data": json.dumps(server_error(ev.message).body())}
+                    return
+                chunk = fmt.chunk(ev)
+                if chunk is not None:
+                    yield {"data": json.dumps(chunk)}
+                if ev.finish_reason is not None:
+                    break
+            if include_usage:
+                yield {"data": json.dumps(fmt.usage_chunk(usage(job)))}
+            yield {"data": "[DONE]"}
+        finally:
+            job.cancel()   # a client gone mid-stream (the task is cancelled here) frees its row
+
+    return app
+
+
+async def _json(request: Request):
+    body = await request.body()
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
+
+
+def usage(job) -> dict:
+    p, c = len(job.ids), len(job.generated)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": job.cached_tokens}}
+
+
+class CompletionFormat:
+    """/v1/completions objects ("text_completion"); logprobs in the legacy layout."""
+
+    def __init__(self, server: Server, req):
+        self.server, self.req = server, req
+        self.id, self.created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        self.text, self.reason = "", None
+        self.logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []} \
+            if req.logprobs is not None else None
+        self.offset = 0
+
+    def _base(self, choices, usage=None) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.server.name,
+                "choices": choices, "usage": usage}
+
+    def _logprobs(self, ev: Token) -> dict | None:
+        if ev.logprob is None:
+            return None
+        tt = self.server.token_text
+        out = {"tokens": [tt(ev.id)], "token_logprobs": [ev.logprob],
+               "top_logprobs": [{tt(i): lp for i, lp in (ev.top or [])}], "text_offset": [self.offset]}
+        self.offset += len(ev.text)
+        return out
+
+    def opening(self):
+        return []
+
+    def add(self, ev: Token) -> None:
+        lp = self._logprobs(ev)
+        if lp is not None:
+            for k in self.logprobs:
+                self.logprobs[k] += lp[k]
+        self.text += ev.text
+        self.reason = ev.finish_reason or self.reason
+
+    def chunk(self, ev: Token):
+        lp = self._logprobs(ev)
+        if not ev.text and ev.finish_reason is None and lp is None:
+            return None
+        return self._base([{"index": 0, "text": ev.text, "logprobs": lp, "finish_reason": ev.finish_reason}])
+
+    def whole(self, usage: dict) -> dict:
+        return self._base([{"index": 0, "text": self.text, "logprobs": self.logprobs,
+                            "finish_reason": self.reason}], usage)
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return self._base([], usage)
+
+
+class ChatFormat:
+    """/v1/chat/completions objects ("chat.completion", "chat.completion.chunk")."""
+
+    def __init__(self, server: Server, req):
+        self.server, self.req = server, req
+        self.id, self.created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        self.text, self.reason = "", None
+        self.content = [] if req.logprobs else None
+
+    def _base(self, obj, choices, usage=None) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.server.name,
+                "choices": choices, "usage": usage}
+
+    def _entry(self, ev: Token) -> dict | None:
+        if ev.logprob is None:
+            return None
+        tt = self.server.token_text
+
+        def one(i, lp):
+            s = tt(i)
+            return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+        return dict(one(ev.id, ev.logprob), top_logprobs=[one(i, lp) for i, lp in (ev.top or [])])
+
+    def opening(self):
+        return [self._base("chat.completion.chunk", [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                       "logprobs": None, "finish_reason": None}])]
+
+    def add(self, ev: Token) -> None:
+        entry = self._entry(ev)
+        if entry is not None:
+            self.content.append(entry)
+        self.text += ev.text
+        self.reason = ev.finish_reason or self.reason
+
+    def chunk(self, ev: Token):
+        entry = self._entry(ev)
+        if not ev.text and ev.finish_reason is None and entry is None:
+            return None
+        delta = {"content": ev.text} if ev.text else {}
+        return self._base("chat.completion.chunk", [{
+            "index": 0, "delta": delta, "logprobs": {"content": [entry]} if entry else None,
+            "finish_reason": ev.finish_reason}])
+
+    def whole(self, usage: dict) -> dict:
+        return self._base("chat.completion", [{
+            "index": 0, "message": {"role": "assistant", "content": self.text},
+            "logprobs": {"content": self.content} if self.content is not None else None,
+            "finish_reason": self.reason}], usage)
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return self._base("chat.completion.chunk", [], usage)

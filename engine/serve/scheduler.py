@@ -1,0 +1,290 @@
+"""Continuous batching: one thread runs every decode step; requests join and leave between steps.
+
+    scheduler = Scheduler(model, tokenizer, stepper, max_batch=16)
+    scheduler.start()
+    job = Job(ids, path="linear", params=SamplingParams(...), max_tokens=64, emit=callback)
+    scheduler.submit(job)       # raises Full when every batch row and queue place is taken
+    job.cancel()                # the client went away: the row leaves before the next step
+
+Each attention path has a `Pool`: one batch state holding every active sequence of that path
+and the jobs in row order. A loop iteration (1) admits queued jobs: each is prefilled alone in
+a batch-1 state (restored from the prefix cache when its prompt extends a cached one), its
+first token sampled, and the state joined to its pool's batch (`State.concat`: a KV row is
+right-aligned, its leading slots masked pads, so it keeps its own positions); (2) runs one
+decode step per pool over every row; (3) drops finished and cancelled rows
+(`State.select_rows`, which also trims pad slots no kept row needs).
+
+A request's tokens do not depend on what else runs: each job has its own `Sampler` (its own
+seeded torch.Generator), its prompt is prefilled alone, and decode rows never mix (per-row
+positions, masked pads; linear rows are independent by construction). An exception in a
+step fails that pool's jobs only; the loop goes on.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.detokenize import StreamDecoder
+from engine.generate import eos_set
+from engine.sampling import Sampler, SamplingParams
+from engine.serve.prefix_cache import PrefixCache
+from engine.stopping import StopText
+
+
+class Full(Exception):
+    """Every batch row and queue place is taken."""
+
+
+@dataclass
+class Token:
+    """One sampled token of a job, as delivered to its consumer."""
+    id: int
+    text: str                               # text this token releases (may be "")
+    finish_reason: str | None               # "stop" | "length" on the last token
+    logprob: float | None = None            # log p(chosen) under the model (before sampling filters)
+    top: list[tuple[int, float]] | None = None   # the top_logprobs alternatives (id, logprob)
+
+
+@dataclass
+class Failure:
+    """The job failed inside the engine (HTTP 500)."""
+    message: str
+
+
+@dataclass(eq=False)
+class Job:
+    """One request: prompt ids, settings, and where its tokens go (`emit` is called from the loop's thread)."""
+    ids: list[int]
+    path: str
+    params: SamplingParams
+    max_tokens: int
+    emit: object                              # callable(Token | Failure)
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None               # None: none; k >= 0: the chosen token's and the top k
+    ignore_eos: bool = False
+    generated: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    cached_tokens: int = 0                    # prompt tokens restored from the prefix cache
+    submitted: float = field(default_factory=time.perf_counter)
+    _cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+
+class Running:
+    """A job being decoded: its sampler, detokenizer and stop filter."""
+
+    def __init__(self, job: Job, tokenizer, vocab_size: int, device):
+        self.job = job
+        self.sampler = Sampler(job.params, 1, vocab_size, device)
+        self.sampler.observe(torch.tensor([job.ids], device=device))
+        self.decoder = StreamDecoder(tokenizer) if tokenizer is not None else None
+        self.stopper = StopText(job.stop)
+
+
+@dataclass
+class Pool:
+    """One attention path's batch: the state (None when empty) and its jobs in row order."""
+    state: object = None
+    rows: list = field(default_factory=list)      # Running, in row order
+
+
+class Scheduler:
+    """The decode loop and its queue. max_batch: sequences decoded at once (over both paths);
+    max_queue: requests waiting beyond those (more are refused with `Full`)."""
+
+    def __init__(self, model, tokenizer, stepper, max_batch: int = 16, max_queue: int | None = None,
+                 feature_map: str | None = None, cache: PrefixCache | None = None):
+        self.model, self.tokenizer, self.stepper = model, tokenizer, stepper
+        self.max_batch = max_batch
+        self.max_queue = max_queue if max_queue is not None else 4 * max_batch
+        self.feature_map = feature_map
+        self.cache = cache if cache is not None else PrefixCache()
+        self.eos = frozenset(eos_set(model.config, tokenizer))
+        self.pools: dict[str, Pool] = {}
+        self.pending: deque[Job] = deque()
+        self.cond = threading.Condition()
+        self.thread: threading.Thread | None = None
+        self._stopping = False
+        self.steps = 0                # decode steps run (one per pool per iteration)
+        self.failures = 0             # steps or prefills that raised
+
+    # ------------------------------------------------------------------ control
+    def start(self) -> None:
+        self._stopping = False
+        self.thread = threading.Thread(target=self._loop, name="gen-serve-scheduler", daemon=True)
+        self.thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self.cond:
+            self._stopping = True
+            self.cond.notify_all()
+        if self.thread is not None:
+            self.thread.join(timeout)
+        for job in list(self.pending) + [r.job for p in self.pools.values() for r in p.rows]:
+            job.emit(Failure("the server is shutting down"))
+        self.pending.clear()
+        self.pools.clear()
+
+    def submit(self, job: Job) -> None:
+        with self.cond:
+            if self.active + len(self.pending) >= self.max_batch + self.max_queue:
+                raise Full()
+            self.pending.append(job)
+            self.cond.notify_all()
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def active(self) -> int:
+        """Sequences holding a decoding state (rows of the batch states)."""
+        return sum(len(p.rows) for p in self.pools.values())
+
+    @property
+    def states(self) -> int:
+        """Batch states held (one per path with active sequences; 0 when idle)."""
+        return sum(p.state is not None for p in self.pools.values())
+
+    def stats(self) -> dict:
+        return {"active": self.active, "queued": len(self.pending), "states": self.states,
+                "state_bytes": sum(p.state.nbytes for p in self.pools.values() if p.state is not None),
+                "steps": self.steps, "failures": self.failures, "max_batch": self.max_batch,
+                "max_queue": self.max_queue, "prefix_cache": self.cache.stats()}
+
+    # ------------------------------------------------------------------ the loop
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                while not self._stopping and not self.pending and not self.active:
+                    self.cond.wait(0.5)
+                if self._stopping:
+                    return
+                room = self.max_batch - self.active
+                new = [self.pending.popleft() for _ in range(min(room, len(self.pending)))]
+            joining: dict[str, list] = {}
+            for job in new:
+                if job.cancelled:
+                    continue
+                admitted = self._admit(job)
+                if admitted is not None:
+                    joining.setdefault(job.path, []).append(admitted)
+            for path, items in joining.items():
+                self._join(path, items)
+            for path in list(self.pools):
+                self._step(path)
+
+    def _admit(self, job: Job):
+        """Prefill `job` alone (from the prefix cache when it can) and sample its first token.
+        Returns (Running, batch-1 state) when the job goes on decoding, else None."""
+        try:
+            run = Running(job, self.tokenizer, self.model.config.vocab_size, self.model.device)
+            need = len(job.ids) + job.max_tokens
+            hit = self.cache.lookup(job.path, job.ids)
+            t0 = time.perf_counter()
+            if hit is not None:
+                entry, n = hit
+                state = entry.state.select_rows([0], max_len=need)
+                job.cached_tokens = n
+                logits = entry.logits if n == len(job.ids) else None
+            else:
+                state, n, logits = self.model.init_state(batch=1, max_len=need, attention=job.path,
+                                                         feature_map=self.feature_map), 0, None
+            if logits is None:
+                tokens = torch.tensor([job.ids[n:]], device=self.model.device)   # (1, T)
+                logits = self.stepper(tokens, state, last_only=True)[:, -1]      # (1, V)
+                self.cache.record_prefill(len(job.ids) - n, time.perf_counter() - t0)
+                self.cache.put(job.path, job.ids, state, logits)
+            if not self._emit(run, logits):
+                return None
+            return run, state
+        except Exception as e:   # noqa: BLE001 -- a failed prefill fails this request only
+            self.failures += 1
+            job.emit(Failure(f"prefill failed: {type(e).__name__}: {e}"))
+            return None
+
+    def _join(self, path: str, items: list) -> None:
+        pool = self.pools.setdefault(path, Pool())
+        rows = pool.rows + [run for run, _ in items]
+        states = ([pool.state] if pool.state is not None else []) + [state for _, state in items]
+        try:
+            pool.state = type(states[0]).concat(states, max_len=self._capacity(states, rows))
+            pool.rows = rows
+        except Exception as e:   # noqa: BLE001
+            self._fail(pool, rows, e)
+
+    @staticmethod
+    def _capacity(states, rows) -> int | None:
+        """Slots a KV batch needs: the longest row's slots + the most tokens any row may still feed."""
+        if states[0].max_len is None:
+            return None
+        return max(s.slots for s in states) + max(r.job.max_tokens - len(r.job.generated) for r in rows)
+
+    def _step(self, path: str) -> None:
+        pool = self.pools[path]
+        self._drop(pool, [r for r in pool.rows if r.job.cancelled])
+        if not pool.rows:
+            del self.pools[path]
+            return
+        tokens = torch.tensor([[r.job.generated[-1]] for r in pool.rows], device=self.model.device)   # (B, 1)
+        try:
+            logits = self.stepper(tokens, pool.state)[:, -1]                   # (B, V)
+            self.steps += 1
+            done = [r for b, r in enumerate(pool.rows) if not self._emit(r, logits[b:b + 1])]
+        except Exception as e:   # noqa: BLE001 -- fails this batch only; the loop goes on
+            self._fail(pool, pool.rows, e)
+            del self.pools[path]
+            return
+        self._drop(pool, done)
+
+    def _drop(self, pool: Pool, gone: list) -> None:
+        if not gone:
+            return
+        keep = [b for b, r in enumerate(pool.rows) if r not in gone]
+        pool.rows = [pool.rows[b] for b in keep]
+        if not keep:
+            pool.state = None
+            return
+        # the kept rows' capacity stays enough: the slots trimmed are pads no kept row needs
+        pool.state = pool.state.select_rows(keep)
+
+    def _fail(self, pool: Pool, rows: list, error: Exception) -> None:
+        self.failures += 1
+        for r in rows:
+            r.job.emit(Failure(f"decode step failed: {type(error).__name__}: {error}"))
+        pool.rows, pool.state = [], None
+
+    def _emit(self, run: Running, logits: torch.Tensor) -> bool:
+        """Sample run's next token from logits (1, V), deliver it; False when the job is finished."""
+        job = run.job
+        tok = int(run.sampler.sample(logits)[0])
+        job.generated.append(tok)
+        logprob = top = None
+        if job.logprobs is not None:
+            lp = torch.log_softmax(logits[0].float(), -1)
+            logprob = float(lp[tok])
+            if job.logprobs:
+                values, ids = lp.topk(job.logprobs)
+                top = list(zip(ids.tolist(), values.tolist()))
+        reason, text = None, ""
+        if tok in self.eos and not job.ignore_eos:
+            reason = "stop"
+        elif run.decoder is not None:
+            text = run.stopper.push(run.decoder.push(tok))
+            if run.stopper.matched is not None:
+                reason = "stop"
+        if reason is None and len(job.generated) >= job.max_tokens:
+            reason = "length"
+        if reason is not None:
+            if run.decoder is not None:
+                text += run.stopper.push(run.decoder.finish()) + run.stopper.finish()
+            job.finish_reason = reason
+        job.emit(Token(tok, text, reason, logprob, top))
+        return reason is None

@@ -1,0 +1,132 @@
+"""Request bodies of the OpenAI endpoints, checked strictly (wrong types and unknown fields are 400s).
+
+The fields OpenAI defines plus the engine's own (`top_k`, `min_p`, `repetition_penalty`,
+`attention`). Fields OpenAI defines that this engine does not implement are accepted only at
+their neutral value (`presence_penalty`/`frequency_penalty` 0, `n` 1, `best_of` 1, no `echo`).
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from engine.serve.errors import bad_request
+
+MAX_TOP_LOGPROBS = 20
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False
+
+
+class Sampling(BaseModel):
+    """What both endpoints share."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=0, lt=2 ** 63)
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # the engine's own
+    top_k: int = Field(default=0, ge=0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    attention: Literal["softmax", "linear"] | None = None
+
+    @model_validator(mode="after")
+    def _neutral_only(self):
+        if self.n != 1:
+            raise ValueError("only n=1 is supported")
+        if self.presence_penalty or self.frequency_penalty:
+            raise ValueError("presence_penalty and frequency_penalty are not supported (use repetition_penalty)")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        if isinstance(self.stop, list) and len(self.stop) > 4:
+            raise ValueError("stop takes at most 4 sequences")
+        if self.stop is not None and any(not s for s in ([self.stop] if isinstance(self.stop, str) else self.stop)):
+            raise ValueError("stop sequences must be non-empty strings")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    @property
+    def limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    echo: bool = False
+    best_of: int = 1
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _one_prompt(self):
+        p = self.prompt
+        if isinstance(p, list) and p and not isinstance(p[0], int):
+            if len(p) != 1:
+                raise ValueError("one prompt per request (batched prompts are not supported)")
+            self.prompt = p[0]
+        if self.prompt == "" or self.prompt == []:
+            raise ValueError("the prompt is empty")
+        if self.echo or self.best_of != 1 or self.suffix:
+            raise ValueError("echo, best_of and suffix are not supported")
+        return self
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):   # content parts: keep the text ones
+            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+        return self.content or ""
+
+
+class ChatRequest(Sampling):
+    messages: list[Message] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        return self
+
+
+def parse(cls, raw):
+    """A JSON value -> a request model, or a 400 APIError naming the offending field."""
+    if not isinstance(raw, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        return cls.model_validate(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = str(err["loc"][0]) if err["loc"] else None
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            raise bad_request(f"Unrecognized request argument supplied: {param}", param, "unknown_parameter") from None
+        if err["type"] == "missing":
+            raise bad_request(f"Missing required parameter: {param}", param, "missing_required_parameter") from None
+        where = f"{param}: " if param else ""
+        raise bad_request(f"{where}{msg}", param, "invalid_value") from None

@@ -1,0 +1,99 @@
+"""What the HTTP layer serves: one loaded model, its scheduler, and how a request becomes a Job.
+
+    server = Server(llm, name="tiny", max_batch=16, max_context=256)
+    app = create_app(server)            # engine.serve.app; uvicorn.run(app, host=..., port=...)
+
+Limits. `max_batch` sequences decode at once (both paths together); up to `max_queue` more wait
+for a row; beyond that a request gets 429 with Retry-After. On the softmax path a sequence holds
+at most `max_context` tokens, prompt included (a longer prompt is a 400; `max_tokens` is cut to
+what fits, finish_reason "length"), so the KV caches never exceed max_batch x 2 x max_context
+slots (rows are right-aligned to the longest). A linear sequence has no context limit; there
+`max_context` is only the default cap on generated tokens.
+"""
+from __future__ import annotations
+
+from engine.errors import EngineError
+from engine.sampling import SamplingParams
+from engine.serve.chat import ChatTemplate
+from engine.serve.errors import APIError, bad_request, model_not_found, over_capacity
+from engine.serve.prefix_cache import PrefixCache
+from engine.serve.scheduler import Full, Job, Scheduler
+from engine.serve.schemas import ChatRequest, CompletionRequest
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
+RETRY_AFTER_S = 1
+
+
+class Server:
+    def __init__(self, llm, name: str, max_batch: int = 16, max_context: int | None = None,
+                 max_queue: int | None = None, chat_template: ChatTemplate | None = None,
+                 cache: PrefixCache | None = None):
+        if max_batch < 1:
+            raise bad_request(f"max_batch must be >= 1, got {max_batch}")
+        self.llm, self.name = llm, name
+        self.max_context = max_context or llm.model.config.max_position_embeddings
+        self.chat_template = chat_template
+        self.scheduler = Scheduler(llm.model, llm.tokenizer, llm.step, max_batch=max_batch, max_queue=max_queue,
+                                   feature_map=llm.feature_map, cache=cache)
+
+    # ------------------------------------------------------------------ requests -> jobs
+    def check_model(self, name: str) -> None:
+        if name != self.name:
+            raise model_not_found(name, self.name)
+
+    def completion_ids(self, req: CompletionRequest) -> list[int]:
+        prompt = req.prompt
+        if isinstance(prompt, str):
+            if self.llm.tokenizer is None:
+                raise bad_request("this model ships no tokenizer; send the prompt as token ids", "prompt")
+            return self.llm.encode(prompt)
+        V = self.llm.model.config.vocab_size
+        bad = [i for i in prompt if not 0 <= i < V]
+        if bad:
+            raise bad_request(f"token id {bad[0]} is outside the vocabulary (0..{V - 1})", "prompt")
+        return list(prompt)
+
+    def chat_ids(self, req: ChatRequest) -> list[int]:
+        if self.chat_template is None:
+            raise bad_request(f"the model `{self.name}` has no chat template (no chat_template.jinja or "
+                              f"tokenizer_config.json chat_template next to its weights); use /v1/completions",
+                              "messages", "no_chat_template")
+        return self.chat_template.encode([{"role": m.role, "content": m.text()} for m in req.messages])
+
+    def make_job(self, req, ids: list[int], emit, default_max_tokens: int | None) -> Job:
+        path = req.attention or self.llm.attention
+        if path == "softmax":
+            room = self.max_context - len(ids)
+            if room < 1:
+                raise bad_request(f"This model's maximum context length is {self.max_context} tokens; the prompt "
+                                  f"has {len(ids)}. Shorten it, or use attention=linear (no context limit).",
+                                  "messages" if isinstance(req, ChatRequest) else "prompt", "context_length_exceeded")
+            max_tokens = min(req.limit or default_max_tokens or room, room)
+        else:
+            max_tokens = req.limit or default_max_tokens or self.max_context
+        try:
+            params = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, min_p=req.min_p,
+                                    repetition_penalty=req.repetition_penalty, seed=req.seed)
+        except EngineError as e:
+            raise bad_request(str(e)) from None
+        stop = () if req.stop is None else ((req.stop,) if isinstance(req.stop, str) else tuple(req.stop))
+        if stop and self.llm.tokenizer is None:
+            raise bad_request("stop strings need a tokenizer, and this model ships none", "stop")
+        if isinstance(req, ChatRequest):
+            logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        else:
+            logprobs = req.logprobs
+        return Job(ids=ids, path=path, params=params, max_tokens=max_tokens, emit=emit, stop=stop, logprobs=logprobs)
+
+    def submit(self, job: Job) -> None:
+        try:
+            self.scheduler.submit(job)
+        except Full:
+            raise over_capacity(RETRY_AFTER_S) from None
+
+    def token_text(self, i: int) -> str:
+        tok = self.llm.tokenizer
+        return tok.decode_continuation([i]) if tok is not None else ""
+
+
+__all__ = ["Server", "APIError", "COMPLETION_DEFAULT_MAX_TOKENS"]
