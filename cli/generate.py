@@ -9,13 +9,16 @@ import warnings
 import click
 
 from cli.common import fail, run_guarded
-from engine.api import load, make_config
+from engine.api import check_text, load, make_config
+from engine.errors import InvalidArgumentError
 
 
 @click.command("generate")
 @click.argument("prompt", required=False)
 @click.option("--prompt", "prompt_opt", metavar="TEXT", help="the prompt, when it equals a subcommand's name")
 @click.option("--ids", metavar="1,2,3", help="a prompt of token ids instead of text (no BOS added)")
+@click.option("--chat", "chat_message", metavar="TEXT",
+              help="answer this one user message with the model's chat template, then exit (see `gen chat`)")
 @click.option("--model", "model_name", default="tiny", show_default=True, help="registered name or path")
 @click.option("--attention", type=click.Choice(["softmax", "linear"]), help="default: the model's own")
 @click.option("--feature-map", help="linear attention feature map (elu1, relu, softmax, cos1)")
@@ -39,7 +42,8 @@ from engine.api import load, make_config
 @click.option("--threads", type=int, help="CPU threads (default: 1; see README 'Threads')")
 @click.option("-v", "--verbose", is_flag=True, help="say which step form ran and why a faster one did not")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object (text, ids, finish_reason, stats)")
-def generate_cmd(prompt, prompt_opt, ids, model_name, attention, feature_map, max_new_tokens, temperature,
+def generate_cmd(prompt, prompt_opt, ids, chat_message, model_name, attention, feature_map, max_new_tokens,
+                 temperature,
                  top_k, top_p, min_p, repetition_penalty, seed, stop, device, dtype, max_context, echo, backend, native,
                  threads, verbose, as_json):
     """Generate a continuation of PROMPT ('-' reads it from stdin) and stream it to stdout.
@@ -52,11 +56,17 @@ def generate_cmd(prompt, prompt_opt, ids, model_name, attention, feature_map, ma
                     max_context=max_context)
 
     def run():
-        the_prompt = read_prompt(prompt, prompt_opt, ids)
+        if chat_message is not None and (prompt, prompt_opt, ids) != (None, None, None):
+            fail("--chat takes the message itself; give no PROMPT, --prompt or --ids with it")
+        the_prompt = read_prompt(prompt, prompt_opt, ids) if chat_message is None else chat_message
         make_config(**settings)                      # bad settings fail before the model loads
         llm = load_quietly(model_name, attention, feature_map, device, dtype, "native" if native else backend,
                           threads)
-        generation = llm.start([the_prompt], **settings)
+        if chat_message is not None:   # keep the stream: dropping it would close its generation
+            chat_stream = llm.chat([{"role": "user", "content": chat_message}], **settings)
+            generation = chat_stream.generation
+        else:
+            generation = llm.start([the_prompt], **settings)
         if max_context is not None and generation.context is None:
             click.echo(f"gen: warning: --max-context is ignored: {llm.attention} attention has no context limit",
                        err=True)
@@ -96,7 +106,17 @@ def read_prompt(prompt, prompt_opt, ids):
         return out
     text = given[0]
     if prompt == "-":
-        text = sys.stdin.read().removesuffix("\n")
+        raw = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
+        try:
+            text = raw.decode("utf-8").removesuffix("\n")
+        except UnicodeDecodeError as e:
+            fail(f"the prompt on stdin is not valid UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start}); "
+                 f"pass UTF-8 text")
+    try:
+        check_text(text, "the prompt")
+    except InvalidArgumentError as e:
+        fail(str(e).removeprefix("the prompt: ") if "empty" not in str(e) else
+             "the prompt is empty or only whitespace; give some text (or '-' to read it from stdin)")
     if not text:
         fail("the prompt is empty; give some text (or '-' to read it from stdin)")
     return text

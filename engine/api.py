@@ -7,6 +7,9 @@
     r = llm.generate("Once upon a time", max_new_tokens=50, temperature=0)
     r.text, r.ids, r.finish_reason, r.stats.decode_tokens_per_s
     rs = llm.generate(["Once", "The dog"], temperature=0)       # a batch: a list of results
+    llm = load("smollm2")                                           # a chat model (GGUF + template)
+    for chunk in llm.chat([{"role": "user", "content": "Hi!"}], temperature=0): ...
+    session = llm.chat_session(); session.send("Hi!"); session.send("And then?")   # engine.chat
 
 A prompt is text (encoded with BOS first) or a list of token ids (used as given: add the BOS
 id yourself if the model wants one), for checkpoints that ship no tokenizer. Every call has
@@ -21,8 +24,9 @@ import torch
 
 from engine.attention import check_path, get_feature_map
 from engine.errors import InvalidArgumentError
-from engine.generate import Generation, GenerationConfig, Result
-from engine.loader import load_model
+from engine.chat import ChatSession
+from engine.generate import Generation, GenerationConfig, Result, eos_set
+from engine.loader import load_parts
 from engine.sampling import SamplingParams
 from engine.steps import Stepper, check_backend
 from engine.threads import set_threads
@@ -52,17 +56,18 @@ def load(model: str = "tiny", attention: str | None = None, feature_map: str | N
         get_feature_map(feature_map)
     backend = "native" if native else check_backend(backend)
     set_threads(threads)
-    net, tokenizer = load_model(model, device=device, dtype=dtype)
+    net, tokenizer, template = load_parts(model, device=device, dtype=dtype)
     return LLM(net, tokenizer, attention=attention, feature_map=feature_map, name=str(model), backend=backend,
-               _stacklevel=3)
+               chat_template=template, _stacklevel=3)
 
 
 class LLM:
     """A loaded model + tokenizer (or None) + the attention path and feature map to run."""
 
     def __init__(self, model, tokenizer=None, attention: str | None = None, feature_map: str | None = None,
-                 name: str | None = None, backend: str = "auto", _stacklevel: int = 2):
+                 name: str | None = None, backend: str = "auto", chat_template=None, _stacklevel: int = 2):
         self.model, self.tokenizer, self.name = model, tokenizer, name
+        self.chat_template = chat_template       # models.chat_template.ChatTemplate or None
         self.step = Stepper(model, backend)      # the step form the generation loop calls
         self.attention = check_path(attention or model.config.attention)
         self.feature_map = feature_map
@@ -73,40 +78,123 @@ class LLM:
             warnings.warn(message.removeprefix("warning: "), UntrainedPathWarning, stacklevel=_stacklevel)
 
     # ------------------------------------------------------------------ prompts
-    def encode(self, prompt: Prompt) -> list[int]:
-        """Text -> [BOS] + its ids; a sequence of ids (or a 1-D tensor) -> a list, unchanged."""
+    def encode(self, prompt: Prompt, call: str = "encode()") -> list[int]:
+        """Text -> [BOS] + its ids; a sequence of ids (or a 1-D tensor) -> a list, unchanged.
+
+        `call` names the public call in error messages (InvalidArgumentError).
+        """
         if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidArgumentError("the prompt is empty; give some text or token ids")
+            check_text(prompt, call)
             if self.tokenizer is None:
-                raise InvalidArgumentError("this model ships no tokenizer; pass the prompt as token ids "
-                                           "(in the CLI: --ids 1,2,3)")
+                raise InvalidArgumentError(f"{call}: this model ships no tokenizer; pass the prompt as token ids "
+                                           f"(in the CLI: --ids 1,2,3)")
             return self.tokenizer.encode(prompt, bos=True)
         if isinstance(prompt, torch.Tensor):
             prompt = prompt.tolist()
         if not isinstance(prompt, Sequence) or not all(_is_int(i) for i in prompt):
-            raise InvalidArgumentError(f"a prompt is text or a list of token ids, got {type(prompt).__name__}")
+            raise InvalidArgumentError(f"{call}: a prompt is text or a list of token ids, got {describe(prompt)}")
+        if not prompt:
+            raise InvalidArgumentError(f"{call}: the prompt is empty; give some text or token ids")
         return [int(i) for i in prompt]
 
     # ------------------------------------------------------------------ generating
     def start(self, prompts: Sequence[Prompt], **settings) -> Generation:
         """A batch as an iterator of TokenEvents (row, id, text, finish_reason); see engine.generate."""
-        config = make_config(**settings)
-        return Generation(self.model, [self.encode(p) for p in prompts], config, self.tokenizer,
+        return self._start(prompts, settings, "start()")
+
+    def _start(self, prompts, settings: dict, call: str) -> Generation:
+        config = make_config_for(call, settings)
+        if isinstance(prompts, (str, torch.Tensor)) or not isinstance(prompts, Sequence) or not prompts:
+            raise InvalidArgumentError(f"{call}: expected a list of prompts, got {describe(prompts)}")
+        return Generation(self.model, [self.encode(p, call) for p in prompts], config, self.tokenizer,
                           attention=self.attention, feature_map=self.feature_map, step=self.step)
 
     def stream(self, prompt: Prompt, **settings) -> "TextStream":
         """Iterate text chunks as they are generated; `.result` afterwards. Settings: see `make_config`."""
         if self.tokenizer is None:
-            raise InvalidArgumentError("this model ships no tokenizer, so there is no text to stream; "
+            raise InvalidArgumentError("stream(): this model ships no tokenizer, so there is no text to stream; "
                                        "use start() for token events or generate() for ids")
-        return TextStream(self.start([prompt], **settings))
+        if not is_single_prompt(prompt) and isinstance(prompt, Sequence) and not isinstance(prompt, str) and prompt:
+            raise InvalidArgumentError(f"stream(): takes one prompt (text or a list of token ids), got "
+                                       f"{describe(prompt)}; for a batch use generate([...]) or start([...])")
+        return TextStream(self._start([prompt], settings, "stream()"))
 
     def generate(self, prompt: Prompt | Sequence[Prompt], **settings) -> Result | list[Result]:
         """One prompt -> a Result; a list of prompts -> a list of Results (one batch). Settings: make_config."""
-        single = is_single_prompt(prompt)
-        results = self.start([prompt] if single else list(prompt), **settings).run()
+        single = is_single_prompt(prompt) or not isinstance(prompt, Sequence) or (
+            isinstance(prompt, Sequence) and not prompt)
+        results = self._start([prompt] if single else list(prompt), settings, "generate()").run()
         return results[0] if single else results
+
+    # ------------------------------------------------------------------ chat
+    def chat(self, messages, **settings) -> "TextStream":
+        """Stream the assistant's reply to `messages` ([{"role": ..., "content": ...}, ...]), rendered
+        with the model's chat template; settings: those of `stream`. Stops at the turn's end token."""
+        template = self._template()
+        settings.setdefault("eos_ids", self.chat_eos_ids())
+        ids = template.encode(self.tokenizer, messages, add_generation_prompt=True)
+        return TextStream(self.start([ids], **settings))
+
+    def chat_session(self, system: str | None = None, max_context: int | None = None) -> ChatSession:
+        """A conversation that keeps its decoding state between turns (engine.chat): `send(text,
+        **settings)` streams a reply and prefills only the tokens the turn adds; `reset()` starts over.
+        max_context: softmax KV cache capacity in tokens (default: the model's context)."""
+        return ChatSession(self.model, self.tokenizer, self._template(), lambda s: make_config(**s),
+                           self.chat_eos_ids(), attention=self.attention, feature_map=self.feature_map,
+                           step=self.step, system=system, max_context=max_context)
+
+    def chat_eos_ids(self) -> tuple[int, ...]:
+        """The ids that end a reply: the config's and tokenizer's EOS plus the template's turn end."""
+        ids = eos_set(self.model.config, self.tokenizer)
+        turn_end = self._template().end_of_turn(self.tokenizer.special_tokens)
+        if turn_end is not None and self.tokenizer.token_to_id(turn_end) is not None:
+            ids.add(self.tokenizer.token_to_id(turn_end))
+        return tuple(sorted(ids))
+
+    def _template(self):
+        if self.chat_template is None:
+            raise InvalidArgumentError(f"{self.name or 'this model'} has no chat template (none in its GGUF, "
+                                       f"tokenizer_config.json or chat_template.jinja); use stream() with a "
+                                       f"plain prompt")
+        if self.tokenizer is None or not hasattr(self.tokenizer, "special_tokens"):
+            raise InvalidArgumentError(f"{self.name or 'this model'} has a chat template but no byte-level BPE "
+                                       f"tokenizer (tokenizer.json or GGUF) to encode it; use stream() with a prompt")
+        return self.chat_template
+
+
+def check_text(text: str, call: str) -> None:
+    """A text prompt must be valid UTF-8 (no lone surrogates from undecodable bytes) and not blank."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start].encode("utf-8", "surrogateescape")
+        raise InvalidArgumentError(f"{call}: the prompt is not valid UTF-8 (byte 0x{bad[0]:02x} at character "
+                                   f"{e.start}); pass UTF-8 text") from None
+    if not text.strip():
+        raise InvalidArgumentError(f"{call}: the prompt is empty or only whitespace; give some text or token ids")
+
+
+def describe(x) -> str:
+    """A short description of a value for error messages: its type, and for lists what they hold."""
+    if isinstance(x, (list, tuple)):
+        kinds = sorted({type(i).__name__ for i in x})
+        return f"a {type(x).__name__} of {len(x)} ({', '.join(kinds) or 'nothing'})"
+    return type(x).__name__
+
+
+SETTINGS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop",
+            "eos_ids", "ignore_eos", "max_context")
+
+
+def make_config_for(call: str, settings: dict) -> GenerationConfig:
+    """make_config(**settings), with unknown names refused as InvalidArgumentError naming `call`."""
+    unknown = [k for k in settings if k not in SETTINGS]
+    if unknown:
+        raise InvalidArgumentError(f"{call}: unknown setting {unknown[0]!r}; valid: {', '.join(SETTINGS)}")
+    try:
+        return make_config(**settings)
+    except InvalidArgumentError as e:
+        raise InvalidArgumentError(f"{call}: {e}") from None
 
 
 def make_config(*, max_new_tokens: int = 256, temperature: float = 0.8, top_k: int = 0,

