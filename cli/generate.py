@@ -81,6 +81,7 @@ def generate_cmd(prompt, prompt_opt, ids, chat_message, model_name, attention, f
                 result, code = generation.result(0), 130
             click.echo(json.dumps({"text": result.text, "ids": result.ids,
                                    "finish_reason": result.finish_reason or "interrupted",
+                                   "stop_reason": result.stop_reason,
                                    "stats": result.stats.to_dict()}, ensure_ascii=False))
             if code:
                 sys.exit(code)

@@ -15,6 +15,8 @@ step decodes only the tokens since the last release: constant cost per token.
 """
 from __future__ import annotations
 
+import codecs
+
 REPLACEMENT = "\ufffd"
 
 
@@ -30,10 +32,32 @@ class StreamDecoder:
         """Add one token id; return the text it releases ("" while inside a character)."""
         self.ids.append(int(token))
         text = self.tokenizer.decode_continuation(self.ids[self.start:])
-        if text.endswith(REPLACEMENT):
+        if text.endswith(REPLACEMENT) and self._may_complete():
             return ""       # the bytes of a character are not all here yet
         self.start = len(self.ids)
         return text
+
+    def _may_complete(self) -> bool:
+        """Whether the held tokens end in bytes that a later token can still complete into a character.
+
+        Bytes that can never complete one (a stray continuation byte such as three <0x80> tokens, or a
+        lead byte followed by a non-continuation byte) are released at once as U+FFFD, as the tokenizer's
+        own decode renders them. Tokenizers without `byte_value(id)` keep the plain rule (hold).
+        """
+        byte_value = getattr(self.tokenizer, "byte_value", None)
+        if byte_value is None:
+            return True
+        tail = bytearray()
+        for i in reversed(self.ids[self.start:]):   # the run of byte tokens at the end of what is held
+            b = byte_value(i)
+            if b is None:
+                break
+            tail.insert(0, b)
+        if not tail:
+            return False    # the U+FFFD is the text of a whole token: nothing to wait for
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        decoder.decode(bytes(tail), final=False)
+        return bool(decoder.getstate()[0])   # bytes kept back = a valid, incomplete character
 
     def finish(self) -> str:
         """Release what is still held; an incomplete character decodes as the tokenizer says."""

@@ -29,6 +29,15 @@ class Tokenizer:
     def decode(self, ids) -> str:
         return self.sp.decode([int(i) for i in ids])
 
+    def byte_value(self, token_id: int) -> int | None:
+        """The byte a byte-fallback piece (<0xNN>) stands for; None for every other piece."""
+        table = getattr(self, "_byte_table", None)
+        if table is None:
+            sp = self.sp
+            table = self._byte_table = {i: int(sp.id_to_piece(i)[3:5], 16)
+                                        for i in range(self.vocab_size) if sp.is_byte(i)}
+        return table.get(int(token_id))
+
     def decode_continuation(self, ids) -> str:
         """The text `ids` add after whatever precedes them: like `decode`, but the first token's
         leading space is kept (SentencePiece drops it at the start of a text, which would glue
