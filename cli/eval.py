@@ -8,6 +8,7 @@ import click
 from cli.common import run_guarded
 from engine.evaluate import evaluate_file
 from engine.loader import load_model
+from engine.threads import set_threads
 
 
 @click.command("eval")
@@ -20,10 +21,13 @@ from engine.loader import load_model
 @click.option("--batch-size", default=8, show_default=True)
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default="float32", show_default=True)
+@click.option("--threads", type=int, help="CPU threads (default: torch's, all cores: scoring is batched matmuls)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
-def eval_cmd(model_name, attention, feature_map, data, context, batch_size, device, dtype, as_json):
+def eval_cmd(model_name, attention, feature_map, data, context, batch_size, device, dtype, threads, as_json):
     """Score each document as BOS + text + EOS; bits per byte is the headline."""
     def run():
+        if threads is not None:
+            set_threads(threads)
         model, tokenizer = load_model(model_name, device=device, dtype=dtype)
         res = evaluate_file(model, tokenizer, data, attention=attention, feature_map=feature_map,
                             context=context, batch_size=batch_size, progress=not as_json)

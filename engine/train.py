@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from engine.evaluate import evaluate
+from engine.threads import set_threads
 from engine.transformer import Transformer
 from models.config import ModelConfig
 from models.corpus import read_documents
@@ -110,7 +111,7 @@ def _atomic_save(obj, path: str) -> None:
 def train(a: TrainArgs, log=print) -> Transformer:
     os.makedirs(a.out, exist_ok=True)
     if a.threads:
-        torch.set_num_threads(a.threads)
+        set_threads(a.threads)
     random.seed(a.seed)
     torch.manual_seed(a.seed)
 
