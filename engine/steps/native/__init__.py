@@ -1,126 +1,123 @@
-"""The native step form (decode.c via ctypes): one-token steps in C, either attention path.
+"""The native step form (C via ctypes): one-token steps of a batch in C, either attention path.
 
     make_step(model, backend="native")      # or load(..., backend="native"), gen --backend native
 
-It runs a one-token step of an unpadded batch-1 fp32 CPU state (a KV cache, or a linear state
-with any of the four feature maps) in C instead of ~125 PyTorch calls; `why_not` names every
-other case, which the Stepper hands to the torch form. The C code reads the model's weight
-tensors and writes the state's own tensors in place through their data pointers, so prefill
-(PyTorch) and decode (C) share one state.
+It runs the one-token step of a CPU state (a KV cache, or a linear state with any of the four
+feature maps), any batch size, left-padded rows included, on weights in fp32, f16, bf16 or
+quantized blocks (engine.quant: q8_0, q4_0, q4_1), on `threads` threads (engine.threads); `why_not`
+names every other case and the Stepper hands it to the torch form. The C code reads the model's
+weight tensors and writes the state's own tensors in place through their data pointers, so
+prefill (PyTorch) and decode (C) share one state. Compute is fp32 throughout.
 
 Pointers: a `NativeStep` keeps one plan per state it has stepped (a weak map, so a freed state
 frees its plan). Before every step it re-checks each weight's storage pointer, dtype and device
 against the plan's, and rebuilds the plan when any moved (`model.half().float()` swaps the
 storage under the same Parameter objects: stepping on with old pointers would read freed memory).
+A plan is freed only after the thread pool has no worker left inside one of its chunks.
 
-It is compiled on first use with the system C compiler ($CC, else cc) into ~/.cache/gen-engine
-(or $GEN_ENGINE_CACHE), keyed by the source's hash, the flags and the CPU; without a compiler,
-NativeUnavailableError says so. tests/test_native.py holds it to the module path.
+Built on first use (engine.steps.native.build); tests/test_native.py holds it to the module path.
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
+import weakref
 
 import torch
 
-import weakref
-
 from engine.attention.linear import EPS
-from engine.errors import EngineError
-from engine.transformer import layer_weights
+from engine.quant import QuantLinear
+from engine.steps.native.build import NativeUnavailableError, library
+from engine.threads import current_threads
 
-SOURCE = Path(__file__).with_name("decode.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared"]
+__all__ = ["NativeStep", "NativeDecoder", "NativeUnavailableError", "library", "set_parallel_min", "why_not"]
+
 _P = ctypes.POINTER(ctypes.c_float)
-_PP = ctypes.POINTER(_P)
-_LIB = None
-
-
-class NativeUnavailableError(EngineError, RuntimeError):
-    """The native decode step cannot be built or does not apply here."""
-
-
-class Plan(ctypes.Structure):   # field for field the C struct Plan
-    _fields_ = ([(n, ctypes.c_int) for n in ("L", "C", "H", "Hkv", "D", "I", "V", "S_max")]
-                + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
-                + [(n, _P) for n in ("embed", "norm", "head")]
-                + [(n, _PP) for n in ("ln1", "wqkv", "wo", "ln2", "wgu", "wd")]
-                + [(n, _P) for n in ("k", "v", "x", "xb", "qkv", "att", "gu", "hb", "scores")]
-                + [("mode", ctypes.c_int), ("F", ctypes.c_int), ("lin_eps", ctypes.c_float)]
-                + [(n, _P) for n in ("S", "z", "phi_q", "phi_k")])
-
+_V = ctypes.c_void_p
+TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, "q8_0": 3, "q4_0": 4, "q4_1": 5}
+FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
 MODES = {"elu1": 1, "relu": 2, "softmax": 3, "cos1": 4}   # linear feature maps; 0 is softmax attention
 
 
-def library():
-    """The compiled step, built once per source version (cached on disk, then per process)."""
-    global _LIB
-    if _LIB is not None:
-        return _LIB
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise NativeUnavailableError("the native decode step needs a C compiler (cc or gcc) on PATH; "
-                                     "install one or run without --native")
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS + [cc, _cpu_id()]).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("GEN_ENGINE_CACHE") or Path.home() / ".cache" / "gen-engine")
-    lib = cache / f"decode-{key}.so"
-    if not lib.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-        os.close(fd)
-        r = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
-        if r.returncode != 0:
-            os.unlink(tmp)
-            first = (r.stderr.strip().splitlines() or ["no output"])[0]
-            raise NativeUnavailableError(f"compiling {SOURCE.name} with {cc} failed: {first}")
-        os.replace(tmp, lib)   # atomic: a concurrent build never sees half a file
-    _LIB = ctypes.CDLL(str(lib))
-    _LIB.gen_decode_step.argtypes = [ctypes.POINTER(Plan), ctypes.c_int, ctypes.c_int, _P, _P, _P]
-    _LIB.gen_decode_step.restype = None
-    return _LIB
+class Mat(ctypes.Structure):   # gen.h Mat
+    _fields_ = [("data", _V), ("type", ctypes.c_int), ("rows", ctypes.c_int), ("cols", ctypes.c_int)]
 
 
-def _cpu_id() -> str:
-    """What -march=native compiled for: a library built on another CPU is not reused."""
-    import platform
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((ln for ln in f if ln.startswith(("flags", "Features"))), "")
-    except OSError:
-        flags = ""
-    return f"{platform.machine()} {platform.processor()} {flags.strip()}"
+class Plan(ctypes.Structure):   # gen.h Plan, field for field
+    _fields_ = ([(n, ctypes.c_int) for n in ("L", "C", "H", "Hkv", "D", "I", "V", "B", "S_max")]
+                + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("embed", Mat), ("head", Mat),
+                   ("norm", _V), ("norm_type", ctypes.c_int)]
+                + [(n, ctypes.POINTER(Mat)) for n in ("qkv", "wo", "gu", "wd")]
+                + [(n, ctypes.POINTER(_V)) for n in ("ln1", "ln2")]
+                + [("k", _V), ("v", _V), ("kv_type", ctypes.c_int), ("mode", ctypes.c_int), ("F", ctypes.c_int),
+                   ("lin_eps", ctypes.c_float)]
+                + [(n, _P) for n in ("S", "z", "x", "xb", "qkv_out", "att", "gu_out", "hb")]
+                + [("nthreads", ctypes.c_int), ("tscratch", _P), ("tscratch_floats", ctypes.c_size_t)])
+
+
+def _bind(lib):
+    if not getattr(lib, "_gen_bound", False):
+        lib.gen_plan_init.argtypes = [ctypes.POINTER(Plan)]
+        lib.gen_plan_init.restype = ctypes.c_int
+        lib.gen_plan_free.argtypes = [ctypes.POINTER(Plan)]
+        lib.gen_plan_free.restype = None
+        lib.gen_decode_step.argtypes = [ctypes.POINTER(Plan), _V, ctypes.c_int, _V, _V, ctypes.c_int, _V, _V]
+        lib.gen_decode_step.restype = None
+        lib.gen_set_parallel_min.argtypes = [ctypes.c_longlong]
+        lib.gen_set_parallel_min.restype = None
+        lib._gen_bound = True
+    return lib
+
+
+def set_parallel_min(macs: int) -> None:
+    """Phases below `macs` multiply-adds run on the calling thread alone (tests: 0 puts every phase
+    on the pool, so small models exercise it)."""
+    _bind(library()).gen_set_parallel_min(macs)
+
+
+def _layer_modules(model) -> list[tuple]:
+    """Per layer: (ln1 weight, qkv, o_proj, ln2 weight, gate_up, down_proj) -- Linear or QuantLinear."""
+    return [(b.input_layernorm.weight, b.self_attn.qkv, b.self_attn.o_proj, b.post_attention_layernorm.weight,
+             b.mlp.gate_up, b.mlp.down_proj) for b in model.layers]
+
+
+def _matrix(module) -> tuple[torch.Tensor, int, int, int]:
+    """(tensor the C code reads, type code, rows, cols) of a Linear, QuantLinear or Embedding."""
+    if isinstance(module, QuantLinear):
+        return module.blocks, TYPES[module.kind], module.out_features, module.in_features
+    w = module.weight
+    return w, TYPES.get(w.dtype, -1), w.shape[0], w.shape[1]
 
 
 def why_not(model, state, tokens) -> str | None:
     """None for the cases the C step covers; otherwise the reason (the caller falls back)."""
     if tokens.device.type != "cpu":
         return f"the native step runs on the CPU, not {tokens.device.type}"
-    if tokens.shape != (1, 1):
-        return f"the native step runs batch 1, not batch {tokens.shape[0]}"
-    if state.padded:
-        return "the native step does not run padded states"
-    if model.embed_tokens.weight.dtype != torch.float32:
-        return f"the native step needs fp32 weights, not {str(model.embed_tokens.weight.dtype).removeprefix('torch.')}"
+    if state.path not in ("softmax", "linear"):
+        return f"the native step runs softmax and linear states, not {state.path}"
+    dtype = model.embed_tokens.weight.dtype
+    if dtype not in FLOAT_TYPES:
+        return f"the native step reads fp32, f16 or bf16 weights, not {str(dtype).removeprefix('torch.')}"
     tensors = state.tensors()
-    if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
-        return "the native step needs a contiguous fp32 state"
-    if state.path == "linear" and state.feature_map.name not in MODES:
-        return f"the native step has no feature map {state.feature_map.name!r}"
+    if state.path == "linear":
+        if any(t.dtype != torch.float32 for t in tensors):
+            return "the native step needs an fp32 linear state"
+        if state.feature_map.name not in MODES:
+            return f"the native step has no feature map {state.feature_map.name!r}"
+    elif any(t.dtype not in FLOAT_TYPES for t in tensors):
+        return f"the native step reads an fp32, f16 or bf16 KV cache, not {tensors[0].dtype}"
+    if not all(t.is_contiguous() for t in tensors):
+        return "the native step needs a contiguous state"
     return None
 
 
 class NativeStep:
-    """The native form: `why_not(state, tokens)`, then `step(tokens, state)` via `__call__`."""
+    """The native form: `why_not(state, tokens)`, then `step(tokens, state)` via `__call__`.
+
+    threads: the pool's thread count (the caller's included); None: engine.threads' current setting."""
     name = "native"
 
     def __init__(self, model, threads: int | None = None):
-        self.library = library()          # raises NativeUnavailableError without a compiler
+        self.library = _bind(library())          # raises NativeUnavailableError without a compiler
         self.model, self.threads = model, threads
         self.plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # state -> NativeDecoder
 
@@ -128,9 +125,10 @@ class NativeStep:
         return why_not(self.model, state, tokens)
 
     def __call__(self, tokens: torch.Tensor, state) -> torch.Tensor:
+        threads = self.threads or current_threads()
         plan = self.plans.get(state)
-        if plan is None or not plan.still_valid(state):
-            plan = self.plans[state] = NativeDecoder(self.model, state)
+        if plan is None or not plan.still_valid(state, threads):
+            plan = self.plans[state] = NativeDecoder(self.model, state, threads)
         return plan.step(tokens, state)
 
 
@@ -139,67 +137,98 @@ def _ptr(t: torch.Tensor):
 
 
 class NativeDecoder:
-    """The Plan for one (model, state) pair: weight and cache pointers, scratch, made once."""
+    """The Plan for one (model, state) pair: weight and state pointers, scratch, made once."""
 
-    def __init__(self, model, state):
-        self.library = library()
+    def __init__(self, model, state, threads: int = 1):
+        self.library = _bind(library())
         cfg = model.config
-        self.model, self.epoch = model, model.weights_epoch
-        weights = layer_weights(model)
-        flat = [w for layer in weights for w in layer] + [model.embed_tokens.weight, model.norm.weight,
-                                                          model.lm_head.weight]
-        if not all(w.is_contiguous() and w.dtype == torch.float32 and w.device.type == "cpu" for w in flat):
-            raise NativeUnavailableError("the native decode step needs contiguous fp32 CPU weights")
+        self.model, self.epoch, self.threads = model, model.weights_epoch, threads
+        layers = _layer_modules(model)
+        mats = {n: [_matrix(layer[i]) for layer in layers] for i, n in ((1, "qkv"), (2, "wo"), (4, "gu"), (5, "wd"))}
+        embed, head = _matrix(model.embed_tokens), _matrix(model.lm_head)
+        norms = [layer[i] for layer in layers for i in (0, 3)] + [model.norm.weight]
+        flat = [m[0] for ms in mats.values() for m in ms] + [embed[0], head[0]] + norms
+        if any(t.device.type != "cpu" or not t.is_contiguous() for t in flat) or \
+                any(m[1] < 0 for ms in mats.values() for m in ms) or embed[1] < 0 or head[1] < 0:
+            raise NativeUnavailableError("the native step needs contiguous CPU weights in fp32, f16, bf16 "
+                                         "or quantized blocks")
+        norm_type = TYPES.get(model.norm.weight.dtype, -1)
+        if norm_type < 0 or any(TYPES.get(n.dtype) != norm_type for n in norms):
+            raise NativeUnavailableError("the native step needs the norm weights in one float dtype")
         tensors = state.tensors()   # [k, v] or [S, z]
-        if not all(t.is_contiguous() for t in tensors):
-            raise NativeUnavailableError("the native decode step needs a contiguous state")
-        H, Hkv, D, I, C = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                           cfg.intermediate_size, cfg.hidden_size)
+        H, Hkv, D, I, C, B = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                              cfg.intermediate_size, cfg.hidden_size, state.batch_size)
         linear = state.path == "linear"
         F_ = state.feature_map.out_dim(D) if linear else 0
-        self.scratch = {n: torch.zeros(size) for n, size in
-                        (("x", C), ("xb", C), ("qkv", (H + 2 * Hkv) * D), ("att", H * D), ("gu", 2 * I),
-                         ("hb", I), ("scores", 1 if linear else state.max_len), ("phi_q", max(F_, 1)),
-                         ("phi_k", max(F_, 1)))}
-        self.tables = {n: (_P * cfg.num_hidden_layers)(*[_ptr(layer[i]) for layer in weights])
-                       for i, n in enumerate(("ln1", "wqkv", "wo", "ln2", "wgu", "wd"))}
-        self.keep = (flat, tensors)   # the pointers stay valid while these live
-        self.flat, self.tensors = flat, tensors
+        self.scratch = {n: torch.zeros(B, size) for n, size in
+                        (("x", C), ("xb", C), ("qkv_out", (H + 2 * Hkv) * D), ("att", H * D), ("gu_out", 2 * I),
+                         ("hb", I))}
+        self.tables = {n: (Mat * cfg.num_hidden_layers)(*[Mat(m[0].data_ptr(), m[1], m[2], m[3]) for m in ms])
+                       for n, ms in mats.items()}
+        self.norm_tables = {n: (_V * cfg.num_hidden_layers)(*[layer[i].data_ptr() for layer in layers])
+                            for i, n in ((0, "ln1"), (3, "ln2"))}
+        self.flat, self.tensors = flat, tensors   # the pointers stay valid while these live
         self.pointers = self._pointers()
-        state_ptrs = dict(S=_ptr(state.S), z=_ptr(state.z)) if linear else dict(k=_ptr(state.k), v=_ptr(state.v))
-        self.plan = Plan(L=cfg.num_hidden_layers, C=C, H=H, Hkv=Hkv, D=D, I=I, V=cfg.vocab_size,
+        if linear:
+            state_ptrs = dict(S=_ptr(state.S), z=_ptr(state.z), kv_type=0)
+        else:
+            state_ptrs = dict(k=state.k.data_ptr(), v=state.v.data_ptr(), kv_type=TYPES[state.k.dtype])
+        self.plan = Plan(L=cfg.num_hidden_layers, C=C, H=H, Hkv=Hkv, D=D, I=I, V=cfg.vocab_size, B=B,
                          S_max=0 if linear else state.max_len, eps=cfg.rms_norm_eps, scale=D ** -0.5,
-                         embed=_ptr(model.embed_tokens.weight), norm=_ptr(model.norm.weight),
-                         head=_ptr(model.lm_head.weight), mode=MODES[state.feature_map.name] if linear else 0,
-                         F=F_, lin_eps=EPS, **state_ptrs, **self.tables,
+                         embed=Mat(embed[0].data_ptr(), *embed[1:]), head=Mat(head[0].data_ptr(), *head[1:]),
+                         norm=model.norm.weight.data_ptr(), norm_type=norm_type,
+                         mode=MODES[state.feature_map.name] if linear else 0, F=F_, lin_eps=EPS,
+                         nthreads=max(1, threads), **state_ptrs, **self.tables, **self.norm_tables,
                          **{n: _ptr(t) for n, t in self.scratch.items()})
         self.plan_ref = ctypes.byref(self.plan)
+        if self.library.gen_plan_init(self.plan_ref) != 0:
+            raise NativeUnavailableError("the native step could not allocate its thread scratch")
         self.rope = model.uses_rope(state.path)
-        self.V, self.D = cfg.vocab_size, D
+        self.V, self.D, self.B = cfg.vocab_size, D, B
+
+    def __del__(self):
+        plan = getattr(self, "plan_ref", None)
+        if plan is not None and self.plan.tscratch:
+            self.library.gen_plan_free(plan)   # waits until no pool worker is inside this plan's chunks
 
     def _pointers(self) -> list:
         """(storage pointer, dtype, device) of every weight and state tensor the plan points into."""
         return [(t.data_ptr(), t.dtype, t.device) for t in self.flat + self.tensors]
 
-    def still_valid(self, state) -> bool:
+    def still_valid(self, state, threads: int) -> bool:
         """The plan's pointers are still the tensors' own (checked before every step)."""
-        if self.epoch != self.model.weights_epoch:
-            return False   # .to()/load_state_dict: Parameter objects or their storage were replaced
+        if self.epoch != self.model.weights_epoch or threads != self.threads:
+            return False   # .to()/load_state_dict/quantize: Parameter objects or their storage were replaced
         return self._pointers() == self.pointers and state.tensors()[0] is self.tensors[0]
 
     def step(self, tokens: torch.Tensor, state) -> torch.Tensor:
-        """tokens (1, 1) -> logits (1, 1, V); writes one cache slot and advances the state."""
-        span = state.open(tokens)            # capacity check (ContextFullError), as the PyTorch path
-        pos = span.start
-        token = int(tokens[0, 0])
-        if not 0 <= token < self.V:
-            raise IndexError(f"token id {token} outside the vocabulary (0..{self.V - 1})")
+        """tokens (B, 1) -> logits (B, 1, V); writes one cache slot per row and advances the state."""
+        span = state.open(tokens)            # shape and capacity checks (ContextFullError), as PyTorch
+        ids = tokens.reshape(self.B)
+        if ids.dtype != torch.int64 or not ids.is_contiguous():
+            ids = ids.to(torch.int64).contiguous()
+        lo, hi = ids.aminmax() if self.B > 1 else (ids[0], ids[0])
+        if int(lo) < 0 or int(hi) >= self.V:
+            raise IndexError(f"token id {int(lo) if int(lo) < 0 else int(hi)} outside the vocabulary "
+                             f"(0..{self.V - 1})")
         cos = sin = None
+        stride = 0
+        padded = state.padded
         if self.rope:
-            c, s = self.model.rotary.table(pos + 1, tokens.device, torch.float32)
-            cos = ctypes.cast(c.data_ptr() + pos * self.D * 4, _P)
-            sin = ctypes.cast(s.data_ptr() + pos * self.D * 4, _P)
-        logits = torch.empty(1, 1, self.V)
-        self.library.gen_decode_step(self.plan_ref, token, pos, cos, sin, _ptr(logits))
+            if padded:   # row b sits at rotary position lengths[b]
+                n = int(state.lengths.max()) + 1
+                c, s = self.model.rotary.table(n, tokens.device, torch.float32)
+                rows_c, rows_s = c[state.lengths].contiguous(), s[state.lengths].contiguous()   # (B, D)
+                cos, sin, stride = rows_c.data_ptr(), rows_s.data_ptr(), self.D
+            else:
+                pos = span.start
+                c, s = self.model.rotary.table(pos + 1, tokens.device, torch.float32)
+                cos, sin = c.data_ptr() + pos * self.D * 4, s.data_ptr() + pos * self.D * 4
+        real = None
+        if padded and state.path == "softmax":
+            real = state.slot_real.data_ptr()   # (B, S_max) bool, one byte each
+        logits = torch.empty(self.B, 1, self.V)
+        self.library.gen_decode_step(self.plan_ref, ids.data_ptr(), span.start, cos, sin, stride, real,
+                                     logits.data_ptr())
         state.commit(span)
         return logits

@@ -1,32 +1,143 @@
-/* One decode step of a Llama-shaped model, batch 1, fp32: softmax attention over a KV cache,
- * or linear attention as an RNN over (S, z).
+/* One decode step of a Llama-shaped model for a batch of B sequences: softmax attention over a
+ * KV cache, or linear attention as an RNN over (S, z). The native twin of
+ * engine/steps/torch_step.py:decode_one.
  *
- * The native twin of models/decode.py:decode_one for the case that dominates interactive use.
- * It reads the model's own weight tensors and writes the KVState's own cache tensors (no
- * copies): the Python side passes their data pointers once, in a Plan. Layouts are torch's:
- * a Linear weight is (out, in) row-major; the cache is (L, 1, Hkv, S_max, D), the linear
- * state S (L, 1, Hkv, F, D) and z (L, 1, Hkv, F); rotary tables are (n, D) cos and sin in the
- * half-split layout. Feature maps as engine/attention/feature_maps.py. Built by engine/native/__init__.py with
- * -O3 -march=native -fopenmp-simd (vectorised reductions without -ffast-math).
+ * It reads the model's own weight tensors (fp32, f16, bf16 or quantized blocks, see gen.h) and
+ * writes the state's own tensors in place: the Python side passes their data pointers in a Plan.
+ * Layouts: cache (L, B, Hkv, S_max, D) in kv_type; linear S (L, B, Hkv, F, D) and z (L, B, Hkv,
+ * F) fp32; rotary rows (B, D) cos and sin in the half-split layout (row stride 0: shared).
+ * Every row of the batch writes cache slot `slot`; after a left-padded prefill a row's rotary
+ * position is its own length (the caller passes its row) and `slot_real` (B, S_max) masks the pad
+ * slots out of the softmax. Pads never entered the linear state, so it needs no mask.
+ *
+ * Matrices run on the thread pool (pool.c) by rows, softmax attention by heads; a phase too
+ * small to pay for the hand-off runs on the caller alone. Compute is fp32 throughout.
  */
 #include <math.h>
-#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
 
-typedef struct {
-    int L, C, H, Hkv, D, I, V, S_max;
-    float eps, scale;
-    const float *embed, *norm, *head;
-    const float *const *ln1, *const *wqkv, *const *wo, *const *ln2, *const *wgu, *const *wd;
-    float *k, *v;                                      /* (L, Hkv, S_max, D) */
-    float *x, *xb, *qkv, *att, *gu, *hb, *scores;      /* scratch */
-    int mode, F;                                       /* MODE_*; feature width (linear) */
-    float lin_eps;                                     /* linear: out = num / (den + lin_eps) */
-    float *S, *z, *phi_q, *phi_k;                      /* linear state; scratch (F each) */
-} Plan;
+#include "gen.h"
 
-enum { MODE_SOFTMAX = 0, MODE_ELU1 = 1, MODE_RELU = 2, MODE_SOFTMAX_MAP = 3, MODE_COS1 = 4 };
+/* A phase below this many multiply-adds runs on the caller alone (tests set 0: every phase on the pool). */
+static long long par_min_macs = 24576;
+void gen_set_parallel_min(long long macs) { par_min_macs = macs; }
+#define CHUNKS_PER_THREAD 4     /* chunks a phase is cut into, per thread (dynamic claiming) */
 
-/* phi(x): x (D) -> out (F) */
+/* ------------------------------------------------------------------ per-thread scratch */
+static size_t fn_scratch(const Plan *p) {   /* scores (S_max), key/value row (D), phi_q, phi_k (F) */
+    return (size_t)p->S_max + 2 * (size_t)p->D + 2 * (size_t)(p->F + 1) + 16;
+}
+
+static int widest(const Plan *p) {
+    int w = p->C, cand[] = {(p->H + 2 * p->Hkv) * p->D, 2 * p->I, p->V, p->H * p->D};
+    for (int i = 0; i < 4; i++) if (cand[i] > w) w = cand[i];
+    return w;
+}
+
+int gen_plan_init(Plan *p) {
+    if (p->nthreads < 1) p->nthreads = 1;
+    p->tscratch_floats = (fn_scratch(p) + (size_t)p->B * widest(p) + 15) & ~(size_t)15;
+    p->tscratch = aligned_alloc(64, p->tscratch_floats * p->nthreads * sizeof(float));
+    return p->tscratch ? 0 : -1;
+}
+
+void gen_plan_free(Plan *p) {
+    pool_quiesce();     /* no worker is still reading this plan's weights or scratch */
+    free(p->tscratch);
+    p->tscratch = NULL;
+}
+
+/* ------------------------------------------------------------------ matrices on the pool */
+typedef struct { Mat m; const float *x; int xs, B; } MatCtx;
+
+static void mat_fn(const void *ctx, int r0, int r1, float *out, int os, int add, float *scratch) {
+    const MatCtx *c = ctx;
+    (void)scratch;
+    mat_rows(&c->m, r0, r1, c->x, c->xs, c->B, out, os, add);
+}
+
+/* out (B, os) (+)= x (B, xs) @ m^T */
+static void matmul(const Plan *p, const Mat *m, const float *x, int xs, float *out, int os, int add) {
+    long long macs = (long long)m->rows * m->cols * p->B;
+    if (p->nthreads <= 1 || macs < par_min_macs) {
+        mat_rows(m, 0, m->rows, x, xs, p->B, out, os, add);
+        return;
+    }
+    int chunks = p->nthreads * CHUNKS_PER_THREAD, rows = (m->rows + chunks - 1) / chunks;
+    rows = (rows + 7) & ~7;
+    if ((m->rows + rows - 1) / rows > 64) rows = (m->rows + 63) / 64;
+    MatCtx c = {*m, x, xs, p->B};
+    pool_run(p->nthreads, mat_fn, &c, sizeof c, m->rows, 1, rows, p->B, out, os, add,
+             p->tscratch, p->tscratch_floats, fn_scratch(p));
+}
+
+/* ------------------------------------------------------------------ softmax attention */
+typedef struct { const Plan *p; int l, slot; const uint8_t *slot_real; } AttCtx;
+
+/* Heads [h0, h1) of every row: out[b*os + (h - h0)*D + d]. */
+static void att_fn(const void *ctx, int h0, int h1, float *out, int os, int add, float *scratch) {
+    const AttCtx *c = ctx;
+    const Plan *p = c->p;
+    const int D = p->D, G = p->H / p->Hkv, QKV = (p->H + 2 * p->Hkv) * D, n = c->slot + 1;
+    float *sc = scratch, *row = scratch + p->S_max;
+    (void)add;
+    for (int b = 0; b < p->B; b++) {
+        const uint8_t *real = c->slot_real ? c->slot_real + (size_t)b * p->S_max : NULL;
+        for (int h = h0; h < h1; h++) {
+            const float *q = p->qkv_out + (size_t)b * QKV + h * D;
+            size_t base = (((size_t)c->l * p->B + b) * p->Hkv + h / G) * p->S_max * D;
+            float mx = -INFINITY;
+            for (int t = 0; t < n; t++) {
+                if (real && !real[t] && t != c->slot) { sc[t] = -INFINITY; continue; }
+                const float *key = row;
+                if (p->kv_type == T_F32) key = (const float *)p->k + base + (size_t)t * D;
+                else load_row(p->k, p->kv_type, base + (size_t)t * D, D, row);
+                float s = 0.0f;
+                #pragma omp simd reduction(+:s)
+                for (int d = 0; d < D; d++) s += q[d] * key[d];
+                sc[t] = s * p->scale;
+                if (sc[t] > mx) mx = sc[t];
+            }
+            float sum = 0.0f;
+            for (int t = 0; t < n; t++) { sc[t] = expf(sc[t] - mx); sum += sc[t]; }
+            float *o = out + (size_t)b * os + (h - h0) * D;
+            for (int d = 0; d < D; d++) o[d] = 0.0f;
+            for (int t = 0; t < n; t++) {
+                if (sc[t] == 0.0f) continue;
+                float a = sc[t] / sum;
+                const float *val = row;
+                if (p->kv_type == T_F32) val = (const float *)p->v + base + (size_t)t * D;
+                else load_row(p->v, p->kv_type, base + (size_t)t * D, D, row);
+                #pragma omp simd
+                for (int d = 0; d < D; d++) o[d] += a * val[d];
+            }
+        }
+    }
+}
+
+static void softmax_attention(const Plan *p, int l, int slot, const uint8_t *slot_real) {
+    const int D = p->D, QKV = (p->H + 2 * p->Hkv) * D;
+    for (int b = 0; b < p->B; b++)
+        for (int g = 0; g < p->Hkv; g++) {
+            size_t at = ((((size_t)l * p->B + b) * p->Hkv + g) * p->S_max + slot) * D;
+            const float *k = p->qkv_out + (size_t)b * QKV + (p->H + g) * D, *v = k + p->Hkv * D;
+            store_row(p->k, p->kv_type, at, D, k);
+            store_row(p->v, p->kv_type, at, D, v);
+        }
+    AttCtx c = {p, l, slot, slot_real};
+    long long macs = 2LL * p->B * p->H * (slot + 1) * D;
+    if (p->nthreads <= 1 || macs < par_min_macs) {
+        att_fn(&c, 0, p->H, p->att, p->H * D, 0, p->tscratch);
+        return;
+    }
+    int per = (p->H + p->nthreads * CHUNKS_PER_THREAD - 1) / (p->nthreads * CHUNKS_PER_THREAD);
+    pool_run(p->nthreads, att_fn, &c, sizeof c, p->H, D, per, p->B, p->att, p->H * D, 0,
+             p->tscratch, p->tscratch_floats, fn_scratch(p));
+}
+
+/* ------------------------------------------------------------------ linear attention */
+/* phi(x): x (D) -> out (F); as engine/attention/feature_maps.py */
 static void feature_map(int mode, const float *x, float *out, int D) {
     if (mode == MODE_ELU1) {
         for (int i = 0; i < D; i++) out[i] = x[i] > 0.0f ? x[i] + 1.0f : expf(x[i] < -60.0f ? -60.0f : x[i]);
@@ -47,55 +158,42 @@ static void feature_map(int mode, const float *x, float *out, int D) {
     }
 }
 
-/* One token of S += phi(k) v^T, z += phi(k); out_h = phi(q_h)^T S / (phi(q_h)^T z + eps). */
-static void linear_attend(const Plan *p, int l, const float *q, const float *k, const float *v) {
-    const int D = p->D, F = p->F, G = p->H / p->Hkv;
-    for (int g = 0; g < p->Hkv; g++) {
-        float *S = p->S + ((size_t)l * p->Hkv + g) * F * D, *z = p->z + ((size_t)l * p->Hkv + g) * F;
-        const float *vg = v + g * D;
-        feature_map(p->mode, k + g * D, p->phi_k, D);
-        for (int f = 0; f < F; f++) {
-            float a = p->phi_k[f];
-            #pragma omp simd
-            for (int d = 0; d < D; d++) S[f * D + d] += a * vg[d];
-            z[f] += a;
-        }
-        for (int j = 0; j < G; j++) {
-            int h = g * G + j;
-            feature_map(p->mode, q + h * D, p->phi_q, D);
-            float *out = p->att + h * D, den = 0.0f;
-            for (int d = 0; d < D; d++) out[d] = 0.0f;
+/* One token per row: S += phi(k) v^T, z += phi(k); out_h = phi(q_h)^T S / (phi(q_h)^T z + eps). */
+static void linear_attention(const Plan *p, int l) {
+    const int D = p->D, F = p->F, G = p->H / p->Hkv, QKV = (p->H + 2 * p->Hkv) * D;
+    float *phi_k = p->tscratch + p->S_max + 2 * D, *phi_q = phi_k + F + 1;
+    for (int b = 0; b < p->B; b++) {
+        const float *q = p->qkv_out + (size_t)b * QKV, *k = q + p->H * D, *v = k + p->Hkv * D;
+        for (int g = 0; g < p->Hkv; g++) {
+            size_t sg = ((size_t)l * p->B + b) * p->Hkv + g;
+            float *S = p->S + sg * F * D, *z = p->z + sg * F;
+            const float *vg = v + g * D;
+            feature_map(p->mode, k + g * D, phi_k, D);
             for (int f = 0; f < F; f++) {
-                float a = p->phi_q[f];
-                den += a * z[f];
+                float a = phi_k[f];
                 #pragma omp simd
-                for (int d = 0; d < D; d++) out[d] += a * S[f * D + d];
+                for (int d = 0; d < D; d++) S[f * D + d] += a * vg[d];
+                z[f] += a;
             }
-            den += p->lin_eps;
-            for (int d = 0; d < D; d++) out[d] /= den;
+            for (int j = 0; j < G; j++) {
+                int h = g * G + j;
+                feature_map(p->mode, q + h * D, phi_q, D);
+                float *out = p->att + (size_t)b * p->H * D + h * D, den = 0.0f;
+                for (int d = 0; d < D; d++) out[d] = 0.0f;
+                for (int f = 0; f < F; f++) {
+                    float a = phi_q[f];
+                    den += a * z[f];
+                    #pragma omp simd
+                    for (int d = 0; d < D; d++) out[d] += a * S[f * D + d];
+                }
+                den += p->lin_eps;
+                for (int d = 0; d < D; d++) out[d] /= den;
+            }
         }
     }
 }
 
-/* out (rows) = W (rows, cols) . x, or out += W . x when `add` */
-static void matvec(float *out, const float *w, const float *x, int rows, int cols, int add) {
-    for (int r = 0; r < rows; r++) {
-        const float *row = w + (size_t)r * cols;
-        float s = 0.0f;
-        #pragma omp simd reduction(+:s)
-        for (int c = 0; c < cols; c++) s += row[c] * x[c];
-        out[r] = add ? out[r] + s : s;
-    }
-}
-
-static void rms_norm(float *out, const float *x, const float *w, int n, float eps) {
-    float ss = 0.0f;
-    #pragma omp simd reduction(+:ss)
-    for (int i = 0; i < n; i++) ss += x[i] * x[i];
-    float r = 1.0f / sqrtf(ss / (float)n + eps);
-    for (int i = 0; i < n; i++) out[i] = w[i] * (x[i] * r);
-}
-
+/* ------------------------------------------------------------------ the step */
 static void rotate(float *x, const float *cos, const float *sin, int D) {
     int h = D / 2;
     for (int i = 0; i < h; i++) {
@@ -105,60 +203,33 @@ static void rotate(float *x, const float *cos, const float *sin, int D) {
     }
 }
 
-/* Feed `token` at slot `pos`; cos/sin: that position's rows (NULL: no rotary). Writes V logits. */
-void gen_decode_step(const Plan *p, int token, int pos, const float *cos, const float *sin, float *logits) {
-    const int C = p->C, H = p->H, Hkv = p->Hkv, D = p->D, I = p->I, G = p->H / p->Hkv;
-    const size_t layer_stride = (size_t)Hkv * p->S_max * D, head_stride = (size_t)p->S_max * D;
-    float *x = p->x;
-    for (int i = 0; i < C; i++) x[i] = p->embed[(size_t)token * C + i];
+/* Feed tokens (B) at cache slot `slot`. cos/sin: (B, D) rows `rope_stride` apart (NULL: no
+ * rotary). slot_real: (B, S_max) bytes, 0 at pad slots (NULL: no pads). Writes logits (B, V). */
+void gen_decode_step(const Plan *p, const int64_t *tokens, int slot, const float *cos, const float *sin,
+                     int rope_stride, const uint8_t *slot_real, float *logits) {
+    const int B = p->B, C = p->C, H = p->H, Hkv = p->Hkv, D = p->D, I = p->I, QKV = (H + 2 * Hkv) * D;
+    for (int b = 0; b < B; b++) row_to_f32(&p->embed, (int)tokens[b], p->x + (size_t)b * C);
     for (int l = 0; l < p->L; l++) {
-        rms_norm(p->xb, x, p->ln1[l], C, p->eps);
-        matvec(p->qkv, p->wqkv[l], p->xb, (H + 2 * Hkv) * D, C, 0);
-        float *q = p->qkv, *k = q + H * D, *v = k + Hkv * D;
-        if (cos) {
-            for (int h = 0; h < H; h++) rotate(q + h * D, cos, sin, D);
-            for (int h = 0; h < Hkv; h++) rotate(k + h * D, cos, sin, D);
-        }
-        if (p->mode != MODE_SOFTMAX) {
-            linear_attend(p, l, q, k, v);
-        } else {
-            float *kc = p->k + l * layer_stride, *vc = p->v + l * layer_stride;
-            for (int h = 0; h < Hkv; h++)
-                for (int d = 0; d < D; d++) {
-                    kc[h * head_stride + (size_t)pos * D + d] = k[h * D + d];
-                    vc[h * head_stride + (size_t)pos * D + d] = v[h * D + d];
-                }
-            for (int h = 0; h < H; h++) {
-                const float *qh = q + h * D;
-                const float *keys = kc + (h / G) * head_stride, *vals = vc + (h / G) * head_stride;
-                float *sc = p->scores, mx = -INFINITY;
-                for (int t = 0; t <= pos; t++) {
-                    float s = 0.0f;
-                    #pragma omp simd reduction(+:s)
-                    for (int d = 0; d < D; d++) s += qh[d] * keys[(size_t)t * D + d];
-                    sc[t] = s * p->scale;
-                    if (sc[t] > mx) mx = sc[t];
-                }
-                float sum = 0.0f;
-                for (int t = 0; t <= pos; t++) { sc[t] = expf(sc[t] - mx); sum += sc[t]; }
-                float *out = p->att + h * D;
-                for (int d = 0; d < D; d++) out[d] = 0.0f;
-                for (int t = 0; t <= pos; t++) {
-                    float a = sc[t] / sum;
-                    #pragma omp simd
-                    for (int d = 0; d < D; d++) out[d] += a * vals[(size_t)t * D + d];
-                }
+        for (int b = 0; b < B; b++) rms_norm(p->xb + (size_t)b * C, p->x + (size_t)b * C, p->ln1[l], p->norm_type, C, p->eps);
+        matmul(p, &p->qkv[l], p->xb, C, p->qkv_out, QKV, 0);
+        if (cos)
+            for (int b = 0; b < B; b++) {
+                float *q = p->qkv_out + (size_t)b * QKV;
+                const float *cb = cos + (size_t)b * rope_stride, *sb = sin + (size_t)b * rope_stride;
+                for (int h = 0; h < H + Hkv; h++) rotate(q + h * D, cb, sb, D);
             }
+        if (p->mode == MODE_SOFTMAX) softmax_attention(p, l, slot, slot_real);
+        else linear_attention(p, l);
+        matmul(p, &p->wo[l], p->att, H * D, p->x, C, 1);
+        for (int b = 0; b < B; b++) rms_norm(p->xb + (size_t)b * C, p->x + (size_t)b * C, p->ln2[l], p->norm_type, C, p->eps);
+        matmul(p, &p->gu[l], p->xb, C, p->gu_out, 2 * I, 0);
+        for (int b = 0; b < B; b++) {
+            const float *gu = p->gu_out + (size_t)b * 2 * I;
+            float *hb = p->hb + (size_t)b * I;
+            for (int i = 0; i < I; i++) hb[i] = gu[i] / (1.0f + expf(-gu[i])) * gu[I + i];
         }
-        matvec(x, p->wo[l], p->att, C, H * D, 1);
-        rms_norm(p->xb, x, p->ln2[l], C, p->eps);
-        matvec(p->gu, p->wgu[l], p->xb, 2 * I, C, 0);
-        for (int i = 0; i < I; i++) {
-            float g = p->gu[i];
-            p->hb[i] = g / (1.0f + expf(-g)) * p->gu[I + i];
-        }
-        matvec(x, p->wd[l], p->hb, C, I, 1);
+        matmul(p, &p->wd[l], p->hb, I, p->x, C, 1);
     }
-    rms_norm(p->xb, x, p->norm, C, p->eps);
-    matvec(logits, p->head, p->xb, p->V, C, 0);
+    for (int b = 0; b < B; b++) rms_norm(p->xb + (size_t)b * C, p->x + (size_t)b * C, p->norm, p->norm_type, C, p->eps);
+    matmul(p, &p->head, p->xb, C, logits, p->V, 0);
 }

@@ -1,0 +1,138 @@
+"""Block quantization of a model's matrices at load: `--quantize q8_0|q4_0|q4_1`.
+
+    quantize_model(model, "q8_0")          # every Linear whose input width is a multiple of 32
+    blocks = quantize(w, "q4_0")           # (out, in) float -> (out, in/32 * block bytes) uint8
+    w2 = dequantize(blocks, "q4_0", w.shape)
+
+Blocks are llama.cpp's (ggml-quants.c), 32 weights along a row each:
+  q8_0  fp16 d, 32 int8 q                 w = d * q          (d = max|x| / 127, q = round(x / d))
+  q4_0  fp16 d, 16 bytes of nibbles       w = d * (q - 8)    (d = the signed value of largest |x| / -8)
+  q4_1  fp16 d, fp16 m, 16 bytes          w = d * q + m      (m = min, d = (max - min) / 15)
+Nibbles: byte j holds weight j in its low 4 bits and weight j + 16 in its high 4 bits.
+
+A quantized layer is a `QuantLinear`: it keeps only the blocks. The native step reads them as
+they are and dequantizes inside its dot products (engine/steps/native/kernels.c); PyTorch forms
+(prefill, the torch and module steps) run `F.linear` on `dequantize(...)`, the same fp32 weights.
+So every form computes with the same weights, and tests hold the native quantized step to
+dequantize-then-fp32. Token embeddings stay as loaded (a lookup reads one row per token);
+lm_head is quantized (for tied embeddings that unties the two: the embedding keeps its values).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from engine.errors import InvalidArgumentError
+
+QK = 32
+BLOCK_BYTES = {"q8_0": 2 + QK, "q4_0": 2 + QK // 2, "q4_1": 4 + QK // 2}
+KINDS = tuple(BLOCK_BYTES)
+
+
+def check_kind(kind: str) -> str:
+    if kind not in BLOCK_BYTES:
+        raise InvalidArgumentError(f"unknown quantization {kind!r}; valid: {', '.join(KINDS)}")
+    return kind
+
+
+def _half_bytes(x: torch.Tensor) -> torch.Tensor:   # (..., 1) float -> (..., 2) uint8, fp16 bits
+    return x.to(torch.float16).contiguous().view(torch.uint8)
+
+
+def _half_of(b: torch.Tensor) -> torch.Tensor:      # (..., 2) uint8 -> (..., 1) fp32
+    return b.contiguous().view(torch.float16).float()
+
+
+def quantize(w: torch.Tensor, kind: str) -> torch.Tensor:
+    """w (out, in) float, in % 32 == 0 -> blocks (out, in / 32 * BLOCK_BYTES[kind]) uint8."""
+    check_kind(kind)
+    rows, cols = w.shape
+    if cols % QK:
+        raise InvalidArgumentError(f"{kind} needs rows of a multiple of {QK} weights, got {cols}")
+    x = w.detach().float().reshape(rows, cols // QK, QK)
+    if kind == "q8_0":
+        d = x.abs().amax(-1, keepdim=True) / 127
+        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        v = x * inv
+        q = (v.sign() * (v.abs() + 0.5).floor()).clamp(-127, 127).to(torch.int8)   # roundf: half away from 0
+        return torch.cat([_half_bytes(d), q.view(torch.uint8)], -1).reshape(rows, -1)
+    if kind == "q4_0":
+        big = x.gather(-1, x.abs().argmax(-1, keepdim=True))                        # signed, largest |x|
+        d = big / -8
+        inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+        q = (x * inv + 8.5).trunc().clamp(0, 15).to(torch.uint8)
+        packed = q[..., :QK // 2] | (q[..., QK // 2:] << 4)
+        return torch.cat([_half_bytes(d), packed], -1).reshape(rows, -1)
+    lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    d = (hi - lo) / 15
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    q = ((x - lo) * inv + 0.5).trunc().clamp(0, 15).to(torch.uint8)
+    packed = q[..., :QK // 2] | (q[..., QK // 2:] << 4)
+    return torch.cat([_half_bytes(d), _half_bytes(lo), packed], -1).reshape(rows, -1)
+
+
+def dequantize(blocks: torch.Tensor, kind: str, shape) -> torch.Tensor:
+    """blocks (out, in / 32 * bytes) uint8 -> (out, in) fp32, exactly as the native kernels decode them."""
+    rows, cols = shape
+    b = blocks.reshape(rows, cols // QK, BLOCK_BYTES[check_kind(kind)])
+    d = _half_of(b[..., 0:2])                                                        # (rows, nb, 1)
+    if kind == "q8_0":
+        w = d * b[..., 2:].contiguous().view(torch.int8).float()
+    else:
+        qs = b[..., 4:] if kind == "q4_1" else b[..., 2:]
+        q = torch.cat([qs & 0x0F, qs >> 4], -1).float()                              # (rows, nb, 32)
+        w = d * (q - 8) if kind == "q4_0" else d * q + _half_of(b[..., 2:4])
+    return w.reshape(rows, cols)
+
+
+class QuantLinear(nn.Module):
+    """A bias-free Linear whose weight is kept as quantized blocks (`blocks`, uint8)."""
+
+    def __init__(self, blocks: torch.Tensor, kind: str, in_features: int, out_features: int):
+        super().__init__()
+        self.kind, self.in_features, self.out_features = check_kind(kind), in_features, out_features
+        self.register_buffer("blocks", blocks)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, kind: str) -> "QuantLinear":
+        return cls(quantize(linear.weight, kind), kind, linear.in_features, linear.out_features)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized (out, in) fp32 weight (a new tensor each call)."""
+        return dequantize(self.blocks, self.kind, (self.out_features, self.in_features))
+
+    def forward(self, x):   # (..., in) -> (..., out), on the dequantized weights
+        w = self.weight
+        return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, {self.kind}"
+
+
+def quantizable(linear) -> bool:
+    return isinstance(linear, nn.Linear) and linear.bias is None and linear.in_features % QK == 0
+
+
+def quantize_model(model, kind: str) -> list[str]:
+    """Replace the model's matrices (per layer qkv, o_proj, gate_up, down_proj; lm_head) by
+    QuantLinear in place. Returns the names of the matrices left as they were (input width not a
+    multiple of 32, e.g. stories260K's down_proj with 172 inputs)."""
+    check_kind(kind)
+    kept = []
+    targets = [(f"layers.{i}.self_attn", layer.self_attn, n) for i, layer in enumerate(model.layers)
+               for n in ("qkv", "o_proj")]
+    targets += [(f"layers.{i}.mlp", layer.mlp, n) for i, layer in enumerate(model.layers)
+                for n in ("gate_up", "down_proj")]
+    targets.append(("", model, "lm_head"))
+    with torch.no_grad():
+        for prefix, parent, name in targets:
+            module = getattr(parent, name)
+            if quantizable(module):
+                setattr(parent, name, QuantLinear.from_linear(module, kind))
+            elif not isinstance(module, QuantLinear):
+                kept.append(f"{prefix}.{name}".lstrip("."))
+    model.weights_epoch += 1
+    model.quantization = kind
+    return kept

@@ -1,0 +1,71 @@
+/* Shared declarations of the native decode step: weight matrices, the plan, the thread pool.
+ *
+ * Files, one concept each: pool.c (the thread pool that stays steady when a core is taken),
+ * kernels.c (row dot products for every weight type, rms_norm, 16-bit conversions),
+ * decode.c (the one-token step of a batch, both attention paths).
+ * Layouts are torch's: a Linear weight is (out, in) row-major; activations (B, width).
+ */
+#ifndef GEN_H
+#define GEN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Element types of weights and KV caches. Quantized types are llama.cpp's blocks of 32
+ * weights along a row: Q8_0 = fp16 d + 32 int8 (w = d*q); Q4_0 = fp16 d + 16 bytes, weight j
+ * in the low nibble of byte j and weight j+16 in the high nibble (w = d*(q-8)); Q4_1 = fp16 d,
+ * fp16 m + 16 bytes (w = d*q + m). */
+enum { T_F32 = 0, T_F16 = 1, T_BF16 = 2, T_Q8_0 = 3, T_Q4_0 = 4, T_Q4_1 = 5 };
+#define QK 32
+
+typedef struct {
+    const void *data;   /* (rows, cols) in `type`; quantized: rows * cols/32 blocks */
+    int type, rows, cols;
+} Mat;
+
+typedef struct {
+    int L, C, H, Hkv, D, I, V, B, S_max;   /* S_max: KV slots (softmax; 0 for linear) */
+    float eps, scale;                      /* rms_norm eps; 1/sqrt(D) */
+    Mat embed, head;
+    const void *norm; int norm_type;       /* final norm weight (C) in norm_type */
+    const Mat *qkv, *wo, *gu, *wd;         /* L each */
+    const void *const *ln1, *const *ln2;   /* L pointers to (C) weights in norm_type */
+    void *k, *v; int kv_type;              /* (L, B, Hkv, S_max, D) in kv_type */
+    int mode, F;                           /* 0 softmax, else MODE_* feature map; F its width */
+    float lin_eps;
+    float *S, *z;                          /* (L, B, Hkv, F, D), (L, B, Hkv, F) fp32 */
+    float *x, *xb, *qkv_out, *att, *gu_out, *hb;   /* scratch: (B, C) (B, C) (B, (H+2Hkv)D) (B, HD) (B, 2I) (B, I) */
+    int nthreads;                          /* threads the step may use, the caller's included */
+    float *tscratch;                       /* per thread: tscratch + tid * tscratch_floats (owned by C) */
+    size_t tscratch_floats;
+} Plan;
+
+enum { MODE_SOFTMAX = 0, MODE_ELU1 = 1, MODE_RELU = 2, MODE_SOFTMAX_MAP = 3, MODE_COS1 = 4 };
+
+/* ---- kernels.c */
+/* out[b*os + r - r0] (+)= row r of m . x[b*xs ...] for r in [r0, r1), b < B */
+void mat_rows(const Mat *m, int r0, int r1, const float *x, int xs, int B, float *out, int os, int add);
+void row_to_f32(const Mat *m, int r, float *dst);              /* one row, dequantized */
+void rms_norm(float *out, const float *x, const void *w, int wtype, int n, float eps);
+float load_f16(uint16_t h);
+float load_bf16(uint16_t h);
+uint16_t store_f16(float f);
+uint16_t store_bf16(float f);
+/* n elements of a (type) array from element `at` into fp32 */
+void load_row(const void *base, int type, size_t at, int n, float *dst);
+void store_row(void *base, int type, size_t at, int n, const float *src);
+
+/* ---- pool.c */
+/* A job: `fn` computes units [u0, u1) for every row b, writing out[b*os + (u - u0)*width + j]
+ * (add: +=). `ctx` is copied into the job (a late worker never reads the caller's stack). */
+typedef void (*UnitsFn)(const void *ctx, int u0, int u1, float *out, int os, int add, float *scratch);
+#define JOB_CTX_BYTES 256
+/* Runs `fn` over `units` in chunks of `chunk_units` on up to `nthreads` threads (the caller's
+ * included). Thread t's scratch is scratch + t * stride: `fn_scratch` floats for fn, then a
+ * private output buffer of B * chunk_units * width floats (workers compute there and publish). */
+void pool_run(int nthreads, UnitsFn fn, const void *ctx, size_t ctx_bytes, int units, int width,
+              int chunk_units, int B, float *out, int os, int add,
+              float *scratch, size_t stride, size_t fn_scratch);
+void pool_quiesce(void);   /* returns once no worker is inside a chunk (before freeing a plan) */
+
+#endif

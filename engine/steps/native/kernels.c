@@ -1,0 +1,227 @@
+/* Row dot products for every weight type, rms_norm and the 16-bit conversions.
+ *
+ * mat_rows computes out[b][r] = W[r] . x[b] for a range of rows and a batch of inputs: each
+ * 32-wide block of a row is decoded to fp32 once (f16/bf16 widened, quantized blocks
+ * dequantized: w = d*q, d*(q-8), d*q + m exactly as engine/quant.py dequantizes) and used for
+ * up to 4 inputs, so a batch reads the weights once. Accumulation is fp32 in four independent
+ * vector accumulators per input (a fixed order: results do not depend on threads or chunking).
+ * x86 intrinsics where the compiler targets AVX2/F16C, portable scalar code otherwise.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "gen.h"
+
+#if defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+#define GEN_X86 1
+#endif
+
+typedef float v8 __attribute__((vector_size(32)));
+
+static inline v8 ld8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
+static inline float hsum(v8 v) {
+    float s = 0.0f;
+    for (int i = 0; i < 8; i++) s += v[i];
+    return s;
+}
+
+/* ------------------------------------------------------------------ 16-bit floats */
+float load_f16(uint16_t h) {
+#ifdef GEN_X86
+    return _cvtsh_ss(h);
+#else
+    uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, u;
+    if (e == 0) {
+        if (m == 0) u = s;
+        else { e = 127 - 14; while (!(m & 0x400)) { m <<= 1; e--; } u = s | e << 23 | (m & 0x3ff) << 13; }
+    } else if (e == 31) u = s | 0x7f800000 | m << 13;
+    else u = s | (e + 112) << 23 | m << 13;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+#endif
+}
+
+uint16_t store_f16(float f) {   /* round to nearest even, as torch's .to(float16) */
+#ifdef GEN_X86
+    return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    _Float16 h = (_Float16)f;
+    uint16_t u;
+    memcpy(&u, &h, 2);
+    return u;
+#endif
+}
+
+float load_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+uint16_t store_bf16(float f) {  /* round to nearest even, as torch's .to(bfloat16) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+
+void load_row(const void *base, int type, size_t at, int n, float *dst) {
+    if (type == T_F32) { memcpy(dst, (const float *)base + at, (size_t)n * 4); return; }
+    const uint16_t *h = (const uint16_t *)base + at;
+    if (type == T_F16) for (int i = 0; i < n; i++) dst[i] = load_f16(h[i]);
+    else for (int i = 0; i < n; i++) dst[i] = load_bf16(h[i]);
+}
+
+void store_row(void *base, int type, size_t at, int n, const float *src) {
+    if (type == T_F32) { memcpy((float *)base + at, src, (size_t)n * 4); return; }
+    uint16_t *h = (uint16_t *)base + at;
+    if (type == T_F16) for (int i = 0; i < n; i++) h[i] = store_f16(src[i]);
+    else for (int i = 0; i < n; i++) h[i] = store_bf16(src[i]);
+}
+
+/* ------------------------------------------------------------------ blocks */
+static size_t block_bytes(int type) {
+    switch (type) {
+    case T_F32: return QK * 4;
+    case T_F16: case T_BF16: return QK * 2;
+    case T_Q8_0: return 2 + QK;
+    case T_Q4_0: return 2 + QK / 2;
+    default: return 4 + QK / 2;          /* T_Q4_1 */
+    }
+}
+
+static inline void widen8_f16(const uint16_t *h, float *out) {
+#ifdef GEN_X86
+    _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)));
+#else
+    for (int i = 0; i < 8; i++) out[i] = load_f16(h[i]);
+#endif
+}
+
+/* Block k of a row (32 consecutive weights from element 32k) as fp32 in w[4]. */
+static inline void decode_block(const unsigned char *row, int type, int k, v8 w[4]) {
+    float f[QK] __attribute__((aligned(32)));
+    const unsigned char *blk = row + (size_t)k * block_bytes(type);
+    switch (type) {
+    case T_F32:
+        for (int q = 0; q < 4; q++) w[q] = ld8((const float *)blk + 8 * q);
+        return;
+    case T_F16:
+        for (int q = 0; q < 4; q++) widen8_f16((const uint16_t *)blk + 8 * q, f + 8 * q);
+        break;
+    case T_BF16: {
+        const uint16_t *h = (const uint16_t *)blk;
+        for (int i = 0; i < QK; i++) { uint32_t u = (uint32_t)h[i] << 16; memcpy(f + i, &u, 4); }
+        break;
+    }
+    case T_Q8_0: {
+        uint16_t dh;
+        memcpy(&dh, blk, 2);
+        float d = load_f16(dh);
+        const signed char *qs = (const signed char *)(blk + 2);
+        for (int i = 0; i < QK; i++) f[i] = d * (float)qs[i];
+        break;
+    }
+    case T_Q4_0: {
+        uint16_t dh;
+        memcpy(&dh, blk, 2);
+        float d = load_f16(dh);
+        const unsigned char *qs = blk + 2;
+        for (int i = 0; i < QK / 2; i++) {
+            f[i] = d * (float)((int)(qs[i] & 0x0f) - 8);
+            f[i + QK / 2] = d * (float)((int)(qs[i] >> 4) - 8);
+        }
+        break;
+    }
+    default: {   /* T_Q4_1 */
+        uint16_t dh, mh;
+        memcpy(&dh, blk, 2);
+        memcpy(&mh, blk + 2, 2);
+        float d = load_f16(dh), m = load_f16(mh);
+        const unsigned char *qs = blk + 4;
+        for (int i = 0; i < QK / 2; i++) {
+            float lo = d * (float)(qs[i] & 0x0f), hi = d * (float)(qs[i] >> 4);
+            f[i] = lo + m;
+            f[i + QK / 2] = hi + m;
+        }
+        break;
+    }
+    }
+    for (int q = 0; q < 4; q++) w[q] = ld8(f + 8 * q);
+}
+
+static inline const unsigned char *row_ptr(const Mat *m, int r) {
+    size_t per_row = (size_t)(m->cols / QK) * block_bytes(m->type);
+    if (m->type <= T_BF16)   /* float rows need not be a multiple of 32 long */
+        per_row = (size_t)m->cols * (m->type == T_F32 ? 4 : 2);
+    return (const unsigned char *)m->data + (size_t)r * per_row;
+}
+
+static inline float tail_elem(const unsigned char *row, int type, int i) {
+    if (type == T_F32) return ((const float *)row)[i];
+    uint16_t h = ((const uint16_t *)row)[i];
+    return type == T_F16 ? load_f16(h) : load_bf16(h);
+}
+
+/* Rows [r0, r1) against n (1..4, a constant after inlining) inputs. */
+static inline __attribute__((always_inline)) void rows_tile(const Mat *m, int r0, int r1, const float *x, int xs,
+                                                           int n, float *out, int os, int add) {
+    const int K = m->cols, nb = K / QK;
+    for (int r = r0; r < r1; r++) {
+        const unsigned char *row = row_ptr(m, r);
+        v8 acc[4][4];
+        memset(acc, 0, sizeof acc);
+        for (int k = 0; k < nb; k++) {
+            v8 w[4];
+            decode_block(row, m->type, k, w);
+            for (int j = 0; j < n; j++) {
+                const float *xp = x + (size_t)j * xs + k * QK;
+                for (int q = 0; q < 4; q++) acc[j][q] += w[q] * ld8(xp + 8 * q);
+            }
+        }
+        for (int j = 0; j < n; j++) {
+            float s = hsum((acc[j][0] + acc[j][1]) + (acc[j][2] + acc[j][3]));
+            for (int i = nb * QK; i < K; i++) s += tail_elem(row, m->type, i) * x[(size_t)j * xs + i];
+            float *o = out + (size_t)j * os + (r - r0);
+            *o = add ? *o + s : s;
+        }
+    }
+}
+
+void mat_rows(const Mat *m, int r0, int r1, const float *x, int xs, int B, float *out, int os, int add) {
+    int b = 0;
+    for (; b + 4 <= B; b += 4) rows_tile(m, r0, r1, x + (size_t)b * xs, xs, 4, out + (size_t)b * os, os, add);
+    switch (B - b) {
+    case 3: rows_tile(m, r0, r1, x + (size_t)b * xs, xs, 3, out + (size_t)b * os, os, add); break;
+    case 2: rows_tile(m, r0, r1, x + (size_t)b * xs, xs, 2, out + (size_t)b * os, os, add); break;
+    case 1: rows_tile(m, r0, r1, x + (size_t)b * xs, xs, 1, out + (size_t)b * os, os, add); break;
+    default: break;
+    }
+}
+
+void row_to_f32(const Mat *m, int r, float *dst) {
+    const unsigned char *row = row_ptr(m, r);
+    if (m->type <= T_BF16) { load_row(row, m->type, 0, m->cols, dst); return; }
+    for (int k = 0; k < m->cols / QK; k++) {
+        v8 w[4];
+        decode_block(row, m->type, k, w);
+        memcpy(dst + k * QK, w, sizeof w);
+    }
+}
+
+void rms_norm(float *out, const float *x, const void *w, int wtype, int n, float eps) {
+    float ss = 0.0f;
+    #pragma omp simd reduction(+:ss)
+    for (int i = 0; i < n; i++) ss += x[i] * x[i];
+    float r = 1.0f / sqrtf(ss / (float)n + eps);
+    if (wtype == T_F32) {
+        const float *wf = (const float *)w;
+        for (int i = 0; i < n; i++) out[i] = wf[i] * (x[i] * r);
+    } else {
+        const uint16_t *h = (const uint16_t *)w;
+        for (int i = 0; i < n; i++) out[i] = (wtype == T_F16 ? load_f16(h[i]) : load_bf16(h[i])) * (x[i] * r);
+    }
+}
