@@ -15,6 +15,7 @@ from contextlib import contextmanager
 import click
 
 from cli.bench import bench_cmd
+from cli.chat import chat_cmd
 from cli.convert import convert_cmd
 from cli.eval import eval_cmd
 from cli.generate import generate_cmd
@@ -73,6 +74,7 @@ main.add_command(train_cmd)
 main.add_command(eval_cmd)
 main.add_command(convert_cmd)
 main.add_command(bench_cmd)
+main.add_command(chat_cmd)
 main.add_command(serve_cmd)
 
 if __name__ == "__main__":

@@ -76,6 +76,7 @@ class Result:
     ids: list[int]                  # every sampled id, an EOS or the tokens of a stop string included
     finish_reason: str | None       # "stop", "length", "context"; None while unfinished
     stats: Stats
+    stop_reason: int | str | None = None   # with finish_reason "stop": the EOS id sampled, or the stop string
 
 
 @dataclass
@@ -90,11 +91,13 @@ class Generation:
     """Generate from `prompts` (lists of token ids) with `model`; iterate for `TokenEvent`s.
 
     tokenizer: needed for text and stop strings; without one, every event's text is "".
+    state: continue a state the caller owns (a chat session) instead of allocating one: `prompts`
+    are then only the tokens to add to it; its capacity, not max_context, bounds the context.
     After iteration, `results[b]` holds each sequence's `Result`.
     """
 
     def __init__(self, model, prompts: list[list[int]], config: GenerationConfig, tokenizer=None,
-                 attention: str | None = None, feature_map: str | None = None, step=None):
+                 attention: str | None = None, feature_map: str | None = None, step=None, state=None):
         self.model, self.config, self.tokenizer = model, config, tokenizer
         self.step = step or model.step   # an engine.steps.Stepper picks the step form; default: the module path
         self.attention = attention or model.config.attention
@@ -108,10 +111,21 @@ class Generation:
         context = config.max_context or model.config.max_position_embeddings
         # The state is allocated here, once. A state with a capacity (the KV cache) gets room for
         # each sequence's last fed-back token, pads included; the linear state ignores max_len.
-        self.state = model.init_state(batch=B, max_len=max(P, min(P - shortest + context, P + N - 1)),
-                                      attention=self.attention, feature_map=feature_map, device=model.device)
+        if state is None:
+            self.state = model.init_state(batch=B, max_len=max(P, min(P - shortest + context, P + N - 1)),
+                                          attention=self.attention, feature_map=feature_map, device=model.device)
+            self.offset = 0      # tokens already in the state before the prompt
+        else:
+            self.state, self.offset = state, state.slots
+            if state.batch_size != B:
+                raise InvalidArgumentError(f"the state holds {state.batch_size} sequences, not {B}")
+            context = state.max_len
         self.context = context if self.state.max_len is not None else None
-        if self.context is not None and P > self.context:
+        if self.context is not None and self.offset + P > self.context:
+            if state is not None:
+                raise InvalidArgumentError(
+                    f"the conversation would hold {self.offset + P} tokens but the context holds {self.context}; "
+                    f"start a new one (reset), raise max_context, or use linear attention (no limit)")
             self.state = None
             raise InvalidArgumentError(
                 f"the prompt has {P} tokens but the context holds {self.context} (max_context); "
@@ -183,7 +197,8 @@ class Generation:
                     text, reason = self._text(tok, decoders[b], stoppers[b])
                     if reason is None and n == N:
                         reason = "length"
-                    if reason is None and self.context is not None and len(self.prompts[b]) + n > self.context:
+                    if reason is None and self.context is not None and \
+                            self.offset + len(self.prompts[b]) + n > self.context:
                         reason = "context"   # feeding `tok` back would need one more cache slot
                     if reason is not None:
                         text += flush(decoders[b], stoppers[b])
@@ -191,6 +206,8 @@ class Generation:
                     if reason is not None:
                         self._t_last[b] = now
                         self.results[b] = self.result(b, reason)
+                        if reason == "stop":
+                            self.results[b].stop_reason = tok if tok in self.eos else stoppers[b].matched
                     yield TokenEvent(b, tok, text, reason)
                 if self.done:
                     return

@@ -1,0 +1,114 @@
+"""`gen chat`: talk to an instruction-tuned model in a terminal, one reply streamed per message.
+
+    gen chat --model smollm2 [--attention linear] [--system TEXT] [sampling options]
+
+Each line you type is a user message; the reply streams back. The conversation and its decoding
+state are kept (engine.chat), so a turn prefills only what it adds. `/reset` starts a new
+conversation, `/exit` or Ctrl-D leaves, Ctrl-C stops a reply (the session and what was said so
+far stay). Lines read from a pipe work too (one message per line), without the `> ` prompt.
+"""
+from __future__ import annotations
+
+import signal
+import sys
+
+import click
+
+from cli.common import run_guarded
+from cli.generate import load_quietly, summary
+from engine.api import make_config
+from engine.errors import EngineError
+
+HELP_LINE = "/reset starts over, /exit or Ctrl-D leaves, Ctrl-C stops a reply"
+
+
+@click.command("chat")
+@click.option("--model", "model_name", default="smollm2", show_default=True,
+              help="registered name or path of a model with a chat template (GGUF, tokenizer_config.json)")
+@click.option("--attention", type=click.Choice(["softmax", "linear"]), help="default: the model's own")
+@click.option("--feature-map", help="linear attention feature map (elu1, relu, softmax, cos1)")
+@click.option("--system", help="a system message for the conversation (default: the template's own, if any)")
+@click.option("--max-new-tokens", default=512, show_default=True, type=int, help="per reply")
+@click.option("--temperature", default=0.8, show_default=True, type=float, help="0 = greedy")
+@click.option("--top-k", default=0, show_default=True, type=int, help="0 = off")
+@click.option("--top-p", default=1.0, show_default=True, type=float, help="1 = off")
+@click.option("--min-p", default=0.0, show_default=True, type=float, help="0 = off")
+@click.option("--repetition-penalty", default=1.0, show_default=True, type=float, help="1 = off")
+@click.option("--seed", type=int, help="default: a fresh seed per reply")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--dtype", help="float32 (default), bfloat16, float16")
+@click.option("--max-context", type=int, help="softmax KV cache capacity in tokens for the whole conversation "
+                                                "(default: the model's context)")
+@click.option("--backend", type=click.Choice(["auto", "torch", "native", "module"]), default="auto", show_default=True)
+@click.option("--threads", type=int, help="CPU threads")
+@click.option("-v", "--verbose", is_flag=True, help="a summary line (tokens, speed) after each reply")
+def chat_cmd(model_name, attention, feature_map, system, max_new_tokens, temperature, top_k, top_p, min_p,
+             repetition_penalty, seed, device, dtype, max_context, backend, threads, verbose):
+    """Chat with a model that has a chat template: one line per message (see the module doc)."""
+    settings = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                    min_p=min_p, repetition_penalty=repetition_penalty, seed=seed)
+
+    def run():
+        make_config(**settings)                      # bad settings fail before the model loads
+        llm = load_quietly(model_name, attention, feature_map, device, dtype, backend, threads)
+        session = llm.chat_session(system=system, max_context=max_context)
+        tty = sys.stdin.isatty()
+        if tty:
+            try:
+                import readline  # noqa: F401  (line editing and input history for input(); optional)
+            except ImportError:
+                pass
+            click.echo(f"gen chat: {model_name}, {llm.attention} attention. {HELP_LINE}.", err=True)
+        repl(session, settings, prompt="> " if tty else "", verbose=verbose)
+
+    run_guarded(run)
+
+
+def repl(session, settings: dict, prompt: str = "> ", verbose: bool = False) -> None:
+    while True:
+        try:
+            line = input(prompt)
+        except EOFError:
+            if prompt:
+                click.echo("", err=True)
+            return
+        except KeyboardInterrupt:        # Ctrl-C at the prompt: a fresh line, the session stays
+            click.echo("", err=True)
+            continue
+        command = line.strip()
+        if not command:
+            continue
+        if command in ("/exit", "/quit"):
+            return
+        if command == "/reset":
+            session.reset()
+            click.echo("gen: conversation cleared", err=True)
+            continue
+        try:
+            reply = session.send(line, **settings)
+        except EngineError as e:         # e.g. the context is full: say so, keep the REPL
+            click.echo(f"gen: error: {e}", err=True)
+            continue
+        interrupted = stream_reply(reply)
+        if verbose or interrupted:
+            click.echo(summary(reply.result, interrupted=interrupted), err=True)
+
+
+def stream_reply(reply) -> bool:
+    """Print a reply as it streams; Ctrl-C stops it between tokens (never inside a step, so the
+    session's state stays whole). Returns True if it was interrupted."""
+    stop = []
+    previous = signal.signal(signal.SIGINT, lambda *_: stop.append(True))
+    out = sys.stdout
+    try:
+        for chunk in reply:
+            out.write(chunk)
+            out.flush()
+            if stop:
+                reply.close()
+                break
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        out.write("\n")
+        out.flush()
+    return bool(stop)

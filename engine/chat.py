@@ -1,0 +1,159 @@
+"""A chat session: the conversation and its decoding state, kept between turns.
+
+    session = llm.chat_session(system="You are terse.")
+    for chunk in session.send("What is the capital of France?", temperature=0):
+        print(chunk, end="")
+    session.send("And of Italy?")           # prefills only the tokens this turn adds
+    session.reset()
+
+The state is append-only, on both attention paths: a linear state cannot be rewound, so a turn
+never re-feeds what the state already holds. After a reply the state holds the prompt and every
+sampled token but the last (the loop samples it and stops); a turn then feeds that last token
+unless it was an end token, followed by exactly the text the template adds after the reply (the
+turn end, the next user message, the assistant opening), tokenized as `models.chat_template`
+does (markers as special tokens, user text as plain text). The reply stays in the state as the
+ids that were sampled, not a re-tokenization of its text.
+
+When the template does not extend the previous rendering (a template that rewrites earlier turns),
+or a reply was broken off inside a step (an exception from the model: the state may be half
+written), the next turn rebuilds the state from the whole conversation instead; `rebuilds` counts
+these, and `stats` of each reply says how many tokens were prefilled.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from engine.errors import InvalidArgumentError
+from engine.generate import Generation, GenerationConfig, Result
+from models.chat_template import ChatTemplate, encode_segments
+
+
+class ChatSession:
+    """One conversation on one model. Not thread-safe: one reply at a time."""
+
+    def __init__(self, model, tokenizer, template: ChatTemplate, configure: Callable[[dict], GenerationConfig],
+                 eos_ids, attention: str, feature_map: str | None = None, step=None, system: str | None = None,
+                 max_context: int | None = None):
+        if max_context is not None and (not isinstance(max_context, int) or max_context < 1):
+            raise InvalidArgumentError(f"max_context must be an integer >= 1, got {max_context!r}")
+        self.model, self.tokenizer, self.template = model, tokenizer, template
+        self.configure, self.eos_ids = configure, tuple(eos_ids)
+        self.attention, self.feature_map, self.step = attention, feature_map, step
+        self.system, self.max_context = system, max_context or model.config.max_position_embeddings
+        self.rebuilds = 0
+        self.reply: ChatReply | None = None
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the conversation (the system message stays) and free the state."""
+        self.close_reply()
+        self.messages: list[dict] = [{"role": "system", "content": self.system}] if self.system else []
+        self.state = None
+        self.text = ""             # the rendered conversation text the state holds
+        self.pending: list[int] = []   # sampled ids the state does not hold yet (the last reply's last token)
+        self.dirty = False
+
+    def close_reply(self) -> None:
+        if self.reply is not None:
+            self.reply.close()
+
+    def send(self, content: str, **settings) -> "ChatReply":
+        """Add a user message and stream the reply (text chunks). Settings: those of `LLM.stream`."""
+        if not isinstance(content, str) or not content.strip():
+            raise InvalidArgumentError("the message is empty; type some text")
+        self.close_reply()
+        settings.setdefault("eos_ids", self.eos_ids)
+        config = self.configure(settings)
+        messages = self.messages + [{"role": "user", "content": content}]
+        segments = self.template.segments(messages, self.tokenizer.special_tokens, add_generation_prompt=True)
+        full = "".join(piece for piece, _ in segments)
+        if self.state is not None and not self.dirty and full.startswith(self.text):
+            ids = self.pending + encode_segments(self.tokenizer, cut(segments, len(self.text)))
+        else:
+            if self.state is not None:
+                self.rebuilds += 1
+            self.state = self.model.init_state(batch=1, max_len=self.max_context, attention=self.attention,
+                                               feature_map=self.feature_map, device=self.model.device)
+            self.dirty = False
+            ids = encode_segments(self.tokenizer, segments)
+        generation = Generation(self.model, [ids], config, self.tokenizer, attention=self.attention,
+                                feature_map=self.feature_map, step=self.step, state=self.state)
+        self.reply = ChatReply(self, generation, messages, full)
+        return self.reply
+
+    def _finish(self, reply: "ChatReply", broken: bool) -> None:
+        """Record the reply in the conversation and what the state now holds."""
+        ids = reply.generation.ids[0]
+        eos = set(reply.generation.eos)
+        ended = bool(ids) and ids[-1] in eos
+        text = self.tokenizer.decode(ids[:-1] if ended else ids)
+        self.messages = reply.messages + [{"role": "assistant", "content": text}]
+        self.text = reply.prompt_text + text
+        self.pending = [] if ended or not ids else [ids[-1]]
+        self.dirty = self.dirty or broken or not ids
+        self.reply = None
+
+
+class ChatReply:
+    """An iterator of one reply's text chunks; `.result` afterwards (or what was generated so far).
+
+    Leaving the loop early (`break`, `close()`) keeps the session usable: the reply so far becomes
+    the assistant's message.
+    """
+
+    def __init__(self, session: ChatSession, generation: Generation, messages: list[dict], prompt_text: str):
+        self.session, self.generation = session, generation
+        self.messages, self.prompt_text = messages, prompt_text
+        self.finished = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        if self.finished:
+            raise StopIteration
+        try:
+            for event in self.generation:
+                if event.text:
+                    return event.text
+        except BaseException:   # raised inside a step: the state may be half written
+            self._end(broken=True)
+            raise
+        self._end(broken=False)
+        raise StopIteration
+
+    def close(self) -> None:
+        if not self.finished:
+            self.generation.close()
+            self._end(broken=False)
+
+    def _end(self, broken: bool) -> None:
+        if not self.finished:
+            self.finished = True
+            self.session._finish(self, broken)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def result(self) -> Result:
+        return self.generation.result(0)
+
+    def text(self) -> str:
+        """Run the reply to its end and return its whole text."""
+        return "".join(self)
+
+
+def cut(segments: list[tuple[str, bool]], n: int) -> list[tuple[str, bool]]:
+    """The segments of a rendered text without its first n characters."""
+    out = []
+    for piece, is_user in segments:
+        if n >= len(piece):
+            n -= len(piece)
+            continue
+        out.append((piece[n:], is_user))
+        n = 0
+    return out

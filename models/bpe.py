@@ -1,0 +1,166 @@
+"""Byte-level BPE tokenizers (GPT-2 / SmolLM / Llama 3 style), built with the `tokenizers` library.
+
+    tok = BPETokenizer.from_gguf(meta, where)      # a GGUF's tokenizer.ggml.* metadata
+    tok = BPETokenizer.from_dir(path)              # a directory's tokenizer.json (+ tokenizer_config.json)
+    tok.encode(text, bos=False, eos=False, special=False) -> ids
+    tok.decode(ids), tok.decode_continuation(ids), tok.bos_id, tok.eos_id, tok.vocab_size
+
+Same interface as the SentencePiece `models.tokenizer.Tokenizer`, plus what chat needs:
+- special (control) tokens such as `<|im_start|>` are single ids, never split by BPE;
+- `special=False` (the default) reads text as plain characters: a user who types "<|im_end|>" gets
+  the ids of those characters, not the control token (PITFALLS #19); the chat template's own
+  markers are encoded with `special=True` (`models.chat_template`);
+- `bos=True` adds BOS only when the model's metadata says so (`add_bos`): SmolLM2 says no, so a
+  prompt is never given a BOS its training never saw (PITFALLS #18).
+Byte-level decoding is concatenative (no SentencePiece-style dropped leading space), so
+`decode_continuation` is `decode`; a character cut between tokens decodes as U+FFFD until its
+last byte arrives, which is what the streaming detokenizer waits on.
+"""
+from __future__ import annotations
+
+import json
+import os
+from functools import lru_cache
+from pathlib import Path
+
+from models.errors import CheckpointError
+
+# llama.cpp token types (tokenizer.ggml.token_type)
+CONTROL, USER_DEFINED = 3, 4
+
+# Regular expressions that cut text before BPE, by `tokenizer.ggml.pre` (llama.cpp's llama-vocab.cpp).
+GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZERS = {   # pre name -> (splits applied in order, ignore_merges)
+    "default": ([GPT2_SPLIT], False), "gpt2": ([GPT2_SPLIT], False), "gpt-2": ([GPT2_SPLIT], False),
+    "olmo": ([GPT2_SPLIT], False), "mpt": ([GPT2_SPLIT], False),
+    # every digit on its own, then GPT-2's split (SmolLM, StarCoder)
+    "smollm": ([r"\p{N}", GPT2_SPLIT], False), "starcoder": ([r"\p{N}", GPT2_SPLIT], False),
+    "refact": ([r"\p{N}", GPT2_SPLIT], False),
+    "llama-bpe": ([LLAMA3_SPLIT], True), "llama3": ([LLAMA3_SPLIT], True), "llama-v3": ([LLAMA3_SPLIT], True),
+    "smaug-bpe": ([LLAMA3_SPLIT], True),
+}
+
+
+@lru_cache(maxsize=1)
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (the alphabet of byte-level BPE vocabularies)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+class BPETokenizer:
+    def __init__(self, tokenizer, bos_id: int | None, eos_id: int | None, add_bos: bool, where: str = ""):
+        self.tok = tokenizer                                   # tokenizers.Tokenizer: special tokens parsed
+        self.plain = tokenizer.from_str(tokenizer.to_str())   # the same, reading special tokens as text
+        self.plain.encode_special_tokens = True
+        self.bos_id = bos_id if bos_id is not None else -1
+        self.eos_id = eos_id if eos_id is not None else -1
+        self.add_bos = add_bos
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.path = where
+        self.special_tokens = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+
+    # ------------------------------------------------------------------ the Tokenizer interface
+    def encode(self, text: str, bos: bool = False, eos: bool = False, special: bool = False) -> list[int]:
+        """ids of `text`; bos: prepend BOS if the model adds one (add_bos); eos: append EOS;
+        special: parse special-token strings as their single ids (template text), else as plain text."""
+        ids = (self.tok if special else self.plain).encode(text, add_special_tokens=False).ids
+        head = [self.bos_id] if bos and self.add_bos and self.bos_id >= 0 else []
+        return head + ids + ([self.eos_id] if eos and self.eos_id >= 0 else [])
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def decode_continuation(self, ids) -> str:
+        """decode(a + b) == decode(a) + decode_continuation(b) whenever a ends on a whole character:
+        byte-level BPE carries its spaces inside the tokens, so this is plain `decode`."""
+        return self.decode(ids)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.tok.token_to_id(token)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self.tok.id_to_token(int(i))
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_gguf(cls, meta: dict, where: str = "") -> "BPETokenizer":
+        """From tokenizer.ggml.{model,pre,tokens,merges,token_type,bos/eos_token_id,add_bos_token}."""
+        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise CheckpointError(f"{where}: GGUF tokenizer model {kind!r} is not supported; supported: gpt2 "
+                                  f"(byte-level BPE)")
+        pre = meta.get("tokenizer.ggml.pre") or "default"
+        if pre not in PRE_TOKENIZERS:
+            raise CheckpointError(f"{where}: GGUF pre-tokenizer {pre!r} is not supported; supported: "
+                                  f"{', '.join(PRE_TOKENIZERS)}")
+        tokens, merges = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.merges")
+        if not tokens or merges is None:
+            raise CheckpointError(f"{where}: GGUF tokenizer without tokenizer.ggml.tokens or tokenizer.ggml.merges")
+        types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        alphabet = set(bytes_to_unicode().values())
+        spelled = [t if set(t) <= alphabet else "".join(bytes_to_unicode()[b] for b in t.encode("utf-8"))
+                   for t in tokens]
+        vocab = {t: i for i, t in enumerate(spelled)}
+        splits, ignore_merges = PRE_TOKENIZERS[pre]
+        bpe = models.BPE(vocab, [tuple(m.split(" ", 1)) for m in merges], ignore_merges=ignore_merges)
+        tok = Tokenizer(bpe)
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(s), behavior="isolated") for s in splits]
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.decoder = decoders.ByteLevel()
+        # control tokens (<|im_start|>...) are special; user-defined ones are matched whole but are text
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, ty in zip(tokens, types) if ty == CONTROL and set(t) <= alphabet])
+        tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, ty in zip(tokens, types) if ty == USER_DEFINED and t in vocab])
+        return cls(tok, meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id"),
+                   add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)), where=where)
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike) -> "BPETokenizer":
+        """From DIR/tokenizer.json, with BOS/EOS and add_bos_token from DIR/tokenizer_config.json."""
+        from tokenizers import Tokenizer
+        path = Path(path)
+        try:
+            tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+        except Exception as e:
+            raise CheckpointError(f"{path / 'tokenizer.json'}: not a tokenizers file "
+                                  f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        config = read_tokenizer_config(path)
+        bos, eos = token_content(config.get("bos_token")), token_content(config.get("eos_token"))
+        bos_id = tok.token_to_id(bos) if bos else None
+        eos_id = tok.token_to_id(eos) if eos else None
+        if "add_bos_token" in config:
+            add_bos = bool(config["add_bos_token"])
+        else:   # no flag: BOS is added iff the file's post-processor adds it (Llama 3 does)
+            with_special = tok.encode("a", add_special_tokens=True).ids
+            add_bos = bos_id is not None and with_special[:1] == [bos_id]
+        return cls(tok, bos_id, eos_id, add_bos=add_bos, where=str(path))
+
+
+def read_tokenizer_config(path: Path) -> dict:
+    file = Path(path) / "tokenizer_config.json"
+    if not file.is_file():
+        return {}
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file}: not valid JSON ({e})") from None
+    return raw if isinstance(raw, dict) else {}
+
+
+def token_content(token) -> str | None:
+    """tokenizer_config.json spells a token as a string or as {"content": ...}."""
+    if isinstance(token, dict):
+        return token.get("content")
+    return token if isinstance(token, str) else None

@@ -1,0 +1,255 @@
+"""GGUF files (llama.cpp's format), read with the `gguf` package: memory-mapped, dequantized per tensor.
+
+    config, tensors, meta = read_gguf(path)
+    config                 ModelConfig from the `llama.*` metadata (GGUF_CONFIG, the one mapping)
+    tensors                a Mapping of Hugging Face names -> torch tensors (rows, cols), dequantized
+                           on access (one tensor at a time, so a load never holds the whole model twice)
+    meta                   the other metadata the engine uses (`tokenizer.*`, `general.*`), as Python values
+
+Only `general.architecture == "llama"` (Llama, SmolLM, Mistral-7B-shaped models) and the tensor types
+in SUPPORTED_TYPES. llama.cpp's converter permutes the q and k rows of each head into Meta's
+interleaved rotary layout (pairs 2i, 2i+1); the loader undoes that once, while fusing q/k/v, as
+for llama2.c files (`Checkpoint.interleaved_rotary`, `models.weights.interleaved_to_half`).
+A file without `output.weight` ties the output projection to the token embeddings.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from models.config import ModelConfig
+from models.errors import CheckpointError, ConfigError
+from models.weights import hf_shapes
+
+MAGIC = b"GGUF"
+ARCHITECTURES = ("llama",)
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+
+# `{arch}.<key>` -> ModelConfig field: the one place GGUF metadata meets the config.
+GGUF_CONFIG = {
+    "block_count": "num_hidden_layers",
+    "embedding_length": "hidden_size",
+    "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "context_length": "max_position_embeddings",
+    "rope.freq_base": "rope_theta",
+    "vocab_size": "vocab_size",
+}
+# Settings of a Llama variant this engine does not run: key -> is the value one we cannot run?
+UNSUPPORTED = {
+    "expert_count": lambda v: v > 0,
+    "rope.scaling.type": lambda v: v not in ("none", ""),
+}
+# GGUF tensor names -> Hugging Face names ({i}: layer index)
+TENSOR_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+LAYER_TENSOR_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+IGNORED_TENSORS = ("rope_freqs.weight",)   # checked through the metadata (rope scaling) instead
+# the metadata the rest of the engine reads (tokenizer, chat template); everything else stays in the file
+META_PREFIXES = ("tokenizer.", "general.name", "general.architecture")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    if gguf_name in TENSOR_NAMES:
+        return TENSOR_NAMES[gguf_name]
+    m = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
+    if m and m.group(2) in LAYER_TENSOR_NAMES:
+        return f"model.layers.{m.group(1)}.{LAYER_TENSOR_NAMES[m.group(2)]}"
+    return None
+
+
+class GGUFTensors(Mapping):
+    """Hugging Face name -> torch tensor, dequantized to float32 on each access (F32 and F16 come back
+    as views of the file's private memory map, no copy). `shapes` answers without dequantizing."""
+
+    def __init__(self, reader, tensors: dict[str, object], path: Path):
+        self.reader, self._tensors, self.path = reader, tensors, path
+        self.shapes = {name: tuple(reversed([int(d) for d in t.shape])) for name, t in tensors.items()}
+        self.types = {name: t.tensor_type.name for name, t in tensors.items()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        t = self._tensors[name]
+        kind = t.tensor_type.name
+        if kind in ("F32", "F16"):
+            data = t.data                      # numpy view of the map, already (rows, cols)
+        else:
+            from gguf.quants import dequantize
+            data = dequantize(t.data, t.tensor_type)   # a new float32 array (rows, cols)
+            self._release(t.data_offset, t.n_bytes)
+        return torch.from_numpy(np.asarray(data).reshape(self.shapes[name]))
+
+    def _release(self, offset: int, n: int) -> None:
+        """Drop the file pages a dequantized tensor was read from (they would otherwise stay resident
+        next to the fp32 copy); the map stays valid and pages fault back in if read again."""
+        mm = getattr(self.reader.data.base, "_mmap", None) or getattr(self.reader.data, "_mmap", None)
+        if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
+        end = (offset + n) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > start:
+            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+    def __iter__(self):
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+
+def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, GGUFTensors, dict]:
+    """Config, lazily dequantized tensors under Hugging Face names, and the tokenizer/general metadata."""
+    path = Path(path)
+    reader = open_reader(path)
+    meta = {k: field_value(f) for k, f in reader.fields.items()}
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported; supported: "
+                              f"{', '.join(ARCHITECTURES)}")
+    cfg = gguf_config(meta, reader, path)
+    tensors = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            if t.name in IGNORED_TENSORS:
+                continue
+            raise CheckpointError(f"{path}: unexpected tensor {t.name} for a plain {arch} model "
+                                  f"(biases, experts and extra norms are not supported)")
+        if t.tensor_type.name not in SUPPORTED_TYPES:
+            raise CheckpointError(f"{path}: tensor {t.name} has type {t.tensor_type.name}, which this engine "
+                                  f"cannot dequantize; supported: {', '.join(SUPPORTED_TYPES)}")
+        tensors[name] = t
+    reader.fields.clear()   # ~150 MB of per-string views for a 49k vocabulary; `meta` holds the values
+    lazy = GGUFTensors(reader, tensors, path)
+    for name, shape in hf_shapes(cfg).items():
+        if name not in lazy.shapes:
+            raise CheckpointError(f"{path}: missing tensor {name} ({gguf_name_of(name)})")
+        if lazy.shapes[name] != shape:
+            raise CheckpointError(f"{path}: tensor {gguf_name_of(name)} has shape {list(lazy.shapes[name])}, "
+                                  f"expected {list(shape)}")
+    return cfg, lazy, {k: v for k, v in meta.items() if k.startswith(META_PREFIXES)}
+
+
+def _reader_class():
+    from gguf import GGUFReader
+
+    class Reader(GGUFReader):
+        """GGUFReader whose map is seen as a plain ndarray: the same pages, but slicing it skips
+        np.memmap's per-slice bookkeeping, which made reading 100k vocabulary strings and
+        dequantizing row groups 2-3x slower."""
+        @property
+        def data(self):
+            return self._data
+
+        @data.setter
+        def data(self, value):
+            self._data = np.asarray(value)
+    return Reader
+
+
+def open_reader(path: Path):
+    """A GGUFReader over a private (copy-on-write) map of the file, or a one-line CheckpointError."""
+    GGUFReader = _reader_class()
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except IsADirectoryError:
+        raise CheckpointError(f"{path}: is a directory, not a GGUF file") from None
+    if magic != MAGIC:
+        raise CheckpointError(f"{path}: not a GGUF file (starts with {magic!r}, expected {MAGIC!r})")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            reader = GGUFReader(path, "c")   # private map: tensors are writable views, the file is never written
+    except Exception as e:   # the reader raises ValueError/IndexError/... on a cut or corrupt file
+        raise CheckpointError(f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else 'no detail'})") from None
+    size = path.stat().st_size
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise CheckpointError(f"{path}: truncated GGUF file: tensor {t.name} ends at byte "
+                                  f"{t.data_offset + t.n_bytes}, the file has {size}")
+    return reader
+
+
+def field_value(field):
+    """A metadata field as a Python value (str, int, float, bool, or a list of them)."""
+    try:
+        return field.contents()
+    except Exception:   # a value type this gguf version cannot decode: keep the key, drop the value
+        return None
+
+
+def gguf_config(meta: dict, reader, path: Path) -> ModelConfig:
+    """ModelConfig from `{arch}.*` metadata (GGUF_CONFIG) and the token ids of `tokenizer.ggml.*`."""
+    arch = meta["general.architecture"]
+    raw = {}
+    for key, field in GGUF_CONFIG.items():
+        value = meta.get(f"{arch}.{key}")
+        if isinstance(value, list):   # per-layer values (some files): only a uniform list fits our config
+            if len(set(value)) != 1:
+                raise ConfigError(f"{path}: {arch}.{key} differs between layers ({value[:4]}...); not supported")
+            value = value[0]
+        if value is not None:
+            raw[field] = value
+    for key, is_bad in UNSUPPORTED.items():
+        value = meta.get(f"{arch}.{key}")
+        if value is not None and is_bad(value):
+            raise ConfigError(f"{path}: unsupported setting {arch}.{key} = {value!r}")
+    if "vocab_size" not in raw:
+        tokens = meta.get("tokenizer.ggml.tokens")
+        embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+        if tokens:
+            raw["vocab_size"] = len(tokens)
+        elif embd is not None:
+            raw["vocab_size"] = int(embd.shape[1])
+    if "num_key_value_heads" not in raw and "num_attention_heads" in raw:
+        raw["num_key_value_heads"] = raw["num_attention_heads"]
+    rope_dims = meta.get(f"{arch}.rope.dimension_count")
+    head_dim = raw.get("head_dim") or (raw["hidden_size"] // raw["num_attention_heads"]
+                                       if {"hidden_size", "num_attention_heads"} <= raw.keys() else None)
+    if rope_dims is not None and head_dim is not None and rope_dims != head_dim:
+        raise ConfigError(f"{path}: partial rotary ({arch}.rope.dimension_count = {rope_dims}, head_dim "
+                          f"{head_dim}) is not supported")
+    names = {t.name for t in reader.tensors}
+    raw["tie_word_embeddings"] = "output.weight" not in names
+    for field, key in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")):
+        if meta.get(key) is not None:
+            raw[field] = int(meta[key])
+    raw["model_type"] = "llama"
+    return ModelConfig.from_dict(raw, where=str(path))
+
+
+def gguf_name_of(hf: str) -> str:
+    """The GGUF name of a Hugging Face tensor name (for messages)."""
+    for g, h in TENSOR_NAMES.items():
+        if h == hf:
+            return g
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf)
+    if m:
+        for g, h in LAYER_TENSOR_NAMES.items():
+            if h == m.group(2):
+                return f"blk.{m.group(1)}.{g}"
+    return hf
