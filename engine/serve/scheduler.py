@@ -117,6 +117,8 @@ class Scheduler:
         self._stopping = False
         self.steps = 0                # decode steps run (one per pool per iteration)
         self.failures = 0             # steps or prefills that raised
+        self.peak_active = 0          # most sequences decoded in one iteration
+        self.admitting = 0            # jobs being prefilled by the loop right now
 
     # ------------------------------------------------------------------ control
     def start(self) -> None:
@@ -137,7 +139,7 @@ class Scheduler:
 
     def submit(self, job: Job) -> None:
         with self.cond:
-            if self.active + len(self.pending) >= self.max_batch + self.max_queue:
+            if self.active + self.admitting + len(self.pending) >= self.max_batch + self.max_queue:
                 raise Full()
             self.pending.append(job)
             self.cond.notify_all()
@@ -146,18 +148,18 @@ class Scheduler:
     @property
     def active(self) -> int:
         """Sequences holding a decoding state (rows of the batch states)."""
-        return sum(len(p.rows) for p in self.pools.values())
+        return sum(len(p.rows) for p in list(self.pools.values()))
 
     @property
     def states(self) -> int:
         """Batch states held (one per path with active sequences; 0 when idle)."""
-        return sum(p.state is not None for p in self.pools.values())
+        return sum(p.state is not None for p in list(self.pools.values()))
 
     def stats(self) -> dict:
         return {"active": self.active, "queued": len(self.pending), "states": self.states,
-                "state_bytes": sum(p.state.nbytes for p in self.pools.values() if p.state is not None),
-                "steps": self.steps, "failures": self.failures, "max_batch": self.max_batch,
-                "max_queue": self.max_queue, "prefix_cache": self.cache.stats()}
+                "state_bytes": sum(p.state.nbytes for p in list(self.pools.values()) if p.state is not None),
+                "steps": self.steps, "failures": self.failures, "peak_active": self.peak_active,
+                "max_batch": self.max_batch, "max_queue": self.max_queue, "prefix_cache": self.cache.stats()}
 
     # ------------------------------------------------------------------ the loop
     def _loop(self) -> None:
@@ -169,6 +171,7 @@ class Scheduler:
                     return
                 room = self.max_batch - self.active
                 new = [self.pending.popleft() for _ in range(min(room, len(self.pending)))]
+                self.admitting = len(new)   # taken from the queue, not yet rows: they still count
             joining: dict[str, list] = {}
             for job in new:
                 if job.cancelled:
@@ -178,6 +181,7 @@ class Scheduler:
                     joining.setdefault(job.path, []).append(admitted)
             for path, items in joining.items():
                 self._join(path, items)
+            self.admitting = 0
             for path in list(self.pools):
                 self._step(path)
 
@@ -217,6 +221,7 @@ class Scheduler:
         try:
             pool.state = type(states[0]).concat(states, max_len=self._capacity(states, rows))
             pool.rows = rows
+            self.peak_active = max(self.peak_active, self.active)
         except Exception as e:   # noqa: BLE001
             self._fail(pool, rows, e)
 

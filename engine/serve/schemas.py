@@ -1,8 +1,9 @@
 """Request bodies of the OpenAI endpoints, checked strictly (wrong types and unknown fields are 400s).
 
 The fields OpenAI defines plus the engine's own (`top_k`, `min_p`, `repetition_penalty`,
-`attention`). Fields OpenAI defines that this engine does not implement are accepted only at
+`attention`, `ignore_eos`). Fields OpenAI defines that this engine does not implement are accepted only at
 their neutral value (`presence_penalty`/`frequency_penalty` 0, `n` 1, `best_of` 1, no `echo`).
+`ignore_eos` (vLLM's name) runs to max_tokens whatever is sampled: fixed-length benchmark runs.
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ class Sampling(BaseModel):
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     attention: Literal["softmax", "linear"] | None = None
+    ignore_eos: bool = False          # as vLLM: run to max_tokens (benchmarks)
 
     @model_validator(mode="after")
     def _neutral_only(self):

@@ -83,7 +83,8 @@ class Server:
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
         else:
             logprobs = req.logprobs
-        return Job(ids=ids, path=path, params=params, max_tokens=max_tokens, emit=emit, stop=stop, logprobs=logprobs)
+        return Job(ids=ids, path=path, params=params, max_tokens=max_tokens, emit=emit, stop=stop, logprobs=logprobs,
+                   ignore_eos=req.ignore_eos)
 
     def submit(self, job: Job) -> None:
         try:

@@ -1,0 +1,167 @@
+"""gen serve through the official openai client and raw HTTP: endpoints, SSE framing, usage, errors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from test_serve_support import NAME, LiveServer, client, make_server, model_dir_with_template
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+
+@pytest.fixture(scope="module")
+def live(small_model_dir):
+    srv = LiveServer(make_server(small_model_dir))
+    yield srv
+    srv.stop()
+
+
+def test_models_and_health(live):
+    c = client(live)
+    assert [m.id for m in c.models.list().data] == [NAME]
+    assert httpx.get(live.url + "/health").json()["status"] == "ok"
+
+
+@pytest.mark.parametrize("path", ["softmax", "linear"])
+def test_completion_stream_equals_non_stream_and_usage_counts(live, small_tokenizer, path):
+    c = client(live)
+    prompt = "the cat sat on"
+    args = dict(model=NAME, prompt=prompt, max_tokens=12, temperature=0, extra_body={"attention": path})
+    whole = c.completions.create(**args)
+    chunks = list(c.completions.create(stream=True, stream_options={"include_usage": True}, **args))
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == whole.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert all(ch.usage is None for ch in chunks[:-1])
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == whole.choices[0].finish_reason
+    n_prompt = len(small_tokenizer.encode(prompt, bos=True))
+    for usage in (whole.usage, chunks[-1].usage):
+        assert usage.prompt_tokens == n_prompt
+        assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert whole.usage.completion_tokens == chunks[-1].usage.completion_tokens
+    if whole.choices[0].finish_reason == "length":
+        assert whole.usage.completion_tokens == 12
+
+
+def test_completion_matches_the_python_api(live, small_model_dir):
+    from engine.api import load
+    llm = load(str(small_model_dir), backend="torch")
+    want = llm.generate("a happy girl", max_new_tokens=10, temperature=0)
+    got = client(live).completions.create(model=NAME, prompt="a happy girl", max_tokens=10, temperature=0)
+    assert got.choices[0].text == want.text
+    assert got.usage.completion_tokens == len(want.ids)
+
+
+def test_token_id_prompt_and_logprobs(live, small_tokenizer):
+    ids = small_tokenizer.encode("the dog ran", bos=True)
+    r = client(live).completions.create(model=NAME, prompt=ids, max_tokens=6, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert chosen <= 0 and len(top) <= 2
+        assert chosen >= max(top.values()) - 1e-5   # greedy: no alternative is more likely than the chosen one
+    assert r.usage.prompt_tokens == len(ids)
+
+
+def test_sse_framing(live):
+    body = {"model": NAME, "prompt": "the sun", "max_tokens": 4, "temperature": 0, "stream": True}
+    with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = [e for e in raw.replace("\r\n", "\n").split("\n\n") if e.strip()]
+    assert all(e.startswith("data: ") for e in events), events
+    assert events[-1] == "data: [DONE]"
+    objects = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert {o["object"] for o in objects} == {"text_completion"}
+    assert objects[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_chat_stream_and_non_stream(live, small_tokenizer):
+    c = client(live)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the cat"}]
+    whole = c.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0)
+    chunks = list(c.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == whole.choices[0].message.content
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.object == "chat.completion" and chunks[1].object == "chat.completion.chunk"
+    rendered = "system: be brief\nuser: the cat\nassistant:"
+    assert whole.usage.prompt_tokens == len(small_tokenizer.encode(rendered, bos=True))   # one BOS, from the template
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_chat_logprobs(live):
+    r = client(live).chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hello"}],
+                                             max_tokens=5, temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
+
+
+def test_chat_template_found_next_to_the_weights(small_model_dir, tmp_path, small_tokenizer):
+    from engine.serve import ChatTemplate
+    d = model_dir_with_template(small_model_dir, tmp_path / "m")
+    template = ChatTemplate.find(d, small_tokenizer)
+    assert template.encode([{"role": "user", "content": "hi"}]) == small_tokenizer.encode("user: hi\nassistant:",
+                                                                                          bos=True)
+    assert ChatTemplate.find(small_model_dir, small_tokenizer) is None
+
+
+GOOD = {"model": NAME, "prompt": "the cat", "max_tokens": 3, "temperature": 0}
+BAD = {   # id: (endpoint, body (bytes: sent raw), status, param)
+    "malformed-json": ("completions", b'{"model": "small", "prompt": ', 400, None),
+    "not-an-object": ("completions", [1, 2], 400, None),
+    "max_tokens-string": ("completions", dict(GOOD, max_tokens="5"), 400, "max_tokens"),
+    "max_tokens-negative": ("completions", dict(GOOD, max_tokens=-1), 400, "max_tokens"),
+    "temperature-string": ("completions", dict(GOOD, temperature="hot"), 400, "temperature"),
+    "unknown-attention": ("completions", dict(GOOD, attention="flash"), 400, "attention"),
+    "unknown-field": ("completions", dict(GOOD, frobnicate=1), 400, "frobnicate"),
+    "n-2": ("completions", dict(GOOD, n=2), 400, None),
+    "token-out-of-vocab": ("completions", dict(GOOD, prompt=[1, 10 ** 6]), 400, "prompt"),
+    "empty-prompt": ("completions", dict(GOOD, prompt=""), 400, None),
+    "stop-not-string": ("completions", dict(GOOD, stop=[1]), 400, "stop"),
+    "prompt-too-long": ("completions", dict(GOOD, prompt=list(range(1, 80))), 400, "prompt"),
+    "unknown-model": ("completions", dict(GOOD, model="gpt-9"), 404, "model"),
+    "chat-no-messages": ("chat/completions", {"model": NAME}, 400, "messages"),
+    "chat-bad-role": ("chat/completions", {"model": NAME, "messages": [{"role": "wizard", "content": "x"}]},
+                      400, "messages"),
+    "chat-top-logprobs-alone": ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "x"}],
+                                                     "top_logprobs": 2}, 400, None),
+    "chat-unknown-model": ("chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]},
+                           404, "model"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_request_gets_its_error_and_the_next_request_succeeds(live, case):
+    endpoint, body, status, param = BAD[case]
+    url = f"{live.url}/v1/{endpoint}"
+    r = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=30) \
+        if isinstance(body, bytes) else httpx.post(url, json=body, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    ok = httpx.post(live.url + "/v1/completions", json=GOOD, timeout=30)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_unknown_model_through_the_client(live):
+    with pytest.raises(openai.NotFoundError) as e:
+        client(live).completions.create(model="gpt-9", prompt="x", max_tokens=2)
+    assert e.value.body["code"] == "model_not_found"
+
+
+def test_chat_without_a_template_is_a_400(small_model_dir):
+    live = LiveServer(make_server(small_model_dir, chat=False))
+    try:
+        with pytest.raises(openai.BadRequestError):
+            client(live).chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}])
+    finally:
+        live.stop()

@@ -1,0 +1,72 @@
+"""Helpers for the server tests (no tests here): a uvicorn server in a thread on 127.0.0.1, a free port."""
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+
+import pytest
+
+uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("fastapi")
+pytest.importorskip("sse_starlette")
+
+from engine.api import load                    # noqa: E402
+from engine.serve import ChatTemplate, PrefixCache, Server, create_app   # noqa: E402
+
+NAME = "small"
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+class LiveServer:
+    """`server` behind uvicorn in a daemon thread; `.url`, `.stop()`. Starts and stops within seconds."""
+
+    def __init__(self, server: Server):
+        self.server = server
+        config = uvicorn.Config(create_app(server), host="127.0.0.1", port=0, log_level="warning")
+        self.uv = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.uv.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.uv.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+        port = self.uv.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+
+    @property
+    def scheduler(self):
+        return self.server.scheduler
+
+    def wait_idle(self, timeout: float = 10.0) -> bool:
+        """True once no sequence holds a state (bounded wait)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.scheduler.active == 0 and self.scheduler.states == 0 and not self.scheduler.pending:
+                return True
+            time.sleep(0.01)
+        return False
+
+    def stop(self) -> None:
+        self.uv.should_exit = True
+        self.thread.join(20)
+
+
+def make_server(model_dir, cache: bool = False, chat: bool = True, **limits) -> Server:
+    llm = load(str(model_dir), backend="torch")
+    template = ChatTemplate(TEMPLATE, llm.tokenizer) if chat else None
+    return Server(llm, NAME, chat_template=template, cache=PrefixCache(max_entries=64 if cache else 0), **limits)
+
+
+def client(live: LiveServer):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=live.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def model_dir_with_template(src, dst):
+    """A copy of the model directory `src` with a chat_template.jinja: for ChatTemplate.find."""
+    shutil.copytree(src, dst)
+    (dst / "chat_template.jinja").write_text(TEMPLATE)
+    return dst
