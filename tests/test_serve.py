@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from test_serve_support import NAME, LiveServer, client, make_server, model_dir_with_template
+from test_serve_support import NAME, LiveServer, chat_model_dir, client, make_server  # noqa: F401 (a fixture)
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
@@ -14,6 +14,13 @@ openai = pytest.importorskip("openai")
 @pytest.fixture(scope="module")
 def live(small_model_dir):
     srv = LiveServer(make_server(small_model_dir))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def chat_live(chat_model_dir):
+    srv = LiveServer(make_server(chat_model_dir))
     yield srv
     srv.stop()
 
@@ -79,8 +86,8 @@ def test_sse_framing(live):
     assert objects[-1]["choices"][0]["finish_reason"] in ("stop", "length")
 
 
-def test_chat_stream_and_non_stream(live, small_tokenizer):
-    c = client(live)
+def test_chat_stream_and_non_stream(chat_live):
+    c = client(chat_live)
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the cat"}]
     whole = c.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0)
     chunks = list(c.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0,
@@ -90,26 +97,29 @@ def test_chat_stream_and_non_stream(live, small_tokenizer):
     assert text == whole.choices[0].message.content
     assert whole.choices[0].message.role == "assistant"
     assert whole.object == "chat.completion" and chunks[1].object == "chat.completion.chunk"
-    rendered = "system: be brief\nuser: the cat\nassistant:"
-    assert whole.usage.prompt_tokens == len(small_tokenizer.encode(rendered, bos=True))   # one BOS, from the template
+    llm = chat_live.server.llm
+    ids = llm.chat_template.encode(llm.tokenizer, messages, add_generation_prompt=True)
+    assert whole.usage.prompt_tokens == len(ids)
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
-def test_chat_logprobs(live):
-    r = client(live).chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hello"}],
-                                             max_tokens=5, temperature=0, logprobs=True, top_logprobs=3)
+def test_chat_equals_llm_chat(chat_live):
+    messages = [{"role": "user", "content": "hello there"}]
+    want = chat_live.server.llm.chat(messages, max_new_tokens=10, temperature=0)
+    "".join(want)
+    got = client(chat_live).chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0)
+    assert got.choices[0].message.content == want.result.text
+    assert got.choices[0].finish_reason == want.result.finish_reason
+
+
+def test_chat_logprobs_and_the_turn_end_ends_a_reply(chat_live):
+    r = client(chat_live).chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=5, temperature=0, logprobs=True, top_logprobs=3)
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens
     assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
-
-
-def test_chat_template_found_next_to_the_weights(small_model_dir, tmp_path, small_tokenizer):
-    from engine.serve import ChatTemplate
-    d = model_dir_with_template(small_model_dir, tmp_path / "m")
-    template = ChatTemplate.find(d, small_tokenizer)
-    assert template.encode([{"role": "user", "content": "hi"}]) == small_tokenizer.encode("user: hi\nassistant:",
-                                                                                          bos=True)
-    assert ChatTemplate.find(small_model_dir, small_tokenizer) is None
+    end = chat_live.server.llm.tokenizer.token_to_id("<|im_end|>")
+    assert end in chat_live.server._chat_eos
 
 
 GOOD = {"model": NAME, "prompt": "the cat", "max_tokens": 3, "temperature": 0}
@@ -158,10 +168,7 @@ def test_unknown_model_through_the_client(live):
     assert e.value.body["code"] == "model_not_found"
 
 
-def test_chat_without_a_template_is_a_400(small_model_dir):
-    live = LiveServer(make_server(small_model_dir, chat=False))
-    try:
-        with pytest.raises(openai.BadRequestError):
-            client(live).chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}])
-    finally:
-        live.stop()
+def test_chat_without_a_template_is_a_400(live):
+    with pytest.raises(openai.BadRequestError) as e:
+        client(live).chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}])
+    assert e.value.body["param"] == "messages"

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from test_serve_support import NAME, LiveServer, client, make_server
+from test_serve_support import NAME, LiveServer, chat_model_dir, client, make_server  # noqa: F401 (a fixture)
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
@@ -183,9 +183,9 @@ def test_a_failing_step_fails_only_its_batch_and_the_server_keeps_serving(live):
 
 
 @pytest.mark.parametrize("path", ["softmax", "linear"])
-def test_prefix_cache_hit_prefills_only_new_tokens_and_changes_nothing(small_model_dir, path):
-    cold = LiveServer(make_server(small_model_dir, cache=False))
-    warm = LiveServer(make_server(small_model_dir, cache=True))
+def test_prefix_cache_hit_prefills_only_new_tokens_and_changes_nothing(chat_model_dir, path):
+    cold = LiveServer(make_server(chat_model_dir, cache=False))
+    warm = LiveServer(make_server(chat_model_dir, cache=True))
     try:
         first = [{"role": "user", "content": "the cat sat"}]
         second = first + [{"role": "assistant", "content": "on a mat"}, {"role": "user", "content": "and then"}]

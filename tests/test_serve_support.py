@@ -1,7 +1,6 @@
 """Helpers for the server tests (no tests here): a uvicorn server in a thread on 127.0.0.1, a free port."""
 from __future__ import annotations
 
-import shutil
 import threading
 import time
 
@@ -12,11 +11,17 @@ pytest.importorskip("fastapi")
 pytest.importorskip("sse_starlette")
 
 from engine.api import load                    # noqa: E402
-from engine.serve import ChatTemplate, PrefixCache, Server, create_app   # noqa: E402
+from engine.serve import PrefixCache, Server, create_app   # noqa: E402
 
 NAME = "small"
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir(tmp_path_factory):
+    """A random tiny model with a byte-level BPE and a ChatML template (tests/chat_fixtures.py)."""
+    pytest.importorskip("tokenizers")
+    from chat_fixtures import bpe_model_dir
+    return bpe_model_dir(tmp_path_factory.mktemp("chat_model"))
 
 
 class LiveServer:
@@ -54,19 +59,11 @@ class LiveServer:
         self.thread.join(20)
 
 
-def make_server(model_dir, cache: bool = False, chat: bool = True, **limits) -> Server:
+def make_server(model_dir, cache: bool = False, **limits) -> Server:
     llm = load(str(model_dir), backend="torch")
-    template = ChatTemplate(TEMPLATE, llm.tokenizer) if chat else None
-    return Server(llm, NAME, chat_template=template, cache=PrefixCache(max_entries=64 if cache else 0), **limits)
+    return Server(llm, NAME, cache=PrefixCache(max_entries=64 if cache else 0), **limits)
 
 
 def client(live: LiveServer):
     openai = pytest.importorskip("openai")
     return openai.OpenAI(base_url=live.url + "/v1", api_key="none", max_retries=0, timeout=60)
-
-
-def model_dir_with_template(src, dst):
-    """A copy of the model directory `src` with a chat_template.jinja: for ChatTemplate.find."""
-    shutil.copytree(src, dst)
-    (dst / "chat_template.jinja").write_text(TEMPLATE)
-    return dst

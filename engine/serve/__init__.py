@@ -12,26 +12,22 @@ import uvicorn
 
 from engine.api import load
 from engine.serve.app import create_app
-from engine.serve.chat import ChatTemplate
 from engine.serve.prefix_cache import PrefixCache
 from engine.serve.scheduler import Job, Scheduler
 from engine.serve.server import Server
-from models.registry import resolve
 
 
 def open_server(model: str, attention: str | None = None, feature_map: str | None = None, dtype=None,
                 backend: str = "torch", threads: int | None = None, max_batch: int = 16,
                 max_context: int | None = None, max_queue: int | None = None) -> Server:
-    """Load `model` (a registered name or a path) and wrap it in a Server named `model`, with the
-    chat template shipped next to its weights when there is one.
+    """Load `model` (a registered name or a path) and wrap it in a Server named `model` (chat through
+    the model's own chat template, when it has one: see `LLM.chat`).
 
     backend "torch" by default: one step form for every batch size, so a request's tokens do not
     depend on how many others share its step (the native C step runs batch 1 only).
     """
     llm = load(model, attention=attention, feature_map=feature_map, dtype=dtype, backend=backend, threads=threads)
-    template = ChatTemplate.find(resolve(model), llm.tokenizer) if llm.tokenizer is not None else None
-    return Server(llm, name=str(model), max_batch=max_batch, max_context=max_context, max_queue=max_queue,
-                  chat_template=template)
+    return Server(llm, name=str(model), max_batch=max_batch, max_context=max_context, max_queue=max_queue)
 
 
 def run(server: Server, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
@@ -43,4 +39,4 @@ def run(server: Server, host: str = "127.0.0.1", port: int = 8000, log_level: st
           + ", ".join(f"{p}: {d['entries']} prompts, {d['bytes'] / 2**20:.2f} MiB" for p, d in s["by_path"].items()))
 
 
-__all__ = ["Server", "open_server", "create_app", "run", "ChatTemplate", "PrefixCache", "Job", "Scheduler"]
+__all__ = ["Server", "open_server", "create_app", "run", "PrefixCache", "Job", "Scheduler"]

@@ -66,6 +66,7 @@ class Job:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None               # None: none; k >= 0: the chosen token's and the top k
     ignore_eos: bool = False
+    eos_ids: frozenset | None = None          # None: the model's and tokenizer's EOS ids
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     cached_tokens: int = 0                    # prompt tokens restored from the prefix cache
@@ -279,7 +280,7 @@ class Scheduler:
                 values, ids = lp.topk(job.logprobs)
                 top = list(zip(ids.tolist(), values.tolist()))
         reason, text = None, ""
-        if tok in self.eos and not job.ignore_eos:
+        if tok in (job.eos_ids if job.eos_ids is not None else self.eos) and not job.ignore_eos:
             reason = "stop"
         elif run.decoder is not None:
             text = run.stopper.push(run.decoder.push(tok))

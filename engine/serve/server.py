@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from engine.errors import EngineError
 from engine.sampling import SamplingParams
-from engine.serve.chat import ChatTemplate
 from engine.serve.errors import APIError, bad_request, model_not_found, over_capacity
 from engine.serve.prefix_cache import PrefixCache
 from engine.serve.scheduler import Full, Job, Scheduler
@@ -26,13 +25,12 @@ RETRY_AFTER_S = 1
 
 class Server:
     def __init__(self, llm, name: str, max_batch: int = 16, max_context: int | None = None,
-                 max_queue: int | None = None, chat_template: ChatTemplate | None = None,
-                 cache: PrefixCache | None = None):
+                 max_queue: int | None = None, cache: PrefixCache | None = None):
         if max_batch < 1:
             raise bad_request(f"max_batch must be >= 1, got {max_batch}")
         self.llm, self.name = llm, name
         self.max_context = max_context or llm.model.config.max_position_embeddings
-        self.chat_template = chat_template
+        self._chat_eos: frozenset | None = None
         self.scheduler = Scheduler(llm.model, llm.tokenizer, llm.step, max_batch=max_batch, max_queue=max_queue,
                                    feature_map=llm.feature_map, cache=cache)
 
@@ -54,11 +52,15 @@ class Server:
         return list(prompt)
 
     def chat_ids(self, req: ChatRequest) -> list[int]:
-        if self.chat_template is None:
-            raise bad_request(f"the model `{self.name}` has no chat template (no chat_template.jinja or "
-                              f"tokenizer_config.json chat_template next to its weights); use /v1/completions",
-                              "messages", "no_chat_template")
-        return self.chat_template.encode([{"role": m.role, "content": m.text()} for m in req.messages])
+        """The prompt ids of the messages through the model's chat template (models.chat_template, as
+        `llm.chat` renders them: template markers as special tokens, message text as plain text)."""
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            if self._chat_eos is None:
+                self._chat_eos = frozenset(self.llm.chat_eos_ids())   # raises if the model cannot chat
+            return self.llm.chat_template.encode(self.llm.tokenizer, messages, add_generation_prompt=True)
+        except EngineError as e:
+            raise bad_request(f"{e}; use /v1/completions", "messages", "chat_unavailable") from None
 
     def make_job(self, req, ids: list[int], emit, default_max_tokens: int | None) -> Job:
         path = req.attention or self.llm.attention
@@ -83,8 +85,9 @@ class Server:
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
         else:
             logprobs = req.logprobs
+        eos = self._chat_eos if isinstance(req, ChatRequest) else None   # a reply also ends at the turn's end
         return Job(ids=ids, path=path, params=params, max_tokens=max_tokens, emit=emit, stop=stop, logprobs=logprobs,
-                   ignore_eos=req.ignore_eos)
+                   ignore_eos=req.ignore_eos, eos_ids=eos)
 
     def submit(self, job: Job) -> None:
         try:
