@@ -1,0 +1,120 @@
+"""Byte-level BPE tokenizers: from tokenizer.json and from GGUF metadata they agree; special tokens
+are single ids from template text and plain characters from user text; BOS as the metadata says;
+the streaming detokenizer is exact on CJK and emoji."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+pytest.importorskip("tokenizers", reason="the tokenizers package is not installed")
+
+from chat_fixtures import SPECIALS, UNICODE_LINES, gguf_tokenizer_fields, train_bpe  # noqa: E402
+from conftest import generated_sentences  # noqa: E402
+from engine.detokenize import REPLACEMENT, StreamDecoder  # noqa: E402
+from models.bpe import BPETokenizer  # noqa: E402
+from models.errors import CheckpointError  # noqa: E402
+
+ALPHABET = "abc XYZ 0123456789 \n\t.,!?'\"éü日本😀<|>_-"
+
+
+def strings(n: int = 300, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    out = ["Hello world", "  leading spaces", "tabs\tand\nnewlines\n\n\nx", "don't won't I'm", "x = 3.14; y=[1,2]",
+           "<|im_start|>user\nhi<|im_end|>\n", "a<|endoftext|>b", "", " ", "\n", *UNICODE_LINES]
+    out += generated_sentences(50, seed=seed + 1)
+    out += ["".join(rng.choice(ALPHABET) for _ in range(rng.randint(1, 40))) for _ in range(n)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return train_bpe(tmp_path_factory.mktemp("bpe"))
+
+
+def gguf_meta(tok_dir, pre="gpt2", **extra) -> dict:
+    f = gguf_tokenizer_fields(tok_dir)
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": f["tokens"],
+            "tokenizer.ggml.merges": f["merges"], "tokenizer.ggml.token_type": f["types"],
+            "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.add_bos_token": False}
+    meta.update(extra)
+    return meta
+
+
+def test_gguf_metadata_and_tokenizer_json_agree(tok_dir):
+    from tokenizers import Tokenizer
+    ref = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    a, b = BPETokenizer.from_dir(tok_dir), BPETokenizer.from_gguf(gguf_meta(tok_dir), "m.gguf")
+    assert (a.bos_id, a.eos_id, a.vocab_size, a.add_bos) == (b.bos_id, b.eos_id, b.vocab_size, b.add_bos) == \
+        (1, 2, ref.get_vocab_size(), False)
+    for s in strings():
+        ids = a.encode(s, special=True)
+        assert ids == b.encode(s, special=True) == ref.encode(s, add_special_tokens=False).ids, s
+        assert a.encode(s) == b.encode(s), s
+        assert a.decode(ids) == b.decode(ids) == s
+
+
+def test_special_tokens_single_ids_only_from_template_text(tok_dir):
+    tok = BPETokenizer.from_dir(tok_dir)
+    assert tok.special_tokens == {t: i for i, t in enumerate(SPECIALS)}
+    text = "<|im_start|>user\nclose it: <|im_end|><|im_end|>"
+    parsed = tok.encode(text, special=True)
+    assert parsed[0] == 1 and parsed[-2:] == [2, 2]
+    plain = tok.encode(text)                     # user text: the characters, never the control ids
+    assert not set(plain) & {0, 1, 2}
+    assert tok.decode(plain) == tok.decode(parsed) == text
+
+
+def test_bos_as_the_metadata_says(tok_dir):
+    no = BPETokenizer.from_gguf(gguf_meta(tok_dir), "m")
+    yes = BPETokenizer.from_gguf(gguf_meta(tok_dir, **{"tokenizer.ggml.add_bos_token": True}), "m")
+    assert no.encode("Hi", bos=True) == no.encode("Hi")
+    assert yes.encode("Hi", bos=True) == [1] + yes.encode("Hi")
+    assert no.encode("Hi", eos=True)[-1] == 2
+    cfg = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({**cfg, "add_bos_token": True}))
+    try:
+        assert BPETokenizer.from_dir(tok_dir).encode("Hi", bos=True)[0] == 1
+    finally:
+        (tok_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+
+
+def test_smollm_pre_tokenizer_splits_digits(tok_dir):
+    """llama.cpp's `smollm` (and starcoder) pre-tokenizer cuts every digit off on its own first."""
+    tok = BPETokenizer.from_gguf(gguf_meta(tok_dir, pre="smollm"), "m")
+    for s in ("in 2024 there", "x 12 y", "  7"):
+        ids = tok.encode(s)
+        assert tok.decode(ids) == s
+        digits = [tok.decode([i]) for i in ids if any(c.isdigit() for c in tok.decode([i]))]
+        assert all(len(d) == 1 for d in digits), digits
+
+
+@pytest.mark.parametrize("text", UNICODE_LINES + ["plain ascii words", "日本語" * 5 + "😀" * 3])
+def test_stream_decoder_exact_on_multibyte_text(tok_dir, text):
+    tok = BPETokenizer.from_dir(tok_dir)
+    ids = tok.encode(text)
+    dec = StreamDecoder(tok)
+    chunks = [dec.push(i) for i in ids] + [dec.finish()]
+    assert "".join(chunks) == tok.decode(ids) == text
+    assert not any(REPLACEMENT in c for c in chunks), chunks
+    if len(ids) > len(text):   # some character spans several tokens: it was held, not split
+        assert any(c == "" for c in chunks[:-1])
+
+
+def test_decode_continuation_is_concatenative(tok_dir):
+    tok = BPETokenizer.from_dir(tok_dir)
+    ids = tok.encode("Hello there, the cat sat. 日本 ok")
+    for k in range(len(ids)):
+        head = tok.decode(ids[:k])
+        if REPLACEMENT not in head:
+            assert head + tok.decode_continuation(ids[k:]) == tok.decode(ids)
+
+
+def test_gguf_tokenizer_errors(tok_dir):
+    with pytest.raises(CheckpointError, match="pre-tokenizer 'mystery' is not supported; supported: "):
+        BPETokenizer.from_gguf(gguf_meta(tok_dir, pre="mystery"), "m.gguf")
+    with pytest.raises(CheckpointError, match="tokenizer model 'bert' is not supported"):
+        BPETokenizer.from_gguf(gguf_meta(tok_dir, **{"tokenizer.ggml.model": "bert"}), "m.gguf")
+    with pytest.raises(CheckpointError, match="tokenizer.ggml.tokens"):
+        BPETokenizer.from_gguf(gguf_meta(tok_dir, **{"tokenizer.ggml.tokens": []}), "m.gguf")

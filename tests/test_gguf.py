@@ -1,0 +1,192 @@
+"""GGUF files: a tiny random Llama written with the gguf package's writer (llama.cpp's layout: q/k rows
+permuted for its rotary, tensors quantized) loads into exactly the weights it stores, in every
+supported tensor type; bad files are one-line errors."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf", reason="the gguf package is not installed")
+pytest.importorskip("tokenizers", reason="the tokenizers package is not installed")
+
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+
+from chat_fixtures import hf_model_from, logits, train_bpe, write_gguf  # noqa: E402
+from conftest import tiny_model  # noqa: E402
+from engine.loader import load_model  # noqa: E402
+from models.errors import CheckpointError, ConfigError  # noqa: E402
+from models.gguf import SUPPORTED_TYPES, read_gguf  # noqa: E402
+
+# hidden and intermediate sizes are multiples of 256 so that every row fits K-quant blocks
+CFG = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=2, vocab_size=400, max_position_embeddings=128, rope_theta=10000.0)
+IDS = [5, 17, 200, 33, 99, 1, 250, 7, 64, 128, 3, 311]
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return train_bpe(tmp_path_factory.mktemp("bpe"))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(seed=11, **CFG)
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K,
+                                   Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
+def test_gguf_loads_exactly_the_weights_it_stores(tmp_path, model, tok_dir, qtype):
+    """Every runtime weight equals the tensor the file stores, dequantized by the gguf package and put
+    back in Hugging Face row order: the q/k un-permutation and the name mapping are exact for every type."""
+    path = tmp_path / "m.gguf"
+    stored = write_gguf(path, model, tok_dir, qtype_of=lambda name, shape: qtype)
+    from_gguf, tok = load_model(path)
+    from_hf, _ = load_model(hf_model_from(stored, model.config, tmp_path / "hf"))
+    sd_a, sd_b = from_gguf.state_dict(), from_hf.state_dict()
+    assert sd_a.keys() == sd_b.keys()
+    worst = max(float((sd_a[k] - sd_b[k]).abs().max()) for k in sd_a)
+    print(f"{qtype.name}: max weight difference {worst}")
+    assert worst == 0.0
+    assert torch.equal(logits(from_gguf, IDS), logits(from_hf, IDS))
+    assert tok is not None and tok.vocab_size == model.config.vocab_size
+
+
+# How far each type's logits may move from the fp32 original (relative RMS): F32 exact; F16 / BF16
+# by their mantissas (11 / 8 bits: ~5e-4 / 4e-3 per weight); a Q8_0 block rounds to 1/254 of its
+# largest weight, Q5_1 to 1/62 of its range, Q4_0 to 1/30 of its largest: each step down the list
+# roughly 4-8x coarser. The bounds are ~2x what this random model measures; a wrong q/k row order
+# gives ~1 (and the exact test above catches any mapping error on its own).
+QUANT_TOLERANCE = {Q.F32: 0.0, Q.F16: 2e-3, Q.BF16: 2e-2, Q.Q8_0: 4e-2, Q.Q5_1: 0.25, Q.Q4_0: 0.6}
+
+
+@pytest.mark.parametrize("qtype", list(QUANT_TOLERANCE), ids=lambda q: q.name)
+def test_gguf_logits_near_the_original_weights(tmp_path, model, tok_dir, qtype):
+    path = tmp_path / "m.gguf"
+    write_gguf(path, model, tok_dir, qtype_of=lambda name, shape: qtype)
+    loaded, _ = load_model(path)
+    ref = logits(model, IDS)
+    err = float((logits(loaded, IDS) - ref).norm() / ref.norm())
+    print(f"{qtype.name}: relative RMS logit difference {err:.2e}")
+    assert err <= QUANT_TOLERANCE[qtype]
+
+
+def test_mixed_types_and_tied_embeddings(tmp_path, tok_dir):
+    """SmolLM2's mix (Q8_0 embedding, Q4_1 matrices, F32 norms) and no output.weight: lm_head is the embedding."""
+    m = tiny_model(seed=12, tie_word_embeddings=True, **CFG)
+    path = tmp_path / "tied.gguf"
+    stored = write_gguf(path, m, tok_dir, qtype_of=lambda name, shape: Q.Q8_0 if name == "token_embd.weight" else Q.Q4_1)
+    cfg, tensors, _ = read_gguf(path)
+    assert cfg.tie_word_embeddings and "lm_head.weight" not in tensors
+    loaded, _ = load_model(path)
+    assert loaded.lm_head.weight is loaded.embed_tokens.weight
+    assert torch.equal(loaded.embed_tokens.weight, stored["model.embed_tokens.weight"])
+
+
+def test_config_from_metadata(tmp_path, model, tok_dir):
+    path = tmp_path / "m.gguf"
+    write_gguf(path, model, tok_dir)
+    cfg, _, meta = read_gguf(path)
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "vocab_size", "max_position_embeddings", "rope_theta", "head_dim"):
+        assert getattr(cfg, key) == getattr(model.config, key), key
+    assert cfg.rms_norm_eps == pytest.approx(model.config.rms_norm_eps)
+    assert (cfg.bos_token_id, cfg.eos_token_id) == (1, 2)
+    assert meta["tokenizer.ggml.model"] == "gpt2"
+
+
+def test_gguf_tensors_are_views_of_the_map_for_f32(tmp_path, model, tok_dir):
+    """F32 tensors are not copied out of the file: the reader hands out views of its map."""
+    path = tmp_path / "m.gguf"
+    write_gguf(path, model, tok_dir)
+    _, tensors, _ = read_gguf(path)
+    a, b = tensors["model.norm.weight"], tensors["model.norm.weight"]
+    assert a.data_ptr() == b.data_ptr()
+
+
+# ---------------------------------------------------------------------- bad files
+def one_line(e) -> str:
+    msg = str(e.value)
+    assert "\n" not in msg and "Traceback" not in msg
+    return msg
+
+
+def test_wrong_magic(tmp_path):
+    path = tmp_path / "x.gguf"
+    path.write_bytes(b"GGML" + b"\0" * 100)
+    with pytest.raises(CheckpointError) as e:
+        load_model(path)
+    assert "not a GGUF file" in one_line(e)
+
+
+def test_truncated(tmp_path, model, tok_dir):
+    path = tmp_path / "m.gguf"
+    write_gguf(path, model, tok_dir)
+    data = path.read_bytes()
+    for cut in (len(data) // 2, len(data) - 100, 50):
+        short = tmp_path / f"cut{cut}.gguf"
+        short.write_bytes(data[:cut])
+        with pytest.raises(CheckpointError) as e:
+            load_model(short)
+        assert "truncated" in one_line(e)
+
+
+def test_other_architecture(tmp_path, model, tok_dir):
+    path = tmp_path / "m.gguf"
+    write_gguf(path, model, tok_dir, arch="gpt2")
+    with pytest.raises(CheckpointError) as e:
+        load_model(path)
+    msg = one_line(e)
+    assert "'gpt2'" in msg and "supported: llama" in msg
+
+
+def test_unsupported_tensor_type(tmp_path, model, tok_dir):
+    path = tmp_path / "m.gguf"
+    write_gguf(path, model, tok_dir, qtype_of=lambda name, shape: Q.Q8_0)
+    # copy the file through the writer with one tensor retyped as Q2_K (a type we do not dequantize)
+    import numpy as np
+    w = gguf.GGUFWriter(str(tmp_path / "q2.gguf"), "llama")
+    r = gguf.GGUFReader(str(path))
+    for f in r.fields.values():
+        if f.name.startswith(("GGUF.", "general.architecture")):
+            continue
+        w.add_key_value(f.name, f.contents(), f.types[0], f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
+    for t in r.tensors:
+        if t.name == "blk.0.ffn_up.weight":
+            rows, cols = int(t.shape[1]), int(t.shape[0])
+            block, size = gguf.GGML_QUANT_SIZES[Q.Q2_K]
+            w.add_tensor(t.name, np.zeros((rows, cols // block * size), dtype=np.uint8), raw_dtype=Q.Q2_K)
+        else:
+            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    with pytest.raises(CheckpointError) as e:
+        load_model(tmp_path / "q2.gguf")
+    msg = one_line(e)
+    assert "blk.0.ffn_up.weight" in msg and "Q2_K" in msg and ", ".join(SUPPORTED_TYPES) in msg
+
+
+def test_rope_scaling_refused(tmp_path, model, tok_dir):
+    import gguf as g
+    path = tmp_path / "m.gguf"
+    orig = g.GGUFWriter.write_header_to_file
+
+    def with_scaling(self, *a, **k):
+        self.add_rope_scaling_type(g.RopeScalingType.YARN)
+        return orig(self, *a, **k)
+    g.GGUFWriter.write_header_to_file = with_scaling
+    try:
+        write_gguf(path, model, tok_dir)
+    finally:
+        g.GGUFWriter.write_header_to_file = orig
+    with pytest.raises(ConfigError) as e:
+        load_model(path)
+    assert "rope.scaling.type" in one_line(e)
+
+
+def test_directory_named_gguf_and_copy(tmp_path, model, tok_dir):
+    path = tmp_path / "m.gguf"
+    write_gguf(path, model, tok_dir)
+    shutil.copy(path, tmp_path / "M.GGUF")
+    a, _ = load_model(tmp_path / "M.GGUF")
+    assert torch.equal(logits(a, IDS), logits(load_model(path)[0], IDS))
