@@ -28,6 +28,7 @@ from engine.chat import ChatSession
 from engine.generate import Generation, GenerationConfig, Result, eos_set
 from engine.loader import load_parts
 from engine.sampling import SamplingParams
+from engine.state_io import SavedState, load as load_state_file, save as save_state_file
 from engine.steps import Stepper, check_backend
 from engine.threads import set_threads
 from models.registry import path_warning
@@ -125,6 +126,38 @@ class LLM:
             isinstance(prompt, Sequence) and not prompt)
         results = self._start([prompt] if single else list(prompt), settings, "generate()").run()
         return results[0] if single else results
+
+    # ------------------------------------------------------------------ saved states
+    def prefill(self, prompt: Prompt, max_len: int | None = None) -> SavedState:
+        """Run `prompt` through the model: a SavedState holding all its tokens but the last, which
+        `resume` feeds first. max_len: KV cache capacity (default: the model's context)."""
+        ids = self.encode(prompt, "prefill()")
+        state = self.model.init_state(batch=1, max_len=max(max_len or self.model.config.max_position_embeddings,
+                                                           len(ids)),
+                                      attention=self.attention, feature_map=self.feature_map)
+        if len(ids) > 1:
+            self.step(torch.tensor([ids[:-1]], device=self.model.device), state, last_only=True)
+        return SavedState(state, ids[:-1], ids[-1:])
+
+    def save_state(self, path, saved: SavedState) -> None:
+        """Write a SavedState (from `prefill`) as safetensors, with this model's identity (engine.state_io)."""
+        save_state_file(path, saved, self.model)
+
+    def load_state(self, path, max_len: int | None = None) -> SavedState:
+        """Read a state saved by `save_state`; StateMismatchError if another model or shape saved it.
+        max_len: KV cache capacity (default: the model's context)."""
+        return load_state_file(path, self.model, max_len=max_len or self.model.config.max_position_embeddings)
+
+    def resume(self, saved: SavedState, more: Sequence[int] = (), **settings) -> Generation:
+        """Continue from a SavedState: feeds its next ids (then `more` ids), generates as `start` does.
+        The state is used in place (resume a fresh load to continue twice). Settings: make_config."""
+        if saved.state.path != self.attention:
+            raise InvalidArgumentError(f"resume(): the state is for {saved.state.path} attention, this LLM runs "
+                                       f"{self.attention}; load(..., attention={saved.state.path!r})")
+        config = make_config_for("resume()", settings)
+        return Generation(self.model, [list(saved.next_ids) + self.encode(list(more), "resume()") if more
+                                       else list(saved.next_ids)], config, self.tokenizer,
+                          attention=self.attention, feature_map=self.feature_map, step=self.step, state=saved.state)
 
     # ------------------------------------------------------------------ chat
     def chat(self, messages, **settings) -> "TextStream":

@@ -1,0 +1,97 @@
+"""Decoding states on disk: a safetensors file with the model's identity and the position recorded.
+
+    saved = SavedState(state, ids, next_ids)   # a batch-1 state holding `ids`; `next_ids` go in next
+    save(path, saved, model)                   # written to path.tmp, then renamed: never half a file
+    saved = load(path, model, max_len=...)     # refused (StateMismatchError) for another model or shape
+
+A state holds every token of a sequence but the last ones, `next_ids` (at least one), which the
+next generation feeds first: its logits are the next token's, so continuing from a loaded state
+gives the tokens an uninterrupted run gives (`LLM.prefill`, `LLM.resume`).
+
+File layout: tensors `state.<name>` (the state's `state_dict()` tensors: a KV cache cut to the
+slots written; S and z for the linear path); metadata `format`, `state` (path, shapes, dtype,
+feature map, slots, lengths, padded: JSON), `model` (the model's identity: its config's hash and
+a fingerprint of its weights, JSON), `ids` and `next_ids` (JSON).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+
+from safetensors import SafetensorError
+from safetensors.torch import safe_open, save_file
+
+from engine.attention import STATES
+from engine.errors import CheckpointError, StateMismatchError
+
+FORMAT = "gen-state/1"
+
+
+@dataclass
+class SavedState:
+    state: object               # a batch-1 State (KVState or LinearState)
+    ids: list[int]              # the tokens it holds, in order
+    next_ids: list[int]         # the tokens after them, not in the state yet (at least one)
+
+
+def model_identity(model) -> dict:
+    """What a state must have been made by: the config (hashed) and a fingerprint of the weights."""
+    cfg = json.dumps(model.config.to_dict(), sort_keys=True, default=str)
+    h = hashlib.sha256()
+    for t in (model.norm.weight, model.embed_tokens.weight[:4], model.layers[-1].mlp.down_proj.weight[:4]):
+        h.update(t.detach().float().cpu().numpy().tobytes())
+    return {"config_sha256": hashlib.sha256(cfg.encode()).hexdigest(), "weights_sha256": h.hexdigest(),
+            "layers": model.config.num_hidden_layers, "vocab_size": model.config.vocab_size}
+
+
+def save(path: str | os.PathLike, saved: SavedState, model) -> None:
+    if saved.state.batch_size != 1:
+        raise StateMismatchError(f"save a state of one sequence; this one holds {saved.state.batch_size}")
+    if not saved.next_ids:
+        raise StateMismatchError("a saved state needs the token(s) to feed next (next_ids); see LLM.prefill")
+    sd = saved.state.state_dict()
+    tensors = {f"state.{k}": v.contiguous() for k, v in sd["tensors"].items()}
+    meta = {"format": FORMAT, "state": json.dumps(sd["meta"]), "model": json.dumps(model_identity(model)),
+            "ids": json.dumps([int(i) for i in saved.ids]), "next_ids": json.dumps([int(i) for i in saved.next_ids])}
+    path = os.fspath(path)
+    tmp = path + ".tmp"
+    try:
+        save_file(tensors, tmp, metadata=meta)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def load(path: str | os.PathLike, model, max_len: int | None = None, device=None) -> SavedState:
+    """Read a saved state for `model`; a KV cache gets capacity `max_len` (default: its slots)."""
+    path = os.fspath(path)
+    try:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError) as e:
+        if isinstance(e, FileNotFoundError):
+            raise
+        raise CheckpointError(f"{path}: not a safetensors file ({e})") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a saved decoding state (format {meta.get('format')!r}, "
+                              f"expected {FORMAT!r}); save one with llm.save_state()")
+    theirs, mine = json.loads(meta["model"]), model_identity(model)
+    if theirs != mine:
+        what = "configuration" if theirs["config_sha256"] != mine["config_sha256"] else "weights"
+        raise StateMismatchError(f"{path}: saved from another model (its {what} differ: {theirs['layers']} layers, "
+                                 f"vocabulary {theirs['vocab_size']} there, {mine['layers']} and "
+                                 f"{mine['vocab_size']} here); load it with the model it was saved from")
+    state_meta = json.loads(meta["state"])
+    if state_meta["path"] == "softmax" and state_meta["dtype"] != str(model.dtype).removeprefix("torch."):
+        raise StateMismatchError(f"{path}: a {state_meta['dtype']} KV cache, but the model computes in "
+                                 f"{str(model.dtype).removeprefix('torch.')}; load the model with "
+                                 f"dtype={state_meta['dtype']}")
+    sd = {"meta": state_meta,
+          "tensors": {k.removeprefix("state."): v for k, v in tensors.items() if k.startswith("state.")}}
+    device = device or model.device
+    state = STATES[state_meta["path"]].from_state_dict(sd, max_len=max_len, device=device)
+    return SavedState(state, json.loads(meta["ids"]), json.loads(meta["next_ids"]))

