@@ -93,25 +93,21 @@ static void att_fn(const void *ctx, int h0, int h1, float *out, int os, int add,
                 const float *key = row;
                 if (p->kv_type == T_F32) key = (const float *)p->k + base + (size_t)t * D;
                 else load_row(p->k, p->kv_type, base + (size_t)t * D, D, row);
-                float s = 0.0f;
-                #pragma omp simd reduction(+:s)
-                for (int d = 0; d < D; d++) s += q[d] * key[d];
-                sc[t] = s * p->scale;
+                sc[t] = dot_f32(q, key, D) * p->scale;
                 if (sc[t] > mx) mx = sc[t];
             }
             float sum = 0.0f;
             for (int t = 0; t < n; t++) { sc[t] = expf(sc[t] - mx); sum += sc[t]; }
-            float *o = out + (size_t)b * os + (h - h0) * D;
-            for (int d = 0; d < D; d++) o[d] = 0.0f;
+            float *o = out + (size_t)b * os + (h - h0) * D, *acc = row + D;   /* acc: D floats of scratch */
+            for (int d = 0; d < D; d++) acc[d] = 0.0f;
             for (int t = 0; t < n; t++) {
                 if (sc[t] == 0.0f) continue;
-                float a = sc[t] / sum;
                 const float *val = row;
                 if (p->kv_type == T_F32) val = (const float *)p->v + base + (size_t)t * D;
                 else load_row(p->v, p->kv_type, base + (size_t)t * D, D, row);
-                #pragma omp simd
-                for (int d = 0; d < D; d++) o[d] += a * val[d];
+                axpy_f32(acc, sc[t] / sum, val, D);
             }
+            memcpy(o, acc, (size_t)D * sizeof(float));
         }
     }
 }

@@ -10,6 +10,12 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+#define GEN_X86 1
+#endif
 
 /* Element types of weights and KV caches. Quantized types are llama.cpp's blocks of 32
  * weights along a row: Q8_0 = fp16 d + 32 int8 (w = d*q); Q4_0 = fp16 d + 16 bytes, weight j
@@ -45,7 +51,8 @@ enum { MODE_SOFTMAX = 0, MODE_ELU1 = 1, MODE_RELU = 2, MODE_SOFTMAX_MAP = 3, MOD
 /* ---- kernels.c */
 /* out[b*os + r - r0] (+)= row r of m . x[b*xs ...] for r in [r0, r1), b < B */
 void mat_rows(const Mat *m, int r0, int r1, const float *x, int xs, int B, float *out, int os, int add);
-void row_to_f32(const Mat *m, int r, float *dst);              /* one row, dequantized */
+void row_to_f32(const Mat *m, int r, float *dst);
+/* one row, dequantized */
 void rms_norm(float *out, const float *x, const void *w, int wtype, int n, float eps);
 float load_f16(uint16_t h);
 float load_bf16(uint16_t h);
@@ -67,5 +74,34 @@ void pool_run(int nthreads, UnitsFn fn, const void *ctx, size_t ctx_bytes, int u
               int chunk_units, int B, float *out, int os, int add,
               float *scratch, size_t stride, size_t fn_scratch);
 void pool_quiesce(void);   /* returns once no worker is inside a chunk (before freeing a plan) */
+
+/* ---- small vector helpers (inline: called per key in attention) */
+typedef float v8 __attribute__((vector_size(32)));
+
+static inline v8 ld8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
+static inline float hsum(v8 v) {
+#ifdef GEN_X86
+    __m256 x = (__m256)v;
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_add_ss(a, _mm_movehdup_ps(a));
+    return _mm_cvtss_f32(a);
+#else
+    return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
+#endif
+}
+
+static inline float dot_f32(const float *a, const float *b, int n) {
+    int i = 0;
+    v8 acc = {0};
+    for (; i + 8 <= n; i += 8) acc += ld8(a + i) * ld8(b + i);
+    float s = hsum(acc);
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+static inline void axpy_f32(float *restrict y, float a, const float *restrict x, int n) {
+    for (int i = 0; i < n; i++) y[i] += a * x[i];
+}
 
 #endif

@@ -12,19 +12,6 @@
 
 #include "gen.h"
 
-#if defined(__AVX2__) && defined(__F16C__)
-#include <immintrin.h>
-#define GEN_X86 1
-#endif
-
-typedef float v8 __attribute__((vector_size(32)));
-
-static inline v8 ld8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
-static inline float hsum(v8 v) {
-    float s = 0.0f;
-    for (int i = 0; i < 8; i++) s += v[i];
-    return s;
-}
 
 /* ------------------------------------------------------------------ 16-bit floats */
 float load_f16(uint16_t h) {
@@ -101,8 +88,21 @@ static inline void widen8_f16(const uint16_t *h, float *out) {
 #endif
 }
 
+#ifdef GEN_X86
+/* 16 bytes of nibbles -> 32 values as fp32: low nibbles are weights 0..15, high nibbles 16..31 */
+static inline void nibbles(const unsigned char *qs, v8 w[4]) {
+    __m128i b = _mm_loadu_si128((const __m128i *)qs), mask = _mm_set1_epi8(0x0f);
+    __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    w[0] = (v8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    w[1] = (v8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    w[2] = (v8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    w[3] = (v8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+}
+#endif
+
 /* Block k of a row (32 consecutive weights from element 32k) as fp32 in w[4]. */
-static inline void decode_block(const unsigned char *row, int type, int k, v8 w[4]) {
+static inline __attribute__((always_inline)) void decode_block(const unsigned char *row, const int type, int k,
+                                                              v8 w[4]) {
     float f[QK] __attribute__((aligned(32)));
     const unsigned char *blk = row + (size_t)k * block_bytes(type);
     switch (type) {
@@ -113,28 +113,50 @@ static inline void decode_block(const unsigned char *row, int type, int k, v8 w[
         for (int q = 0; q < 4; q++) widen8_f16((const uint16_t *)blk + 8 * q, f + 8 * q);
         break;
     case T_BF16: {
+#ifdef GEN_X86
+        for (int q = 0; q < 4; q++) {
+            __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(blk + 16 * q)));
+            w[q] = (v8)_mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+        }
+        return;
+#else
         const uint16_t *h = (const uint16_t *)blk;
         for (int i = 0; i < QK; i++) { uint32_t u = (uint32_t)h[i] << 16; memcpy(f + i, &u, 4); }
         break;
+#endif
     }
     case T_Q8_0: {
         uint16_t dh;
         memcpy(&dh, blk, 2);
         float d = load_f16(dh);
         const signed char *qs = (const signed char *)(blk + 2);
+#ifdef GEN_X86
+        for (int q = 0; q < 4; q++) {
+            __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * q))));
+            w[q] = (v8)_mm256_mul_ps(_mm256_set1_ps(d), v);
+        }
+        return;
+#else
         for (int i = 0; i < QK; i++) f[i] = d * (float)qs[i];
         break;
+#endif
     }
     case T_Q4_0: {
         uint16_t dh;
         memcpy(&dh, blk, 2);
         float d = load_f16(dh);
         const unsigned char *qs = blk + 2;
+#ifdef GEN_X86
+        nibbles(qs, w);
+        for (int q = 0; q < 4; q++) w[q] = (v8)_mm256_mul_ps(_mm256_set1_ps(d), _mm256_sub_ps((__m256)w[q], _mm256_set1_ps(8.0f)));
+        return;
+#else
         for (int i = 0; i < QK / 2; i++) {
             f[i] = d * (float)((int)(qs[i] & 0x0f) - 8);
             f[i + QK / 2] = d * (float)((int)(qs[i] >> 4) - 8);
         }
         break;
+#endif
     }
     default: {   /* T_Q4_1 */
         uint16_t dh, mh;
@@ -142,6 +164,14 @@ static inline void decode_block(const unsigned char *row, int type, int k, v8 w[
         memcpy(&mh, blk + 2, 2);
         float d = load_f16(dh), m = load_f16(mh);
         const unsigned char *qs = blk + 4;
+#ifdef GEN_X86
+        nibbles(qs, w);
+        for (int q = 0; q < 4; q++) {
+            __m256 lo = _mm256_mul_ps(_mm256_set1_ps(d), (__m256)w[q]);   /* two roundings, as dequantize() */
+            w[q] = (v8)_mm256_add_ps(lo, _mm256_set1_ps(m));
+        }
+        return;
+#endif
         for (int i = 0; i < QK / 2; i++) {
             float lo = d * (float)(qs[i] & 0x0f), hi = d * (float)(qs[i] >> 4);
             f[i] = lo + m;
@@ -153,11 +183,14 @@ static inline void decode_block(const unsigned char *row, int type, int k, v8 w[
     for (int q = 0; q < 4; q++) w[q] = ld8(f + 8 * q);
 }
 
-static inline const unsigned char *row_ptr(const Mat *m, int r) {
-    size_t per_row = (size_t)(m->cols / QK) * block_bytes(m->type);
+static inline size_t row_bytes(const Mat *m) {
     if (m->type <= T_BF16)   /* float rows need not be a multiple of 32 long */
-        per_row = (size_t)m->cols * (m->type == T_F32 ? 4 : 2);
-    return (const unsigned char *)m->data + (size_t)r * per_row;
+        return (size_t)m->cols * (m->type == T_F32 ? 4 : 2);
+    return (size_t)(m->cols / QK) * block_bytes(m->type);
+}
+
+static inline const unsigned char *row_ptr(const Mat *m, int r) {
+    return (const unsigned char *)m->data + (size_t)r * row_bytes(m);
 }
 
 static inline float tail_elem(const unsigned char *row, int type, int i) {
@@ -166,17 +199,19 @@ static inline float tail_elem(const unsigned char *row, int type, int i) {
     return type == T_F16 ? load_f16(h) : load_bf16(h);
 }
 
-/* Rows [r0, r1) against n (1..4, a constant after inlining) inputs. */
+/* Rows [r0, r1) against n (1..4) inputs; n and type are constants after inlining. */
 static inline __attribute__((always_inline)) void rows_tile(const Mat *m, int r0, int r1, const float *x, int xs,
-                                                           int n, float *out, int os, int add) {
+                                                           const int n, float *out, int os, int add, const int type) {
     const int K = m->cols, nb = K / QK;
+    const size_t stride = row_bytes(m);
     for (int r = r0; r < r1; r++) {
-        const unsigned char *row = row_ptr(m, r);
+        const unsigned char *row = (const unsigned char *)m->data + (size_t)r * stride;
         v8 acc[4][4];
-        memset(acc, 0, sizeof acc);
+        for (int j = 0; j < 4; j++)
+            for (int q = 0; q < 4; q++) acc[j][q] = (v8){0};
         for (int k = 0; k < nb; k++) {
             v8 w[4];
-            decode_block(row, m->type, k, w);
+            decode_block(row, type, k, w);
             for (int j = 0; j < n; j++) {
                 const float *xp = x + (size_t)j * xs + k * QK;
                 for (int q = 0; q < 4; q++) acc[j][q] += w[q] * ld8(xp + 8 * q);
@@ -184,21 +219,38 @@ static inline __attribute__((always_inline)) void rows_tile(const Mat *m, int r0
         }
         for (int j = 0; j < n; j++) {
             float s = hsum((acc[j][0] + acc[j][1]) + (acc[j][2] + acc[j][3]));
-            for (int i = nb * QK; i < K; i++) s += tail_elem(row, m->type, i) * x[(size_t)j * xs + i];
+            for (int i = nb * QK; i < K; i++) s += tail_elem(row, type, i) * x[(size_t)j * xs + i];
             float *o = out + (size_t)j * os + (r - r0);
             *o = add ? *o + s : s;
         }
     }
 }
 
-void mat_rows(const Mat *m, int r0, int r1, const float *x, int xs, int B, float *out, int os, int add) {
+static inline __attribute__((always_inline)) void rows_typed(const Mat *m, int r0, int r1, const float *x, int xs,
+                                                            int B, float *out, int os, int add, const int type) {
     int b = 0;
-    for (; b + 4 <= B; b += 4) rows_tile(m, r0, r1, x + (size_t)b * xs, xs, 4, out + (size_t)b * os, os, add);
+    for (; b + 4 <= B; b += 4) rows_tile(m, r0, r1, x + (size_t)b * xs, xs, 4, out + (size_t)b * os, os, add, type);
     switch (B - b) {
-    case 3: rows_tile(m, r0, r1, x + (size_t)b * xs, xs, 3, out + (size_t)b * os, os, add); break;
-    case 2: rows_tile(m, r0, r1, x + (size_t)b * xs, xs, 2, out + (size_t)b * os, os, add); break;
-    case 1: rows_tile(m, r0, r1, x + (size_t)b * xs, xs, 1, out + (size_t)b * os, os, add); break;
+    case 3: rows_tile(m, r0, r1, x + (size_t)b * xs, xs, 3, out + (size_t)b * os, os, add, type); break;
+    case 2: rows_tile(m, r0, r1, x + (size_t)b * xs, xs, 2, out + (size_t)b * os, os, add, type); break;
+    case 1: rows_tile(m, r0, r1, x + (size_t)b * xs, xs, 1, out + (size_t)b * os, os, add, type); break;
     default: break;
+    }
+}
+
+/* One specialised kernel per weight type. */
+#define ROWS_OF(T) static void rows_##T(const Mat *m, int r0, int r1, const float *x, int xs, int B, float *out, \
+                                        int os, int add) { rows_typed(m, r0, r1, x, xs, B, out, os, add, T); }
+ROWS_OF(T_F32) ROWS_OF(T_F16) ROWS_OF(T_BF16) ROWS_OF(T_Q8_0) ROWS_OF(T_Q4_0) ROWS_OF(T_Q4_1)
+
+void mat_rows(const Mat *m, int r0, int r1, const float *x, int xs, int B, float *out, int os, int add) {
+    switch (m->type) {
+    case T_F32: rows_T_F32(m, r0, r1, x, xs, B, out, os, add); break;
+    case T_F16: rows_T_F16(m, r0, r1, x, xs, B, out, os, add); break;
+    case T_BF16: rows_T_BF16(m, r0, r1, x, xs, B, out, os, add); break;
+    case T_Q8_0: rows_T_Q8_0(m, r0, r1, x, xs, B, out, os, add); break;
+    case T_Q4_0: rows_T_Q4_0(m, r0, r1, x, xs, B, out, os, add); break;
+    default: rows_T_Q4_1(m, r0, r1, x, xs, B, out, os, add); break;
     }
 }
 
