@@ -18,19 +18,21 @@ from engine.threads import set_threads
 @click.option("--data", required=True, type=click.Path(dir_okay=False),
               help="documents separated by '<|endoftext|>' lines")
 @click.option("--context", type=int, help="window length in tokens (default: max_position_embeddings)")
+@click.option("--max-docs", type=int, help="score only the first N documents (default: all)")
 @click.option("--batch-size", default=8, show_default=True)
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default="float32", show_default=True)
 @click.option("--threads", type=int, help="CPU threads (default: torch's, all cores: scoring is batched matmuls)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
-def eval_cmd(model_name, attention, feature_map, data, context, batch_size, device, dtype, threads, as_json):
+def eval_cmd(model_name, attention, feature_map, data, context, max_docs, batch_size, device, dtype, threads,
+             as_json):
     """Score each document as BOS + text + EOS; bits per byte is the headline."""
     def run():
         if threads is not None:
             set_threads(threads)
         model, tokenizer = load_model(model_name, device=device, dtype=dtype)
         res = evaluate_file(model, tokenizer, data, attention=attention, feature_map=feature_map,
-                            context=context, batch_size=batch_size, progress=not as_json)
+                            context=context, batch_size=batch_size, progress=not as_json, max_docs=max_docs)
         if as_json:
             click.echo(json.dumps({"model": str(model_name), "data": data, **res.to_dict()}))
         else:

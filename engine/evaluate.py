@@ -89,12 +89,17 @@ def evaluate(model, tokenizer, docs: list[str], attention: str | None = None, fe
 
 
 def evaluate_file(model, tokenizer, path, attention: str | None = None, feature_map: str | None = None,
-                  context: int | None = None, batch_size: int = 8, progress: bool = False) -> EvalResult:
-    """Score every document of a corpus file (documents separated by `<|endoftext|>` lines)."""
+                  context: int | None = None, batch_size: int = 8, progress: bool = False,
+                  max_docs: int | None = None) -> EvalResult:
+    """Score every document of a corpus file (documents separated by `<|endoftext|>` lines), or the
+    first `max_docs` of them."""
     if tokenizer is None:
         raise InvalidArgumentError("this checkpoint ships no tokenizer.model; evaluation needs one to "
                                    "encode the text")
     if context is not None and context < 2:
         raise InvalidArgumentError(f"context must be at least 2 tokens, got {context}")
-    return evaluate(model, tokenizer, read_documents(path), attention=attention, feature_map=feature_map,
-                    context=context, batch_size=batch_size, progress=progress)
+    if max_docs is not None and max_docs < 1:
+        raise InvalidArgumentError(f"max_docs must be at least 1, got {max_docs}")
+    docs = read_documents(path)
+    return evaluate(model, tokenizer, docs[:max_docs] if max_docs else docs, attention=attention,
+                    feature_map=feature_map, context=context, batch_size=batch_size, progress=progress)
