@@ -39,13 +39,15 @@ from engine.errors import InvalidArgumentError
 @click.option("--backend", type=click.Choice(["auto", "torch", "native", "module"]), default="auto", show_default=True,
               help="decode step form: auto = the C step where it applies, else PyTorch")
 @click.option("--native", is_flag=True, help="alias of --backend native")
-@click.option("--threads", type=int, help="CPU threads (default: 1; see README 'Threads')")
+@click.option("--threads", type=int, help="CPU threads (default: engine.threads.default_threads(); see README 'Threads')")
+@click.option("--quantize", type=click.Choice(["q8_0", "q4_0", "q4_1"]),
+              help="keep the matrices as quantized blocks (llama.cpp layouts), dequantized inside the native step")
 @click.option("-v", "--verbose", is_flag=True, help="say which step form ran and why a faster one did not")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object (text, ids, finish_reason, stats)")
 def generate_cmd(prompt, prompt_opt, ids, chat_message, model_name, attention, feature_map, max_new_tokens,
                  temperature,
                  top_k, top_p, min_p, repetition_penalty, seed, stop, device, dtype, max_context, echo, backend, native,
-                 threads, verbose, as_json):
+                 threads, quantize, verbose, as_json):
     """Generate a continuation of PROMPT ('-' reads it from stdin) and stream it to stdout.
 
     A prompt equal to a subcommand's name goes after `--` (`gen -- bench`) or in --prompt.
@@ -61,7 +63,7 @@ def generate_cmd(prompt, prompt_opt, ids, chat_message, model_name, attention, f
         the_prompt = read_prompt(prompt, prompt_opt, ids) if chat_message is None else chat_message
         make_config(**settings)                      # bad settings fail before the model loads
         llm = load_quietly(model_name, attention, feature_map, device, dtype, "native" if native else backend,
-                          threads)
+                          threads, quantize)
         if chat_message is not None:   # keep the stream: dropping it would close its generation
             chat_stream = llm.chat([{"role": "user", "content": chat_message}], **settings)
             generation = chat_stream.generation
@@ -123,12 +125,12 @@ def read_prompt(prompt, prompt_opt, ids):
     return text
 
 
-def load_quietly(model_name, attention, feature_map, device, dtype, backend="auto", threads=None):
+def load_quietly(model_name, attention, feature_map, device, dtype, backend="auto", threads=None, quantize=None):
     """Load; a warning (weights not trained for this attention path) becomes one stderr line."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         llm = load(model_name, attention=attention, feature_map=feature_map, device=device, dtype=dtype,
-                   backend=backend, threads=threads)
+                   backend=backend, threads=threads, quantize=quantize)
     for w in caught:
         click.echo(f"gen: warning: {w.message}", err=True)
     return llm

@@ -21,8 +21,8 @@ from engine.serve import open_server, run
 @click.option("--max-context", type=int, help="softmax tokens per sequence, prompt included "
                                                "(default: the model's max_position_embeddings)")
 @click.option("--dtype", help="float32 (default), bfloat16, float16")
-@click.option("--backend", type=click.Choice(["auto", "torch", "native", "module"]), default="torch",
-              show_default=True, help="decode step form (torch: the same form at every batch size)")
+@click.option("--backend", type=click.Choice(["auto", "torch", "native", "module"]), default="auto",
+              show_default=True, help="decode step form: auto = the C step where it applies, else PyTorch")
 @click.option("--threads", type=int, help="CPU threads (default: 1)")
 def serve_cmd(model_name, attention, feature_map, host, port, max_batch, max_queue, max_context, dtype, backend,
               threads):

@@ -30,6 +30,7 @@ from engine.loader import load_parts
 from engine.sampling import SamplingParams
 from engine.state_io import SavedState, load as load_state_file, save as save_state_file
 from engine.steps import Stepper, check_backend
+from engine.quant import check_kind, quantize_model
 from engine.threads import set_threads
 from models.registry import path_warning
 
@@ -42,12 +43,14 @@ class UntrainedPathWarning(UserWarning):
 
 def load(model: str = "tiny", attention: str | None = None, feature_map: str | None = None,
          device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
-         backend: str = "auto", threads: int | None = None, native: bool = False) -> "LLM":
+         backend: str = "auto", threads: int | None = None, native: bool = False,
+         quantize: str | None = None) -> "LLM":
     """Load a registered model name (`tiny`) or a checkpoint path; attention None = the model's own.
 
     backend: which form runs one-token decode steps (engine.steps): "auto" (default: the C step
     where it applies, else PyTorch), "torch", "native", or "module" (the reference).
     native=True is an alias of backend="native". threads: CPU threads (default: engine.threads).
+    quantize: "q8_0", "q4_0" or "q4_1" keeps the matrices as quantized blocks (engine.quant).
 
     Warns (UntrainedPathWarning) when `attention` is a path the weights were not trained for.
     """
@@ -56,8 +59,12 @@ def load(model: str = "tiny", attention: str | None = None, feature_map: str | N
     if feature_map is not None:
         get_feature_map(feature_map)
     backend = "native" if native else check_backend(backend)
+    if quantize is not None:
+        check_kind(quantize)
     set_threads(threads)
     net, tokenizer, template = load_parts(model, device=device, dtype=dtype)
+    if quantize is not None:
+        quantize_model(net, quantize)
     return LLM(net, tokenizer, attention=attention, feature_map=feature_map, name=str(model), backend=backend,
                chat_template=template, _stacklevel=3)
 

@@ -14,6 +14,7 @@ from engine.api import load                    # noqa: E402
 from engine.serve import PrefixCache, Server, create_app   # noqa: E402
 
 NAME = "small"
+BACKEND = "auto"   # the server default
 
 
 @pytest.fixture(scope="session")
@@ -60,7 +61,7 @@ class LiveServer:
 
 
 def make_server(model_dir, cache: bool = False, **limits) -> Server:
-    llm = load(str(model_dir), backend="torch")
+    llm = load(str(model_dir), backend=BACKEND)
     return Server(llm, NAME, cache=PrefixCache(max_entries=64 if cache else 0), **limits)
 
 

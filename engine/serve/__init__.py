@@ -18,13 +18,13 @@ from engine.serve.server import Server
 
 
 def open_server(model: str, attention: str | None = None, feature_map: str | None = None, dtype=None,
-                backend: str = "torch", threads: int | None = None, max_batch: int = 16,
+                backend: str = "auto", threads: int | None = None, max_batch: int = 16,
                 max_context: int | None = None, max_queue: int | None = None) -> Server:
     """Load `model` (a registered name or a path) and wrap it in a Server named `model` (chat through
     the model's own chat template, when it has one: see `LLM.chat`).
 
-    backend "torch" by default: one step form for every batch size, so a request's tokens do not
-    depend on how many others share its step (the native C step runs batch 1 only).
+    backend "auto": the native C step where it applies (it runs batches, each row's arithmetic
+    the same whatever else is in the batch), else torch; the tests hold batched rows to their solo runs.
     """
     llm = load(model, attention=attention, feature_map=feature_map, dtype=dtype, backend=backend, threads=threads)
     return Server(llm, name=str(model), max_batch=max_batch, max_context=max_context, max_queue=max_queue)

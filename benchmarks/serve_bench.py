@@ -1,0 +1,282 @@
+"""Load test of `gen serve`: concurrent streaming clients, both attention paths, and a soak with disconnects.
+
+    python benchmarks/serve_bench.py --model tiny --clients 1,4,16,64 --out docs/serve_bench_tiny.json
+    python benchmarks/serve_bench.py --model smollm2 --clients 1,4,16 --tokens 32 --soak 0
+
+Starts `gen serve` in a subprocess on 127.0.0.1 (a free port), then for each path and client count
+runs N concurrent clients, each streaming `--requests` completions of `--tokens` tokens
+(ignore_eos, logprobs=0 so every token is one SSE chunk). Reports aggregate tokens/s (all tokens /
+wall time), time to first token and inter-token latency p50/p99, the server's peak RSS during the
+run (sampled /proc/PID/status VmRSS), and how many 2k-token conversations fit in `--budget-gib` of
+state memory per path (KV cache of 2048 tokens vs the fixed linear state). The soak (`--soak S`
+seconds) runs random requests from a fixed set with random client disconnects and checks every
+completed one against its solo run: none lost (each finishes, the count is right), none corrupted
+(the same tokens), and the server holds no state at the end. Not a test: timings depend on the machine.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = ["Once upon a time", "The little dog", "Lily and Ben went to the park", "One day, a big bird",
+           "Tom had a red ball", "The sun was hot and", "Mom said", "In a small town there lived"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, model: str, max_batch: int, max_context: int | None, threads: int | None, max_queue: int,
+                 backend: str = "auto"):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "cli.main", "serve", "--model", model, "--port", str(self.port),
+               "--max-batch", str(max_batch), "--max-queue", str(max_queue), "--backend", backend]
+        if max_context:
+            cmd += ["--max-context", str(max_context)]
+        if threads:
+            cmd += ["--threads", str(threads)]
+        self.cmd = cmd
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gen serve exited: {self.proc.stdout.read()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("gen serve did not start within 300 s")
+
+    def rss(self, field: str = "VmRSS") -> int:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    def stop(self) -> str:
+        self.proc.terminate()
+        try:
+            out, _ = self.proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, _ = self.proc.communicate()
+        return out or ""
+
+
+class RssSampler:
+    """The server's peak VmRSS while a block runs (sampled every 50 ms)."""
+
+    def __init__(self, server: ServerProcess):
+        self.server, self.peak, self._stop = server, 0, threading.Event()
+
+    def __enter__(self):
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        return self
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.server.rss())
+            time.sleep(0.05)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self.thread.join()
+
+
+async def stream_one(client: httpx.AsyncClient, url: str, body: dict, disconnect_after: int | None = None) -> dict:
+    """One streaming completion; times per token chunk. disconnect_after: leave after that many chunks."""
+    t0 = time.perf_counter()
+    times, tokens, text, reason = [], [], "", None
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            return {"status": r.status_code, "error": (await r.aread()).decode()[:200]}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                break
+            obj = json.loads(data)
+            if "error" in obj:
+                return {"status": 500, "error": obj["error"]["message"]}
+            if not obj["choices"]:
+                continue
+            ch = obj["choices"][0]
+            times.append(time.perf_counter())
+            tokens += (ch.get("logprobs") or {}).get("tokens", [])
+            text += ch["text"]
+            reason = ch["finish_reason"] or reason
+            if disconnect_after is not None and len(times) >= disconnect_after:
+                return {"status": 200, "disconnected": True}
+    return {"status": 200, "t0": t0, "times": times, "tokens": tokens, "text": text, "finish_reason": reason}
+
+
+def pct(xs, q):
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+async def load_run(url: str, path: str, clients: int, requests: int, tokens: int, model: str) -> dict:
+    limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        async def worker(c):
+            out = []
+            for r in range(requests):
+                body = {"model": model, "prompt": PROMPTS[(c + r) % len(PROMPTS)], "max_tokens": tokens,
+                        "temperature": 0.8, "seed": 1000 * c + r, "stream": True, "logprobs": 0,
+                        "ignore_eos": True, "attention": path}
+                out.append(await stream_one(client, url, body))
+            return out
+        t = time.perf_counter()
+        results = [r for rs in await asyncio.gather(*(worker(c) for c in range(clients))) for r in rs]
+        wall = time.perf_counter() - t
+    ok = [r for r in results if r["status"] == 200]
+    n_tokens = sum(len(r["times"]) for r in ok)
+    ttft = [r["times"][0] - r["t0"] for r in ok if r["times"]]
+    itl = [b - a for r in ok for a, b in zip(r["times"], r["times"][1:])]
+    return {"path": path, "clients": clients, "requests": len(results), "failed": len(results) - len(ok),
+            "tokens": n_tokens, "wall_s": wall, "tokens_per_s": n_tokens / wall,
+            "ttft_p50_ms": 1e3 * pct(ttft, 50), "ttft_p99_ms": 1e3 * pct(ttft, 99),
+            "itl_p50_ms": 1e3 * pct(itl, 50), "itl_p99_ms": 1e3 * pct(itl, 99)}
+
+
+async def soak(url: str, model: str, seconds: float, workers: int, paths: list[str], seed: int = 0) -> dict:
+    """Random requests from a fixed set, random disconnects; completed ones must equal their solo runs."""
+    rng = random.Random(seed)
+    specs = [{"model": model, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": rng.randint(8, 48),
+              "temperature": rng.choice([0, 0.8]), "seed": i, "stream": True, "logprobs": 0,
+              "ignore_eos": True, "attention": paths[i % len(paths)]} for i in range(16)]
+    async with httpx.AsyncClient(timeout=600) as client:
+        reference = [await stream_one(client, url, s) for s in specs]      # each alone
+        counts = {"completed": 0, "matched": 0, "corrupted": 0, "lost": 0, "disconnected": 0, "rejected": 0}
+        deadline = time.monotonic() + seconds
+
+        async def worker(w):
+            r = random.Random(seed * 1000 + w)
+            while time.monotonic() < deadline:
+                i = r.randrange(len(specs))
+                leave = r.randint(1, specs[i]["max_tokens"]) if r.random() < 0.3 else None
+                got = await stream_one(client, url, specs[i], leave)
+                if got.get("disconnected"):
+                    counts["disconnected"] += 1
+                elif got["status"] == 429:
+                    counts["rejected"] += 1
+                    await asyncio.sleep(1)
+                elif got["status"] != 200 or got["finish_reason"] is None:
+                    counts["lost"] += 1
+                else:
+                    counts["completed"] += 1
+                    same = got["tokens"] == reference[i]["tokens"] and got["text"] == reference[i]["text"]
+                    counts["matched" if same else "corrupted"] += 1
+        t = time.perf_counter()
+        await asyncio.gather(*(worker(w) for w in range(workers)))
+        counts["seconds"] = time.perf_counter() - t
+        for _ in range(100):   # every disconnected sequence must have been freed
+            stats = (await client.get(url + "/stats")).json()
+            if stats["active"] == 0 and stats["states"] == 0:
+                break
+            await asyncio.sleep(0.1)
+        counts["server_after"] = {k: stats[k] for k in ("active", "states", "queued", "failures", "steps")}
+        counts["workers"] = workers
+    return counts
+
+
+def fit_2k(model: str, paths: list[str], budget: int) -> dict:
+    """State bytes of one 2048-token conversation per path and how many fit in `budget` bytes."""
+    from engine.api import load
+    net = load(model, backend="torch").model
+    out = {}
+    for path in paths:
+        nbytes = net.init_state(1, 2048, attention=path).nbytes
+        out[path] = {"state_bytes_2k": nbytes, "fit_in_budget": budget // nbytes}
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--paths", default="softmax,linear")
+    ap.add_argument("--clients", default="1,4,16,64")
+    ap.add_argument("--requests", type=int, default=2, help="requests per client")
+    ap.add_argument("--tokens", type=int, default=64, help="tokens per request (ignore_eos)")
+    ap.add_argument("--max-context", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--backend", default="auto", help="the server's decode step form (gen serve --backend)")
+    ap.add_argument("--budget-gib", type=float, default=1.0)
+    ap.add_argument("--soak", type=float, default=120.0, help="soak seconds (0: none)")
+    ap.add_argument("--soak-workers", type=int, default=16)
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    a = ap.parse_args()
+    paths, clients = a.paths.split(","), [int(c) for c in a.clients.split(",")]
+    server = ServerProcess(a.model, max(clients + [a.soak_workers]), a.max_context, a.threads, 4 * max(clients),
+                           a.backend)
+    results = {"settings": vars(a), "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+               "server_command": " ".join(server.cmd[1:]), "machine": {
+                   "cpu_count": os.cpu_count(), "platform": platform.platform(),
+                   "load_average_at_start": os.getloadavg()}, "runs": []}
+    try:
+        for path in paths:
+            asyncio.run(load_run(server.url, path, 1, 1, 8, a.model))   # warm-up
+            for n in clients:
+                with RssSampler(server) as rss:
+                    run = asyncio.run(load_run(server.url, path, n, a.requests, a.tokens, a.model))
+                run["server_peak_rss_mib"] = rss.peak / 2 ** 20
+                run["load_average"] = os.getloadavg()[0]
+                results["runs"].append(run)
+                print(f"{a.model} {path:7s} {n:3d} clients: {run['tokens_per_s']:8.1f} tok/s  "
+                      f"TTFT p50 {run['ttft_p50_ms']:7.1f} p99 {run['ttft_p99_ms']:7.1f} ms  "
+                      f"ITL p50 {run['itl_p50_ms']:6.1f} p99 {run['itl_p99_ms']:7.1f} ms  "
+                      f"RSS {run['server_peak_rss_mib']:.0f} MiB  failed {run['failed']}", flush=True)
+            one = next(r for r in results["runs"] if r["path"] == path and r["clients"] == 1) if 1 in clients else None
+            sixteen = next((r for r in results["runs"] if r["path"] == path and r["clients"] == 16), None)
+            if one and sixteen:
+                print(f"  {path}: 16 clients / 1 client = {sixteen['tokens_per_s'] / one['tokens_per_s']:.1f}x")
+        if a.soak > 0:
+            s = asyncio.run(soak(server.url, a.model, a.soak, a.soak_workers, paths))
+            results["soak"] = s
+            print(f"soak {s['seconds']:.0f} s, {s['workers']} clients: {s['completed']} completed "
+                  f"({s['matched']} identical to solo, {s['corrupted']} corrupted), {s['lost']} lost, "
+                  f"{s['disconnected']} disconnected, {s['rejected']} rejected (429); server after: "
+                  f"{s['server_after']}", flush=True)
+        results["server_peak_rss_mib"] = server.rss("VmHWM") / 2 ** 20
+        results["prefix_cache"] = httpx.get(server.url + "/stats").json()["prefix_cache"]
+    finally:
+        server.stop()
+    budget = int(a.budget_gib * 2 ** 30)
+    results["fit_2k"] = fit_2k(a.model, paths, budget)
+    for path, f in results["fit_2k"].items():
+        print(f"{path}: one 2048-token conversation holds {f['state_bytes_2k'] / 2 ** 20:.2f} MiB of state; "
+              f"{f['fit_in_budget']} fit in {a.budget_gib:g} GiB")
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        tmp = a.out + ".tmp"
+        Path(tmp).write_text(json.dumps(results, indent=1))
+        os.replace(tmp, a.out)
+
+
+if __name__ == "__main__":
+    main()
