@@ -32,7 +32,7 @@ def parse_contexts(ctx, param, value):
 @click.option("--feature-map", help="linear attention feature map (default: the model's)")
 @click.option("--steps", default=64, show_default=True, help="timed decode steps per depth")
 @click.option("--warmup", default=8, show_default=True, help="untimed decode steps before them")
-@click.option("--threads", type=int, help="CPU threads (default: 1, see README 'Threads')")
+@click.option("--threads", type=int, help="CPU threads (default: engine.threads.default_threads(), see README 'Threads')")
 @click.option("--dtype", default="float32", show_default=True)
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write the report as JSON here")
@@ -45,9 +45,12 @@ def parse_contexts(ctx, param, value):
 @click.option("--backend", type=click.Choice(["auto", "torch", "native", "module"]), default="auto", show_default=True,
               help="decode step form: auto = the C step where it applies, else PyTorch")
 @click.option("--native", is_flag=True, help="alias of --backend native")
+@click.option("--weights", type=click.Choice(["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1"]),
+              help="weight type: f16/bf16 set --dtype; q8_0/q4_0/q4_1 quantize the fp32 model at load")
+@click.option("--batch", default=1, show_default=True, help="sequences decoded together (tokens/s: aggregate)")
 @click.option("--quiet", is_flag=True, help="no progress bar")
 def bench_cmd(model_name, contexts, attention, feature_map, steps, warmup, threads, dtype, device, json_path,
-              plot_path, compare_hf, hf_new_tokens, hf_repeats, isolate, backend, native, quiet):
+              plot_path, compare_hf, hf_new_tokens, hf_repeats, isolate, backend, native, weights, batch, quiet):
     """Prefill to each depth, then time decode steps, for each attention path, on one checkpoint.
 
     Prints a table and a summary naming the crossover depth; --json and --plot save them.
@@ -60,7 +63,7 @@ def bench_cmd(model_name, contexts, attention, feature_map, steps, warmup, threa
                                  attentions=("softmax", "linear") if attention == "both" else (attention,),
                                  feature_map=feature_map, steps=steps, warmup=warmup, threads=threads,
                                  dtype=dtype, device=device, isolate=isolate,
-                                 backend="native" if native else backend)
+                                 backend="native" if native else backend, weights=weights, batch=batch)
         report = run_bench(settings, compare_hf=compare_hf, hf_new_tokens=hf_new_tokens,
                            hf_repeats=hf_repeats, progress=not quiet)
         report["settings"]["command"] = " ".join(["gen", *map(shlex.quote, sys.argv[1:])])

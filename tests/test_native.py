@@ -253,3 +253,26 @@ def test_native_step_after_storage_is_replaced(attention):
     d = (got - want).abs().max().item()
     print(f"{attention}: max |logit diff| after half().float() {d:.2e}")
     assert torch.isfinite(got).all() and d <= 1e-4
+
+
+def test_load_quantize_generates_with_the_native_step(small_model_dir):
+    """load(..., quantize=) keeps the matrices as blocks; greedy text equals the module path's on them."""
+    from engine import load
+    from engine.quant import QuantLinear
+    llm = load(str(small_model_dir), quantize="q4_0", backend="native")
+    assert isinstance(llm.model.layers[0].mlp.gate_up, QuantLinear)
+    ref = load(str(small_model_dir), quantize="q4_0", backend="module")
+    a = llm.generate("the cat", max_new_tokens=12, temperature=0, ignore_eos=True)
+    b = ref.generate("the cat", max_new_tokens=12, temperature=0, ignore_eos=True)
+    assert a.ids == b.ids and llm.step.last_form == "native"
+
+
+def test_bench_records_weights_batch_and_form(small_model_dir):
+    from engine.bench.sweep import BenchSettings, run_in_process
+    from engine.loader import load_model
+    settings = BenchSettings(model=str(small_model_dir), contexts=(8,), attentions=("softmax",), steps=3, warmup=1,
+                             isolate=False, weights="q8_0", batch=3, backend="native")
+    model, _ = load_model(settings.model, dtype=settings.dtype)
+    quantize_model(model, settings.quantize)
+    rec = run_in_process(model, settings, "softmax", 8)
+    assert rec["weights"] == "q8_0" and rec["batch"] == 3 and rec["step_form"] == "native"

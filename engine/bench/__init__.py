@@ -21,6 +21,7 @@ from engine.bench.hf_compare import compare_hf as run_compare
 from engine.bench.memory import available_bytes, check_fits, run_bytes
 from engine.bench.report import decode_crossover, machine_info, memory_crossover
 from engine.loader import load_model
+from engine.quant import quantize_model
 from engine.threads import current_threads, set_threads
 from models.registry import resolve
 from engine.bench.sweep import (DEFAULT_CONTEXTS, BenchError, BenchSettings, run_in_process,
@@ -57,6 +58,8 @@ def run_bench(settings: BenchSettings, compare_hf: bool = False, hf_new_tokens: 
     set_threads(settings.threads)
     path = resolve(settings.model)
     model, tokenizer = load_model(path, device=settings.device, dtype=settings.dtype)
+    if settings.quantize:
+        quantize_model(model, settings.quantize)
     info = model_info(model)
     fmap = settings.feature_map or model.config.feature_map
     configs = settings.configurations()

@@ -103,6 +103,16 @@ def summary_lines(report: dict) -> list[str]:
     return lines
 
 
+def step_label(r: dict) -> str:
+    """The form that ran, the weights it read and the batch, e.g. `native q8_0 B8`."""
+    parts = [r.get("step_form") or "?"]
+    if r.get("weights"):
+        parts.append(r["weights"])
+    if r.get("batch", 1) > 1:
+        parts.append(f"B{r['batch']} (tok/s: all rows)")
+    return " ".join(parts)
+
+
 def format_table(results: list[dict]) -> str:
     head = ["attention", "context", "prefill s", "prefill tok/s", "decode ms/tok", "p90 ms", "decode tok/s",
             "state bytes", "peak RSS", "step"]
@@ -113,7 +123,7 @@ def format_table(results: list[dict]) -> str:
                      f"{r['prefill_s']:.3f}", f"{r['prefill_tokens_per_s']:.0f}",
                      f"{r['decode_ms_per_token']:.3f}", f"{r['decode_ms_per_token_p90']:.3f}",
                      f"{r['decode_tokens_per_s']:.0f}", f"{r['state_bytes']} ({human(r['state_bytes'])})",
-                     human(r["peak_rss_bytes"]), r.get("step_form") or "?"])
+                     human(r["peak_rss_bytes"]), step_label(r)])
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
     fmt = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
     return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])

@@ -29,6 +29,9 @@ from engine.errors import EngineError, InvalidArgumentError
 from engine.steps import Stepper, check_backend
 
 DEFAULT_CONTEXTS = (128, 512, 2048, 8192, 32768)
+# --weights: (dtype the model loads in, block quantization applied at load)
+WEIGHTS = {"f32": ("float32", None), "f16": ("float16", None), "bf16": ("bfloat16", None),
+           "q8_0": ("float32", "q8_0"), "q4_0": ("float32", "q4_0"), "q4_1": ("float32", "q4_1")}
 
 
 class BenchError(EngineError, RuntimeError):
@@ -49,6 +52,8 @@ class BenchSettings:
     isolate: bool = True                # a fresh subprocess per configuration
     backend: str = "auto"               # the decode step form (engine.steps): auto, torch, native, module
     native: bool = False                # alias of backend="native"
+    weights: str | None = None          # f32 | f16 | bf16 (sets dtype) | q8_0 | q4_0 | q4_1 (fp32, quantized)
+    batch: int = 1                      # sequences decoded together; tokens/s is their aggregate
     seed: int = 0
     contexts_sorted: tuple[int, ...] = field(init=False, repr=False)
 
@@ -67,12 +72,22 @@ class BenchSettings:
         if self.native:
             object.__setattr__(self, "backend", "native")
         check_backend(self.backend)
+        if self.weights is not None:
+            if self.weights not in WEIGHTS:
+                raise InvalidArgumentError(f"unknown weights {self.weights!r}; valid: {', '.join(WEIGHTS)}")
+            object.__setattr__(self, "dtype", WEIGHTS[self.weights][0])
+        if self.batch < 1:
+            raise InvalidArgumentError(f"batch must be >= 1, got {self.batch}")
         object.__setattr__(self, "contexts", ctx)
         object.__setattr__(self, "contexts_sorted", tuple(sorted(set(ctx))))
 
     def configurations(self) -> list[tuple[str, int]]:
         """(attention, context) in the order they run: context-major, shallow first."""
         return [(a, c) for c in self.contexts_sorted for a in self.attentions]
+
+    @property
+    def quantize(self) -> str | None:
+        return WEIGHTS[self.weights][1] if self.weights else None
 
     def slots(self, context: int) -> int:
         return context + self.warmup + self.steps
@@ -103,24 +118,26 @@ def _clock(device: torch.device) -> float:
 
 
 def measure(model, attention: str, context: int, steps: int, warmup: int,
-            feature_map: str | None = None, seed: int = 0, backend: str = "auto") -> dict:
+            feature_map: str | None = None, seed: int = 0, backend: str = "auto", batch: int = 1) -> dict:
     """Prefill `context` tokens, then time `steps` decode steps (after `warmup`). In-process.
 
     The steps run through a `Stepper` for `backend`; the record names the form that ran them.
+    batch > 1: that many sequences (different random prompts) step together; decode_tokens_per_s
+    is their aggregate (batch / seconds per step), decode_ms_per_token the time of one step.
     """
     cfg = model.config
     step = Stepper(model, backend)
     slots = context + warmup + steps
     if model.rotary is not None:   # grow the rotary table once, outside every timing
         model.rotary.table(slots, model.device, model.dtype)
-    prompt = torch.randint(0, cfg.vocab_size, (1, context), generator=torch.Generator().manual_seed(seed))
-    scratch = model.init_state(1, max_len=16 + warmup, attention=attention, feature_map=feature_map)
+    prompt = torch.randint(0, cfg.vocab_size, (batch, context), generator=torch.Generator().manual_seed(seed))
+    scratch = model.init_state(batch, max_len=16 + warmup, attention=attention, feature_map=feature_map)
     tok = _next_token(step(prompt[:, :16].to(model.device), scratch, last_only=True))   # warm the kernels
     for _ in range(warmup):
         tok = _next_token(step(tok, scratch))
     del scratch
 
-    state = model.init_state(1, max_len=slots, attention=attention, feature_map=feature_map)
+    state = model.init_state(batch, max_len=slots, attention=attention, feature_map=feature_map)
     gc.collect()
     gc.disable()
     dev = model.device
@@ -145,9 +162,9 @@ def measure(model, attention: str, context: int, steps: int, warmup: int,
         "attention": attention, "feature_map": fmap, "context": context,
         "state_slots": slots if attention == "softmax" else None,
         "decode_depths": [context, slots - 1],
-        "prefill_s": prefill_s, "prefill_tokens_per_s": context / prefill_s,
+        "batch": batch, "prefill_s": prefill_s, "prefill_tokens_per_s": batch * context / prefill_s,
         "decode_ms_per_token": median * 1e3, "decode_ms_per_token_p90": percentile(times, 90) * 1e3,
-        "decode_ms_per_token_min": times[0] * 1e3, "decode_tokens_per_s": 1.0 / median,
+        "decode_ms_per_token_min": times[0] * 1e3, "decode_tokens_per_s": batch / median,
         "state_bytes": state.nbytes,
         "state_bytes_formula": state_bytes_formula(cfg, attention, slots, model.dtype, fmap),
         "beyond_trained_positions": slots > cfg.max_position_embeddings,
@@ -158,7 +175,8 @@ def measure(model, attention: str, context: int, steps: int, warmup: int,
 
 def run_in_process(model, settings: BenchSettings, attention: str, context: int) -> dict:
     rec = measure(model, attention, context, settings.steps, settings.warmup, settings.feature_map, settings.seed,
-                  settings.backend)
+                  settings.backend, settings.batch)
+    rec["weights"] = settings.weights or settings.dtype
     rec["peak_rss_bytes"] = peak_rss_bytes()
     rec["rss_method"] = ("VmHWM of the bench process itself (--no-isolate): the peak over everything "
                          "run so far, not this configuration alone")
@@ -169,7 +187,8 @@ def run_isolated(model_path: str, settings: BenchSettings, attention: str, conte
     """Run one configuration in a fresh `python -m engine.bench.worker`; returns its record."""
     job = {"model": model_path, "dtype": settings.dtype, "device": settings.device, "threads": settings.threads,
            "attention": attention, "context": context, "steps": settings.steps, "warmup": settings.warmup,
-           "feature_map": settings.feature_map, "seed": settings.seed, "backend": settings.backend}
+           "feature_map": settings.feature_map, "seed": settings.seed, "backend": settings.backend,
+           "quantize": settings.quantize, "batch": settings.batch}
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -179,4 +198,6 @@ def run_isolated(model_path: str, settings: BenchSettings, attention: str, conte
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise BenchError(f"{attention} at context {context}: worker exited with code {proc.returncode}: {tail}")
-    return json.loads(lines[-1])
+    rec = json.loads(lines[-1])
+    rec["weights"] = settings.weights or settings.dtype
+    return rec

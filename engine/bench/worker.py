@@ -9,6 +9,7 @@ from engine.bench.memory import peak_rss_bytes, rss_bytes
 from engine.bench.sweep import measure
 from engine.errors import EngineError
 from engine.loader import load_model
+from engine.quant import quantize_model
 from engine.threads import set_threads
 
 
@@ -17,9 +18,11 @@ def main() -> int:
     set_threads(job.get("threads"))
     try:
         model, _ = load_model(job["model"], device=job["device"], dtype=job["dtype"])
+        if job.get("quantize"):
+            quantize_model(model, job["quantize"])
         after_load = rss_bytes()
         rec = measure(model, job["attention"], job["context"], job["steps"], job["warmup"],
-                      job.get("feature_map"), job.get("seed", 0), job.get("backend", "auto"))
+                      job.get("feature_map"), job.get("seed", 0), job.get("backend", "auto"), job.get("batch", 1))
     except EngineError as e:
         print(f"gen: error: {e}", file=sys.stderr)
         return 2
