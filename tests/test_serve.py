@@ -134,6 +134,7 @@ BAD = {   # id: (endpoint, body (bytes: sent raw), status, param)
     "n-2": ("completions", dict(GOOD, n=2), 400, None),
     "token-out-of-vocab": ("completions", dict(GOOD, prompt=[1, 10 ** 6]), 400, "prompt"),
     "empty-prompt": ("completions", dict(GOOD, prompt=""), 400, None),
+    "blank-prompt": ("completions", dict(GOOD, prompt="   "), 400, "prompt"),
     "stop-not-string": ("completions", dict(GOOD, stop=[1]), 400, "stop"),
     "prompt-too-long": ("completions", dict(GOOD, prompt=list(range(1, 80))), 400, "prompt"),
     "unknown-model": ("completions", dict(GOOD, model="gpt-9"), 404, "model"),
@@ -172,3 +173,13 @@ def test_chat_without_a_template_is_a_400(live):
     with pytest.raises(openai.BadRequestError) as e:
         client(live).chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}])
     assert e.value.body["param"] == "messages"
+
+
+def test_gen_serve_refuses_bad_arguments_in_one_line():
+    from click.testing import CliRunner
+    from cli.main import main
+    for args, what in ((["--model", "no-such-model"], "unknown model"), (["--max-batch", "0"], "--max-batch"),
+                       (["--port", "0"], "--port")):
+        r = CliRunner().invoke(main, ["serve", *args])
+        assert r.exit_code == 2, r.output
+        assert what in r.output and "Traceback" not in r.output

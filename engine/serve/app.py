@@ -43,6 +43,10 @@ def create_app(server: Server) -> FastAPI:
     async def _api_error(request, exc: APIError):
         return exc.response()
 
+    @app.exception_handler(Exception)
+    async def _unexpected(request, exc: Exception):   # a bug: still an OpenAI-style body, and the server goes on
+        return server_error(f"{type(exc).__name__}: {exc}").response()
+
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": server.name}

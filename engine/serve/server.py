@@ -44,7 +44,10 @@ class Server:
         if isinstance(prompt, str):
             if self.llm.tokenizer is None:
                 raise bad_request("this model ships no tokenizer; send the prompt as token ids", "prompt")
-            return self.llm.encode(prompt)
+            try:
+                return self.llm.encode(prompt)
+            except EngineError as e:
+                raise bad_request(str(e), "prompt") from None
         V = self.llm.model.config.vocab_size
         bad = [i for i in prompt if not 0 <= i < V]
         if bad:
