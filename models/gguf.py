@@ -235,7 +235,8 @@ def gguf_config(meta: dict, reader, path: Path) -> ModelConfig:
                           f"{head_dim}) is not supported")
     names = {t.name for t in reader.tensors}
     raw["tie_word_embeddings"] = "output.weight" not in names
-    for field, key in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")):
+    for field, key in (("bos_token_id", "tokenizer.ggml.bos_token_id"),
+                       ("eos_token_id", "tokenizer.ggml.eos_token_id")):
         if meta.get(key) is not None:
             raw[field] = int(meta[key])
     raw["model_type"] = "llama"

@@ -12,7 +12,8 @@ from conftest import generated_sentences, tiny_model
 
 # SmolLM2-135M-Instruct's template (ChatML with a default system message)
 CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-          "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+          "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+          "<|im_end|>\n' }}"
           "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

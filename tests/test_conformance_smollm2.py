@@ -74,7 +74,8 @@ def test_logits_equal_transformers_prefill_and_steps(ours, hf_model):
     state = model.init_state(1, 64, "softmax")
     steps = torch.cat([ours.step(ids[:, i:i + 1], state)[0] for i in range(40)])   # the decode form gen runs
     d_prefill, d_steps = float((prefill - ref).abs().max()), float((steps - ref).abs().max())
-    print(f"max |ours - transformers|: prefill {d_prefill:.2e}, steps {d_steps:.2e} (logits up to {ref.abs().max():.1f})")
+    print(f"max |ours - transformers|: prefill {d_prefill:.2e}, steps {d_steps:.2e} "
+          f"(logits up to {ref.abs().max():.1f})")
     assert d_prefill <= 1e-4 and d_steps <= 1e-4
 
 
@@ -102,7 +103,8 @@ def sample_strings(n: int = 300) -> list[str]:
     rng = random.Random(0)
     alphabet = "abc XYZ 0123456789 \n\t.,!?'\"éü日本😀<|>_-#"
     fixed = ["Hello world", "What is the capital of France?", "  leading", "tabs\tand\nnewlines\n\n\nx",
-             "日本語のテキスト", "emoji 😀👍🏽 🇫🇷", "<|im_start|>user\nhi<|im_end|>\n", "a<|endoftext|>b<repo_name>",
+             "日本語のテキスト", "emoji 😀👍🏽 🇫🇷", "<|im_start|>user\nhi<|im_end|>\n",
+             "a<|endoftext|>b<repo_name>",
              "don't won't I'm", "def f(x):\n    return x ** 2", "Ünïcödé façade", "in 2024 there were 12345"]
     return fixed + ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40))) for _ in range(n)]
 

@@ -76,7 +76,8 @@ def test_mixed_types_and_tied_embeddings(tmp_path, tok_dir):
     """SmolLM2's mix (Q8_0 embedding, Q4_1 matrices, F32 norms) and no output.weight: lm_head is the embedding."""
     m = tiny_model(seed=12, tie_word_embeddings=True, **CFG)
     path = tmp_path / "tied.gguf"
-    stored = write_gguf(path, m, tok_dir, qtype_of=lambda name, shape: Q.Q8_0 if name == "token_embd.weight" else Q.Q4_1)
+    stored = write_gguf(path, m, tok_dir,
+                        qtype_of=lambda name, shape: Q.Q8_0 if name == "token_embd.weight" else Q.Q4_1)
     cfg, tensors, _ = read_gguf(path)
     assert cfg.tie_word_embeddings and "lm_head.weight" not in tensors
     loaded, _ = load_model(path)
@@ -151,7 +152,8 @@ def test_unsupported_tensor_type(tmp_path, model, tok_dir):
     for f in r.fields.values():
         if f.name.startswith(("GGUF.", "general.architecture")):
             continue
-        w.add_key_value(f.name, f.contents(), f.types[0], f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(f.name, f.contents(), f.types[0], sub)
     for t in r.tensors:
         if t.name == "blk.0.ffn_up.weight":
             rows, cols = int(t.shape[1]), int(t.shape[0])
