@@ -122,6 +122,9 @@ class NativeStep:
         self.plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # state -> NativeDecoder
 
     def why_not(self, state, tokens) -> str | None:
+        plan = self.plans.get(state)
+        if plan is not None and plan.epoch == self.model.weights_epoch and tokens.device.type == "cpu":
+            return None   # checked when the plan was made; what could change since moves the epoch
         return why_not(self.model, state, tokens)
 
     def __call__(self, tokens: torch.Tensor, state) -> torch.Tensor:
@@ -167,7 +170,10 @@ class NativeDecoder:
                        for n, ms in mats.items()}
         self.norm_tables = {n: (_V * cfg.num_hidden_layers)(*[layer[i].data_ptr() for layer in layers])
                             for i, n in ((0, "ln1"), (3, "ln2"))}
-        self.flat, self.tensors = flat, tensors   # the pointers stay valid while these live
+        self.flat, self.tensors = flat, tensors
+        # The storages themselves: memory the plan points into is never freed while it lives, even
+        # if a Parameter's storage is swapped in a way nothing reports (then the checks rebuild it).
+        self.storages = [t.untyped_storage() for t in flat + tensors]
         self.pointers = self._pointers()
         if linear:
             state_ptrs = dict(S=_ptr(state.S), z=_ptr(state.z), kv_type=0)
@@ -192,8 +198,9 @@ class NativeDecoder:
             self.library.gen_plan_free(plan)   # waits until no pool worker is inside this plan's chunks
 
     def _pointers(self) -> list:
-        """(storage pointer, dtype, device) of every weight and state tensor the plan points into."""
-        return [(t.data_ptr(), t.dtype, t.device) for t in self.flat + self.tensors]
+        """(data pointer, dtype) of every weight and state tensor the plan points into. (A device
+        change always comes with new storage, so a new pointer, and moves the model's epoch.)"""
+        return [(t.data_ptr(), t.dtype) for t in self.flat + self.tensors]
 
     def still_valid(self, state, threads: int) -> bool:
         """The plan's pointers are still the tensors' own (checked before every step)."""
