@@ -19,7 +19,10 @@ def built(tmp_path_factory):
     except NativeUnavailableError as e:
         pytest.skip(f"native decode step unavailable here: {e}")
     set_parallel_min(0)       # every phase on the pool, even for these small models
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the references (module path) on one thread: no OpenMP barriers on a busy machine
     yield
+    torch.set_num_threads(torch_threads)
     set_parallel_min(24576)
 
 
@@ -37,7 +40,7 @@ def run(model, prompt, follow, backend, max_len=64, attention="softmax", batch=1
     return torch.cat(out, 1), state, forms
 
 
-def tokens(seed, batch=1, prompt=5, follow=40):
+def tokens(seed, batch=1, prompt=5, follow=20):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 97, (batch, prompt), generator=g), torch.randint(0, 97, (batch, follow), generator=g)
 
@@ -48,9 +51,8 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("threads", [1, 2], ids=["T1", "T2"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_native_step_equals_module_step(case, threads):
+def test_native_step_equals_module_step(case, threads=2):
     model = tiny_model(**CASES[case])
     prompt, follow = tokens(1)
     ref, s_ref, _ = run(model, prompt, follow, "module")
@@ -59,7 +61,7 @@ def test_native_step_equals_module_step(case, threads):
     dk = max((s_ref.k - s_got.k).abs().max().item(), (s_ref.v - s_got.v).abs().max().item())
     print(f"{case}: max |logit diff| {d:.2e}, max |cache diff| {dk:.2e}")
     assert d <= 1e-4 and dk <= 1e-5
-    assert s_got.slots == s_ref.slots == 45 and int(s_got.lengths) == 45
+    assert s_got.slots == s_ref.slots == 25 and int(s_got.lengths) == 25
     assert forms == {"native"}, "the native step did not run"
 
 
@@ -91,15 +93,14 @@ def test_native_linear_step_equals_module_step(fmap, kv_heads):
     assert forms == {"native"}, "the native step did not run"
 
 
-@pytest.mark.parametrize("threads", [1, 2], ids=["T1", "T2"])
 @pytest.mark.parametrize("attention", ["softmax", "linear"])
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
-def test_batched_native_equals_batched_torch_and_module(attention, padded, threads):
+def test_batched_native_equals_batched_torch_and_module(attention, padded, threads=2):
     """B = 5 (a tile of 4 and a remainder): native == torch == module; left pads: rows 1..4 carry
     1, 3, 0, 4 pads, so rotary positions and masked slots differ per row."""
     model = tiny_model(num_key_value_heads=2)
     B = 5
-    prompt, follow = tokens(3, batch=B, prompt=7, follow=20)
+    prompt, follow = tokens(3, batch=B, prompt=7, follow=12)
     real = None
     if padded:
         real = torch.ones(B, 7, dtype=torch.bool)
