@@ -23,8 +23,10 @@ import platform
 import random
 import socket
 import statistics
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -54,11 +56,13 @@ class ServerProcess:
         if threads:
             cmd += ["--threads", str(threads)]
         self.cmd = cmd
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        # the server's log goes to a file: an unread pipe fills up and blocks the server's event loop
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="gen-serve-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"gen serve exited: {self.proc.stdout.read()}")
+                raise RuntimeError(f"gen serve exited: {Path(self.log.name).read_text()[-2000:]}")
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
                     return
@@ -68,6 +72,11 @@ class ServerProcess:
         self.stop()
         raise RuntimeError("gen serve did not start within 300 s")
 
+    def cpu_s(self) -> float:
+        """The server process's CPU seconds so far (user + system)."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def rss(self, field: str = "VmRSS") -> int:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
             if line.startswith(field + ":"):
@@ -75,13 +84,15 @@ class ServerProcess:
         return 0
 
     def stop(self) -> str:
-        self.proc.terminate()
+        """Stop the server (Ctrl-C's signal); returns the tail of its log (the prefix cache's summary)."""
+        self.proc.send_signal(signal.SIGINT)
         try:
-            out, _ = self.proc.communicate(timeout=30)
+            self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            out, _ = self.proc.communicate()
-        return out or ""
+            self.proc.wait()
+        lines = Path(self.log.name).read_text().splitlines()
+        return "\n".join(lines[-3:])
 
 
 class RssSampler:
@@ -106,9 +117,18 @@ class RssSampler:
 
 
 async def stream_one(client: httpx.AsyncClient, url: str, body: dict, disconnect_after: int | None = None) -> dict:
-    """One streaming completion; times per token chunk. disconnect_after: leave after that many chunks."""
+    """One streaming completion; times per token chunk. disconnect_after: leave after that many chunks.
+    A stream silent for the client's read timeout is reported as lost (status 0), with what it got."""
     t0 = time.perf_counter()
     times, tokens, text, reason = [], [], "", None
+    try:
+        return await _stream_one(client, url, body, disconnect_after, t0, times, tokens)
+    except httpx.TimeoutException as e:
+        return {"status": 0, "error": f"{type(e).__name__} after {len(times)} chunks", "chunks": len(times)}
+
+
+async def _stream_one(client, url, body, disconnect_after, t0, times, tokens) -> dict:
+    text, reason = "", None
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
             return {"status": r.status_code, "error": (await r.aread()).decode()[:200]}
@@ -170,7 +190,7 @@ async def soak(url: str, model: str, seconds: float, workers: int, paths: list[s
     specs = [{"model": model, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": rng.randint(8, 48),
               "temperature": rng.choice([0, 0.8]), "seed": i, "stream": True, "logprobs": 0,
               "ignore_eos": True, "attention": paths[i % len(paths)]} for i in range(16)]
-    async with httpx.AsyncClient(timeout=600) as client:
+    async with httpx.AsyncClient(timeout=60) as client:
         reference = [await stream_one(client, url, s) for s in specs]      # each alone
         counts = {"completed": 0, "matched": 0, "corrupted": 0, "lost": 0, "disconnected": 0, "rejected": 0}
         deadline = time.monotonic() + seconds
@@ -188,6 +208,8 @@ async def soak(url: str, model: str, seconds: float, workers: int, paths: list[s
                     await asyncio.sleep(1)
                 elif got["status"] != 200 or got["finish_reason"] is None:
                     counts["lost"] += 1
+                    counts.setdefault("lost_details", []).append({"spec": i, **{k: got.get(k) for k in
+                                                                               ("status", "error", "chunks")}})
                 else:
                     counts["completed"] += 1
                     same = got["tokens"] == reference[i]["tokens"] and got["text"] == reference[i]["text"]
@@ -242,15 +264,20 @@ def main():
         for path in paths:
             asyncio.run(load_run(server.url, path, 1, 1, 8, a.model))   # warm-up
             for n in clients:
+                cpu0, client0 = server.cpu_s(), time.process_time()
                 with RssSampler(server) as rss:
                     run = asyncio.run(load_run(server.url, path, n, a.requests, a.tokens, a.model))
                 run["server_peak_rss_mib"] = rss.peak / 2 ** 20
+                run["server_cpu_s"] = server.cpu_s() - cpu0          # the machine's 2 cores are shared with
+                run["client_cpu_s"] = time.process_time() - client0  # the clients (and other people's runs)
                 run["load_average"] = os.getloadavg()[0]
                 results["runs"].append(run)
                 print(f"{a.model} {path:7s} {n:3d} clients: {run['tokens_per_s']:8.1f} tok/s  "
                       f"TTFT p50 {run['ttft_p50_ms']:7.1f} p99 {run['ttft_p99_ms']:7.1f} ms  "
                       f"ITL p50 {run['itl_p50_ms']:6.1f} p99 {run['itl_p99_ms']:7.1f} ms  "
-                      f"RSS {run['server_peak_rss_mib']:.0f} MiB  failed {run['failed']}", flush=True)
+                      f"RSS {run['server_peak_rss_mib']:.0f} MiB  failed {run['failed']}  CPU s: server "
+                      f"{run['server_cpu_s']:.1f} clients {run['client_cpu_s']:.1f} in {run['wall_s']:.1f} s wall",
+                      flush=True)
             one = next(r for r in results["runs"] if r["path"] == path and r["clients"] == 1) if 1 in clients else None
             sixteen = next((r for r in results["runs"] if r["path"] == path and r["clients"] == 16), None)
             if one and sixteen:
@@ -265,7 +292,8 @@ def main():
         results["server_peak_rss_mib"] = server.rss("VmHWM") / 2 ** 20
         results["prefix_cache"] = httpx.get(server.url + "/stats").json()["prefix_cache"]
     finally:
-        server.stop()
+        tail = server.stop()
+    print(f"server log ({server.log.name}) ends: {tail}")
     budget = int(a.budget_gib * 2 ** 30)
     results["fit_2k"] = fit_2k(a.model, paths, budget)
     for path, f in results["fit_2k"].items():
