@@ -42,8 +42,14 @@ class StreamDecoder:
 
         Bytes that can never complete one (a stray continuation byte such as three <0x80> tokens, or a
         lead byte followed by a non-continuation byte) are released at once as U+FFFD, as the tokenizer's
-        own decode renders them. Tokenizers without `byte_value(id)` keep the plain rule (hold).
+        own decode renders them. Byte-level BPE tokenizers give the held tokens' bytes (`bytes_of(ids)`);
+        tokenizers with neither `bytes_of` nor `byte_value(id)` keep the plain rule (hold).
         """
+        bytes_of = getattr(self.tokenizer, "bytes_of", None)
+        if bytes_of is not None:   # byte-level BPE: tokens hold any number of bytes, look at them all
+            decoder = codecs.getincrementaldecoder("utf-8")("replace")
+            decoder.decode(bytes_of(self.ids[self.start:]), final=False)
+            return bool(decoder.getstate()[0])
         byte_value = getattr(self.tokenizer, "byte_value", None)
         if byte_value is None:
             return True

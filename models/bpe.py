@@ -84,6 +84,23 @@ class BPETokenizer:
         byte-level BPE carries its spaces inside the tokens, so this is plain `decode`."""
         return self.decode(ids)
 
+    def bytes_of(self, ids) -> bytes:
+        """The bytes `ids` stand for (special tokens: their UTF-8 text), so a streaming detokenizer can
+        tell a character still arriving from bytes that will never make one."""
+        if getattr(self, "_byte_of", None) is None:
+            self._byte_of = {c: b for b, c in bytes_to_unicode().items()}
+            self._special_ids = {i: t for t, i in self.special_tokens.items()}
+        out = bytearray()
+        for i in ids:
+            i = int(i)
+            if i in self._special_ids:
+                out += self._special_ids[i].encode("utf-8")
+                continue
+            piece = self.tok.id_to_token(i) or ""
+            out += bytes(self._byte_of[c] for c in piece) if all(c in self._byte_of for c in piece) \
+                else piece.encode("utf-8")
+        return bytes(out)
+
     def token_to_id(self, token: str) -> int | None:
         return self.tok.token_to_id(token)
 

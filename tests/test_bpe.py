@@ -118,3 +118,20 @@ def test_gguf_tokenizer_errors(tok_dir):
         BPETokenizer.from_gguf(gguf_meta(tok_dir, **{"tokenizer.ggml.model": "bert"}), "m.gguf")
     with pytest.raises(CheckpointError, match="tokenizer.ggml.tokens"):
         BPETokenizer.from_gguf(gguf_meta(tok_dir, **{"tokenizer.ggml.tokens": []}), "m.gguf")
+
+
+def test_stream_decoder_releases_bytes_that_never_make_a_character(tok_dir):
+    """A stray continuation byte (as an untrained model may emit) is released at once as U+FFFD, not held
+    to the end (PITFALLS #3); a real character's first bytes are still held; joined == decode."""
+    tok = BPETokenizer.from_dir(tok_dir)
+    from models.bpe import bytes_to_unicode
+    b80 = tok.token_to_id(bytes_to_unicode()[0x80])
+    e6 = tok.token_to_id(bytes_to_unicode()[0xE6])
+    assert b80 is not None and e6 is not None
+    ids = [b80, b80, tok.encode("ok")[0], e6]
+    dec = StreamDecoder(tok)
+    chunks = [dec.push(i) for i in ids]
+    assert chunks[0] == chunks[1] == REPLACEMENT           # released at once
+    assert chunks[3] == ""                                 # 0xE6 starts a 3-byte character: held
+    assert "".join(chunks) + dec.finish() == tok.decode(ids)
+    assert tok.bytes_of(tok.encode("日本 <|im_end|>", special=True)) == "日本 <|im_end|>".encode()
