@@ -111,6 +111,7 @@ class BPETokenizer:
     @classmethod
     def from_gguf(cls, meta: dict, where: str = "") -> "BPETokenizer":
         """From tokenizer.ggml.{model,pre,tokens,merges,token_type,bos/eos_token_id,add_bos_token}."""
+        # lazy: `gen --model tiny` never needs it
         from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
         kind = meta.get("tokenizer.ggml.model")
         if kind != "gpt2":
@@ -146,7 +147,7 @@ class BPETokenizer:
     @classmethod
     def from_dir(cls, path: str | os.PathLike) -> "BPETokenizer":
         """From DIR/tokenizer.json, with BOS/EOS and add_bos_token from DIR/tokenizer_config.json."""
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer  # lazy: `gen --model tiny` never needs it
         path = Path(path)
         try:
             tok = Tokenizer.from_file(str(path / "tokenizer.json"))

@@ -35,7 +35,7 @@ _PROBE = "\ue002PROBE\ue003"
 
 class ChatTemplate:
     def __init__(self, source: str, bos_token: str = "", eos_token: str = "", where: str = ""):
-        from jinja2 import TemplateError
+        from jinja2 import TemplateError  # lazy: `gen --model tiny` never needs it
         from jinja2.sandbox import ImmutableSandboxedEnvironment
         self.source, self.where = source, where
         self.bos_token, self.eos_token = bos_token or "", eos_token or ""
@@ -149,7 +149,7 @@ def _tojson(value, indent=None, ensure_ascii=False, sort_keys=False):
 
 
 def _raise(message):
-    from jinja2 import TemplateError
+    from jinja2 import TemplateError  # lazy: `gen --model tiny` never needs it
     raise TemplateError(message)
 
 

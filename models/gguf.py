@@ -96,7 +96,7 @@ class GGUFTensors(Mapping):
         if kind in ("F32", "F16"):
             data = t.data                      # numpy view of the map, already (rows, cols)
         else:
-            from gguf.quants import dequantize
+            from gguf.quants import dequantize  # lazy: `gen --model tiny` never needs it
             data = dequantize(t.data, t.tensor_type)   # a new float32 array (rows, cols)
             self._release(t.data_offset, t.n_bytes)
         return torch.from_numpy(np.asarray(data).reshape(self.shapes[name]))
@@ -153,7 +153,7 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, GGUFTensors, dict]:
 
 
 def _reader_class():
-    from gguf import GGUFReader
+    from gguf import GGUFReader  # lazy: `gen --model tiny` never needs it
 
     class Reader(GGUFReader):
         """GGUFReader whose map is seen as a plain ndarray: the same pages, but slicing it skips
