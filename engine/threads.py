@@ -1,13 +1,17 @@
-"""CPU threads: one setting for PyTorch's intra-op pool and the native step.
+"""CPU threads: one setting for PyTorch's intra-op pool and the native step's pool.
 
-    set_threads(None)   # the default, `default_threads()`
-    set_threads(2)
+    set_threads(None)   # the default: the native step on default_threads(), PyTorch on 1
+    set_threads(2)      # both on 2
 
-The default is one thread. Measured on the 2-core dev VM (see the README, "Threads"), a decode
-step of a small model is a chain of short kernels with a barrier after each; when another process
-holds one of the two cores, a second thread waits at every barrier for a core it cannot get, and
-decode went from 1.6 ms/token (1 thread) to 293 ms/token (2 threads). One thread loses little when
-the machine is quiet and nothing when it is busy. `--threads N` / `threads=N` ask for more.
+Two pools, two behaviours when another process holds a core (README, "Threads"):
+- PyTorch's OpenMP pool waits at a barrier after every short kernel; a thread descheduled mid-
+  kernel stalls every barrier for a scheduler slice, and spinning waiters eat the core it needs:
+  decode went from 1.6 ms/token (1 thread) to 293 ms/token (2 threads) with one core busy.
+  By default PyTorch (prompt blocks, the torch step form) runs on one thread, which cannot stall.
+- The native step's pool (engine/steps/native/pool.c) has no barriers: chunks are claimed
+  dynamically, the calling thread works too, and a chunk whose worker lost its core is stolen
+  after a bounded wait. So it keeps its speed with a core taken and uses every core by default.
+`--threads N` / `threads=N` set both pools to N.
 """
 from __future__ import annotations
 
@@ -28,21 +32,24 @@ def available_cores() -> int:
 
 
 def default_threads() -> int:
-    return 1
+    """The native step's default: every core this process may run on."""
+    return available_cores()
 
 
 def set_threads(threads: int | None) -> int:
-    """Set PyTorch's intra-op threads (and remember the count for the native step); returns it."""
+    """Set PyTorch's intra-op threads and the native step's; returns the native step's count.
+
+    None: the defaults (native: default_threads(); PyTorch: 1, steady under load)."""
     global _CURRENT
-    if threads is None:
-        threads = default_threads()
-    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
         raise InvalidArgumentError(f"threads must be an integer >= 1, got {threads!r}")
-    if torch.get_num_threads() != threads:
-        torch.set_num_threads(threads)
-    _CURRENT = threads
-    return threads
+    torch_threads = 1 if threads is None else threads
+    if torch.get_num_threads() != torch_threads:
+        torch.set_num_threads(torch_threads)
+    _CURRENT = default_threads() if threads is None else threads
+    return _CURRENT
 
 
 def current_threads() -> int:
-    return _CURRENT if _CURRENT is not None else torch.get_num_threads()
+    """The native step's thread count (set_threads' last setting; before any, the default)."""
+    return _CURRENT if _CURRENT is not None else default_threads()

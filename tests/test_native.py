@@ -277,3 +277,15 @@ def test_bench_records_weights_batch_and_form(small_model_dir):
     quantize_model(model, settings.quantize)
     rec = run_in_process(model, settings, "softmax", 8)
     assert rec["weights"] == "q8_0" and rec["batch"] == 3 and rec["step_form"] == "native"
+
+
+def test_default_threads_native_on_every_core_torch_on_one():
+    """By default the native pool (no barriers, steals late chunks) uses every core and PyTorch's
+    OpenMP pool one thread (it collapses when a core is taken); an explicit count sets both."""
+    from engine.threads import available_cores, current_threads, set_threads
+    before = torch.get_num_threads()
+    try:
+        assert set_threads(None) == available_cores() == current_threads() and torch.get_num_threads() == 1
+        assert set_threads(3) == 3 == current_threads() and torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)

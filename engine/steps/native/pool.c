@@ -17,7 +17,8 @@
  *  - A job's context is copied into the pool (a late worker never reads a returned stack frame)
  *    and states carry the job's generation, so a worker waking late cannot claim a newer job's
  *    chunk with an older job's view.
- *  - Waits are polite: a short pause-spin, then sched_yield, then (idle for SPIN_NS) a futex sleep.
+ *  - A worker waits politely: a short pause-spin, then sched_yield, then (idle for SPIN_NS) a futex
+ *    sleep. The caller only pause-spins, and only until its steal deadline.
  *
  * One job runs at a time; a second caller thread (another Python thread stepping another
  * state) runs its job serially rather than wait.
@@ -38,7 +39,8 @@
 #define MAX_THREADS 64
 #define MAX_CHUNKS 64
 #define SPIN_NS 2000000LL       /* an idle worker sleeps after 2 ms without work */
-#define STEAL_MIN_NS 20000LL    /* a claimed chunk is stolen after max(20 us, 4x the caller's chunk time) */
+#define STEAL_MIN_NS 20000LL    /* a claimed chunk is stolen after max(20 us, 4x the caller's fastest chunk), */
+#define STEAL_MAX_NS 200000LL   /* and never later than 200 us */
 
 enum { FREE = 0, CLAIMED = 1, PUBLISHING = 2, DONE = 3, OWNED = 4 };
 
@@ -71,7 +73,9 @@ static inline void relax(void) {
 #endif
 }
 
-/* Polite wait step: pause for the first iterations, then give the core away. */
+/* A worker's polite wait: pause for the first iterations, then give the core away (to the
+ * caller, when they share one). The caller never yields while it waits for a chunk: on a core
+ * shared with another busy process, sched_yield would hand that process a whole time slice. */
 static inline void wait_step(int i) {
     if (i < 64) relax(); else sched_yield();
 }
@@ -193,20 +197,21 @@ void pool_run(int nthreads, UnitsFn fn, const void *ctx, size_t ctx_bytes, int u
     if (atomic_load(&P.sleepers) > 0) syscall(SYS_futex, &P.seq, FUTEX_WAKE_PRIVATE, MAX_THREADS, NULL, NULL, 0);
 
     /* The caller's share: claim from the front, compute in place. */
-    long long own_ns = 0;
-    int own = 0, c;
+    long long fastest = -1;
+    int c;
     while ((c = claim(g, chunks, OWNED, 0)) >= 0) {
         int u0, u1;
         chunk_range(j, c, &u0, &u1);
         long long t0 = now_ns();
         fn(j->ctx, u0, u1, out + (size_t)u0 * width, os, add, scratch);
-        own_ns += now_ns() - t0;
-        own++;
+        long long took = now_ns() - t0;
+        if (fastest < 0 || took < fastest) fastest = took;   /* the fastest: blind to our own preemption */
         atomic_store_explicit(&P.state[c], g << 3 | DONE, memory_order_release);
     }
     /* Wait for the workers' chunks; steal one that is late. */
-    long long steal_after = own ? 4 * own_ns / own : 0;
+    long long steal_after = 4 * fastest;
     if (steal_after < STEAL_MIN_NS) steal_after = STEAL_MIN_NS;
+    if (steal_after > STEAL_MAX_NS) steal_after = STEAL_MAX_NS;
     for (c = 0; c < chunks; c++) {
         long long t0 = 0;
         for (int i = 0;; i++) {
@@ -225,7 +230,7 @@ void pool_run(int nthreads, UnitsFn fn, const void *ctx, size_t ctx_bytes, int u
                     }
                 }
             }
-            wait_step(i);
+            relax();
         }
     }
     pthread_mutex_unlock(&P.run);
