@@ -218,3 +218,22 @@ def test_stats_report_the_prefix_cache_bytes_per_path(small_model_dir):
         assert set(by_path) == {"softmax", "linear"}
     finally:
         live.stop()
+
+
+def test_an_error_in_the_loop_itself_fails_its_requests_and_the_loop_goes_on(live):
+    assert live.wait_idle()
+    sched = live.scheduler
+
+    def broken(path):
+        raise RuntimeError("a bug in the loop")
+    sched._step = broken
+    try:
+        with pytest.raises(openai.InternalServerError) as e:
+            client(live).completions.create(model=NAME, prompt="the cat", max_tokens=5, extra_body={"ignore_eos": True})
+        assert "a bug in the loop" in e.value.body["message"]
+    finally:
+        del sched._step
+    assert sched.thread.is_alive()
+    ok = client(live).completions.create(model=NAME, prompt="the cat", max_tokens=5)
+    assert ok.choices[0].finish_reason in ("stop", "length")
+    assert live.wait_idle()

@@ -173,18 +173,33 @@ class Scheduler:
                 room = self.max_batch - self.active
                 new = [self.pending.popleft() for _ in range(min(room, len(self.pending)))]
                 self.admitting = len(new)   # taken from the queue, not yet rows: they still count
-            joining: dict[str, list] = {}
-            for job in new:
-                if job.cancelled:
-                    continue
-                admitted = self._admit(job)
-                if admitted is not None:
-                    joining.setdefault(job.path, []).append(admitted)
-            for path, items in joining.items():
-                self._join(path, items)
-            self.admitting = 0
-            for path in list(self.pools):
-                self._step(path)
+            try:
+                self._iterate(new)
+            except Exception as e:   # noqa: BLE001 -- a bug in the loop itself: fail what is in flight, go on
+                rows = [r for pool in self.pools.values() for r in pool.rows]
+                in_pools = {id(r.job) for r in rows}
+                self.pools.clear()
+                self._fail(Pool(), rows, e)
+                for job in new:
+                    if job.finish_reason is None and id(job) not in in_pools:
+                        job.emit(Failure(f"scheduler error: {type(e).__name__}: {e}"))
+            finally:
+                self.admitting = 0
+
+    def _iterate(self, new: list[Job]) -> None:
+        """One loop iteration: admit `new` jobs, then one decode step per path."""
+        joining: dict[str, list] = {}
+        for job in new:
+            if job.cancelled:
+                continue
+            admitted = self._admit(job)
+            if admitted is not None:
+                joining.setdefault(job.path, []).append(admitted)
+        for path, items in joining.items():
+            self._join(path, items)
+        self.admitting = 0
+        for path in list(self.pools):
+            self._step(path)
 
     def _admit(self, job: Job):
         """Prefill `job` alone (from the prefix cache when it can) and sample its first token.
