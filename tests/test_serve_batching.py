@@ -237,3 +237,39 @@ def test_an_error_in_the_loop_itself_fails_its_requests_and_the_loop_goes_on(liv
     ok = client(live).completions.create(model=NAME, prompt="the cat", max_tokens=5)
     assert ok.choices[0].finish_reason in ("stop", "length")
     assert live.wait_idle()
+
+
+@pytest.mark.parametrize("path", ["softmax", "linear"])
+def test_prompts_arriving_together_are_prefilled_as_one_batch_and_equal_their_solo_runs(small_model_dir, path):
+    """The scheduler driven by hand (no thread, no HTTP): six prompts of one length admitted in one
+    iteration share one prefill step; each one's tokens equal its run alone."""
+    from engine.api import load
+    from engine.sampling import SamplingParams
+    from engine.serve import PrefixCache, Scheduler
+    from engine.serve.scheduler import Job, Token
+    llm = load(str(small_model_dir), backend="auto")
+    prompts = [[1, 10 + i, 20 + 2 * i, 30, 40 - i] for i in range(6)]
+
+    def run(batch):
+        sched = Scheduler(llm.model, llm.tokenizer, llm.step, max_batch=8, cache=PrefixCache(max_entries=0))
+        prefills = []
+        stepper = sched.stepper
+        sched.stepper = lambda tokens, state, **kw: (prefills.append(tuple(tokens.shape)) if tokens.shape[1] > 1
+                                                     else None) or stepper(tokens, state, **kw)
+        outs = {}
+        jobs = [Job(ids=p, path=path, params=SamplingParams(temperature=0.9 if i % 2 else 0, seed=i),
+                    max_tokens=12, ignore_eos=True,
+                    emit=lambda ev, i=i: outs.setdefault(i, []).append(ev.id if isinstance(ev, Token) else ev))
+                for i, p in enumerate(prompts) if i in batch]
+        sched._iterate(jobs)
+        for _ in range(50):
+            if not sched.active:
+                break
+            sched._iterate([])
+        return outs, prefills
+
+    together, prefills = run(range(6))
+    assert prefills == [(6, 5)]
+    for i in range(6):
+        alone, _ = run([i])
+        assert together[i] == alone[i], f"prompt {i}"

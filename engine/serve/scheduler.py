@@ -7,15 +7,16 @@
     job.cancel()                # the client went away: the row leaves before the next step
 
 Each attention path has a `Pool`: one batch state holding every active sequence of that path
-and the jobs in row order. A loop iteration (1) admits queued jobs: each is prefilled alone in
-a batch-1 state (restored from the prefix cache when its prompt extends a cached one), its
+and the jobs in row order. A loop iteration (1) admits queued jobs: each is prefilled in a
+batch-1 state (restored from the prefix cache when its prompt extends a cached one; prompts of
+one path and length arriving together are prefilled as one unpadded batch, then split), its
 first token sampled, and the state joined to its pool's batch (`State.concat`: a KV row is
 right-aligned, its leading slots masked pads, so it keeps its own positions); (2) runs one
 decode step per pool over every row; (3) drops finished and cancelled rows
 (`State.select_rows`, which also trims pad slots no kept row needs).
 
 A request's tokens do not depend on what else runs: each job has its own `Sampler` (its own
-seeded torch.Generator), its prompt is prefilled alone, and decode rows never mix (per-row
+seeded torch.Generator), its prompt's positions are its own, and decode rows never mix (per-row
 positions, masked pads; linear rows are independent by construction). An exception in a
 step fails that pool's jobs only; the loop goes on.
 """
@@ -189,10 +190,11 @@ class Scheduler:
     def _iterate(self, new: list[Job]) -> None:
         """One loop iteration: admit `new` jobs, then one decode step per path."""
         joining: dict[str, list] = {}
-        for job in new:
-            if job.cancelled:
-                continue
-            admitted = self._admit(job)
+        live = [job for job in new if not job.cancelled]
+        hits = {id(job): self.cache.lookup(job.path, job.ids) for job in live}
+        ready = self._prefill_together([job for job in live if hits[id(job)] is None])
+        for job in live:
+            admitted = self._admit(job, hits[id(job)], ready.get(id(job)))
             if admitted is not None:
                 joining.setdefault(job.path, []).append(admitted)
         for path, items in joining.items():
@@ -201,15 +203,42 @@ class Scheduler:
         for path in list(self.pools):
             self._step(path)
 
-    def _admit(self, job: Job):
-        """Prefill `job` alone (from the prefix cache when it can) and sample its first token.
+    def _prefill_together(self, jobs: list[Job]) -> dict:
+        """Prompts of one path and one length arriving together are prefilled as one batch (no pads,
+        every row at the positions it has alone). Returns {id(job): (batch-1 state, logits (1, V))};
+        a group that fails is left to `_admit`, which prefills (and fails) each job on its own."""
+        groups: dict[tuple, list[Job]] = {}
+        for job in jobs:
+            groups.setdefault((job.path, len(job.ids)), []).append(job)
+        ready = {}
+        for (path, T), group in groups.items():
+            if len(group) < 2:
+                continue
+            try:
+                t0 = time.perf_counter()
+                state = self.model.init_state(batch=len(group), max_len=T, attention=path,
+                                              feature_map=self.feature_map)
+                tokens = torch.tensor([job.ids for job in group], device=self.model.device)   # (k, T)
+                logits = self.stepper(tokens, state, last_only=True)[:, -1]                 # (k, V)
+                self.cache.record_prefill(T * len(group), time.perf_counter() - t0)
+                for b, job in enumerate(group):
+                    ready[id(job)] = (state.select_rows([b], max_len=T + job.max_tokens), logits[b:b + 1])
+            except Exception:   # noqa: BLE001 -- each job of the group then prefills alone
+                continue
+        return ready
+
+    def _admit(self, job: Job, hit=None, ready=None):
+        """Sample `job`'s first token after its prefill: `ready` (state, logits) when it was prefilled
+        with others, else from the prefix cache `hit` (entry, tokens) when there is one, else alone.
         Returns (Running, batch-1 state) when the job goes on decoding, else None."""
         try:
             run = Running(job, self.tokenizer, self.model.config.vocab_size, self.model.device)
             need = len(job.ids) + job.max_tokens
-            hit = self.cache.lookup(job.path, job.ids)
             t0 = time.perf_counter()
-            if hit is not None:
+            if ready is not None:
+                state, logits = ready
+                self.cache.put(job.path, job.ids, state, logits)
+            elif hit is not None:
                 entry, n = hit
                 state = entry.state.select_rows([0], max_len=need)
                 job.cached_tokens = n
