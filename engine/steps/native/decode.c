@@ -76,10 +76,41 @@ static void matmul(const Plan *p, const Mat *m, const float *x, int xs, float *o
 typedef struct { const Plan *p; int l, slot; const uint8_t *slot_real; } AttCtx;
 
 /* Heads [h0, h1) of every row: out[b*os + (h - h0)*D + d]. */
+/* 4 dot products q . k_j for the rows k, k + D, k + 2D, k + 3D (D a multiple of 8): independent
+ * accumulators, so the adds of one key do not wait for the previous key's. */
+static inline void dot4(const float *q, const float *k, int D, float *out) {
+    v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    for (int i = 0; i < D; i += 8) {
+        v8 qv = ld8(q + i);
+        a0 += qv * ld8(k + i);
+        a1 += qv * ld8(k + D + i);
+        a2 += qv * ld8(k + 2 * D + i);
+        a3 += qv * ld8(k + 3 * D + i);
+    }
+    out[0] = hsum(a0); out[1] = hsum(a1); out[2] = hsum(a2); out[3] = hsum(a3);
+}
+
+/* out (D) = sum_t w[t] v_t over the rows of an fp32 (n, D) block, D a multiple of 8; 8 lanes at a time. */
+static inline void weighted_rows(const float *w, const float *v, int n, int D, float *out) {
+    for (int i = 0; i < D; i += 8) {
+        v8 a0 = {0}, a1 = {0};
+        int t = 0;
+        for (; t + 2 <= n; t += 2) {
+            a0 += w[t] * ld8(v + (size_t)t * D + i);
+            a1 += w[t + 1] * ld8(v + (size_t)(t + 1) * D + i);
+        }
+        if (t < n) a0 += w[t] * ld8(v + (size_t)t * D + i);
+        v8 r = a0 + a1;
+        memcpy(out + i, &r, sizeof r);
+    }
+}
+
+/* Heads [h0, h1) of every row: out[b*os + (h - h0)*D + d]. */
 static void att_fn(const void *ctx, int h0, int h1, float *out, int os, int add, float *scratch) {
     const AttCtx *c = ctx;
     const Plan *p = c->p;
     const int D = p->D, G = p->H / p->Hkv, QKV = (p->H + 2 * p->Hkv) * D, n = c->slot + 1;
+    const int fast = p->kv_type == T_F32 && D % 8 == 0;
     float *sc = scratch, *row = scratch + p->S_max;
     (void)add;
     for (int b = 0; b < p->B; b++) {
@@ -87,25 +118,35 @@ static void att_fn(const void *ctx, int h0, int h1, float *out, int os, int add,
         for (int h = h0; h < h1; h++) {
             const float *q = p->qkv_out + (size_t)b * QKV + h * D;
             size_t base = (((size_t)c->l * p->B + b) * p->Hkv + h / G) * p->S_max * D;
-            float mx = -INFINITY;
-            for (int t = 0; t < n; t++) {
-                if (real && !real[t] && t != c->slot) { sc[t] = -INFINITY; continue; }
+            int t = 0;
+            if (fast)
+                for (; t + 4 <= n; t += 4) dot4(q, (const float *)p->k + base + (size_t)t * D, D, sc + t);
+            for (; t < n; t++) {
                 const float *key = row;
                 if (p->kv_type == T_F32) key = (const float *)p->k + base + (size_t)t * D;
                 else load_row(p->k, p->kv_type, base + (size_t)t * D, D, row);
-                sc[t] = dot_f32(q, key, D) * p->scale;
+                sc[t] = dot_f32(q, key, D);
+            }
+            float mx = -INFINITY;
+            for (t = 0; t < n; t++) {
+                if (real && !real[t] && t != c->slot) sc[t] = -INFINITY;   /* pad slot: weight exactly 0 */
+                else sc[t] *= p->scale;
                 if (sc[t] > mx) mx = sc[t];
             }
             float sum = 0.0f;
-            for (int t = 0; t < n; t++) { sc[t] = expf(sc[t] - mx); sum += sc[t]; }
-            float *o = out + (size_t)b * os + (h - h0) * D, *acc = row + D;   /* acc: D floats of scratch */
+            for (t = 0; t < n; t++) { sc[t] = expf(sc[t] - mx); sum += sc[t]; }
+            for (t = 0; t < n; t++) sc[t] /= sum;
+            float *o = out + (size_t)b * os + (h - h0) * D;
+            if (fast) {
+                weighted_rows(sc, (const float *)p->v + base, n, D, o);
+                continue;
+            }
+            float *acc = row + D;   /* D floats of scratch */
             for (int d = 0; d < D; d++) acc[d] = 0.0f;
-            for (int t = 0; t < n; t++) {
+            for (t = 0; t < n; t++) {
                 if (sc[t] == 0.0f) continue;
-                const float *val = row;
-                if (p->kv_type == T_F32) val = (const float *)p->v + base + (size_t)t * D;
-                else load_row(p->v, p->kv_type, base + (size_t)t * D, D, row);
-                axpy_f32(acc, sc[t] / sum, val, D);
+                load_row(p->v, p->kv_type, base + (size_t)t * D, D, row);
+                axpy_f32(acc, sc[t], row, D);
             }
             memcpy(o, acc, (size_t)D * sizeof(float));
         }

@@ -58,8 +58,18 @@ uint16_t store_bf16(float f) {  /* round to nearest even, as torch's .to(bfloat1
 void load_row(const void *base, int type, size_t at, int n, float *dst) {
     if (type == T_F32) { memcpy(dst, (const float *)base + at, (size_t)n * 4); return; }
     const uint16_t *h = (const uint16_t *)base + at;
-    if (type == T_F16) for (int i = 0; i < n; i++) dst[i] = load_f16(h[i]);
-    else for (int i = 0; i < n; i++) dst[i] = load_bf16(h[i]);
+    int i = 0;
+#ifdef GEN_X86
+    if (type == T_F16)
+        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+    else
+        for (; i + 8 <= n; i += 8) {
+            __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(h + i)));
+            _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(u, 16)));
+        }
+#endif
+    if (type == T_F16) for (; i < n; i++) dst[i] = load_f16(h[i]);
+    else for (; i < n; i++) dst[i] = load_bf16(h[i]);
 }
 
 void store_row(void *base, int type, size_t at, int n, const float *src) {
@@ -226,9 +236,42 @@ static inline __attribute__((always_inline)) void rows_tile(const Mat *m, int r0
     }
 }
 
+/* Rows [r0, r1) against 8 inputs: each block is decoded once for all 8 (two accumulators each). */
+static inline __attribute__((always_inline)) void rows_tile8(const Mat *m, int r0, int r1, const float *x, int xs,
+                                                            float *out, int os, int add, const int type) {
+    const int K = m->cols, nb = K / QK;
+    const size_t stride = row_bytes(m);
+    for (int r = r0; r < r1; r++) {
+        const unsigned char *row = (const unsigned char *)m->data + (size_t)r * stride;
+        v8 acc[8][2];
+        for (int j = 0; j < 8; j++) acc[j][0] = acc[j][1] = (v8){0};
+        for (int k = 0; k < nb; k++) {
+            v8 w[4];
+            const unsigned char *ahead = row + 2 * stride + (size_t)k * block_bytes(type);   /* two rows on */
+            __builtin_prefetch(ahead);
+            __builtin_prefetch(ahead + 64);
+            decode_block(row, type, k, w);
+            for (int j = 0; j < 8; j++) {
+                const float *xp = x + (size_t)j * xs + k * QK;
+                acc[j][0] += w[0] * ld8(xp);
+                acc[j][1] += w[1] * ld8(xp + 8);
+                acc[j][0] += w[2] * ld8(xp + 16);
+                acc[j][1] += w[3] * ld8(xp + 24);
+            }
+        }
+        for (int j = 0; j < 8; j++) {
+            float s = hsum(acc[j][0] + acc[j][1]);
+            for (int i = nb * QK; i < K; i++) s += tail_elem(row, type, i) * x[(size_t)j * xs + i];
+            float *o = out + (size_t)j * os + (r - r0);
+            *o = add ? *o + s : s;
+        }
+    }
+}
+
 static inline __attribute__((always_inline)) void rows_typed(const Mat *m, int r0, int r1, const float *x, int xs,
                                                             int B, float *out, int os, int add, const int type) {
     int b = 0;
+    for (; b + 8 <= B; b += 8) rows_tile8(m, r0, r1, x + (size_t)b * xs, xs, out + (size_t)b * os, os, add, type);
     for (; b + 4 <= B; b += 4) rows_tile(m, r0, r1, x + (size_t)b * xs, xs, 4, out + (size_t)b * os, os, add, type);
     switch (B - b) {
     case 3: rows_tile(m, r0, r1, x + (size_t)b * xs, xs, 3, out + (size_t)b * os, os, add, type); break;
