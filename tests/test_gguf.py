@@ -192,3 +192,19 @@ def test_directory_named_gguf_and_copy(tmp_path, model, tok_dir):
     shutil.copy(path, tmp_path / "M.GGUF")
     a, _ = load_model(tmp_path / "M.GGUF")
     assert torch.equal(logits(a, IDS), logits(load_model(path)[0], IDS))
+
+
+def test_each_tensor_is_dequantized_once_per_load(tmp_path, model, tok_dir, monkeypatch):
+    """The model is built tensor by tensor from the map: every tensor read once, none held twice."""
+    from models.gguf import GGUFTensors
+    path = tmp_path / "m.gguf"
+    write_gguf(path, model, tok_dir, qtype_of=lambda name, shape: Q.Q8_0)
+    reads: dict[str, int] = {}
+    real = GGUFTensors.__getitem__
+
+    def counted(self, name):
+        reads[name] = reads.get(name, 0) + 1
+        return real(self, name)
+    monkeypatch.setattr(GGUFTensors, "__getitem__", counted)
+    load_model(path)
+    assert reads and set(reads.values()) == {1}, reads
