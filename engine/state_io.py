@@ -38,7 +38,10 @@ class SavedState:
 
 def model_identity(model) -> dict:
     """What a state must have been made by: the config (hashed) and a fingerprint of the weights."""
-    cfg = json.dumps(model.config.to_dict(), sort_keys=True, default=str)
+    # the default path and feature map are choices made at load time, not the model: the state's own
+    # identity (path, feature map, shapes) is checked on its own
+    fields = {k: v for k, v in model.config.to_dict().items() if k not in ("attention", "feature_map")}
+    cfg = json.dumps(fields, sort_keys=True, default=str)
     h = hashlib.sha256()
     for t in (model.norm.weight, model.embed_tokens.weight[:4], model.layers[-1].mlp.down_proj.weight[:4]):
         h.update(t.detach().float().cpu().numpy().tobytes())
