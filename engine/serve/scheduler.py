@@ -193,6 +193,9 @@ class Scheduler:
         live = [job for job in new if not job.cancelled]
         hits = {id(job): self.cache.lookup(job.path, job.ids) for job in live}
         ready = self._prefill_together([job for job in live if hits[id(job)] is None])
+        # the cheap first: a cache hit or a job prefilled with others sends its first token before the
+        # jobs that still need a prefill of their own
+        live.sort(key=lambda job: hits[id(job)] is None and id(job) not in ready)
         for job in live:
             admitted = self._admit(job, hits[id(job)], ready.get(id(job)))
             if admitted is not None:
