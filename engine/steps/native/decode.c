@@ -25,8 +25,12 @@ void gen_set_parallel_min(long long macs) { par_min_macs = macs; }
 #define CHUNKS_PER_THREAD 4     /* chunks a phase is cut into, per thread (dynamic claiming) */
 
 /* ------------------------------------------------------------------ per-thread scratch */
-static size_t fn_scratch(const Plan *p) {   /* scores (S_max), key/value row (D), phi_q, phi_k (F) */
-    return (size_t)p->S_max + 2 * (size_t)p->D + 2 * (size_t)(p->F + 1) + 16;
+#define KCH 32   /* 16-bit cache rows widened to fp32 this many at a time */
+
+/* Per-thread scratch of the units functions: scores (S_max), row, acc, tmp (D each), a block of
+ * KCH widened cache rows (KCH * D), then phi_k and phi_q (F + 1 each). */
+static size_t fn_scratch(const Plan *p) {
+    return (size_t)p->S_max + (3 + KCH) * (size_t)p->D + 2 * (size_t)(p->F + 1) + 16;
 }
 
 static int widest(const Plan *p) {
@@ -111,7 +115,8 @@ static void att_fn(const void *ctx, int h0, int h1, float *out, int os, int add,
     const Plan *p = c->p;
     const int D = p->D, G = p->H / p->Hkv, QKV = (p->H + 2 * p->Hkv) * D, n = c->slot + 1;
     const int fast = p->kv_type == T_F32 && D % 8 == 0;
-    float *sc = scratch, *row = scratch + p->S_max;
+    float *sc = scratch, *row = scratch + p->S_max, *acc = row + D, *tmp = acc + D, *blk = tmp + D;
+    const int widen = p->kv_type != T_F32 && D % 8 == 0;   /* 16-bit cache: KCH rows at a time */
     (void)add;
     for (int b = 0; b < p->B; b++) {
         const uint8_t *real = c->slot_real ? c->slot_real + (size_t)b * p->S_max : NULL;
@@ -121,6 +126,13 @@ static void att_fn(const void *ctx, int h0, int h1, float *out, int os, int add,
             int t = 0;
             if (fast)
                 for (; t + 4 <= n; t += 4) dot4(q, (const float *)p->k + base + (size_t)t * D, D, sc + t);
+            if (widen)
+                for (; t < n; t += KCH) {
+                    int m = n - t < KCH ? n - t : KCH, j = 0;
+                    load_row(p->k, p->kv_type, base + (size_t)t * D, m * D, blk);
+                    for (; j + 4 <= m; j += 4) dot4(q, blk + (size_t)j * D, D, sc + t + j);
+                    for (; j < m; j++) sc[t + j] = dot_f32(q, blk + (size_t)j * D, D);
+                }
             for (; t < n; t++) {
                 const float *key = row;
                 if (p->kv_type == T_F32) key = (const float *)p->k + base + (size_t)t * D;
@@ -141,8 +153,17 @@ static void att_fn(const void *ctx, int h0, int h1, float *out, int os, int add,
                 weighted_rows(sc, (const float *)p->v + base, n, D, o);
                 continue;
             }
-            float *acc = row + D;   /* D floats of scratch */
             for (int d = 0; d < D; d++) acc[d] = 0.0f;
+            if (widen) {
+                for (t = 0; t < n; t += KCH) {
+                    int m = n - t < KCH ? n - t : KCH;
+                    load_row(p->v, p->kv_type, base + (size_t)t * D, m * D, blk);
+                    weighted_rows(sc + t, blk, m, D, tmp);
+                    for (int d = 0; d < D; d++) acc[d] += tmp[d];
+                }
+                memcpy(o, acc, (size_t)D * sizeof(float));
+                continue;
+            }
             for (t = 0; t < n; t++) {
                 if (sc[t] == 0.0f) continue;
                 load_row(p->v, p->kv_type, base + (size_t)t * D, D, row);
@@ -198,7 +219,7 @@ static void feature_map(int mode, const float *x, float *out, int D) {
 /* One token per row: S += phi(k) v^T, z += phi(k); out_h = phi(q_h)^T S / (phi(q_h)^T z + eps). */
 static void linear_attention(const Plan *p, int l) {
     const int D = p->D, F = p->F, G = p->H / p->Hkv, QKV = (p->H + 2 * p->Hkv) * D;
-    float *phi_k = p->tscratch + p->S_max + 2 * D, *phi_q = phi_k + F + 1;
+    float *phi_k = p->tscratch + p->S_max + (3 + KCH) * D, *phi_q = phi_k + F + 1;
     for (int b = 0; b < p->B; b++) {
         const float *q = p->qkv_out + (size_t)b * QKV, *k = q + p->H * D, *v = k + p->Hkv * D;
         for (int g = 0; g < p->Hkv; g++) {
