@@ -6,6 +6,7 @@ import json
 import click
 
 from cli.common import run_guarded
+from engine.attention.hybrid import runtime_config
 from engine.evaluate import evaluate_file
 from engine.loader import load_model
 from engine.threads import set_threads
@@ -13,7 +14,9 @@ from engine.threads import set_threads
 
 @click.command("eval")
 @click.option("--model", "model_name", default="tiny", show_default=True, help="registered name or path")
-@click.option("--attention", type=click.Choice(["softmax", "linear"]), help="default: the model's own")
+@click.option("--attention", type=click.Choice(["softmax", "linear", "hybrid"]), help="default: the model's own")
+@click.option("--softmax-layers", help="hybrid: layers that keep a KV cache, e.g. 2,9,11, or auto:K")
+@click.option("--window", type=int, help="linear layers also attend exactly to the last W keys")
 @click.option("--feature-map", help="linear attention feature map (elu1, relu, softmax, cos1)")
 @click.option("--data", required=True, type=click.Path(dir_okay=False),
               help="documents separated by '<|endoftext|>' lines")
@@ -24,14 +27,15 @@ from engine.threads import set_threads
 @click.option("--dtype", default="float32", show_default=True)
 @click.option("--threads", type=int, help="CPU threads (default: torch's, all cores: scoring is batched matmuls)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
-def eval_cmd(model_name, attention, feature_map, data, context, max_docs, batch_size, device, dtype, threads,
+def eval_cmd(model_name, attention, softmax_layers, window, feature_map, data, context, max_docs, batch_size, device, dtype, threads,
              as_json):
     """Score each document as BOS + text + EOS; bits per byte is the headline."""
     def run():
         if threads is not None:
             set_threads(threads)
         model, tokenizer = load_model(model_name, device=device, dtype=dtype)
-        res = evaluate_file(model, tokenizer, data, attention=attention, feature_map=feature_map,
+        model.config = runtime_config(model.config, attention, softmax_layers, window)
+        res = evaluate_file(model, tokenizer, data, attention=model.config.attention, feature_map=feature_map,
                             context=context, batch_size=batch_size, progress=not as_json, max_docs=max_docs)
         if as_json:
             click.echo(json.dumps({"model": str(model_name), "data": data, **res.to_dict()}))

@@ -20,7 +20,9 @@ from engine.errors import InvalidArgumentError
 @click.option("--chat", "chat_message", metavar="TEXT",
               help="answer this one user message with the model's chat template, then exit (see `gen chat`)")
 @click.option("--model", "model_name", default="tiny", show_default=True, help="registered name or path")
-@click.option("--attention", type=click.Choice(["softmax", "linear"]), help="default: the model's own")
+@click.option("--attention", type=click.Choice(["softmax", "linear", "hybrid"]), help="default: the model's own")
+@click.option("--softmax-layers", help="hybrid: layers that keep a KV cache, e.g. 2,9,11, or auto:K")
+@click.option("--window", type=int, help="linear layers also attend exactly to the last W keys")
 @click.option("--feature-map", help="linear attention feature map (elu1, relu, softmax, cos1)")
 @click.option("--max-new-tokens", default=256, show_default=True, type=int)
 @click.option("--temperature", default=0.8, show_default=True, type=float, help="0 = greedy")
@@ -44,7 +46,7 @@ from engine.errors import InvalidArgumentError
               help="keep the matrices as quantized blocks (llama.cpp layouts), dequantized inside the native step")
 @click.option("-v", "--verbose", is_flag=True, help="say which step form ran and why a faster one did not")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object (text, ids, finish_reason, stats)")
-def generate_cmd(prompt, prompt_opt, ids, chat_message, model_name, attention, feature_map, max_new_tokens,
+def generate_cmd(prompt, prompt_opt, ids, chat_message, model_name, attention, softmax_layers, window, feature_map, max_new_tokens,
                  temperature,
                  top_k, top_p, min_p, repetition_penalty, seed, stop, device, dtype, max_context, echo, backend, native,
                  threads, quantize, verbose, as_json):
@@ -63,7 +65,7 @@ def generate_cmd(prompt, prompt_opt, ids, chat_message, model_name, attention, f
         the_prompt = read_prompt(prompt, prompt_opt, ids) if chat_message is None else chat_message
         make_config(**settings)                      # bad settings fail before the model loads
         llm = load_quietly(model_name, attention, feature_map, device, dtype, "native" if native else backend,
-                          threads, quantize)
+                          threads, quantize, softmax_layers=softmax_layers, window=window)
         if chat_message is not None:   # keep the stream: dropping it would close its generation
             chat_stream = llm.chat([{"role": "user", "content": chat_message}], **settings)
             generation = chat_stream.generation
@@ -125,12 +127,14 @@ def read_prompt(prompt, prompt_opt, ids):
     return text
 
 
-def load_quietly(model_name, attention, feature_map, device, dtype, backend="auto", threads=None, quantize=None):
+def load_quietly(model_name, attention, feature_map, device, dtype, backend="auto", threads=None, quantize=None,
+                 softmax_layers=None, window=None):
     """Load; a warning (weights not trained for this attention path) becomes one stderr line."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         llm = load(model_name, attention=attention, feature_map=feature_map, device=device, dtype=dtype,
-                   backend=backend, threads=threads, quantize=quantize)
+                   backend=backend, threads=threads, quantize=quantize, softmax_layers=softmax_layers,
+                   window=window)
     for w in caught:
         click.echo(f"gen: warning: {w.message}", err=True)
     return llm

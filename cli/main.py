@@ -19,6 +19,7 @@ from cli.chat import chat_cmd
 from cli.convert import convert_cmd
 from cli.eval import eval_cmd
 from cli.generate import generate_cmd
+from cli.linearize import linearize_cmd
 from cli.serve import serve_cmd
 from cli.train import train_cmd
 
@@ -76,6 +77,7 @@ main.add_command(convert_cmd)
 main.add_command(bench_cmd)
 main.add_command(chat_cmd)
 main.add_command(serve_cmd)
+main.add_command(linearize_cmd)
 
 if __name__ == "__main__":
     main()

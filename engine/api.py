@@ -29,6 +29,7 @@ from engine.generate import Generation, GenerationConfig, Result, eos_set
 from engine.loader import load_parts
 from engine.sampling import SamplingParams
 from engine.state_io import SavedState, load as load_state_file, save as save_state_file
+from engine.attention.hybrid import runtime_config
 from engine.steps import Stepper, check_backend
 from engine.quant import check_kind, quantize_model
 from engine.threads import set_threads
@@ -44,13 +45,16 @@ class UntrainedPathWarning(UserWarning):
 def load(model: str = "tiny", attention: str | None = None, feature_map: str | None = None,
          device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
          backend: str = "auto", threads: int | None = None, native: bool = False,
-         quantize: str | None = None) -> "LLM":
+         quantize: str | None = None, softmax_layers=None, window: int | None = None) -> "LLM":
     """Load a registered model name (`tiny`) or a checkpoint path; attention None = the model's own.
 
     backend: which form runs one-token decode steps (engine.steps): "auto" (default: the C step
     where it applies, else PyTorch), "torch", "native", or "module" (the reference).
     native=True is an alias of backend="native". threads: CPU threads (default: engine.threads).
     quantize: "q8_0", "q4_0" or "q4_1" keeps the matrices as quantized blocks (engine.quant).
+    attention="hybrid", softmax_layers=[2, 9, 11] (or "auto:K"): those layers keep a KV cache, the
+    rest run linear; window=W: linear layers also attend exactly to the last W keys
+    (engine.attention.hybrid.runtime_config says what each combination means).
 
     Warns (UntrainedPathWarning) when `attention` is a path the weights were not trained for.
     """
@@ -63,6 +67,7 @@ def load(model: str = "tiny", attention: str | None = None, feature_map: str | N
         check_kind(quantize)
     set_threads(threads)
     net, tokenizer, template = load_parts(model, device=device, dtype=dtype)
+    net.config = runtime_config(net.config, attention, softmax_layers, window)
     if quantize is not None:
         quantize_model(net, quantize)
     return LLM(net, tokenizer, attention=attention, feature_map=feature_map, name=str(model), backend=backend,

@@ -15,9 +15,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from engine.attention import (STATES, State, check_path, get_feature_map,
+from engine.attention import (State, check_path, get_feature_map,
                               linear_attention, linear_attention_reference,
                               softmax_attention, softmax_attention_reference)
+from engine.attention.feature_maps import FeatureMap, Hedgehog
+from engine.attention.hybrid import allocate_state
+from engine.attention.window import window_attention, window_linear_reference
+from engine.errors import InvalidArgumentError
 from models.config import ModelConfig
 
 
@@ -158,6 +162,8 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta) if cfg.position_encoding == "rope" else None
+        # learned feature maps (gen linearize), present when the config names them
+        self.hedgehog = Hedgehog.for_config(cfg) if cfg.feature_map == "hedgehog" else None
         self.weights_epoch = 0   # moves whenever the weights may have moved: step forms rebuild their plans
 
     def _apply(self, fn, *args, **kwargs):   # .to(), .half(), .float(), .cuda(): new storage
@@ -179,7 +185,29 @@ class Transformer(nn.Module):
         return self.embed_tokens.weight.dtype
 
     def uses_rope(self, path: str) -> bool:
-        return self.rotary is not None and (path == "softmax" or self.config.linear_rope)
+        """path: "softmax", "linear", "window", or "hybrid" (then: whether any layer does)."""
+        return self.rotary is not None and (path == "softmax" or self.config.linear_rope
+                                            or (path == "hybrid" and "softmax" in self.config.layer_attention))
+
+    def feature_map(self, name: str | None = None) -> FeatureMap:
+        """The feature map `name` (default: the config's); "hedgehog" is this model's learned maps."""
+        name = name or self.config.feature_map
+        if name == "hedgehog":
+            if self.hedgehog is None:
+                raise InvalidArgumentError("this model has no learned (hedgehog) feature maps; load one written "
+                                           "by gen linearize (e.g. smollm2-linear) or pick elu1, relu, softmax, cos1")
+            return self.hedgehog
+        return get_feature_map(name)
+
+    def layer_paths(self, attention: str | None = None) -> tuple[str, ...]:
+        """Per layer "softmax" or "linear" for `attention` (default: the config's; hybrid: layer_attention)."""
+        path = check_path(attention or self.config.attention)
+        if path == "hybrid":
+            if self.config.layer_attention is None:
+                raise InvalidArgumentError("hybrid attention needs the softmax layers: pass softmax_layers=[...] "
+                                           "(--softmax-layers 2,9,11) or set layer_attention in config.json")
+            return self.config.layer_attention
+        return (path,) * self.config.num_hidden_layers
 
     # ------------------------------------------------------------------ decoding
     def init_state(self, batch: int = 1, max_len: int | None = None, attention: str | None = None,
@@ -192,8 +220,11 @@ class Transformer(nn.Module):
         path = check_path(attention or self.config.attention)
         if feature_map is not None:
             get_feature_map(feature_map)   # validate even when the path is softmax
-        return STATES[path].allocate(self.config, batch, max_len or self.config.max_position_embeddings,
-                                     device or self.device, dtype or self.dtype, feature_map=feature_map)
+        fmap = self.feature_map(feature_map) if path != "softmax" else None
+        return allocate_state(self.config, path, batch, max_len or self.config.max_position_embeddings,
+                              device or self.device, dtype or self.dtype, feature_map=fmap,
+                              layer_attention=self.layer_paths(path) if path == "hybrid" else None,
+                              window=self.config.window)
 
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor, state: State, valid: torch.Tensor | None = None,
@@ -211,8 +242,10 @@ class Transformer(nn.Module):
                 rope = self.rotary(span.positions, x.dtype)
             else:              # every sequence at start..start+T-1: slice, no gather, no sync
                 rope = self.rotary.for_range(span.start, span.length, x.device, x.dtype)
+        mixed = getattr(state, "layer_paths", None)    # a hybrid state: rotary per layer
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, lambda q, k, v, i=i: state.attend(i, q, k, v, span))
+            layer_rope = rope if mixed is None or self.uses_rope(mixed[i]) else None
+            x = layer(x, layer_rope, lambda q, k, v, i=i: state.attend(i, q, k, v, span))
         state.commit(span)
         if last_only:
             x = x[:, -1:]
@@ -226,22 +259,28 @@ class Transformer(nn.Module):
         `reference=True` runs the plain-torch twins (uncached full attention; the naive masked
         quadratic form of linear attention). Returns logits (B, T, V).
         """
-        path = check_path(attention or self.config.attention)
-        fmap = get_feature_map(feature_map or self.config.feature_map)
-        if path == "softmax":
-            attend = (softmax_attention_reference if reference else softmax_attention)
-            attend_fn = lambda q, k, v: attend(q, k, v, valid)  # noqa: E731
+        paths = self.layer_paths(attention)
+        fmap = self.feature_map(feature_map) if "linear" in paths else None
+        window = self.config.window
+        if window:
+            linear_fn = window_linear_reference if reference else window_attention
+            linear = lambda q, k, v, i: linear_fn(q, k, v, fmap, window, valid, i)  # noqa: E731
         elif reference:
-            attend_fn = lambda q, k, v: linear_attention_reference(q, k, v, fmap, valid)[0]  # noqa: E731
+            linear = lambda q, k, v, i: linear_attention_reference(q, k, v, fmap, valid, i)[0]  # noqa: E731
         else:
-            attend_fn = lambda q, k, v: linear_attention(q, k, v, fmap, valid)  # noqa: E731
+            linear = lambda q, k, v, i: linear_attention(q, k, v, fmap, valid, i)  # noqa: E731
+        softmax = softmax_attention_reference if reference else softmax_attention
         x = self.embed_tokens(tokens)
         rope = None
-        if self.uses_rope(path):
+        if self.uses_rope(check_path(attention or self.config.attention)):
             T = tokens.shape[1]
             positions = (torch.arange(T, device=tokens.device).expand_as(tokens) if valid is None
                          else (valid.long().cumsum(1) - 1).clamp_min(0))
             rope = self.rotary(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, rope, attend_fn)
+        for i, (layer, path) in enumerate(zip(self.layers, paths)):
+            if path == "softmax":
+                attend_fn = lambda q, k, v: softmax(q, k, v, valid)  # noqa: E731
+            else:
+                attend_fn = lambda q, k, v, i=i: linear(q, k, v, i)  # noqa: E731
+            x = layer(x, rope if self.uses_rope(path) else None, attend_fn)
         return self.lm_head(self.norm(x))

@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 from models.errors import ConfigError
 
 SUPPORTED_MODEL_TYPES = ("llama",)
-ATTENTION_PATHS = ("softmax", "linear")
+ATTENTION_PATHS = ("softmax", "linear", "hybrid")   # hybrid: per layer, see layer_attention
+LAYER_PATHS = ("softmax", "linear")
 POSITION_ENCODINGS = ("rope", "none")
 # Feature maps a config may name; engine.attention.feature_maps implements each (a test holds the two together).
-FEATURE_MAP_NAMES = ("elu1", "relu", "softmax", "cos1")
+FEATURE_MAP_NAMES = ("elu1", "relu", "softmax", "cos1", "hedgehog")   # hedgehog: learned (gen linearize)
 
 # Keys without which no model can be built; everything else has the Hugging Face default.
 REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers",
@@ -47,6 +48,9 @@ class ModelConfig:
     linear_rope: bool = True                    # rotate q, k before the feature map in linear mode
     trained_for: tuple[str, ...] = ("softmax",)  # paths the weights were trained for
     torch_dtype: str | None = None              # dtype the weights were saved in, informational
+    layer_attention: tuple[str, ...] | None = None  # attention "hybrid": per layer "softmax" or "linear"
+    window: int = 0                             # linear layers also attend exactly to the last W keys (0: off)
+    transfer_loss: tuple[float, ...] | None = None  # per layer, relative transfer loss of learned maps (linearize)
 
     def __post_init__(self):
         if self.num_key_value_heads is None:
@@ -55,6 +59,9 @@ class ModelConfig:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        for key in ("layer_attention", "transfer_loss"):
+            if isinstance(getattr(self, key), list):
+                object.__setattr__(self, key, tuple(getattr(self, key)))
         if isinstance(self.trained_for, (list, str)):
             tf = (self.trained_for,) if isinstance(self.trained_for, str) else tuple(self.trained_for)
             object.__setattr__(self, "trained_for", tf)
@@ -84,6 +91,16 @@ class ModelConfig:
             bad(f"feature_map must be one of {', '.join(FEATURE_MAP_NAMES)}, got {self.feature_map!r}")
         if not isinstance(self.linear_rope, bool):
             bad(f"linear_rope must be true or false, got {self.linear_rope!r}")
+        if self.layer_attention is not None:
+            if (len(self.layer_attention) != self.num_hidden_layers
+                    or any(p not in LAYER_PATHS for p in self.layer_attention)):
+                bad(f"layer_attention must list {self.num_hidden_layers} entries, each softmax or linear")
+        elif self.attention == "hybrid":
+            bad("attention hybrid needs layer_attention (per layer softmax or linear)")
+        if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 0:
+            bad(f"window must be a non-negative integer, got {self.window!r}")
+        if self.transfer_loss is not None and len(self.transfer_loss) != self.num_hidden_layers:
+            bad(f"transfer_loss must list {self.num_hidden_layers} numbers, one per layer")
         for path in self.trained_for:
             if path not in ATTENTION_PATHS:
                 bad(f"trained_for lists unknown path {path!r}; valid: {', '.join(ATTENTION_PATHS)}")
@@ -154,6 +171,11 @@ class ModelConfig:
         d = dataclasses.asdict(self)
         d["eos_token_id"] = list(self.eos_ids) if len(self.eos_ids) > 1 else self.eos_ids[0]
         d["trained_for"] = list(self.trained_for)
+        for key in ("layer_attention", "transfer_loss"):
+            if d[key] is None:
+                del d[key]
+            else:
+                d[key] = list(d[key])
         d["architectures"] = ["LlamaForCausalLM"]
         d["hidden_act"] = "silu"
         d["attention_bias"] = False

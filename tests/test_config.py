@@ -74,9 +74,9 @@ def test_missing_file_and_bad_json(tmp_path):
 
 
 @pytest.mark.parametrize("key,value,message", [
-    ("feature_map", "gelu", "feature_map must be one of elu1, relu, softmax, cos1, got 'gelu'"),
+    ("feature_map", "gelu", "feature_map must be one of elu1, relu, softmax, cos1, hedgehog, got 'gelu'"),
     ("linear_rope", "yes", "linear_rope must be true or false, got 'yes'"),
-    ("attention", "flash", "attention must be one of softmax, linear, got 'flash'"),
+    ("attention", "flash", "attention must be one of softmax, linear, hybrid, got 'flash'"),
 ], ids=["feature_map", "linear_rope", "attention"])
 def test_bad_engine_keys_name_key_and_file(tmp_path, key, value, message):
     path = write(tmp_path, {**BASE, key: value})

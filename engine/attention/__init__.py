@@ -13,14 +13,15 @@ from engine.attention.softmax import (KVState, softmax_attention,
 from engine.errors import InvalidArgumentError
 
 STATES = {"softmax": KVState, "linear": LinearState}
+PATHS = ("softmax", "linear", "hybrid")     # hybrid: per layer softmax or linear (engine.attention.hybrid)
 
 
 def check_path(name: str) -> str:
-    if name not in STATES:
-        raise InvalidArgumentError(f"unknown attention {name!r}; valid: {', '.join(STATES)}")
+    if name not in PATHS:
+        raise InvalidArgumentError(f"unknown attention {name!r}; valid: {', '.join(PATHS)}")
     return name
 
 
-__all__ = ["Span", "State", "KVState", "LinearState", "STATES", "FEATURE_MAPS", "check_path",
+__all__ = ["Span", "State", "KVState", "LinearState", "STATES", "PATHS", "FEATURE_MAPS", "check_path",
            "get_feature_map", "softmax_attention", "softmax_attention_reference",
            "linear_attention", "linear_attention_reference"]

@@ -8,6 +8,7 @@ linear attention would underflow (PITFALLS #12).
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from engine.errors import InvalidArgumentError
@@ -22,13 +23,15 @@ _WIDE = (torch.float32, torch.float64)   # dtypes state_dtype() leaves unchanged
 
 
 class FeatureMap:
+    """phi: (B, heads, T, d) -> (B, heads, T, F). `layer` and `role` ("q": query heads, "k": key/value
+    heads) name whose map to apply; the fixed maps are the same everywhere and ignore them."""
     name: str = ""
 
     def out_dim(self, d: int) -> int:
         return d
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (..., d) -> (..., F), fp32 or fp64
-        return self.apply(x if x.dtype in _WIDE else x.to(state_dtype(x.dtype)))
+    def __call__(self, x: torch.Tensor, layer: int | None = None, role: str = "k") -> torch.Tensor:
+        return self.apply(x if x.dtype in _WIDE else x.to(state_dtype(x.dtype)))   # fp32 or fp64
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -76,7 +79,58 @@ class Cos1(FeatureMap):
         return torch.cat([x, x.new_ones(*x.shape[:-1], 1)], dim=-1)
 
 
-FEATURE_MAPS: dict[str, FeatureMap] = {m.name: m for m in (Elu1(), Relu(), Softmax(), Cos1())}
+class Hedgehog(FeatureMap, nn.Module):
+    """A learned map per layer and head (Hedgehog, Zhang et al. 2024, arXiv 2402.04347):
+
+        y = x W + b,  phi(x) = [softmax(y), softmax(-y)] over the head dimension, F = 2D
+
+    with separate maps for queries (one per query head) and keys (one per key/value head),
+    applied after rotary. Parameters (identity W, zero b when fresh; trained by `gen linearize`):
+        q_weight (L, H, D, D), q_bias (L, H, D), k_weight (L, Hkv, D, D), k_bias (L, Hkv, D)
+    The checkpoint names of these tensors are mapped in one place, `models.linearized`.
+    The instance in FEATURE_MAPS has no layers: a model that carries learned maps supplies its own
+    (`Transformer.feature_map`).
+    """
+    name = "hedgehog"
+    TENSORS = ("q_weight", "q_bias", "k_weight", "k_bias")
+
+    def __init__(self, layers: int = 0, heads: int = 1, kv_heads: int = 1, head_dim: int = 1):
+        nn.Module.__init__(self)
+        for role, n in (("q", heads), ("k", kv_heads)):
+            eye = torch.eye(head_dim).expand(layers, n, head_dim, head_dim).clone()
+            self.register_parameter(f"{role}_weight", nn.Parameter(eye))
+            self.register_parameter(f"{role}_bias", nn.Parameter(torch.zeros(layers, n, head_dim)))
+
+    @classmethod
+    def for_config(cls, cfg) -> "Hedgehog":
+        return cls(cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+
+    def out_dim(self, d):
+        return 2 * d
+
+    def __call__(self, x: torch.Tensor, layer: int | None = None, role: str = "k") -> torch.Tensor:
+        """x (B, heads, T, D) with heads = H for role "q", Hkv for "k" -> (B, heads, T, 2D) fp32."""
+        weight = self.q_weight if role == "q" else self.k_weight
+        if layer is None or layer >= weight.shape[0]:
+            raise InvalidArgumentError(
+                "the hedgehog feature map is learned per layer: load a model that ships its maps "
+                "(one written by gen linearize, e.g. smollm2-linear)")
+        bias = (self.q_bias if role == "q" else self.k_bias)[layer]                    # (heads, D)
+        x = x if x.dtype in _WIDE else x.to(state_dtype(x.dtype))
+        w = weight[layer]
+        w, bias = (w, bias) if w.dtype == x.dtype else (w.to(x.dtype), bias.to(x.dtype))
+        return hedgehog_phi(x, w, bias)
+
+    __hash__ = nn.Module.__hash__
+
+
+def hedgehog_phi(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """x (B, heads, T, D), w (heads, D, D), bias (heads, D) -> [softmax(xW+b), softmax(-(xW+b))] (B, heads, T, 2D)."""
+    y = torch.einsum("bhtd,hde->bhte", x, w) + bias[:, None, :]
+    return torch.cat([torch.softmax(y, -1), torch.softmax(-y, -1)], dim=-1)
+
+
+FEATURE_MAPS: dict[str, FeatureMap] = {m.name: m for m in (Elu1(), Relu(), Softmax(), Cos1(), Hedgehog())}
 
 
 def get_feature_map(name: str) -> FeatureMap:

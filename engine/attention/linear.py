@@ -31,19 +31,22 @@ class LinearState(State):
     S: torch.Tensor = None           # (L, B, Hkv, F, Dv) fp32 (fp64 for an fp64 model)
     z: torch.Tensor = None           # (L, B, Hkv, F) fp32 (fp64 for an fp64 model)
     feature_map: FeatureMap = None
+    layer_ids: tuple[int, ...] | None = None   # model layer of each state layer (hybrid); None: 0..L-1
 
     path = "linear"
 
     @classmethod
     def allocate(cls, cfg, batch: int, max_len: int | None, device, dtype,
-                 feature_map: str | None = None) -> "LinearState":
-        fmap = get_feature_map(feature_map or cfg.feature_map)
+                 feature_map: str | FeatureMap | None = None, layers=None) -> "LinearState":
+        """layers: the model layers this state serves (a hybrid's linear layers); None: all."""
+        fmap = as_feature_map(feature_map or cfg.feature_map)
         F_ = fmap.out_dim(cfg.head_dim)
-        L, Hkv, sd = cfg.num_hidden_layers, cfg.num_key_value_heads, state_dtype(dtype)
+        L = cfg.num_hidden_layers if layers is None else len(layers)
+        Hkv, sd = cfg.num_key_value_heads, state_dtype(dtype)
         return cls(lengths=torch.zeros(batch, dtype=torch.long, device=device), slots=0,
                    S=torch.zeros(L, batch, Hkv, F_, cfg.head_dim, device=device, dtype=sd),
                    z=torch.zeros(L, batch, Hkv, F_, device=device, dtype=sd),
-                   feature_map=fmap)
+                   feature_map=fmap, layer_ids=None if layers is None else tuple(layers))
 
     max_len = None   # no capacity limit: the state does not grow
 
@@ -99,15 +102,16 @@ class LinearState(State):
     def attend(self, layer: int, q, k, v, span):
         """q (B, H, T, D); k, v (B, Hkv, T, D) -> (B, H, T, Dv) in q's dtype."""
         S, z = self._layers[layer]                          # (B, Hkv, F, Dv), (B, Hkv, F)
+        model_layer = layer if self.layer_ids is None else self.layer_ids[layer]
         if span.length == 1 and span.real is None:   # decode: featurize without the pad mask
             B, H, _, _ = q.shape
             fm = self.feature_map
-            phi_k = fm(k)                                                   # (B, Hkv, 1, F)
-            phi_q = fm(q).view(B, k.shape[1], H // k.shape[1], 1, phi_k.shape[-1])
+            phi_k = fm(k, model_layer, "k")                                 # (B, Hkv, 1, F)
+            phi_q = fm(q, model_layer, "q").view(B, k.shape[1], H // k.shape[1], 1, phi_k.shape[-1])
             out = linear_attention_step(phi_q, phi_k, v if v.dtype == phi_k.dtype else v.to(phi_k.dtype), S, z)
             out = out.view(B, H, 1, out.shape[-1])
             return out if out.dtype == q.dtype else out.to(q.dtype)
-        phi_q, phi_k, v32 = featurize(self.feature_map, q, k, v, span.real)
+        phi_q, phi_k, v32 = featurize(self.feature_map, q, k, v, span.real, model_layer)
         if span.length == 1:
             out = linear_attention_step(phi_q, phi_k, v32, S, z)
         else:
@@ -117,15 +121,19 @@ class LinearState(State):
         return out.flatten(1, 2).to(q.dtype)
 
 
-def featurize(fmap, q, k, v, valid=None):
-    """Apply phi in fp32, group query heads by their kv head, zero pad keys.
+def as_feature_map(fmap: str | FeatureMap) -> FeatureMap:
+    return get_feature_map(fmap) if isinstance(fmap, str) else fmap
+
+
+def featurize(fmap, q, k, v, valid=None, layer: int | None = None):
+    """Apply phi in fp32 (layer `layer`'s map), group query heads by their kv head, zero pad keys.
 
     Returns phi_q (B, Hkv, G, T, F), phi_k (B, Hkv, T, F), v (B, Hkv, T, Dv), all fp32.
     """
     B, H, T, _ = q.shape
     Hkv = k.shape[1]
-    phi_q = fmap(q).view(B, Hkv, H // Hkv, T, -1)
-    phi_k = fmap(k)
+    phi_q = fmap(q, layer, "q").view(B, Hkv, H // Hkv, T, -1)
+    phi_k = fmap(k, layer, "k")
     if valid is not None:
         phi_k = phi_k * valid[:, None, :, None]
     return phi_q, phi_k, v.to(phi_k.dtype)
@@ -167,24 +175,23 @@ def linear_attention_chunked(phi_q, phi_k, v, S=None, z=None, chunk: int = CHUNK
     return torch.cat(outs, dim=3), S, z
 
 
-def linear_attention(q, k, v, feature_map: str | FeatureMap, valid=None):
+def linear_attention(q, k, v, feature_map: str | FeatureMap, valid=None, layer: int | None = None):
     """Stateless causal linear attention over a whole sequence (training and full forward)."""
-    fmap = get_feature_map(feature_map) if isinstance(feature_map, str) else feature_map
-    phi_q, phi_k, v32 = featurize(fmap, q, k, v, valid)
+    phi_q, phi_k, v32 = featurize(as_feature_map(feature_map), q, k, v, valid, layer)
     out, _, _ = linear_attention_chunked(phi_q, phi_k, v32)
     return out.flatten(1, 2).to(q.dtype)
 
 
-def linear_attention_reference(q, k, v, feature_map: str | FeatureMap, valid=None):
+def linear_attention_reference(q, k, v, feature_map: str | FeatureMap, valid=None, layer: int | None = None):
     """Plain-torch twin: the naive masked quadratic form, plus the final S and z it implies.
 
     Returns out (B, H, T, Dv), S (B, Hkv, F, Dv), z (B, Hkv, F).
     """
-    fmap = get_feature_map(feature_map) if isinstance(feature_map, str) else feature_map
+    fmap = as_feature_map(feature_map)
     B, H, T, _ = q.shape
     groups = H // k.shape[1]
-    phi_q = fmap(q)
-    phi_k = fmap(k)
+    phi_q = fmap(q, layer, "q")
+    phi_k = fmap(k, layer, "k")
     if valid is not None:
         phi_k = phi_k * valid[:, None, :, None]
     v = v.to(phi_k.dtype)

@@ -42,7 +42,7 @@ class DecodePlan:
         self.width = torch.tensor(float(cfg.hidden_size), **const)
         half = self.D // 2
         self.perm = torch.cat([torch.arange(half, self.D), torch.arange(half)]).to(device)  # rotate_half gather
-        self.rope_paths = {p for p in ("softmax", "linear") if model.uses_rope(p)}
+        self.rope_paths = {p for p in ("softmax", "linear", "window", "hybrid") if model.uses_rope(p)}
         self.rotary = model.rotary
 
     def valid_for(self, model, device, dtype) -> bool:
@@ -62,6 +62,7 @@ def decode_one(plan: DecodePlan, tokens: torch.Tensor, state) -> torch.Tensor:
     x = F.embedding(tokens.view(B), plan.embed)                         # (B, C)
     H, Hkv, D, eps, width = plan.H, plan.Hkv, plan.D, plan.eps, plan.width
     rope = state.path in plan.rope_paths
+    mixed = getattr(state, "layer_paths", None)     # a hybrid state: rotary per layer
     if rope:
         cos, sin = plan.rotary.signed_table(span.start + 1, x.device, x.dtype)   # (n, D)
         if state.padded:   # sequence b sits at rotary position seen[b]
@@ -71,7 +72,7 @@ def decode_one(plan: DecodePlan, tokens: torch.Tensor, state) -> torch.Tensor:
     for i, (ln1, wqkv, wo, ln2, wgu, wd) in enumerate(plan.layers):
         qkv = F.linear(rms_norm(x, ln1, eps, width), wqkv).view(B, H + 2 * Hkv, 1, D)
         qk, v = qkv.split_with_sizes([H + Hkv, Hkv], 1)                            # (B, H+Hkv, 1, D), (B, Hkv, 1, D)
-        if rope:
+        if rope and (mixed is None or mixed[i] in plan.rope_paths):
             qk = qk * cos + qk.index_select(-1, plan.perm) * sin
         q, k = qk.split_with_sizes([H, Hkv], 1)
         out = state.attend(i, q, k, v, span)                           # (B, H, 1, D)

@@ -1,0 +1,53 @@
+"""`gen linearize`: learn feature maps so linear attention imitates a softmax model (engine.linearize)."""
+from __future__ import annotations
+
+import shlex
+import sys
+
+import click
+
+from cli.common import run_guarded
+from engine.linearize import LinearizeArgs, linearize
+from engine.threads import set_threads
+
+
+@click.command("linearize")
+@click.option("--model", "model_name", required=True, help="registered name or path of the softmax model")
+@click.option("--data", multiple=True, required=True, type=click.Path(dir_okay=False),
+              help="training text, documents separated by '<|endoftext|>' lines (repeat for several files)")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="output directory (new or empty)")
+@click.option("--tokens", default=65536, show_default=True, help="training tokens, split evenly over the files")
+@click.option("--seq-len", default=256, show_default=True)
+@click.option("--layer-steps", default=300, show_default=True, help="Adam steps per layer (attention transfer)")
+@click.option("--batch-size", default=8, show_default=True, help="rows per transfer step")
+@click.option("--lr", default=1e-2, show_default=True)
+@click.option("--finetune-steps", default=100, show_default=True, help="end-to-end steps of all maps (0: off)")
+@click.option("--finetune-batch", default=4, show_default=True)
+@click.option("--finetune-lr", default=1e-3, show_default=True)
+@click.option("--finetune-loss", type=click.Choice(["lm", "kl"]), default="lm", show_default=True,
+              help="lm: next-token cross-entropy; kl: KL(softmax model || linear model) on the logits")
+@click.option("--hybrid", default=0, show_default=True,
+              help="keep the K layers of highest relative transfer loss softmax during the finetune")
+@click.option("--window", default=0, show_default=True, help="sliding window + linear (0: off)")
+@click.option("--budget", type=float, help="wall-time budget in minutes (half transfer, half finetune)")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--resume", is_flag=True, help="continue an interrupted run in the same --out")
+@click.option("--threads", type=int, help="CPU threads (default: engine.threads)")
+def linearize_cmd(model_name, data, out, tokens, seq_len, layer_steps, batch_size, lr, finetune_steps,
+                  finetune_batch, finetune_lr, finetune_loss, hybrid, window, budget, seed, resume, threads):
+    """With the model frozen, train per-layer hedgehog maps (transfer), then finetune them end to end."""
+    def run():
+        set_threads(threads)
+        args = LinearizeArgs(model=model_name, data=list(data), out=out, seq_len=seq_len, tokens=tokens,
+                             layer_steps=layer_steps, batch_size=batch_size, lr=lr, finetune_steps=finetune_steps,
+                             finetune_batch=finetune_batch, finetune_lr=finetune_lr, finetune_loss=finetune_loss,
+                             hybrid=hybrid, window=window, budget=budget, seed=seed, resume=resume,
+                             command="gen " + shlex.join(sys.argv[1:]))
+        try:
+            summary = linearize(args, log=lambda m: click.echo(m, err=True))
+        except KeyboardInterrupt:
+            click.echo(f"\ninterrupted; continue with the same command plus --resume", err=True)
+            raise
+        click.echo(f"wrote {out}: mean relative transfer loss {summary['mean_relative_transfer_loss']:.3f}, "
+                   f"{summary['finetune_steps_done']} finetune steps, {summary['wall_seconds_this_run']:.0f} s")
+    run_guarded(run)

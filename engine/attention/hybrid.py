@@ -1,0 +1,180 @@
+"""Hybrid layers: some layers keep a KV cache, the rest run as linear RNNs, on the same weights.
+
+    state = HybridState.allocate(cfg, batch, max_len, device, dtype, feature_map=fmap,
+                                 layer_attention=("linear", "softmax", ...), window=0)
+
+One state object holds the per-layer mix: a KVState over the softmax layers and a LinearState
+(or, with a window, a WindowState) over the linear ones, each told which model layers it serves.
+It implements the same protocol (open/attend/commit/tensors/nbytes), so the generation loop and
+the step forms stay blind to it; `layer_paths` says per layer which path runs (rotary decisions).
+
+`allocate_state` is the one place that turns (path, per-layer mix, window) into a state class.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.attention.base import Span, State
+from engine.attention.linear import LinearState
+from engine.attention.softmax import KVState
+from engine.attention.window import WindowState
+from engine.errors import InvalidArgumentError
+
+LAYER_PATHS = ("softmax", "linear")
+
+
+@dataclass(eq=False)
+class HybridState(State):
+    parts: list = None                 # sub-states: the KVState first (if any), then the linear one
+    where: list = None                 # per model layer: (index into parts, layer inside that part)
+    layer_paths: tuple = ()            # per model layer: "softmax" or the linear part's path
+
+    path = "hybrid"
+
+    @classmethod
+    def allocate(cls, cfg, batch: int, max_len, device, dtype, feature_map=None, layer_attention=None,
+                 window: int = 0) -> "HybridState":
+        soft = [i for i, p in enumerate(layer_attention) if p == "softmax"]
+        lin = [i for i, p in enumerate(layer_attention) if p != "softmax"]
+        parts, where = [], [None] * len(layer_attention)
+        if soft:
+            sub = cfg.replace(num_hidden_layers=len(soft), attention="softmax", layer_attention=None,
+                              transfer_loss=None)
+            parts.append(KVState.allocate(sub, batch, max_len, device, dtype))
+            for j, i in enumerate(soft):
+                where[i] = (0, j)
+        if lin:
+            kind = WindowState if window else LinearState
+            extra = {"window": window} if window else {}
+            parts.append(kind.allocate(cfg, batch, max_len, device, dtype, feature_map=feature_map, layers=lin,
+                                       **extra))
+            for j, i in enumerate(lin):
+                where[i] = (len(parts) - 1, j)
+        paths = tuple("softmax" if p == "softmax" else parts[-1].path for p in layer_attention)
+        return cls(lengths=parts[0].lengths.clone(), slots=0, parts=parts, where=where, layer_paths=paths)
+
+    @property
+    def max_len(self):
+        return self.parts[0].max_len if self.parts[0].path == "softmax" else None
+
+    @property
+    def feature_map(self):
+        return getattr(self.parts[-1], "feature_map", None)
+
+    def open(self, tokens, real=None) -> Span:
+        self._spans = [p.open(tokens, real) for p in self.parts]   # the KV part checks capacity first
+        self.padded = any(p.padded for p in self.parts)
+        return self._spans[-1]
+
+    def attend(self, layer: int, q, k, v, span):
+        part, j = self.where[layer]
+        return self.parts[part].attend(j, q, k, v, self._spans[part])
+
+    def commit(self, span):
+        for p, s in zip(self.parts, self._spans):
+            p.commit(s)
+        super().commit(span)
+
+    def tensors(self):
+        return [t for p in self.parts for t in p.tensors()]
+
+
+def allocate_state(cfg, path: str, batch: int, max_len, device, dtype, feature_map=None,
+                   layer_attention=None, window: int = 0) -> State:
+    """The state for `path` ("softmax", "linear", "hybrid"); a window turns linear layers into WindowState."""
+    if path == "softmax":
+        return KVState.allocate(cfg, batch, max_len, device, dtype)
+    if path == "linear":
+        if window:
+            return WindowState.allocate(cfg, batch, max_len, device, dtype, feature_map=feature_map, window=window)
+        return LinearState.allocate(cfg, batch, max_len, device, dtype, feature_map=feature_map)
+    if path == "hybrid":
+        if layer_attention is None:
+            raise InvalidArgumentError("hybrid attention needs the softmax layers: pass softmax_layers=[...] "
+                                       "(--softmax-layers 2,9,11 or auto:K) or set layer_attention in config.json")
+        return HybridState.allocate(cfg, batch, max_len, device, dtype, feature_map=feature_map,
+                                    layer_attention=layer_attention, window=window)
+    raise InvalidArgumentError(f"unknown attention {path!r}; valid: softmax, linear, hybrid")
+
+
+def layer_attention_for(num_layers: int, softmax_layers) -> tuple[str, ...]:
+    """Per-layer paths from the list of softmax layers (checked: one line naming a bad layer)."""
+    for i in softmax_layers:
+        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < num_layers:
+            raise InvalidArgumentError(f"softmax layer {i!r} does not exist; the model has {num_layers} layers "
+                                       f"(0-{num_layers - 1})")
+    return tuple("softmax" if i in set(softmax_layers) else "linear" for i in range(num_layers))
+
+
+def highest_loss_layers(relative, k: int) -> list[int]:
+    """The k layers with the highest relative transfer loss (what `--softmax-layers auto:K` keeps)."""
+    return sorted(sorted(range(len(relative)), key=lambda j: (-relative[j], j))[:k])
+
+
+def parse_softmax_layers(spec, cfg) -> tuple[str, ...]:
+    """"2,9,11", [2, 9, 11] or "auto:K" (needs the config's transfer_loss) -> per-layer paths."""
+    L = cfg.num_hidden_layers
+    if isinstance(spec, str) and spec.startswith("auto:"):
+        try:
+            k = int(spec[5:])
+        except ValueError:
+            raise InvalidArgumentError(f"--softmax-layers {spec}: auto:K needs a whole number K") from None
+        if not 0 <= k <= L:
+            raise InvalidArgumentError(f"--softmax-layers {spec}: K must be 0..{L} (the model has {L} layers)")
+        if cfg.transfer_loss is None:
+            raise InvalidArgumentError(f"--softmax-layers {spec} needs the transfer losses gen linearize records; "
+                                       f"this model has none: list the layers (e.g. 2,9,11)")
+        return layer_attention_for(L, highest_loss_layers(cfg.transfer_loss, k))
+    if isinstance(spec, str):
+        try:
+            spec = [int(x) for x in spec.split(",") if x.strip()]
+        except ValueError:
+            raise InvalidArgumentError(f"--softmax-layers {spec}: give layer numbers like 2,9,11 or auto:K") from None
+    return layer_attention_for(L, list(spec))
+
+
+def state_bytes(cfg, layer_attention, context: int, batch: int = 1, dtype_bytes: int = 4,
+                feature_dim: int | None = None, window: int = 0) -> int:
+    """The per-layer formula of a (hybrid) state's bytes at `context` tokens (what `nbytes` reports).
+
+    softmax layer: 2 * Hkv * context * D * dtype_bytes (KV cache at capacity `context`);
+    linear layer: Hkv * (F * D + F) * 4 (fp32 S and z) + 2 * Hkv * W * D * dtype_bytes (the window).
+    """
+    D, Hkv = cfg.head_dim, cfg.num_key_value_heads
+    F_ = feature_dim if feature_dim is not None else D
+    per = {"softmax": 2 * Hkv * context * D * dtype_bytes,
+           "linear": Hkv * (F_ * D + F_) * 4 + 2 * Hkv * window * D * dtype_bytes}
+    return batch * sum(per[p] for p in layer_attention)
+
+
+def runtime_config(cfg, attention: str | None = None, softmax_layers=None, window: int | None = None):
+    """The config a run asks for on the same weights (API load(), --attention/--softmax-layers/--window).
+
+    Nothing given: the checkpoint's own default. `attention="softmax"`: the base model unchanged.
+    `attention="linear"` without `window`: every layer a pure linear RNN. `softmax_layers` ("2,9,11",
+    [2, 9, 11] or "auto:K") implies hybrid; hybrid without it uses the config's layer_attention.
+    """
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise InvalidArgumentError(f"--window must be at least 1 (the keys each linear layer sees exactly), "
+                                   f"got {window!r}; leave it out for pure linear layers")
+    if attention is None and softmax_layers is None and window is None:
+        return cfg
+    path = attention or ("hybrid" if softmax_layers is not None else cfg.attention)
+    if path not in ("softmax", "linear", "hybrid"):
+        raise InvalidArgumentError(f"unknown attention {path!r}; valid: softmax, linear, hybrid")
+    if softmax_layers is not None and path != "hybrid":
+        raise InvalidArgumentError(f"--softmax-layers needs --attention hybrid (got {path})")
+    if path == "softmax":
+        if window is not None:
+            raise InvalidArgumentError("--window applies to linear layers; softmax attention has none")
+        return cfg.replace(attention="softmax", layer_attention=None, window=0)
+    if path == "linear":
+        return cfg.replace(attention="linear", layer_attention=None, window=window or 0)
+    if softmax_layers is None:
+        if cfg.layer_attention is None:
+            raise InvalidArgumentError("hybrid attention needs the softmax layers: --softmax-layers 2,9,11 or "
+                                       "auto:K (API: softmax_layers=[...])")
+        layers = cfg.layer_attention
+    else:
+        layers = parse_softmax_layers(softmax_layers, cfg)
+    return cfg.replace(attention="hybrid", layer_attention=layers, window=window or 0)

@@ -1,0 +1,412 @@
+"""`gen linearize`: learn hedgehog feature maps that make linear attention imitate a frozen
+softmax model (attention transfer, Hedgehog / LoLCATs), then finetune them end to end.
+
+    linearize(LinearizeArgs(model="smollm2", data=["a.txt", "b.txt"], out="weights/smollm2-linear"))
+
+1. Data: each file's documents (shuffled by the seed) as BOS + text + EOS, packed into rows of
+   `seq_len` tokens, the same number of tokens from each file. The last `eval_rows` rows are a
+   fixed batch on which every layer's transfer loss is reported.
+2. Transfer, layer by layer, with the model frozen: the softmax model's residual stream entering
+   layer i (one (N, T, C) fp32 file on disk: the bounded temporary store, replaced as the layers
+   advance, removed at the end) gives the post-rotary q, k, v and the target, the layer's softmax
+   attention output through o_proj. Layer i's query and key maps are trained with Adam to minimise
+   the MSE between that target and the same projection of linear attention (the calibration in
+   issue 14: MSE of the o_proj output). Reported per layer: absolute and relative loss (MSE over
+   the target's mean square), before and after.
+3. Finetune (`finetune_steps`): all maps at once through the whole model run linear (or hybrid:
+   the `hybrid` layers with the highest relative loss stay softmax), loss = the LM loss
+   (`finetune_loss="lm"`) or KL(softmax model || this model) on the logits ("kl").
+
+Resumable: progress (maps, Adam state, counters) is saved after every layer and every
+`save_every` finetune steps under OUT/.linearize; `resume=True` continues from there. Batches
+are a function of (seed, layer, step), so a resumed run equals an uninterrupted one. `budget`
+(minutes) caps the wall time: half for the transfer (split evenly over the layers), the rest for
+the finetune; a run cut by the budget records the steps it made.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from engine.attention.feature_maps import FeatureMap, hedgehog_phi
+from engine.attention.hybrid import highest_loss_layers, layer_attention_for
+from engine.attention.linear import linear_attention
+from engine.attention.softmax import softmax_attention
+from engine.attention.window import window_attention
+from engine.errors import InvalidArgumentError
+from engine.loader import build
+from engine.transformer import apply_rotary
+from models.corpus import read_documents
+from models.linearized import write_json, write_maps
+from models.registry import read_checkpoint, resolve
+
+WORK = ".linearize"
+
+
+@dataclass
+class LinearizeArgs:
+    model: str
+    data: list[str]
+    out: str
+    seq_len: int = 256
+    tokens: int = 65536            # training tokens (split evenly over the data files)
+    eval_rows: int = 4             # rows of the fixed batch the transfer losses are reported on
+    layer_steps: int = 300
+    batch_size: int = 8
+    lr: float = 1e-2
+    finetune_steps: int = 100
+    finetune_batch: int = 4
+    finetune_lr: float = 1e-3
+    finetune_loss: str = "lm"      # "lm" or "kl"
+    hybrid: int = 0                # softmax layers kept during the finetune (highest relative loss)
+    window: int = 0                # sliding window + linear during transfer and finetune (0: off)
+    budget: float | None = None    # minutes
+    seed: int = 0
+    save_every: int = 10
+    resume: bool = False
+    command: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+class StepMaps(FeatureMap):
+    """One layer's maps as a FeatureMap (what the attention functions call): phi by role."""
+    name = "hedgehog"
+
+    def __init__(self, qw, qb, kw, kb):
+        self.p = {"q": (qw, qb), "k": (kw, kb)}
+
+    def out_dim(self, d):
+        return 2 * d
+
+    def __call__(self, x, layer=None, role="k"):
+        return hedgehog_phi(x.float(), *self.p[role])
+
+
+def check_args(a: LinearizeArgs) -> None:
+    """Bad input: one line (InvalidArgumentError), before anything is written."""
+    if not a.data:
+        raise InvalidArgumentError("give at least one --data file")
+    for path in a.data:
+        read_documents(path)          # raises on a missing, non-UTF-8 or empty file
+    for name, v in (("seq_len", a.seq_len), ("tokens", a.tokens), ("batch_size", a.batch_size),
+                    ("finetune_batch", a.finetune_batch), ("save_every", a.save_every)):
+        if v < 1:
+            raise InvalidArgumentError(f"--{name.replace('_', '-')} must be at least 1, got {v}")
+    for name, v in (("layer_steps", a.layer_steps), ("finetune_steps", a.finetune_steps), ("hybrid", a.hybrid)):
+        if v < 0:
+            raise InvalidArgumentError(f"--{name.replace('_', '-')} must be 0 or more, got {v}")
+    if a.window < 0:
+        raise InvalidArgumentError(f"--window must be at least 1, got {a.window}")
+    if a.finetune_loss not in ("lm", "kl"):
+        raise InvalidArgumentError(f"--finetune-loss must be lm or kl, got {a.finetune_loss!r}")
+    if a.budget is not None and a.budget <= 0:
+        raise InvalidArgumentError(f"--budget must be a positive number of minutes, got {a.budget}")
+    out = Path(a.out)
+    if out.exists() and not out.is_dir():
+        raise InvalidArgumentError(f"{out}: exists and is not a directory")
+    if out.is_dir() and any(p.name != WORK for p in out.iterdir()) and not a.resume:
+        raise InvalidArgumentError(f"{out}: directory is not empty; give a new --out (or --resume an interrupted run)")
+    if a.resume and not (out / WORK / "progress.json").is_file():
+        raise InvalidArgumentError(f"{out}: nothing to resume (no {WORK}/progress.json); run without --resume")
+
+
+# ---------------------------------------------------------------------- data
+def build_rows(tok, a: LinearizeArgs) -> tuple[torch.Tensor, list[dict]]:
+    """(N, seq_len) int64 rows, the same number of tokens from each file, and what was used."""
+    per_file = a.tokens // len(a.data) + a.eval_rows * a.seq_len // len(a.data) + a.seq_len
+    rows, used = [], []
+    for path in a.data:
+        docs = read_documents(path)
+        random.Random(a.seed).shuffle(docs)
+        stream, n_docs = [], 0
+        for doc in docs:
+            stream += tok.encode(doc, bos=True, eos=True)
+            n_docs += 1
+            if len(stream) >= per_file:
+                break
+        n = len(stream) // a.seq_len
+        if n == 0:
+            raise InvalidArgumentError(f"{path}: holds fewer than {a.seq_len} tokens; give more text")
+        rows.append(torch.tensor(stream[:n * a.seq_len]).view(n, a.seq_len))
+        used.append({"file": str(path), "sha256": _sha256(path), "documents_used": n_docs,
+                     "documents_in_file": len(docs), "tokens_used": n * a.seq_len})
+    # interleave the files' rows so the eval rows and every batch mix them
+    n = min(r.shape[0] for r in rows)
+    mixed = torch.stack([r[:n] for r in rows], 1).flatten(0, 1)
+    return mixed, used
+
+
+def _sha256(path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+# ---------------------------------------------------------------------- one layer
+def layer_qkv(model, i: int, x: torch.Tensor):
+    """x (B, T, C) entering layer i -> post-rotary q (B, H, T, D), k, v (B, Hkv, T, D) and the layer's o_proj."""
+    layer = model.layers[i]
+    attn = layer.self_attn
+    B, T, _ = x.shape
+    h = layer.input_layernorm(x)
+    q, k, v = attn.qkv(h).split([attn.H * attn.D, attn.Hkv * attn.D, attn.Hkv * attn.D], dim=-1)
+    q = q.view(B, T, attn.H, attn.D).transpose(1, 2)
+    k = k.view(B, T, attn.Hkv, attn.D).transpose(1, 2)
+    v = v.view(B, T, attn.Hkv, attn.D).transpose(1, 2)
+    if model.rotary is not None:
+        cos, sin = model.rotary(torch.arange(T).expand(B, T), x.dtype)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    return q, k, v
+
+
+def project(model, i, out):   # (B, H, T, D) -> (B, T, C) through layer i's o_proj
+    B, H, T, D = out.shape
+    return model.layers[i].self_attn.o_proj(out.transpose(1, 2).reshape(B, T, H * D))
+
+
+def linear_out(maps: FeatureMap, q, k, v, window: int):
+    if window:
+        return window_attention(q, k, v, maps, window)
+    return linear_attention(q, k, v, maps)
+
+
+@torch.no_grad()
+def layer_targets(model, i, xs: np.ndarray, batch: int):
+    """For every row: q, k, v (fp32) and the softmax target through o_proj."""
+    qs, ks, vs, ys = [], [], [], []
+    for s in range(0, xs.shape[0], batch):
+        x = torch.from_numpy(np.array(xs[s:s + batch]))
+        q, k, v = layer_qkv(model, i, x)
+        ys.append(project(model, i, softmax_attention(q, k, v)))
+        qs.append(q), ks.append(k), vs.append(v)
+    return torch.cat(qs), torch.cat(ks), torch.cat(vs), torch.cat(ys)
+
+
+@torch.no_grad()
+def advance(model, i, xs: np.ndarray, out: np.ndarray, batch: int) -> None:
+    """The softmax model's residual stream after layer i (the next layer's input)."""
+    for s in range(0, xs.shape[0], batch):
+        x = torch.from_numpy(np.array(xs[s:s + batch]))
+        T = x.shape[1]
+        rope = model.rotary(torch.arange(T).expand(x.shape[0], T), x.dtype) if model.rotary is not None else None
+        out[s:s + batch] = model.layers[i](x, rope, lambda q, k, v: softmax_attention(q, k, v)).numpy()
+
+
+def transfer_loss(model, i, maps, q, k, v, y, window):
+    pred = project(model, i, linear_out(maps, q, k, v, window))
+    return F.mse_loss(pred, y)
+
+
+# ---------------------------------------------------------------------- the run
+class Progress:
+    """OUT/.linearize: progress.json, maps.pt (maps + optimizer state), x_<layer>.npy."""
+
+    def __init__(self, out: Path):
+        self.dir = out / WORK
+        self.file = self.dir / "progress.json"
+
+    def load(self) -> dict:
+        return json.loads(self.file.read_text()) if self.file.is_file() else {}
+
+    def save(self, state: dict, tensors: dict) -> None:
+        tmp = self.dir / "maps.pt.tmp"
+        torch.save(tensors, tmp)
+        os.replace(tmp, self.dir / "maps.pt")
+        write_json(self.file, state)
+
+    def tensors(self) -> dict:
+        return torch.load(self.dir / "maps.pt", weights_only=True)
+
+
+def linearize(a: LinearizeArgs, log=print, on_step=None) -> dict:
+    """Run the recipe; returns the summary written to OUT/linearize.json. `on_step(phase, layer, step)`
+    is called after every optimizer step (tests raise KeyboardInterrupt from it)."""
+    check_args(a)
+    ckpt = read_checkpoint(resolve(a.model))
+    if ckpt.tokenizer is None:
+        raise InvalidArgumentError(f"{a.model}: ships no tokenizer; linearize needs one to encode the data")
+    cfg = ckpt.config.replace(feature_map="hedgehog", attention="linear", layer_attention=None,
+                              window=a.window, transfer_loss=None)
+    if a.hybrid > cfg.num_hidden_layers:
+        raise InvalidArgumentError(f"--hybrid {a.hybrid}: the model has only {cfg.num_hidden_layers} layers")
+    model = build(cfg, ckpt.tensors, torch.device("cpu"), torch.float32, interleaved_rotary=ckpt.interleaved_rotary)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    maps = model.hedgehog
+    out = Path(a.out)
+    progress = Progress(out)
+    t0 = time.monotonic()
+    deadline = t0 + a.budget * 60 if a.budget else None
+    rows, used = build_rows(ckpt.tokenizer, a)
+    eval_rows, train_rows = rows[-a.eval_rows:], rows[:-a.eval_rows]
+    L = cfg.num_hidden_layers
+    state = progress.load() if a.resume else {}
+    if state:
+        saved = progress.tensors()
+        maps.load_state_dict(saved["maps"])
+        log(f"resuming: {state['layers_done']} layers transferred, {state['finetune_done']} finetune steps done")
+    else:
+        progress.dir.mkdir(parents=True, exist_ok=True)
+        state = {"layers_done": 0, "finetune_done": 0, "losses": [], "finetune_log": [], "seconds": 0.0,
+                 "args": asdict(a)}
+        saved = None
+        x0 = np.lib.format.open_memmap(progress.dir / "x_0.npy", "w+", np.float32,
+                                       (rows.shape[0], a.seq_len, cfg.hidden_size))
+        with torch.no_grad():
+            for s in range(0, rows.shape[0], a.batch_size):
+                x0[s:s + a.batch_size] = model.embed_tokens(rows[s:s + a.batch_size]).numpy()
+        x0.flush()
+        del x0
+        progress.save(state, {"maps": maps.state_dict()})
+    # ----------------------------------------------------------------- transfer
+    share = 0.5 if a.finetune_steps else 0.95
+    per_layer = (a.budget * 60 * share / L) if a.budget else None
+    bar = tqdm(total=L, initial=state["layers_done"], desc="transfer", unit="layer", dynamic_ncols=True)
+    for i in range(state["layers_done"], L):
+        t_layer = time.monotonic()
+        xs = np.load(progress.dir / f"x_{i}.npy", mmap_mode="r")
+        q, k, v, y = layer_targets(model, i, xs, a.batch_size)
+        n_train = train_rows.shape[0]
+        ev = slice(n_train, n_train + a.eval_rows)
+        y_ms = float(y[ev].pow(2).mean())
+        params = [t[i].detach().clone().requires_grad_() for t in (maps.q_weight, maps.q_bias,
+                                                                      maps.k_weight, maps.k_bias)]
+        step_maps = StepMaps(*params)
+        with torch.no_grad():
+            before = float(transfer_loss(model, i, step_maps, q[ev], k[ev], v[ev], y[ev], a.window))
+        opt = torch.optim.Adam(params, lr=a.lr)
+        steps = 0
+        for steps in range(1, a.layer_steps + 1):
+            g = torch.Generator().manual_seed(a.seed * 1_000_003 + i * 10_007 + steps)
+            idx = torch.randint(0, n_train, (a.batch_size,), generator=g)
+            loss = transfer_loss(model, i, step_maps, q[idx], k[idx], v[idx], y[idx], a.window)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if steps % 10 == 0:
+                bar.set_postfix_str(f"layer {i} step {steps} loss {loss.item():.4g}")
+            if on_step:
+                on_step("transfer", i, steps)
+            if per_layer and time.monotonic() - t_layer > per_layer:
+                break
+        with torch.no_grad():
+            for t, p in zip((maps.q_weight, maps.q_bias, maps.k_weight, maps.k_bias), params):
+                t[i].copy_(p)
+            after = float(transfer_loss(model, i, step_maps, q[ev], k[ev], v[ev], y[ev], a.window))
+        del q, k, v, y
+        nxt = np.lib.format.open_memmap(progress.dir / f"x_{i + 1}.npy.tmp", "w+", np.float32, xs.shape)
+        advance(model, i, xs, nxt, a.batch_size)
+        nxt.flush()
+        del nxt
+        os.replace(progress.dir / f"x_{i + 1}.npy.tmp", progress.dir / f"x_{i + 1}.npy")
+        rec = {"layer": i, "steps": steps, "loss_before": before, "loss": after, "relative_before": before / y_ms,
+               "relative": after / y_ms, "target_mean_square": y_ms, "seconds": round(time.monotonic() - t_layer, 1)}
+        state["losses"].append(rec)
+        state["layers_done"] = i + 1
+        state["seconds"] += time.monotonic() - t_layer
+        progress.save(state, {"maps": maps.state_dict()})
+        os.remove(progress.dir / f"x_{i}.npy")
+        bar.update(1)
+        log(f"layer {i}: {steps} steps, transfer loss {before:.4g} -> {after:.4g} "
+            f"(relative {before / y_ms:.3f} -> {after / y_ms:.3f}), {rec['seconds']:.0f} s")
+    bar.close()
+    relative = [r["relative"] for r in state["losses"]]
+    layer_attention = layer_attention_for(L, highest_loss_layers(relative, a.hybrid))
+    # ----------------------------------------------------------------- finetune
+    if a.finetune_steps and state["finetune_done"] < a.finetune_steps:
+        finetune(model, a, state, progress, saved, train_rows, layer_attention, deadline, log, on_step)
+    summary = write_output(model, a, state, used, layer_attention if a.hybrid else None, t0)
+    shutil.rmtree(progress.dir, ignore_errors=True)
+    return summary
+
+
+def finetune(model, a, state, progress, saved, rows, layer_attention, deadline, log, on_step):
+    cfg = model.config
+    model.config = cfg.replace(attention="hybrid" if a.hybrid else "linear",
+                               layer_attention=layer_attention if a.hybrid else None)
+    params = list(model.hedgehog.parameters())
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.Adam(params, lr=a.finetune_lr)
+    if saved is not None and "opt" in saved:
+        opt.load_state_dict(saved["opt"])
+    teacher = cfg.replace(attention="softmax", layer_attention=None)
+    bar = tqdm(total=a.finetune_steps, initial=state["finetune_done"], desc="finetune", unit="step",
+               dynamic_ncols=True)
+    t_last = time.monotonic()
+    for step in range(state["finetune_done"] + 1, a.finetune_steps + 1):
+        g = torch.Generator().manual_seed(a.seed * 1_000_003 + 7_777_777 + step)
+        batch = rows[torch.randint(0, rows.shape[0], (a.finetune_batch,), generator=g)]
+        logits = model(batch[:, :-1])
+        if a.finetune_loss == "lm":
+            loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        else:
+            with torch.no_grad():
+                model.config = teacher
+                target = F.log_softmax(model(batch[:, :-1]), -1)
+                model.config = cfg.replace(attention="hybrid" if a.hybrid else "linear",
+                                           layer_attention=layer_attention if a.hybrid else None)
+            loss = F.kl_div(F.log_softmax(logits, -1), target, log_target=True, reduction="batchmean") / logits.shape[1]
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        state["finetune_done"] = step
+        state["finetune_log"].append([step, round(loss.item(), 5)])
+        bar.update(1)
+        bar.set_postfix_str(f"{a.finetune_loss} loss {loss.item():.4f}")
+        if on_step:
+            on_step("finetune", None, step)
+        out_of_time = deadline is not None and time.monotonic() > deadline
+        if step % a.save_every == 0 or step == a.finetune_steps or out_of_time:
+            now = time.monotonic()
+            state["seconds"] += now - t_last
+            t_last = now
+            progress.save(state, {"maps": model.hedgehog.state_dict(), "opt": opt.state_dict()})
+        if out_of_time:
+            log(f"budget reached after {step} finetune steps")
+            break
+    bar.close()
+    for p in params:
+        p.requires_grad_(False)
+    model.config = cfg
+
+
+def write_output(model, a, state, used, layer_attention, t0) -> dict:
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    L = model.config.num_hidden_layers
+    relative = [round(r["relative"], 6) for r in state["losses"]]
+    write_maps(out / "maps.safetensors", {f"hedgehog.{k}": v for k, v in model.hedgehog.state_dict().items()})
+    config = {"base_model": a.model, "feature_map": "hedgehog",
+              "attention": "hybrid" if layer_attention else "linear", "window": a.window,
+              "transfer_loss": relative}
+    if layer_attention:
+        config["layer_attention"] = list(layer_attention)
+    write_json(out / "transfer_losses.json", {
+        "loss": "MSE of the o_proj output of linear vs softmax attention, on a fixed batch of "
+                f"{a.eval_rows} rows x {a.seq_len} tokens; relative = loss / the target's mean square",
+        "layers": state["losses"]})
+    write_json(out / "data.json", {"files": used, "seq_len": a.seq_len, "seed": a.seed,
+                                   "format": "per file: documents shuffled by the seed, BOS + text + EOS, "
+                                             "packed into rows"})
+    summary = {"command": a.command, "args": asdict(a), "layers": L,
+               "finetune_steps_done": state["finetune_done"], "finetune_loss": a.finetune_loss,
+               "finetune_log": state["finetune_log"],
+               "compute_seconds": round(state["seconds"], 1),
+               "wall_seconds_this_run": round(time.monotonic() - t0, 1),
+               "mean_relative_transfer_loss": sum(relative) / max(len(relative), 1)}
+    write_json(out / "linearize.json", summary)
+    write_json(out / "config.json", config)     # last: a directory with config.json is complete
+    return summary
+
+
+__all__ = ["LinearizeArgs", "linearize", "check_args"]

@@ -1,0 +1,108 @@
+"""A linearized model on disk: learned feature maps beside a pointer to the base model.
+
+    DIR/config.json          {"base_model": "smollm2", "feature_map": "hedgehog", "attention": "linear",
+                              "layer_attention": [...] (optional), "window": 0, "transfer_loss": [...]}
+    DIR/maps.safetensors     the learned maps (fp16), names below
+    DIR/transfer_losses.json per layer: absolute and relative transfer loss (written by gen linearize)
+    DIR/data.json            the training data used
+
+Checkpoint names <-> runtime names of the maps, in one place (runtime: `Transformer.hedgehog`):
+
+    feature_map.q.weight  (L, H, D, D)     hedgehog.q_weight
+    feature_map.q.bias    (L, H, D)        hedgehog.q_bias
+    feature_map.k.weight  (L, Hkv, D, D)   hedgehog.k_weight
+    feature_map.k.bias    (L, Hkv, D)      hedgehog.k_bias
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from models.config import LAYER_PATHS, ModelConfig
+from models.errors import CheckpointError
+
+CONFIG, MAPS = "config.json", "maps.safetensors"
+MAP_NAMES = {"feature_map.q.weight": "hedgehog.q_weight", "feature_map.q.bias": "hedgehog.q_bias",
+             "feature_map.k.weight": "hedgehog.k_weight", "feature_map.k.bias": "hedgehog.k_bias"}
+# the keys of DIR/config.json that override the base model's config
+OVERRIDES = ("feature_map", "attention", "layer_attention", "window", "transfer_loss")
+
+
+def map_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    L, H, Hkv, D = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    return {"feature_map.q.weight": (L, H, D, D), "feature_map.q.bias": (L, H, D),
+            "feature_map.k.weight": (L, Hkv, D, D), "feature_map.k.bias": (L, Hkv, D)}
+
+
+def is_linearized(path: str | os.PathLike) -> bool:
+    """A directory whose config.json points at a base model (rather than holding a whole model)."""
+    cfg = Path(path) / CONFIG
+    if not cfg.is_file():
+        return False
+    try:
+        return "base_model" in json.loads(cfg.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
+
+
+def read_linearized_config(path: str | os.PathLike) -> dict:
+    raw = json.loads((Path(path) / CONFIG).read_text(encoding="utf-8"))
+    if not isinstance(raw.get("base_model"), str):
+        raise CheckpointError(f"{Path(path) / CONFIG}: base_model must name the base model (e.g. \"smollm2\")")
+    return raw
+
+
+def apply_linearized(base_cfg: ModelConfig, raw: dict, path: str | os.PathLike) -> tuple[ModelConfig, dict]:
+    """The base config with the linearized dir's overrides, and the maps under runtime names (checked)."""
+    where = Path(path) / CONFIG
+    changes = {k: raw[k] for k in OVERRIDES if k in raw}
+    trained = tuple(dict.fromkeys(base_cfg.trained_for + ("linear", "hybrid")))
+    cfg = ModelConfig.from_dict({**base_cfg.to_dict(), **changes, "trained_for": list(trained)}, where=str(where))
+    return cfg, read_maps(Path(path) / MAPS, cfg)
+
+
+def read_maps(file: str | os.PathLike, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The maps of `file` under runtime names, each checked against `cfg` (one-line CheckpointError)."""
+    file = Path(file)
+    if not file.is_file():
+        raise CheckpointError(f"{file}: no such file; a linearized model directory needs its maps")
+    try:
+        tensors = load_file(str(file))
+    except Exception as e:  # noqa: BLE001 - safetensors raises several types for a damaged file
+        raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
+    out = {}
+    for name, shape in map_shapes(cfg).items():
+        if name not in tensors:
+            raise CheckpointError(f"{file}: missing tensor {name}")
+        found = tuple(tensors[name].shape)
+        if found != shape:
+            raise CheckpointError(f"{file}: tensor {name} has shape {list(found)}, but the base model needs "
+                                  f"{list(shape)} ({cfg.num_hidden_layers} layers): these maps belong to "
+                                  f"another model")
+        out[MAP_NAMES[name]] = tensors[name]
+    return out
+
+
+def write_maps(file: str | os.PathLike, runtime: dict[str, torch.Tensor], dtype=torch.float16) -> None:
+    """Save runtime-named maps (`hedgehog.q_weight`, ...) under checkpoint names, atomically."""
+    inverse = {v: k for k, v in MAP_NAMES.items()}
+    tensors = {inverse[k]: v.detach().to("cpu", dtype).contiguous() for k, v in runtime.items() if k in inverse}
+    tmp = f"{os.fspath(file)}.tmp"
+    save_file(tensors, tmp)
+    os.replace(tmp, file)
+
+
+def write_json(file: str | os.PathLike, obj) -> None:
+    tmp = f"{os.fspath(file)}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, file)
+
+
+__all__ = ["CONFIG", "MAPS", "MAP_NAMES", "LAYER_PATHS", "map_shapes", "is_linearized", "read_linearized_config",
+           "apply_linearized", "read_maps", "write_maps", "write_json"]

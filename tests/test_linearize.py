@@ -1,0 +1,98 @@
+"""gen linearize on a tiny random model: transfer lowers the loss on the fixed batch; --resume after an
+interrupt gives the same maps as an uninterrupted run; bad input is one line, exit 2, nothing written."""
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+from cli.main import main
+from engine.linearize import LinearizeArgs, linearize
+from engine.loader import load_model
+from models.linearized import write_json, write_maps
+from tests.conftest import generated_sentences
+
+
+def cli(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "text.txt"
+    sents = generated_sentences(300, seed=1)
+    path.write_text("\n<|endoftext|>\n".join(" ".join(sents[i:i + 5]) for i in range(0, 300, 5)))
+    return path
+
+
+def args(model_dir, corpus, out, **kw):
+    base = dict(model=str(model_dir), data=[str(corpus)], out=str(out), seq_len=32, tokens=1024, eval_rows=2,
+                layer_steps=6, batch_size=2, finetune_steps=4, finetune_batch=2, save_every=2, seed=3)
+    base.update(kw)
+    return LinearizeArgs(**base)
+
+
+def test_transfer_steps_lower_the_loss_and_output_loads(small_model_dir, corpus, tmp_path):
+    out = tmp_path / "lin"
+    linearize(args(small_model_dir, corpus, out, finetune_steps=0), log=lambda m: None)
+    losses = json.loads((out / "transfer_losses.json").read_text())["layers"]
+    for rec in losses:
+        print(rec)
+        assert rec["loss"] < rec["loss_before"]
+        assert rec["relative"] == pytest.approx(rec["loss"] / rec["target_mean_square"])
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "data.json", "linearize.json",
+                                                    "maps.safetensors", "transfer_losses.json"]
+    assert all(t.dtype == torch.float16 for t in load_file(out / "maps.safetensors").values())
+    model, _ = load_model(out)
+    assert model.config.feature_map == "hedgehog" and model.config.transfer_loss is not None
+    assert not torch.equal(model.hedgehog.q_weight[0, 0], torch.eye(model.config.head_dim))
+
+
+def test_resume_after_interrupts_equals_an_uninterrupted_run(small_model_dir, corpus, tmp_path):
+    straight = tmp_path / "straight"
+    linearize(args(small_model_dir, corpus, straight), log=lambda m: None)
+    out = tmp_path / "resumed"
+    stops = [("transfer", 1, 3), ("finetune", None, 3)]
+
+    def interrupt(phase, layer, step):
+        if stops and (phase, layer, step) == stops[0]:
+            stops.pop(0)
+            raise KeyboardInterrupt
+    for _ in range(2):
+        with pytest.raises(KeyboardInterrupt):
+            linearize(args(small_model_dir, corpus, out, resume=(out / ".linearize").exists()),
+                      log=lambda m: None, on_step=interrupt)
+    linearize(args(small_model_dir, corpus, out, resume=True), log=lambda m: None)
+    a, b = load_file(straight / "maps.safetensors"), load_file(out / "maps.safetensors")
+    assert set(a) == set(b)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert not (out / ".linearize").exists()
+
+
+def test_bad_input_is_one_line_exit_2_and_nothing_written(small_model_dir, corpus, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n<|endoftext|>\n")
+    out = tmp_path / "never"
+    r = cli("linearize", "--model", small_model_dir, "--data", empty, "--out", out)
+    assert r.exit_code == 2 and "holds no documents" in r.output and len(r.output.strip().splitlines()) == 1
+    assert not out.exists()
+    r = cli("linearize", "--model", small_model_dir, "--data", corpus, "--out", out, "--window", "-1")
+    assert r.exit_code == 2 and not out.exists()
+    for extra in (["--softmax-layers", "99", "--attention", "hybrid"], ["--attention", "linear", "--window", "0"]):
+        r = cli("eval", "--model", small_model_dir, "--data", corpus, *extra)
+        print(r.output)
+        assert r.exit_code == 2 and r.output.startswith("gen: error: ") and len(r.output.strip().splitlines()) == 1
+
+
+def test_maps_for_another_model_are_refused(small_model_dir, corpus, tmp_path):
+    d = tmp_path / "wrong"
+    d.mkdir()
+    write_json(d / "config.json", {"base_model": str(small_model_dir), "feature_map": "hedgehog"})
+    L, H, D = 3, 4, 16     # the base model has 2 layers
+    write_maps(d / "maps.safetensors", {"hedgehog.q_weight": torch.zeros(L, H, D, D), "hedgehog.q_bias": torch.zeros(L, H, D),
+                                        "hedgehog.k_weight": torch.zeros(L, H, D, D), "hedgehog.k_bias": torch.zeros(L, H, D)})
+    r = cli("eval", "--model", d, "--data", corpus)
+    print(r.output)
+    assert r.exit_code == 2 and "belong to another model" in r.output and len(r.output.strip().splitlines()) == 1

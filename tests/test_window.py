@@ -1,0 +1,92 @@
+"""Sliding window + linear (LoLCATs form): recurrence == chunked prefill == naive reference at every
+split point, GQA, padded rows == each alone; the state is constant in the context."""
+import pytest
+import torch
+
+from engine.attention.linear import CHUNK
+from engine.attention.window import window_attention, window_linear_reference
+from engine.attention.feature_maps import get_feature_map
+from tests.conftest import tiny_model
+
+
+def max_diff(a, b):
+    d = (a.float() - b.float()).abs().max().item()
+    print(f"max |diff| = {d:.3e}")
+    return d
+
+
+@pytest.mark.parametrize("W", [1, 5, CHUNK + 3], ids=lambda w: f"W{w}")
+@pytest.mark.parametrize("T", [1, 9, 2 * CHUNK + 5], ids=lambda t: f"T{t}")
+def test_chunked_equals_naive(W, T):
+    g = torch.Generator().manual_seed(T * 31 + W)
+    q, k, v = torch.randn(2, 4, T, 8, generator=g), torch.randn(2, 2, T, 8, generator=g), torch.randn(2, 2, T, 8, generator=g)
+    valid = torch.ones(2, T, dtype=torch.bool)
+    valid[1, :T // 3] = False
+    for fmap in ("elu1", "softmax"):
+        fm = get_feature_map(fmap)
+        assert max_diff(window_attention(q, k, v, fm, W, valid)[0], window_linear_reference(q, k, v, fm, W, valid)[0]) <= 1e-5
+        a, b = window_attention(q, k, v, fm, W, valid)[1], window_linear_reference(q, k, v, fm, W, valid)[1]
+        real = valid[1]
+        assert max_diff(a[:, real], b[:, real]) <= 1e-5
+
+
+def test_window_longer_than_sequence_is_softmax_attention():
+    """With W >= T nothing leaves the window: exactly causal softmax attention."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 2, 12, 8, generator=g), torch.randn(1, 2, 12, 8, generator=g), torch.randn(1, 2, 12, 8, generator=g)
+    soft = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert max_diff(window_attention(q, k, v, get_feature_map("elu1"), 16), soft) <= 1e-5
+
+
+@pytest.mark.parametrize("kv_heads,W", [(4, 3), (2, 16)], ids=["MHA-W3", "GQA-W16"])
+def test_prefill_then_steps_equals_reference_at_every_split(kv_heads, W):
+    model = tiny_model(num_hidden_layers=1, num_key_value_heads=kv_heads, window=W)
+    T = CHUNK + 2
+    tokens = torch.randint(0, 97, (2, T), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        naive = model(tokens, "linear", reference=True)
+        chunked = model(tokens, "linear")
+    assert max_diff(chunked, naive) <= 1e-5
+    full = model.init_state(2, None, "linear")
+    assert full.path == "window"
+    model.step(tokens, full)
+    worst = worst_S = 0.0
+    for t in range(1, T):
+        state = model.init_state(2, None, "linear")
+        outs = [model.step(tokens[:, :t], state)] + [model.step(tokens[:, i:i + 1], state) for i in range(t, T)]
+        worst = max(worst, (torch.cat(outs, 1) - naive).abs().max().item())
+        worst_S = max(worst_S, (state.S - full.S).abs().max().item() / full.S.abs().max().item())
+        assert (state.wk - full.wk).abs().max().item() <= 1e-5
+    print(f"max |diff| logits {worst:.3e}, relative S {worst_S:.3e}")
+    assert worst <= 1e-5 and worst_S <= 1e-5
+
+
+@pytest.mark.parametrize("backend", ["torch", "module"])
+def test_padded_batch_equals_each_alone(backend):
+    from engine.steps import Stepper
+    model = tiny_model(num_key_value_heads=2, window=4, feature_map="softmax")
+    step = Stepper(model, backend)
+    a, b = [5, 6, 7, 8, 9, 10, 11], [3, 4, 5]
+    batch = torch.tensor([a, [0] * 4 + b])
+    real = torch.tensor([[True] * 7, [False] * 4 + [True] * 3])
+    state = model.init_state(2, None, "linear")
+    out = step(batch, state, valid=real)
+    nxt = [step(torch.tensor([[12 + i], [20 + i]]), state) for i in range(6)]
+    for row, ids, base in ((0, a, 12), (1, b, 20)):
+        alone = model.init_state(1, None, "linear")
+        o = model.step(torch.tensor([ids]), alone)
+        assert max_diff(out[row, -1], o[0, -1]) <= 1e-5
+        for i in range(6):
+            assert max_diff(nxt[i][row], model.step(torch.tensor([[base + i]]), alone)[0]) <= 1e-5
+
+
+def test_state_is_constant_in_the_context():
+    model = tiny_model(num_key_value_heads=2, window=8)
+    state = model.init_state(1, None, "linear")
+    before = state.nbytes
+    model.step(torch.randint(0, 97, (1, 100)), state)
+    for t in range(5):
+        model.step(torch.tensor([[t]]), state)
+    cfg = model.config
+    D, Hkv, L = cfg.head_dim, cfg.num_key_value_heads, cfg.num_hidden_layers
+    assert state.nbytes == before == L * Hkv * ((D * D + D) * 4 + 2 * 8 * D * 4)
