@@ -56,7 +56,11 @@ class ModelConfig:
         if self.num_key_value_heads is None:
             object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
         if self.head_dim is None:
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+            heads, width = self.num_attention_heads, self.hidden_size
+            if isinstance(heads, int) and isinstance(width, int) and heads > 0 and width > 0 and width % heads:
+                raise ConfigError(f"config: hidden_size ({width}) is not divisible by num_attention_heads "
+                                  f"({heads}); fix one of them or give head_dim explicitly")
+            object.__setattr__(self, "head_dim", width // heads if isinstance(heads, int) and heads > 0 else None)
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         for key in ("layer_attention", "transfer_loss"):
