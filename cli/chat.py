@@ -25,7 +25,9 @@ HELP_LINE = "/reset starts over, /exit or Ctrl-D leaves, Ctrl-C stops a reply"
 @click.command("chat")
 @click.option("--model", "model_name", default="smollm2", show_default=True,
               help="registered name or path of a model with a chat template (GGUF, tokenizer_config.json)")
-@click.option("--attention", type=click.Choice(["softmax", "linear"]), help="default: the model's own")
+@click.option("--attention", type=click.Choice(["softmax", "linear", "hybrid"]), help="default: the model's own")
+@click.option("--softmax-layers", help="hybrid: layers that keep a KV cache, e.g. 2,9,11, or auto:K")
+@click.option("--window", type=int, help="linear layers also attend exactly to the last W keys")
 @click.option("--feature-map", help="linear attention feature map (elu1, relu, softmax, cos1)")
 @click.option("--system", help="a system message for the conversation (default: the template's own, if any)")
 @click.option("--max-new-tokens", default=512, show_default=True, type=int, help="per reply")
@@ -42,7 +44,7 @@ HELP_LINE = "/reset starts over, /exit or Ctrl-D leaves, Ctrl-C stops a reply"
 @click.option("--backend", type=click.Choice(["auto", "torch", "native", "module"]), default="auto", show_default=True)
 @click.option("--threads", type=int, help="CPU threads")
 @click.option("-v", "--verbose", is_flag=True, help="a summary line (tokens, speed) after each reply")
-def chat_cmd(model_name, attention, feature_map, system, max_new_tokens, temperature, top_k, top_p, min_p,
+def chat_cmd(model_name, attention, softmax_layers, window, feature_map, system, max_new_tokens, temperature, top_k, top_p, min_p,
              repetition_penalty, seed, device, dtype, max_context, backend, threads, verbose):
     """Chat with a model that has a chat template: one line per message (see the module doc)."""
     settings = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -50,7 +52,8 @@ def chat_cmd(model_name, attention, feature_map, system, max_new_tokens, tempera
 
     def run():
         make_config(**settings)                      # bad settings fail before the model loads
-        llm = load_quietly(model_name, attention, feature_map, device, dtype, backend, threads)
+        llm = load_quietly(model_name, attention, feature_map, device, dtype, backend, threads,
+                           softmax_layers=softmax_layers, window=window)
         session = llm.chat_session(system=system, max_context=max_context)
         tty = sys.stdin.isatty()
         if tty:
