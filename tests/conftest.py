@@ -32,6 +32,29 @@ def tiny_model(seed: int = 0, dtype=torch.float32, **overrides) -> Transformer:
     return model.to(dtype).eval()
 
 
+def check_every_split(model, tokens, attention: str = "linear", per_split=None, tol: float = 1e-5) -> None:
+    """Chunked == naive reference over the whole block; then prefill(t) + one-token steps == reference
+    at every split t, with the final S within `tol` relative of one whole prefill's. `per_split(state,
+    full)` adds checks of other state tensors."""
+    with torch.no_grad():
+        naive = model(tokens, attention, reference=True)
+        chunked = model(tokens, attention)
+    assert (chunked - naive).abs().max().item() <= tol
+    B, T = tokens.shape
+    full = model.init_state(B, None, attention)
+    model.step(tokens, full)
+    worst = worst_S = 0.0
+    for t in range(1, T):
+        state = model.init_state(B, None, attention)
+        outs = [model.step(tokens[:, :t], state)] + [model.step(tokens[:, i:i + 1], state) for i in range(t, T)]
+        worst = max(worst, (torch.cat(outs, 1) - naive).abs().max().item())
+        worst_S = max(worst_S, (state.S - full.S).abs().max().item() / full.S.abs().max().item())
+        if per_split is not None:
+            per_split(state, full)
+    print(f"max |diff| logits {worst:.3e}, relative S {worst_S:.3e}")
+    assert worst <= tol and worst_S <= tol
+
+
 def shared_path(*parts: str) -> Path:
     """A file under ../shared, or skip the test with the reason."""
     path = SHARED.joinpath(*parts)

@@ -9,7 +9,7 @@ from engine.errors import InvalidArgumentError
 from engine.steps import Stepper
 from models.errors import CheckpointError
 from models.linearized import map_shapes, read_maps, write_maps
-from tests.conftest import tiny_model
+from tests.conftest import check_every_split, tiny_model
 
 
 def max_diff(a, b):
@@ -50,20 +50,7 @@ def test_steps_equal_prefill_equal_naive_at_every_split(kv_heads):
     model = hedgehog_model(num_hidden_layers=1, num_key_value_heads=kv_heads)
     T = CHUNK + 6
     tokens = torch.randint(0, 97, (2, T), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        naive = model(tokens, "linear", reference=True)
-        chunked = model(tokens, "linear")
-    assert max_diff(chunked, naive) <= 1e-5
-    full = model.init_state(2, None, "linear")
-    model.step(tokens, full)
-    worst = worst_S = 0.0
-    for t in range(1, T):
-        state = model.init_state(2, None, "linear")
-        outs = [model.step(tokens[:, :t], state)] + [model.step(tokens[:, i:i + 1], state) for i in range(t, T)]
-        worst = max(worst, (torch.cat(outs, 1) - naive).abs().max().item())
-        worst_S = max(worst_S, (state.S - full.S).abs().max().item() / full.S.abs().max().item())
-    print(f"max |diff| logits {worst:.3e}, relative S {worst_S:.3e}")
-    assert worst <= 1e-5 and worst_S <= 1e-5
+    check_every_split(model, tokens)
 
 
 @pytest.mark.parametrize("backend", ["torch", "auto"])
