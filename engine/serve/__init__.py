@@ -11,6 +11,7 @@ from __future__ import annotations
 import uvicorn
 
 from engine.api import load
+from engine.errors import InvalidArgumentError
 from engine.serve.app import create_app
 from engine.serve.prefix_cache import PrefixCache
 from engine.serve.scheduler import Job, Scheduler
@@ -27,6 +28,10 @@ def open_server(model: str, attention: str | None = None, feature_map: str | Non
     the same whatever else is in the batch), else torch; the tests hold batched rows to their solo runs.
     """
     llm = load(model, attention=attention, feature_map=feature_map, dtype=dtype, backend=backend, threads=threads)
+    probe = llm.model.init_state(1, 1, llm.attention)
+    if probe.path not in ("softmax", "linear"):   # hybrid and window states cannot join batches yet
+        raise InvalidArgumentError(f"gen serve runs softmax or linear attention; {model} runs {probe.path} by "
+                                   f"default: pass --attention softmax or --attention linear")
     return Server(llm, name=str(model), max_batch=max_batch, max_context=max_context, max_queue=max_queue)
 
 
