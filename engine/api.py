@@ -127,15 +127,14 @@ class LLM:
         if self.tokenizer is None:
             raise InvalidArgumentError("stream(): this model ships no tokenizer, so there is no text to stream; "
                                        "use start() for token events or generate() for ids")
-        if not is_single_prompt(prompt) and isinstance(prompt, Sequence) and not isinstance(prompt, str) and prompt:
+        if is_batch(prompt):
             raise InvalidArgumentError(f"stream(): takes one prompt (text or a list of token ids), got "
                                        f"{describe(prompt)}; for a batch use generate([...]) or start([...])")
         return TextStream(self._start([prompt], settings, "stream()"))
 
     def generate(self, prompt: Prompt | Sequence[Prompt], **settings) -> Result | list[Result]:
         """One prompt -> a Result; a list of prompts -> a list of Results (one batch). Settings: make_config."""
-        single = is_single_prompt(prompt) or not isinstance(prompt, Sequence) or (
-            isinstance(prompt, Sequence) and not prompt)
+        single = not is_batch(prompt)   # anything else goes through encode(), which names what is wrong
         results = self._start([prompt] if single else list(prompt), settings, "generate()").run()
         return results[0] if single else results
 
@@ -313,6 +312,11 @@ def is_single_prompt(prompt) -> bool:
     if isinstance(prompt, Sequence) and prompt and all(_is_int(i) for i in prompt):
         return True
     return False
+
+
+def is_batch(prompt) -> bool:
+    """A non-empty sequence of prompts (rather than one prompt)."""
+    return isinstance(prompt, Sequence) and bool(prompt) and not is_single_prompt(prompt)
 
 
 def _is_int(x) -> bool:
