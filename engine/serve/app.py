@@ -14,8 +14,8 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
 from sse_starlette.sse import EventSourceResponse
+from starlette.requests import Request    # what FastAPI hands a route (fastapi.Request is this class)
 from starlette.responses import JSONResponse
 
 from engine.serve.errors import APIError, bad_request, server_error
@@ -26,7 +26,11 @@ from engine.serve.server import COMPLETION_DEFAULT_MAX_TOKENS, Server
 POLL_S = 0.25     # a non-streaming handler checks for a vanished client this often
 
 
-def create_app(server: Server) -> FastAPI:
+def create_app(server: Server) -> "FastAPI":
+    # FastAPI (with pydantic's machinery) takes ~250 ms to import: only `gen serve` pays for it, not
+    # every `gen` command that imports the CLI.
+    from fastapi import FastAPI
+
     @asynccontextmanager
     async def lifespan(app):
         server.scheduler.start()
