@@ -107,28 +107,30 @@ def test_concat_masks_the_pad_slots_of_a_shorter_row():
 RESUME = """
 import json, sys
 from engine.api import load
-model_dir, path, state_file, settings = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
-llm = load(model_dir, attention=path, backend="torch")
-saved = llm.load_state(state_file)
-print(json.dumps(llm.resume(saved, **settings).run()[0].ids))
+model_dir, cases = sys.argv[1], json.loads(sys.argv[2])
+for path, state_file, settings in cases:
+    llm = load(model_dir, attention=path, backend="torch")
+    print(json.dumps(llm.resume(llm.load_state(state_file), **settings).run()[0].ids))
 """
+SAMPLINGS = {"greedy": dict(temperature=0), "seeded": dict(temperature=0.9, seed=11, top_k=40)}
 
 
-@pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=0.9, seed=11, top_k=40)],
-                         ids=["greedy", "seeded"])
-def test_saved_state_restored_in_a_new_process_continues_identically(small_model_dir, tmp_path, path, sampling):
-    llm = load(str(small_model_dir), attention=path, backend="torch")
-    prompt = "the cat sat on a mat and then"
-    settings = dict(max_new_tokens=20, ignore_eos=True, **sampling)
-    want = llm.generate(prompt, **settings).ids
-    state_file = tmp_path / "state.safetensors"
-    llm.save_state(state_file, llm.prefill(prompt))
+def test_saved_state_restored_in_a_new_process_continues_identically(small_model_dir, tmp_path):
+    """Both paths, greedy and seeded: one new process resumes every saved state (one start-up)."""
+    prompt, cases, want = "the cat sat on a mat and then", [], []
+    for path in PATHS:
+        llm = load(str(small_model_dir), attention=path, backend="torch")
+        for name, sampling in SAMPLINGS.items():
+            settings = dict(max_new_tokens=20, ignore_eos=True, **sampling)
+            want.append(llm.generate(prompt, **settings).ids)
+            state_file = tmp_path / f"{path}-{name}.safetensors"
+            llm.save_state(state_file, llm.prefill(prompt))
+            cases.append((path, str(state_file), settings))
     assert not list(tmp_path.glob("*.tmp"))
-    out = subprocess.run([sys.executable, "-c", RESUME, str(small_model_dir), path, str(state_file),
-                          json.dumps(settings)], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    out = subprocess.run([sys.executable, "-c", RESUME, str(small_model_dir), json.dumps(cases)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == want
+    assert [json.loads(line) for line in out.stdout.strip().splitlines()[-len(cases):]] == want
 
 
 @pytest.mark.parametrize("path", PATHS)
