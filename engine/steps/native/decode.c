@@ -94,9 +94,45 @@ static inline void dot4(const float *q, const float *k, int D, float *out) {
     out[0] = hsum(a0); out[1] = hsum(a1); out[2] = hsum(a2); out[3] = hsum(a3);
 }
 
-/* out (D) = sum_t w[t] v_t over the rows of an fp32 (n, D) block, D a multiple of 8; 8 lanes at a time. */
-static inline void weighted_rows(const float *w, const float *v, int n, int D, float *out) {
+/* 8 dot products q . k_j for the rows k + j*D, j < 8 (D a multiple of 8): lane-wise accumulators,
+ * then one transposing reduction for all 8 (hadd tree) instead of 8 horizontal sums. */
+static inline void dot8(const float *q, const float *k, int D, float *out) {
+    v8 a[8] = {{0}};
     for (int i = 0; i < D; i += 8) {
+        v8 qv = ld8(q + i);
+        for (int j = 0; j < 8; j++) a[j] += qv * ld8(k + (size_t)j * D + i);
+    }
+#ifdef GEN_X86
+    __m256 h01 = _mm256_hadd_ps((__m256)a[0], (__m256)a[1]), h23 = _mm256_hadd_ps((__m256)a[2], (__m256)a[3]);
+    __m256 h45 = _mm256_hadd_ps((__m256)a[4], (__m256)a[5]), h67 = _mm256_hadd_ps((__m256)a[6], (__m256)a[7]);
+    __m256 lo = _mm256_hadd_ps(h01, h23), hi = _mm256_hadd_ps(h45, h67);   /* [s0..s3 | s0..s3] halves */
+    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31)));
+#else
+    for (int j = 0; j < 8; j++)
+        out[j] = ((a[j][0] + a[j][1]) + (a[j][2] + a[j][3])) + ((a[j][4] + a[j][5]) + (a[j][6] + a[j][7]));
+#endif
+}
+
+/* out (D) = sum_t w[t] v_t over the rows of an fp32 (n, D) block, D a multiple of 8. Keys outer,
+ * 32 lanes of a row at a time in 8 accumulators (even keys, odd keys: the same order of adds as
+ * 8 lanes at a time), so the rows stream through once and no add waits on the one before. */
+static inline void weighted_rows(const float *w, const float *v, int n, int D, float *out) {
+    int i = 0;
+    for (; i + 32 <= D; i += 32) {
+        v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+        const float *r = v + i;
+        int t = 0;
+        for (; t + 2 <= n; t += 2, r += 2 * (size_t)D) {
+            float w0 = w[t], w1 = w[t + 1];
+            a0 += w0 * ld8(r); a1 += w0 * ld8(r + 8); a2 += w0 * ld8(r + 16); a3 += w0 * ld8(r + 24);
+            b0 += w1 * ld8(r + D); b1 += w1 * ld8(r + D + 8); b2 += w1 * ld8(r + D + 16); b3 += w1 * ld8(r + D + 24);
+        }
+        if (t < n) { float w0 = w[t]; a0 += w0 * ld8(r); a1 += w0 * ld8(r + 8); a2 += w0 * ld8(r + 16); a3 += w0 * ld8(r + 24); }
+        v8 o0 = a0 + b0, o1 = a1 + b1, o2 = a2 + b2, o3 = a3 + b3;
+        memcpy(out + i, &o0, sizeof o0); memcpy(out + i + 8, &o1, sizeof o1);
+        memcpy(out + i + 16, &o2, sizeof o2); memcpy(out + i + 24, &o3, sizeof o3);
+    }
+    for (; i < D; i += 8) {
         v8 a0 = {0}, a1 = {0};
         int t = 0;
         for (; t + 2 <= n; t += 2) {
@@ -124,12 +160,15 @@ static void att_fn(const void *ctx, int h0, int h1, float *out, int os, int add,
             const float *q = p->qkv_out + (size_t)b * QKV + h * D;
             size_t base = (((size_t)c->l * p->B + b) * p->Hkv + h / G) * p->S_max * D;
             int t = 0;
-            if (fast)
+            if (fast) {
+                for (; t + 8 <= n; t += 8) dot8(q, (const float *)p->k + base + (size_t)t * D, D, sc + t);
                 for (; t + 4 <= n; t += 4) dot4(q, (const float *)p->k + base + (size_t)t * D, D, sc + t);
+            }
             if (widen)
                 for (; t < n; t += KCH) {
                     int m = n - t < KCH ? n - t : KCH, j = 0;
                     load_row(p->k, p->kv_type, base + (size_t)t * D, m * D, blk);
+                    for (; j + 8 <= m; j += 8) dot8(q, blk + (size_t)j * D, D, sc + t + j);
                     for (; j + 4 <= m; j += 4) dot4(q, blk + (size_t)j * D, D, sc + t + j);
                     for (; j < m; j++) sc[t + j] = dot_f32(q, blk + (size_t)j * D, D);
                 }
