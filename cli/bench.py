@@ -8,6 +8,8 @@ import click
 
 from cli.common import check_output_path, run_guarded
 from engine.bench import DEFAULT_CONTEXTS, BenchSettings, run_bench, write_json
+from engine.bench.configs import parse_attentions
+from engine.errors import InvalidArgumentError
 from engine.bench.plot import plot
 from engine.bench.report import format_table, summary_lines
 
@@ -24,11 +26,27 @@ def parse_contexts(ctx, param, value):
     return out
 
 
+def parse_attention(ctx, param, value):
+    try:
+        return parse_attentions(value)
+    except InvalidArgumentError as e:
+        raise click.BadParameter(str(e)) from None
+
+
 @click.command("bench")
 @click.option("--model", "model_name", default="tiny", show_default=True, help="registered name or path")
 @click.option("--contexts", callback=parse_contexts, metavar="N,N,...",
               help="context depths to sweep  [default: 128,512,2048,8192,32768]")
-@click.option("--attention", type=click.Choice(["softmax", "linear", "both"]), default="both", show_default=True)
+@click.option("--attention", default="both", show_default=True, callback=parse_attention, metavar="A,A,...",
+              help="configurations, comma-separated: softmax, linear, hybrid, window, default (the model's own); "
+                   "both = softmax,linear; all = softmax,linear,hybrid,window")
+@click.option("--softmax-layers", help="hybrid: the layers that keep a KV cache, e.g. 2,9,11 or auto:K "
+                                       "(default: the config's layer_attention)")
+@click.option("--window", type=int, help="sliding window W of the window configuration (without a window entry: "
+                                         "of linear and hybrid, as in gen)")
+@click.option("--prefill-tokens", type=int, metavar="P",
+              help="prefill P real tokens per depth and fill the KV cache to the depth by repeating their "
+                   "keys/values (decode time depends on the depth, not the values) [default: the whole depth]")
 @click.option("--feature-map", help="linear attention feature map (default: the model's)")
 @click.option("--steps", default=64, show_default=True, help="timed decode steps per depth")
 @click.option("--warmup", default=8, show_default=True, help="untimed decode steps before them")
@@ -49,8 +67,9 @@ def parse_contexts(ctx, param, value):
               help="weight type: f16/bf16 set --dtype; q8_0/q4_0/q4_1 quantize the fp32 model at load")
 @click.option("--batch", default=1, show_default=True, help="sequences decoded together (tokens/s: aggregate)")
 @click.option("--quiet", is_flag=True, help="no progress bar")
-def bench_cmd(model_name, contexts, attention, feature_map, steps, warmup, threads, dtype, device, json_path,
-              plot_path, compare_hf, hf_new_tokens, hf_repeats, isolate, backend, native, weights, batch, quiet):
+def bench_cmd(model_name, contexts, attention, softmax_layers, window, prefill_tokens, feature_map, steps, warmup,
+              threads, dtype, device, json_path, plot_path, compare_hf, hf_new_tokens, hf_repeats, isolate, backend,
+              native, weights, batch, quiet):
     """Prefill to each depth, then time decode steps, for each attention path, on one checkpoint.
 
     Prints a table and a summary naming the crossover depth; --json and --plot save them.
@@ -60,7 +79,8 @@ def bench_cmd(model_name, contexts, attention, feature_map, steps, warmup, threa
             if out:
                 check_output_path(out)
         settings = BenchSettings(model=model_name, contexts=contexts or DEFAULT_CONTEXTS,
-                                 attentions=("softmax", "linear") if attention == "both" else (attention,),
+                                 attentions=attention, softmax_layers=softmax_layers, window=window,
+                                 prefill_tokens=prefill_tokens,
                                  feature_map=feature_map, steps=steps, warmup=warmup, threads=threads,
                                  dtype=dtype, device=device, isolate=isolate,
                                  backend="native" if native else backend, weights=weights, batch=batch)

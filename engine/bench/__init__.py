@@ -18,8 +18,9 @@ from tqdm import tqdm
 
 from engine.bench.hf_compare import DEFAULT_PROMPT
 from engine.bench.hf_compare import compare_hf as run_compare
+from engine.bench.configs import layer_paths
 from engine.bench.memory import available_bytes, check_fits, run_bytes
-from engine.bench.report import decode_crossover, machine_info, memory_crossover
+from engine.bench.report import decode_crossover, machine_info, memory_crossover, relative_to_softmax
 from engine.loader import load_model
 from engine.quant import quantize_model
 from engine.threads import current_threads, set_threads
@@ -30,6 +31,8 @@ from engine.bench.sweep import (DEFAULT_CONTEXTS, BenchError, BenchSettings, run
 STATE_FORMULAS = {
     "softmax": "2 * L * B * Hkv * D * T * bytes(dtype)   (T = slots the cache holds)",
     "linear": "L * B * Hkv * (F * Dv + F) * 4   (fp32; per key/value head under GQA; F = feature_map.out_dim(D))",
+    "per layer": ("sum over layers: softmax layer 2 * B * Hkv * D * T * bytes(dtype); linear layer "
+                  "B * Hkv * (F * Dv + F) * 4 + 2 * B * Hkv * W * D * bytes(dtype)   (W = window, 0 without)"),
 }
 
 __all__ = ["BenchSettings", "BenchError", "DEFAULT_CONTEXTS", "run_bench", "write_json"]
@@ -63,7 +66,10 @@ def run_bench(settings: BenchSettings, compare_hf: bool = False, hf_new_tokens: 
     info = model_info(model)
     fmap = settings.feature_map or model.config.feature_map
     configs = settings.configurations()
-    check_fits([(a, c, run_bytes(model.config, a, c, settings.slots(c), model.dtype, info["weight_bytes"], fmap))
+    runtimes = {a: settings.runtime(model.config, a) for a in settings.attentions}   # bad layers etc.: refused now
+    check_fits([(runtimes[a][1]["configuration"], c,
+                 run_bytes(runtimes[a][0], runtimes[a][0].attention, settings.prefilled(c), settings.slots(c),
+                           model.dtype, info["weight_bytes"], fmap))
                 for a, c in configs])
 
     results = []
@@ -83,10 +89,14 @@ def run_bench(settings: BenchSettings, compare_hf: bool = False, hf_new_tokens: 
         "rss_method": results[0]["rss_method"] if results else None,
         "results": results,
     }
-    summary: dict = {"decode_crossover": decode_crossover(results), "state_formulas": STATE_FORMULAS}
+    summary: dict = {"decode_crossover": decode_crossover(results), "state_formulas": STATE_FORMULAS,
+                     "configurations": {keys["configuration"]: {**keys, "layer_attention": list(layer_paths(rt))}
+                                        for rt, keys in runtimes.values()},
+                     "vs_softmax": relative_to_softmax(results)}
     if "linear" in settings.attentions:
-        summary["linear_state_bytes"] = next(r["state_bytes"] for r in results if r["attention"] == "linear")
-        summary["memory_crossover_slots"] = memory_crossover(model.config, model.dtype, fmap)
+        summary["linear_state_bytes"] = next(r["state_bytes"] for r in results if r.get("entry") == "linear")
+        summary["memory_crossover_slots"] = memory_crossover(model.config, model.dtype, fmap,
+                                                             summary["linear_state_bytes"], settings.batch)
     report["summary"] = summary
     if compare_hf:
         report["compare_hf"] = run_compare(path, model, tokenizer, new_tokens=hf_new_tokens,

@@ -4,6 +4,9 @@ State bytes (batch B; the formulas the bench checks against the state's own tens
 
     KV cache      2 · L · B · Hkv · D · T · bytes(dtype)      T = slots the cache holds
     linear state  L · B · Hkv · (F · Dv + F) · 4               S (F x Dv) and z (F), fp32
+    hybrid/window per layer (engine.attention.hybrid.state_bytes): a softmax layer holds its
+                  KV cache (2 · B · Hkv · D · T · bytes), a linear one S and z (B · Hkv · (F · Dv + F) · 4)
+                  plus, with a window W, the W newest keys and values (2 · B · Hkv · W · D · bytes)
 
 With grouped-query attention the linear state is kept per key/value head (shared by the
 query heads of its group, like the KV cache), so the "H" of the linear formula is
@@ -16,6 +19,8 @@ import resource
 import torch
 
 from engine.attention.feature_maps import get_feature_map, state_dtype
+from engine.attention.hybrid import state_bytes as per_layer_state_bytes
+from engine.bench.configs import layer_paths
 from engine.errors import EngineError
 
 
@@ -44,6 +49,15 @@ def state_bytes_formula(cfg, attention: str, slots: int, dtype: torch.dtype, fea
     return linear_state_bytes(cfg, feature_map, dtype, batch)
 
 
+def config_state_bytes(rt, slots: int, dtype: torch.dtype, feature_map: str | None = None, batch: int = 1) -> int:
+    """State bytes of a runtime config `rt` (any attention, window or not) with a KV cache of `slots`."""
+    if rt.attention in ("softmax", "linear") and not rt.window:
+        return state_bytes_formula(rt, rt.attention, slots, dtype, feature_map, batch)
+    F_ = get_feature_map(feature_map or rt.feature_map).out_dim(rt.head_dim)
+    return per_layer_state_bytes(rt, layer_paths(rt), slots, batch, dtype_bytes(dtype), F_,
+                                 rt.window if rt.attention != "softmax" else 0)
+
+
 def prefill_work_bytes(cfg, attention: str, tokens: int, dtype: torch.dtype, feature_map: str | None = None) -> int:
     """A generous bound on the activations one prefill block of `tokens` keeps alive at once.
 
@@ -56,7 +70,7 @@ def prefill_work_bytes(cfg, attention: str, tokens: int, dtype: torch.dtype, fea
     per_token = 8 * C + 3 * (H + 2 * Hkv) * D + 4 * I
     elt = max(dtype_bytes(dtype), 4)
     work = tokens * per_token * elt
-    if attention == "linear":
+    if attention != "softmax":
         F_ = get_feature_map(feature_map or cfg.feature_map).out_dim(D)
         work += tokens * 4 * (3 * (H + Hkv) * F_ + 3 * H * D)
     return work
@@ -64,9 +78,12 @@ def prefill_work_bytes(cfg, attention: str, tokens: int, dtype: torch.dtype, fea
 
 def run_bytes(cfg, attention: str, context: int, slots: int, dtype: torch.dtype, weight_bytes: int,
               feature_map: str | None = None) -> dict[str, int]:
-    """What one (attention, context) configuration needs: weights, state, prefill activations."""
+    """What one (attention, context) configuration needs: weights, state, prefill activations.
+
+    `cfg` may be a configuration's runtime config (then its hybrid layers and window count)."""
+    rt = cfg if cfg.attention == attention else cfg.replace(attention=attention, layer_attention=None, window=0)
     parts = {"weights": weight_bytes,
-             "state": state_bytes_formula(cfg, attention, slots, dtype, feature_map),
+             "state": config_state_bytes(rt, slots, dtype, feature_map),
              "prefill": prefill_work_bytes(cfg, attention, context, dtype, feature_map)}
     parts["total"] = sum(parts.values())
     return parts

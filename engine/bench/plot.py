@@ -1,11 +1,14 @@
-"""The bench plot: decode ms/token and memory against context depth, one line per attention path."""
+"""The bench plot: decode ms/token and memory against context depth, one line per configuration
+(softmax, linear, hybrid, window, ... side by side)."""
 from __future__ import annotations
 
 import os
 
-from engine.bench.report import by_path
+from engine.bench.report import by_path, entry
 
-STYLE = {"softmax": dict(color="tab:blue", marker="o"), "linear": dict(color="tab:orange", marker="s")}
+STYLE = {"softmax": dict(color="tab:blue", marker="o"), "linear": dict(color="tab:orange", marker="s"),
+         "hybrid": dict(color="tab:green", marker="^"), "window": dict(color="tab:purple", marker="D"),
+         "default": dict(color="tab:red", marker="*")}
 
 
 def plot(report: dict, path: str | os.PathLike) -> str:
@@ -18,7 +21,7 @@ def plot(report: dict, path: str | os.PathLike) -> str:
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
     for name, recs in paths.items():
         ctx = [r["context"] for r in recs]
-        style = STYLE.get(name, {})
+        style = STYLE.get(entry(recs[0]), {})
         label = name + (f" ({recs[0]['feature_map']})" if recs[0].get("feature_map") else "")
         ax_t.plot(ctx, [r["decode_ms_per_token"] for r in recs], label=label, **style)
         ax_t.fill_between(ctx, [r["decode_ms_per_token"] for r in recs],

@@ -26,21 +26,47 @@ def machine_info(threads: int | None = None) -> dict:
             "torch": torch.__version__, "threads": threads or torch.get_num_threads()}
 
 
+def label(r: dict) -> str:
+    """A record's configuration label (records from before hybrid/window: its attention path)."""
+    return r.get("configuration") or r["attention"]
+
+
+def entry(r: dict) -> str:
+    """The bench entry a record ran (softmax, linear, hybrid, window, default)."""
+    return r.get("entry") or r["attention"]
+
+
 def by_path(results: list[dict]) -> dict[str, list[dict]]:
+    """Records grouped by configuration label (softmax, linear, hybrid ..., in the order first met), by depth."""
     out: dict[str, list[dict]] = {}
     for r in sorted(results, key=lambda r: r["context"]):
-        out.setdefault(r["attention"], []).append(r)
+        out.setdefault(label(r), []).append(r)
+    return out
+
+
+def relative_to_softmax(results: list[dict]) -> dict:
+    """Per configuration and depth: its decode ms/token and state bytes over softmax's at that depth
+    (the measured medians and nbytes; only depths where softmax ran)."""
+    soft = {r["context"]: r for r in results if entry(r) == "softmax"}
+    out: dict = {}
+    for name, recs in by_path(results).items():
+        if entry(recs[0]) == "softmax":
+            continue
+        rows = {str(r["context"]): {"decode_ms_per_token_ratio": r["decode_ms_per_token"] / s["decode_ms_per_token"],
+                                    "state_bytes_ratio": r["state_bytes"] / s["state_bytes"]}
+                for r in recs if (s := soft.get(r["context"])) is not None}
+        if rows:
+            out[name] = rows
     return out
 
 
 def decode_crossover(results: list[dict]) -> dict | None:
     """The first depth at which linear decode is cheaper than softmax, with a log-x interpolation
     between the last depth where it was not and that one. None if either path is missing."""
-    paths = by_path(results)
-    if "softmax" not in paths or "linear" not in paths:
+    soft = {r["context"]: r["decode_ms_per_token"] for r in results if entry(r) == "softmax"}
+    lin = {r["context"]: r["decode_ms_per_token"] for r in results if entry(r) == "linear"}
+    if not soft or not lin:
         return None
-    soft = {r["context"]: r["decode_ms_per_token"] for r in paths["softmax"]}
-    lin = {r["context"]: r["decode_ms_per_token"] for r in paths["linear"]}
     common = sorted(set(soft) & set(lin))
     prev = None
     for c in common:
@@ -56,10 +82,13 @@ def decode_crossover(results: list[dict]) -> dict | None:
     return {"first_depth": None, "estimate": None, "note": f"softmax stays cheaper up to {common[-1]}"}
 
 
-def memory_crossover(cfg, dtype, feature_map) -> int:
-    """Cache slots past which the KV cache holds more bytes than the (fixed) linear state."""
-    per_slot = kv_cache_bytes(cfg, 1, dtype)
-    return math.ceil(linear_state_bytes(cfg, feature_map, dtype) / per_slot)
+def memory_crossover(cfg, dtype, feature_map, linear_bytes: int | None = None, batch: int = 1) -> int:
+    """Cache slots past which the KV cache holds more bytes than the (fixed) linear state
+    (`linear_bytes`: the measured state, e.g. with a window; default: the formula's)."""
+    per_slot = kv_cache_bytes(cfg, 1, dtype, batch)
+    if linear_bytes is None:
+        linear_bytes = linear_state_bytes(cfg, feature_map, dtype, batch)
+    return math.ceil(linear_bytes / per_slot)
 
 
 def summary_lines(report: dict) -> list[str]:
@@ -89,8 +118,15 @@ def summary_lines(report: dict) -> list[str]:
         lines.append(f"memory: the KV cache outgrows the linear state past {mem} tokens "
                      f"(linear state {human(report['summary']['linear_state_bytes'])} at every depth)")
     for path, formula in report["summary"]["state_formulas"].items():
-        if path in s["attentions"]:
+        if path in s["attentions"] or (path == "per layer" and {"hybrid", "window", "default"} & set(s["attentions"])):
             lines.append(f"state bytes ({path}): {formula}")
+    for name, rows in report["summary"].get("vs_softmax", {}).items():
+        cells = ", ".join(f"{c}: {v['decode_ms_per_token_ratio']:.2f}x decode, {v['state_bytes_ratio']:.3f}x state"
+                          for c, v in rows.items())
+        lines.append(f"{name} vs softmax: {cells}")
+    if any(r.get("depth_fill") == "repeat" for r in report["results"]):
+        lines.append(f"depth: {s.get('prefill_tokens')} real tokens prefilled, the KV cache filled to the depth by "
+                     f"repeating their keys/values (decode time depends on the depth, not the values)")
     if any(r["beyond_trained_positions"] for r in report["results"]):
         lines.append(f"* beyond the model's trained positions ({model['max_position_embeddings']}): "
                      f"timed and measured, but the model's outputs there are not meaningful")
@@ -117,8 +153,8 @@ def format_table(results: list[dict]) -> str:
     head = ["attention", "context", "prefill s", "prefill tok/s", "decode ms/tok", "p90 ms", "decode tok/s",
             "state bytes", "peak RSS", "step"]
     rows = []
-    for r in sorted(results, key=lambda r: (r["context"], r["attention"])):
-        rows.append([r["attention"] + (f" ({r['feature_map']})" if r.get("feature_map") else ""),
+    for r in sorted(results, key=lambda r: (r["context"], label(r))):
+        rows.append([label(r) + (f" ({r['feature_map']})" if r.get("feature_map") else ""),
                      f"{r['context']}{'*' if r['beyond_trained_positions'] else ''}",
                      f"{r['prefill_s']:.3f}", f"{r['prefill_tokens_per_s']:.0f}",
                      f"{r['decode_ms_per_token']:.3f}", f"{r['decode_ms_per_token_p90']:.3f}",

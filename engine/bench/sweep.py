@@ -2,7 +2,9 @@
 
 One configuration = one fresh state sized to the depth: the KV cache holds exactly
 context + warmup + steps slots. The prompt is `context` random token ids (seeded), run as
-one prefill block with logits for its last position only; then `warmup` untimed decode
+one prefill block with logits for its last position only (with `prefill_tokens` P < context:
+P of them, then the state is brought to the depth by repeating the P cached keys/values,
+`engine.bench.depth`; decode time depends on the depth, not the values); then `warmup` untimed decode
 steps, then `steps` timed ones, each a `model.step` on one token plus the greedy argmax
 that picks the next (EOS ignored: runs have a fixed length). Python's GC is off while timing.
 
@@ -23,8 +25,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from engine.attention import check_path, get_feature_map
-from engine.bench.memory import peak_rss_bytes, state_bytes_formula
+from engine.attention import get_feature_map
+from engine.bench.configs import check_entries, configure, entry_window, layer_paths, parse_attentions
+from engine.bench.depth import extend_to_depth
+from engine.bench.memory import config_state_bytes, peak_rss_bytes
 from engine.errors import EngineError, InvalidArgumentError
 from engine.steps import Stepper, check_backend
 
@@ -55,14 +59,21 @@ class BenchSettings:
     weights: str | None = None          # f32 | f16 | bf16 (sets dtype) | q8_0 | q4_0 | q4_1 (fp32, quantized)
     batch: int = 1                      # sequences decoded together; tokens/s is their aggregate
     seed: int = 0
+    softmax_layers: str | None = None   # hybrid entries: "2,9,11" or "auto:K"; None: the config's layer_attention
+    window: int | None = None           # window entries (and linear/hybrid ones when no window entry is listed)
+    prefill_tokens: int | None = None   # real tokens prefilled per depth (the rest repeated); None: the whole depth
     contexts_sorted: tuple[int, ...] = field(init=False, repr=False)
 
     def __post_init__(self):
         ctx = tuple(int(c) for c in self.contexts)
         if not ctx or any(c < 1 for c in ctx):
             raise InvalidArgumentError(f"contexts must be positive integers, got {self.contexts!r}")
-        for a in self.attentions:
-            check_path(a)
+        object.__setattr__(self, "attentions", parse_attentions(self.attentions))
+        if self.softmax_layers is not None and not isinstance(self.softmax_layers, str):
+            object.__setattr__(self, "softmax_layers", ",".join(str(i) for i in self.softmax_layers))
+        check_entries(self.attentions, self.softmax_layers, self.window)
+        if self.prefill_tokens is not None and (isinstance(self.prefill_tokens, bool) or self.prefill_tokens < 1):
+            raise InvalidArgumentError(f"prefill_tokens must be >= 1, got {self.prefill_tokens!r}")
         if self.feature_map is not None:
             get_feature_map(self.feature_map)
         if self.steps < 1 or self.warmup < 0:
@@ -92,6 +103,17 @@ class BenchSettings:
     def slots(self, context: int) -> int:
         return context + self.warmup + self.steps
 
+    def prefilled(self, context: int) -> int:
+        """Real tokens prefilled for a depth (the rest of it repeated, `engine.bench.depth`)."""
+        return context if self.prefill_tokens is None else min(context, self.prefill_tokens)
+
+    def window_for(self, entry: str) -> int | None:
+        return entry_window(entry, self.attentions, self.window)
+
+    def runtime(self, cfg, entry: str):
+        """(runtime config, record keys) of one entry on the checkpoint's config."""
+        return configure(cfg, entry, self.softmax_layers if entry == "hybrid" else None, self.window_for(entry))
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d.pop("contexts_sorted")
@@ -118,8 +140,13 @@ def _clock(device: torch.device) -> float:
 
 
 def measure(model, attention: str, context: int, steps: int, warmup: int,
-            feature_map: str | None = None, seed: int = 0, backend: str = "auto", batch: int = 1) -> dict:
+            feature_map: str | None = None, seed: int = 0, backend: str = "auto", batch: int = 1,
+            prefill_tokens: int | None = None) -> dict:
     """Prefill `context` tokens, then time `steps` decode steps (after `warmup`). In-process.
+
+    attention: the path of `model.config` to run (a hybrid or window config: set model.config
+    first, `BenchSettings.runtime`). prefill_tokens P < context: prefill P tokens, then repeat
+    their keys/values up to the depth (`engine.bench.depth`); prefill_s times the P tokens.
 
     The steps run through a `Stepper` for `backend`; the record names the form that ran them.
     batch > 1: that many sequences (different random prompts) step together; decode_tokens_per_s
@@ -130,7 +157,8 @@ def measure(model, attention: str, context: int, steps: int, warmup: int,
     slots = context + warmup + steps
     if model.rotary is not None:   # grow the rotary table once, outside every timing
         model.rotary.table(slots, model.device, model.dtype)
-    prompt = torch.randint(0, cfg.vocab_size, (batch, context), generator=torch.Generator().manual_seed(seed))
+    real = context if prefill_tokens is None else min(context, prefill_tokens)
+    prompt = torch.randint(0, cfg.vocab_size, (batch, real), generator=torch.Generator().manual_seed(seed))
     scratch = model.init_state(batch, max_len=16 + warmup, attention=attention, feature_map=feature_map)
     tok = _next_token(step(prompt[:, :16].to(model.device), scratch, last_only=True))   # warm the kernels
     for _ in range(warmup):
@@ -146,6 +174,10 @@ def measure(model, attention: str, context: int, steps: int, warmup: int,
         t0 = _clock(dev)
         tok = _next_token(step(prompt, state, last_only=True))
         prefill_s = _clock(dev) - t0
+        if real < context:
+            t0 = _clock(dev)
+            extend_to_depth(state, context)
+            fill_s = _clock(dev) - t0
         for _ in range(warmup):
             tok = _next_token(step(tok, state))
         times = []
@@ -157,25 +189,48 @@ def measure(model, attention: str, context: int, steps: int, warmup: int,
         gc.enable()
     times.sort()
     median = statistics.median(times)
-    fmap = (feature_map or cfg.feature_map) if attention == "linear" else None
+    fmap = (feature_map or cfg.feature_map) if attention != "softmax" else None
+    rt = cfg if attention == cfg.attention else cfg.replace(
+        attention=attention, **({} if attention == "hybrid" else {"layer_attention": None}))
     return {
         "attention": attention, "feature_map": fmap, "context": context,
-        "state_slots": slots if attention == "softmax" else None,
+        "state_slots": slots if "softmax" in layer_paths(rt) else None,
         "decode_depths": [context, slots - 1],
-        "batch": batch, "prefill_s": prefill_s, "prefill_tokens_per_s": batch * context / prefill_s,
+        "batch": batch, "prefill_s": prefill_s, "prefill_tokens_per_s": batch * real / prefill_s,
+        "prefill_tokens": real, "depth_fill": "prefill" if real == context else "repeat",
+        "depth_fill_s": fill_s if real < context else 0.0,
         "decode_ms_per_token": median * 1e3, "decode_ms_per_token_p90": percentile(times, 90) * 1e3,
         "decode_ms_per_token_min": times[0] * 1e3, "decode_tokens_per_s": batch / median,
         "state_bytes": state.nbytes,
-        "state_bytes_formula": state_bytes_formula(cfg, attention, slots, model.dtype, fmap),
+        "state_bytes_formula": config_state_bytes(rt, slots, model.dtype, fmap, batch),
         "beyond_trained_positions": slots > cfg.max_position_embeddings,
         "steps": steps, "warmup": warmup,
         "step_form": step.last_form, "fallback": step.fallback,
     }
 
 
+def measure_entry(model, entry: str, context: int, steps: int, warmup: int, feature_map=None, seed: int = 0,
+                  backend: str = "auto", batch: int = 1, prefill_tokens=None, softmax_layers=None,
+                  window=None) -> dict:
+    """`measure` for one bench entry (softmax, linear, hybrid, window, default): the model runs the
+    entry's runtime config for this one measurement, then gets its own config back."""
+    base = model.config
+    rt, keys = configure(base, entry, softmax_layers, window)
+    model.config = rt
+    try:
+        rec = measure(model, rt.attention, context, steps, warmup, feature_map, seed, backend, batch,
+                      prefill_tokens)
+    finally:
+        model.config = base
+    rec.update(keys)
+    return rec
+
+
 def run_in_process(model, settings: BenchSettings, attention: str, context: int) -> dict:
-    rec = measure(model, attention, context, settings.steps, settings.warmup, settings.feature_map, settings.seed,
-                  settings.backend, settings.batch)
+    """attention: one entry of settings.attentions."""
+    rec = measure_entry(model, attention, context, settings.steps, settings.warmup, settings.feature_map,
+                        settings.seed, settings.backend, settings.batch, settings.prefill_tokens,
+                        settings.softmax_layers if attention == "hybrid" else None, settings.window_for(attention))
     rec["weights"] = settings.weights or settings.dtype
     rec["peak_rss_bytes"] = peak_rss_bytes()
     rec["rss_method"] = ("VmHWM of the bench process itself (--no-isolate): the peak over everything "
@@ -188,7 +243,9 @@ def run_isolated(model_path: str, settings: BenchSettings, attention: str, conte
     job = {"model": model_path, "dtype": settings.dtype, "device": settings.device, "threads": settings.threads,
            "attention": attention, "context": context, "steps": settings.steps, "warmup": settings.warmup,
            "feature_map": settings.feature_map, "seed": settings.seed, "backend": settings.backend,
-           "quantize": settings.quantize, "batch": settings.batch}
+           "quantize": settings.quantize, "batch": settings.batch, "prefill_tokens": settings.prefill_tokens,
+           "softmax_layers": settings.softmax_layers if attention == "hybrid" else None,
+           "window": settings.window_for(attention)}
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

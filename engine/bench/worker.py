@@ -6,7 +6,7 @@ import json
 import sys
 
 from engine.bench.memory import peak_rss_bytes, rss_bytes
-from engine.bench.sweep import measure
+from engine.bench.sweep import measure_entry
 from engine.errors import EngineError
 from engine.loader import load_model
 from engine.quant import quantize_model
@@ -21,8 +21,10 @@ def main() -> int:
         if job.get("quantize"):
             quantize_model(model, job["quantize"])
         after_load = rss_bytes()
-        rec = measure(model, job["attention"], job["context"], job["steps"], job["warmup"],
-                      job.get("feature_map"), job.get("seed", 0), job.get("backend", "auto"), job.get("batch", 1))
+        rec = measure_entry(model, job["attention"], job["context"], job["steps"], job["warmup"],
+                            job.get("feature_map"), job.get("seed", 0), job.get("backend", "auto"),
+                            job.get("batch", 1), job.get("prefill_tokens"), job.get("softmax_layers"),
+                            job.get("window"))
     except EngineError as e:
         print(f"gen: error: {e}", file=sys.stderr)
         return 2
