@@ -154,6 +154,15 @@ EOF
 
 declare -A GGUF GEN_MODEL RUNC_MODEL RUNC_TOK
 WEIGHTS_stories260K="f32 f16"; WEIGHTS_tiny="f32 f16"; WEIGHTS_smollm2="q4_1 q8_0 f32"
+convert_ggufs() {   # name, HF directory, content key: its f32 and f16 GGUF files for llama.cpp
+    [ "$HAVE_LCPP" = 1 ] || return 0
+    local name=$1 hf=$2 k=$3 t g
+    for t in f32 f16; do
+        g=$CACHE/gguf/$name-$k-$t.gguf
+        [ -f "$g" ] || make_to "$g" convert_gguf "$hf" "$t" "$g" || { note "$name $t: convert_hf_to_gguf failed (log $g.log)"; continue; }
+        GGUF[$name:$t]=$g
+    done
+}
 prepare_stories260K() {
     GEN_MODEL[stories260K]=$STORIES260K_HF
     local k; k=$(key "$STORIES260K_HF/model.safetensors" "$STORIES260K_HF/config.json")
@@ -162,13 +171,7 @@ prepare_stories260K() {
     if [ ! -d "$hf" ]; then
         mkdir -p "$hf" && ln -sf "$STORIES260K_HF/config.json" "$STORIES260K_HF/model.safetensors" "$hf/" && cp "$tok" "$hf/tokenizer.model"
     fi
-    if [ "$HAVE_LCPP" = 1 ]; then
-        for t in f32 f16; do
-            local g=$CACHE/gguf/stories260K-$k-$t.gguf
-            [ -f "$g" ] || make_to "$g" convert_gguf "$hf" "$t" "$g" || { note "stories260K $t: convert_hf_to_gguf failed (log $g.log)"; continue; }
-            GGUF[stories260K:$t]=$g
-        done
-    fi
+    convert_ggufs stories260K "$hf" "$k"
     if [ "$HAVE_RUNC" = 1 ]; then
         local tb=${tok%.model}.bin
         [ -f "$tb" ] || make_to "$tb" llama2c_tokenizer "$tok" || { note "stories260K: tokenizer.py failed"; return; }
@@ -178,13 +181,7 @@ prepare_stories260K() {
 prepare_tiny() {
     GEN_MODEL[tiny]=$TINY_DIR
     local k; k=$(key "$TINY_DIR/model.safetensors" "$TINY_DIR/config.json" "$TINY_DIR/tokenizer.model")
-    if [ "$HAVE_LCPP" = 1 ]; then
-        for t in f32 f16; do
-            local g=$CACHE/gguf/tiny-$k-$t.gguf
-            [ -f "$g" ] || make_to "$g" convert_gguf "$TINY_DIR" "$t" "$g" || { note "tiny $t: convert_hf_to_gguf failed (log $g.log)"; continue; }
-            GGUF[tiny:$t]=$g
-        done
-    fi
+    convert_ggufs tiny "$TINY_DIR" "$k"
     if [ "$HAVE_RUNC" = 1 ]; then
         local b=$CACHE/models/tiny-$k.bin tb=$CACHE/models/tiny-$k-tokenizer.bin
         [ -f "$b" ] || make_to "$b" export_tiny_llama2c || { note "tiny: export_llama2c failed"; return; }

@@ -25,7 +25,7 @@ import torch
 from engine.attention import check_path, get_feature_map
 from engine.errors import InvalidArgumentError
 from engine.chat import ChatSession
-from engine.generate import Generation, GenerationConfig, Result, eos_set
+from engine.generate import Closing, Generation, GenerationConfig, Result, eos_set
 from engine.loader import load_parts
 from engine.sampling import SamplingParams
 from engine.state_io import SavedState, load as load_state_file, save as save_state_file
@@ -260,7 +260,7 @@ def make_config(*, max_new_tokens: int = 256, temperature: float = 0.8, top_k: i
                             ignore_eos=ignore_eos, max_context=max_context)
 
 
-class TextStream:
+class TextStream(Closing):
     """An iterator of one prompt's text chunks (never empty strings).
 
     The state is freed when the generation ends, when `close()` is called (or a `with` block
@@ -286,12 +286,6 @@ class TextStream:
     def __del__(self):
         # The Generation and its loop's generator reference each other, so without this the
         # state of a stream left by `break` would wait for the cycle collector.
-        self.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
         self.close()
 
     @property

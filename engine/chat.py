@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from engine.errors import InvalidArgumentError
-from engine.generate import Generation, GenerationConfig, Result
+from engine.generate import Closing, Generation, GenerationConfig, Result
 from models.chat_template import ChatTemplate, encode_segments
 
 
@@ -94,7 +94,7 @@ class ChatSession:
         self.reply = None
 
 
-class ChatReply:
+class ChatReply(Closing):
     """An iterator of one reply's text chunks; `.result` afterwards (or what was generated so far).
 
     Leaving the loop early (`break`, `close()`) keeps the session usable: the reply so far becomes
@@ -131,12 +131,6 @@ class ChatReply:
         if not self.finished:
             self.finished = True
             self.session._finish(self, broken)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     @property
     def result(self) -> Result:

@@ -87,7 +87,17 @@ class TokenEvent:
     finish_reason: str | None       # set on the sequence's last token
 
 
-class Generation:
+class Closing:
+    """`with obj:` calls obj.close() at the end (Generation, ChatReply, api.TextStream)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class Generation(Closing):
     """Generate from `prompts` (lists of token ids) with `model`; iterate for `TokenEvent`s.
 
     tokenizer: needed for text and stop strings; without one, every event's text is "".
@@ -153,12 +163,6 @@ class Generation:
         """Stop generating and free the state (safe to call more than once)."""
         self._it.close()
         self.state = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     @property
     def done(self) -> bool:

@@ -143,13 +143,39 @@ def usage(job) -> dict:
             "prompt_tokens_details": {"cached_tokens": job.cached_tokens}}
 
 
-class CompletionFormat:
-    """/v1/completions objects ("text_completion"); logprobs in the legacy layout."""
+class _Format:
+    """What both endpoints' objects share: the text so far, the finish reason, and no chunk for an
+    event that carries nothing. Subclasses say what a token's logprobs look like (`_piece`), how the
+    whole response keeps them (`_keep`) and how one chunk reads (`_chunk`)."""
+
+    prefix = ""
 
     def __init__(self, server: Server, req):
         self.server, self.req = server, req
-        self.id, self.created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        self.id, self.created = f"{self.prefix}-{uuid.uuid4().hex}", int(time.time())
         self.text, self.reason = "", None
+
+    def add(self, ev: Token) -> None:
+        piece = self._piece(ev)
+        if piece is not None:
+            self._keep(piece)
+        self.text += ev.text
+        self.reason = ev.finish_reason or self.reason
+
+    def chunk(self, ev: Token):
+        piece = self._piece(ev)
+        if not ev.text and ev.finish_reason is None and piece is None:
+            return None
+        return self._chunk(ev, piece)
+
+
+class CompletionFormat(_Format):
+    """/v1/completions objects ("text_completion"); logprobs in the legacy layout."""
+
+    prefix = "cmpl"
+
+    def __init__(self, server: Server, req):
+        super().__init__(server, req)
         self.logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []} \
             if req.logprobs is not None else None
         self.offset = 0
@@ -158,7 +184,7 @@ class CompletionFormat:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.server.name,
                 "choices": choices, "usage": usage}
 
-    def _logprobs(self, ev: Token) -> dict | None:
+    def _piece(self, ev: Token) -> dict | None:
         if ev.logprob is None:
             return None
         tt = self.server.token_text
@@ -167,22 +193,15 @@ class CompletionFormat:
         self.offset += len(ev.text)
         return out
 
+    def _keep(self, piece: dict) -> None:
+        for k in self.logprobs:
+            self.logprobs[k] += piece[k]
+
+    def _chunk(self, ev: Token, piece):
+        return self._base([{"index": 0, "text": ev.text, "logprobs": piece, "finish_reason": ev.finish_reason}])
+
     def opening(self):
         return []
-
-    def add(self, ev: Token) -> None:
-        lp = self._logprobs(ev)
-        if lp is not None:
-            for k in self.logprobs:
-                self.logprobs[k] += lp[k]
-        self.text += ev.text
-        self.reason = ev.finish_reason or self.reason
-
-    def chunk(self, ev: Token):
-        lp = self._logprobs(ev)
-        if not ev.text and ev.finish_reason is None and lp is None:
-            return None
-        return self._base([{"index": 0, "text": ev.text, "logprobs": lp, "finish_reason": ev.finish_reason}])
 
     def whole(self, usage: dict) -> dict:
         return self._base([{"index": 0, "text": self.text, "logprobs": self.logprobs,
@@ -192,20 +211,20 @@ class CompletionFormat:
         return self._base([], usage)
 
 
-class ChatFormat:
+class ChatFormat(_Format):
     """/v1/chat/completions objects ("chat.completion", "chat.completion.chunk")."""
 
+    prefix = "chatcmpl"
+
     def __init__(self, server: Server, req):
-        self.server, self.req = server, req
-        self.id, self.created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        self.text, self.reason = "", None
+        super().__init__(server, req)
         self.content = [] if req.logprobs else None
 
     def _base(self, obj, choices, usage=None) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.server.name,
                 "choices": choices, "usage": usage}
 
-    def _entry(self, ev: Token) -> dict | None:
+    def _piece(self, ev: Token) -> dict | None:
         if ev.logprob is None:
             return None
         tt = self.server.token_text
@@ -215,25 +234,18 @@ class ChatFormat:
             return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
         return dict(one(ev.id, ev.logprob), top_logprobs=[one(i, lp) for i, lp in (ev.top or [])])
 
-    def opening(self):
-        return [self._base("chat.completion.chunk", [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                       "logprobs": None, "finish_reason": None}])]
+    def _keep(self, piece: dict) -> None:
+        self.content.append(piece)
 
-    def add(self, ev: Token) -> None:
-        entry = self._entry(ev)
-        if entry is not None:
-            self.content.append(entry)
-        self.text += ev.text
-        self.reason = ev.finish_reason or self.reason
-
-    def chunk(self, ev: Token):
-        entry = self._entry(ev)
-        if not ev.text and ev.finish_reason is None and entry is None:
-            return None
+    def _chunk(self, ev: Token, entry):
         delta = {"content": ev.text} if ev.text else {}
         return self._base("chat.completion.chunk", [{
             "index": 0, "delta": delta, "logprobs": {"content": [entry]} if entry else None,
             "finish_reason": ev.finish_reason}])
+
+    def opening(self):
+        return [self._base("chat.completion.chunk", [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                       "logprobs": None, "finish_reason": None}])]
 
     def whole(self, usage: dict) -> dict:
         return self._base("chat.completion", [{
