@@ -10,8 +10,10 @@ from engine.serve import open_server, run
 @click.command("serve")
 @click.option("--model", "model_name", default="tiny", show_default=True,
               help="registered name or path; also the name clients send as `model`")
-@click.option("--attention", type=click.Choice(["softmax", "linear"]),
-              help="default path (default: the model's own); requests may pick either with `attention`")
+@click.option("--attention", type=click.Choice(["softmax", "linear", "hybrid"]),
+              help="default path (default: the model's own); requests may pick another with `attention`")
+@click.option("--softmax-layers", help="hybrid: layers that keep a KV cache, e.g. 2,9,11, or auto:K")
+@click.option("--window", type=int, help="linear layers also attend exactly to the last W keys")
 @click.option("--feature-map", help="linear attention feature map (elu1, relu, softmax, cos1)")
 @click.option("--host", default="127.0.0.1", show_default=True, help="address to bind (loopback by default)")
 @click.option("--port", default=8000, show_default=True, type=int)
@@ -24,8 +26,8 @@ from engine.serve import open_server, run
 @click.option("--backend", type=click.Choice(["auto", "torch", "native", "module"]), default="auto",
               show_default=True, help="decode step form: auto = the C step where it applies, else PyTorch")
 @click.option("--threads", type=int, help="CPU threads (default: 1)")
-def serve_cmd(model_name, attention, feature_map, host, port, max_batch, max_queue, max_context, dtype, backend,
-              threads):
+def serve_cmd(model_name, attention, softmax_layers, window, feature_map, host, port, max_batch, max_queue,
+              max_context, dtype, backend, threads):
     """Serve MODEL over HTTP: /v1/models, /v1/completions, /v1/chat/completions (OpenAI format, SSE streams)."""
     if max_batch < 1:
         fail(f"--max-batch must be >= 1, got {max_batch}")
@@ -34,5 +36,5 @@ def serve_cmd(model_name, attention, feature_map, host, port, max_batch, max_que
     if not 0 < port < 65536:
         fail(f"--port must be in 1..65535, got {port}")
     server = run_guarded(lambda: open_server(model_name, attention, feature_map, dtype, backend, threads,
-                                             max_batch, max_context, max_queue))
+                                             max_batch, max_context, max_queue, softmax_layers, window))
     run_guarded(lambda: run(server, host=host, port=port))

@@ -9,7 +9,8 @@ next generation feeds first: its logits are the next token's, so continuing from
 gives the tokens an uninterrupted run gives (`LLM.prefill`, `LLM.resume`).
 
 File layout: tensors `state.<name>` (the state's `state_dict()` tensors: a KV cache cut to the
-slots written; S and z for the linear path); metadata `format`, `state` (path, shapes, dtype,
+slots written; S and z for the linear path; S, z and the window's keys for a window state; each part's,
+prefixed `0.`/`1.`, for a hybrid); metadata `format`, `state` (path, shapes, dtype,
 feature map, slots, lengths, padded: JSON), `model` (the model's identity: its config's hash and
 a fingerprint of its weights, JSON), `ids` and `next_ids` (JSON).
 """
@@ -31,7 +32,7 @@ FORMAT = "gen-state/1"
 
 @dataclass
 class SavedState:
-    state: object               # a batch-1 State (KVState or LinearState)
+    state: object               # a batch-1 State (KVState, LinearState, WindowState or HybridState)
     ids: list[int]              # the tokens it holds, in order
     next_ids: list[int]         # the tokens after them, not in the state yet (at least one)
 
@@ -89,12 +90,28 @@ def load(path: str | os.PathLike, model, max_len: int | None = None, device=None
                                  f"vocabulary {theirs['vocab_size']} there, {mine['layers']} and "
                                  f"{mine['vocab_size']} here); load it with the model it was saved from")
     state_meta = json.loads(meta["state"])
-    if state_meta["path"] == "softmax" and state_meta["dtype"] != str(model.dtype).removeprefix("torch."):
-        raise StateMismatchError(f"{path}: a {state_meta['dtype']} KV cache, but the model computes in "
-                                 f"{str(model.dtype).removeprefix('torch.')}; load the model with "
-                                 f"dtype={state_meta['dtype']}")
+    here = str(model.dtype).removeprefix("torch.")
+    for dtype in cache_dtypes(state_meta):
+        if dtype != here:
+            raise StateMismatchError(f"{path}: a {dtype} KV cache, but the model computes in {here}; load the "
+                                     f"model with dtype={dtype}")
     sd = {"meta": state_meta,
           "tensors": {k.removeprefix("state."): v for k, v in tensors.items() if k.startswith("state.")}}
     device = device or model.device
-    state = STATES[state_meta["path"]].from_state_dict(sd, max_len=max_len, device=device)
+    kind = STATES[state_meta["path"]]
+    # linear layers run the model's own feature map object (its learned maps for "hedgehog"), not a copy by name
+    name = state_meta.get("feature_map") or state_meta.get("parts", [{}])[-1].get("feature_map")
+    extra = {"feature_map": model.feature_map(name)} if name else {}
+    state = kind.from_state_dict(sd, max_len=max_len, device=device, **extra)
     return SavedState(state, json.loads(meta["ids"]), json.loads(meta["next_ids"]))
+
+
+def cache_dtypes(state_meta: dict) -> list[str]:
+    """The dtypes of a saved state's tensors kept in the model's dtype (KV caches, windows of keys)."""
+    out = []
+    for part in state_meta.get("parts", [state_meta]):
+        if part["path"] == "softmax":
+            out.append(part["dtype"])
+        elif part["path"] == "window":
+            out.append(part["window_dtype"])
+    return out

@@ -130,6 +130,7 @@ BAD = {   # id: (endpoint, body (bytes: sent raw), status, param)
     "max_tokens-negative": ("completions", dict(GOOD, max_tokens=-1), 400, "max_tokens"),
     "temperature-string": ("completions", dict(GOOD, temperature="hot"), 400, "temperature"),
     "unknown-attention": ("completions", dict(GOOD, attention="flash"), 400, "attention"),
+    "hybrid-without-softmax-layers": ("completions", dict(GOOD, attention="hybrid"), 400, "attention"),
     "unknown-field": ("completions", dict(GOOD, frobnicate=1), 400, "frobnicate"),
     "n-2": ("completions", dict(GOOD, n=2), 400, None),
     "token-out-of-vocab": ("completions", dict(GOOD, prompt=[1, 10 ** 6]), 400, "prompt"),

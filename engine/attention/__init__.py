@@ -6,13 +6,15 @@ stateless full-sequence function and its plain-torch reference twin.
 """
 from engine.attention.base import Span, State
 from engine.attention.feature_maps import FEATURE_MAPS, get_feature_map
+from engine.attention.hybrid import HybridState
 from engine.attention.linear import (LinearState, linear_attention,
                                      linear_attention_reference)
 from engine.attention.softmax import (KVState, softmax_attention,
                                       softmax_attention_reference)
+from engine.attention.window import WindowState
 from engine.errors import InvalidArgumentError
 
-STATES = {"softmax": KVState, "linear": LinearState}
+STATES = {"softmax": KVState, "linear": LinearState, "window": WindowState, "hybrid": HybridState}
 PATHS = ("softmax", "linear", "hybrid")     # hybrid: per layer softmax or linear (engine.attention.hybrid)
 
 
@@ -22,6 +24,6 @@ def check_path(name: str) -> str:
     return name
 
 
-__all__ = ["Span", "State", "KVState", "LinearState", "STATES", "PATHS", "FEATURE_MAPS", "check_path",
-           "get_feature_map", "softmax_attention", "softmax_attention_reference",
+__all__ = ["Span", "State", "KVState", "LinearState", "WindowState", "HybridState", "STATES", "PATHS",
+           "FEATURE_MAPS", "check_path", "get_feature_map", "softmax_attention", "softmax_attention_reference",
            "linear_attention", "linear_attention_reference"]

@@ -18,9 +18,10 @@ from engine.attention.base import Span, State
 from engine.attention.linear import LinearState
 from engine.attention.softmax import KVState
 from engine.attention.window import WindowState
-from engine.errors import InvalidArgumentError
+from engine.errors import InvalidArgumentError, StateMismatchError
 
 LAYER_PATHS = ("softmax", "linear")
+PART_STATES = {"softmax": KVState, "linear": LinearState, "window": WindowState}
 
 
 @dataclass(eq=False)
@@ -77,6 +78,74 @@ class HybridState(State):
 
     def tensors(self):
         return [t for p in self.parts for t in p.tensors()]
+
+    # ------------------------------------------------------------------ saving and batching
+    # Every part holds the same rows with the same lengths. The KV part (first, when there is one) decides
+    # `slots` (its rows are right-aligned after a concat); the linear part's slots only set rotary positions
+    # of unpadded batches, so after regrouping every part is given the hybrid's slots and `padded`.
+    def identity(self) -> dict:
+        return {"path": self.path, "layer_paths": list(self.layer_paths), "parts": [p.identity() for p in self.parts]}
+
+    def _saved_tensors(self):
+        return {f"{i}.{name}": t for i, p in enumerate(self.parts) for name, t in p._saved_tensors().items()}
+
+    def _load_tensors(self, tensors, slots):
+        for i, p in enumerate(self.parts):
+            p._load_tensors({k.split(".", 1)[1]: t for k, t in tensors.items() if k.startswith(f"{i}.")}, slots)
+
+    def load_state_dict(self, sd: dict) -> None:
+        super().load_state_dict(sd)
+        self._share_position()
+
+    def _share_position(self) -> None:
+        for p in self.parts:
+            p.lengths, p.slots, p.padded = self.lengths.clone(), self.slots, self.padded
+
+    def _regrouped(self, parts: list) -> "HybridState":
+        out = HybridState(lengths=parts[0].lengths.clone(), slots=parts[0].slots, parts=parts, where=self.where,
+                          layer_paths=self.layer_paths)
+        out._after_regroup()
+        out._share_position()
+        return out
+
+    def select_rows(self, idx, max_len=None) -> "HybridState":
+        idx = list(idx)
+        return self._regrouped([p.select_rows(idx, max_len) for p in self.parts])
+
+    @classmethod
+    def concat(cls, states, max_len=None) -> "HybridState":
+        for s in states:
+            if s.identity() != states[0].identity():
+                raise StateMismatchError("hybrid states of different layer mixes, shapes, dtypes or feature maps "
+                                         "cannot share a batch")
+        first = states[0]
+        return first._regrouped([type(p).concat([s.parts[i] for s in states], max_len)
+                                 for i, p in enumerate(first.parts)])
+
+    @classmethod
+    def from_state_dict(cls, sd, max_len: int | None = None, device=None, feature_map=None) -> "HybridState":
+        """A new state from `state_dict()` output; the KV part gets capacity `max_len` (default: the slots
+        saved). feature_map: the map object the linear layers run (a model's learned maps); default: by name."""
+        meta, tensors = sd["meta"], sd["tensors"]
+        position = {k: meta[k] for k in ("slots", "padded", "batch")}
+        parts = []
+        for i, ident in enumerate(meta["parts"]):
+            sub = {"meta": dict(ident, **position),
+                   "tensors": dict({k.split(".", 1)[1]: t for k, t in tensors.items() if k.startswith(f"{i}.")},
+                                   lengths=tensors["lengths"])}
+            kind = PART_STATES[ident["path"]]
+            extra = {} if kind is KVState else {"feature_map": feature_map}
+            parts.append(kind.from_state_dict(sub, max_len=max_len, device=device, **extra))
+        paths = tuple(meta["layer_paths"])
+        where, count = [], [0] * len(parts)
+        for p in paths:   # the KV part serves the softmax layers in order, the last part the others
+            i = 0 if p == "softmax" else len(parts) - 1
+            where.append((i, count[i]))
+            count[i] += 1
+        out = cls(lengths=parts[0].lengths.clone(), slots=int(meta["slots"]), parts=parts, where=where,
+                  layer_paths=paths, padded=bool(meta["padded"]))
+        out._share_position()
+        return out
 
 
 def allocate_state(cfg, path: str, batch: int, max_len, device, dtype, feature_map=None,

@@ -60,7 +60,8 @@ class LinearState(State):
     def identity(self) -> dict:
         L, _, Hkv, F_, Dv = self.S.shape
         return {"path": self.path, "layers": L, "kv_heads": Hkv, "features": F_, "head_dim": Dv,
-                "feature_map": self.feature_map.name, "dtype": str(self.S.dtype).removeprefix("torch.")}
+                "feature_map": self.feature_map.name, "dtype": str(self.S.dtype).removeprefix("torch."),
+                "layer_ids": None if self.layer_ids is None else list(self.layer_ids)}
 
     def _saved_tensors(self):
         return {"S": self.S, "z": self.z}
@@ -72,7 +73,7 @@ class LinearState(State):
     def select_rows(self, idx, max_len=None) -> "LinearState":
         idx = torch.as_tensor(list(idx), dtype=torch.long, device=self.device)
         out = LinearState(lengths=self.lengths[idx].clone(), slots=0, S=self.S[:, idx].clone(),
-                          z=self.z[:, idx].clone(), feature_map=self.feature_map)
+                          z=self.z[:, idx].clone(), feature_map=self.feature_map, layer_ids=self.layer_ids)
         out.slots = int(out.lengths.max()) if len(idx) else 0
         out._after_regroup()
         return out
@@ -84,18 +85,21 @@ class LinearState(State):
                 raise StateMismatchError("states of different shapes, dtypes or feature maps cannot share a batch")
         out = cls(lengths=torch.cat([s.lengths for s in states]), slots=0,
                   S=torch.cat([s.S for s in states], 1), z=torch.cat([s.z for s in states], 1),
-                  feature_map=states[0].feature_map)
+                  feature_map=states[0].feature_map, layer_ids=states[0].layer_ids)
         out.slots = int(out.lengths.max())
         out._after_regroup()
         return out
 
     @classmethod
-    def from_state_dict(cls, sd, max_len: int | None = None, device=None) -> "LinearState":
-        """A new state from `state_dict()` output (`max_len` is ignored: the state does not grow)."""
+    def from_state_dict(cls, sd, max_len: int | None = None, device=None, feature_map=None) -> "LinearState":
+        """A new state from `state_dict()` output (`max_len` is ignored: the state does not grow).
+        feature_map: the map object to run (a model's learned maps); default: the fixed map saved by name."""
         S, z = sd["tensors"]["S"], sd["tensors"]["z"]
+        ids = sd["meta"].get("layer_ids")
         out = cls(lengths=torch.zeros(S.shape[1], dtype=torch.long, device=device or S.device), slots=0,
                   S=torch.zeros_like(S, device=device), z=torch.zeros_like(z, device=device),
-                  feature_map=get_feature_map(sd["meta"]["feature_map"]))
+                  feature_map=feature_map or get_feature_map(sd["meta"]["feature_map"]),
+                  layer_ids=None if ids is None else tuple(ids))
         out.load_state_dict(sd)
         return out
 

@@ -25,8 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.base import State
-from engine.attention.feature_maps import FeatureMap, state_dtype
+from engine.attention.feature_maps import FeatureMap, get_feature_map, state_dtype
 from engine.attention.linear import CHUNK, EPS, as_feature_map
+from engine.errors import StateMismatchError
 
 NEG = float("-inf")
 
@@ -65,6 +66,60 @@ class WindowState(State):
 
     def tensors(self):
         return [self.S, self.z, self.wk, self.wv]
+
+    # ------------------------------------------------------------------ saving and batching
+    def identity(self) -> dict:
+        L, _, Hkv, F_, Dv = self.S.shape
+        return {"path": self.path, "layers": L, "kv_heads": Hkv, "features": F_, "head_dim": Dv,
+                "window": self.window, "feature_map": self.feature_map.name,
+                "layer_ids": None if self.layer_ids is None else list(self.layer_ids),
+                "dtype": str(self.S.dtype).removeprefix("torch."),
+                "window_dtype": str(self.wk.dtype).removeprefix("torch.")}
+
+    def _saved_tensors(self):
+        return {"S": self.S, "z": self.z, "wk": self.wk, "wv": self.wv, "wreal": self.wreal}
+
+    def _load_tensors(self, tensors, slots):
+        for name in ("S", "z", "wk", "wv", "wreal"):
+            getattr(self, name).copy_(tensors[name])
+
+    def _rows(self, lengths, S, z, wk, wv, wreal) -> "WindowState":
+        # each row's window holds its own newest W slots (pads masked by wreal), whatever the other rows
+        # hold, so rows regroup freely; `slots` only sets the rotary positions of unpadded batches
+        out = WindowState(lengths=lengths, slots=0, S=S, z=z, wk=wk, wv=wv, wreal=wreal,
+                          feature_map=self.feature_map, layer_ids=self.layer_ids)
+        out.slots = int(lengths.max()) if len(lengths) else 0
+        out._after_regroup()
+        return out
+
+    def select_rows(self, idx, max_len=None) -> "WindowState":
+        idx = torch.as_tensor(list(idx), dtype=torch.long, device=self.device)
+        return self._rows(self.lengths[idx].clone(), self.S[:, idx].clone(), self.z[:, idx].clone(),
+                          self.wk[:, idx].clone(), self.wv[:, idx].clone(), self.wreal[idx].clone())
+
+    @classmethod
+    def concat(cls, states, max_len=None) -> "WindowState":
+        for s in states:
+            if s.identity() != states[0].identity():
+                raise StateMismatchError("states of different shapes, windows, dtypes or feature maps cannot "
+                                         "share a batch")
+        return states[0]._rows(torch.cat([s.lengths for s in states]),
+                               *(torch.cat([getattr(s, n) for s in states], 1) for n in ("S", "z", "wk", "wv")),
+                               torch.cat([s.wreal for s in states]))
+
+    @classmethod
+    def from_state_dict(cls, sd, max_len: int | None = None, device=None, feature_map=None) -> "WindowState":
+        """A new state from `state_dict()` output (`max_len` is ignored: the state does not grow).
+        feature_map: the map object to run (a model's learned maps); default: the fixed map saved by name."""
+        t, meta = sd["tensors"], sd["meta"]
+        device = device or t["S"].device
+        ids = meta.get("layer_ids")
+        out = cls(lengths=torch.zeros(t["S"].shape[1], dtype=torch.long, device=device), slots=0,
+                  **{n: torch.zeros_like(t[n], device=device) for n in ("S", "z", "wk", "wv", "wreal")},
+                  feature_map=feature_map or get_feature_map(meta["feature_map"]),
+                  layer_ids=None if ids is None else tuple(ids))
+        out.load_state_dict(sd)
+        return out
 
     def attend(self, layer: int, q, k, v, span):
         """q (B, H, T, D); k, v (B, Hkv, T, D) -> (B, H, T, D) in q's dtype."""

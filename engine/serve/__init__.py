@@ -11,7 +11,6 @@ from __future__ import annotations
 import uvicorn
 
 from engine.api import load
-from engine.errors import InvalidArgumentError
 from engine.serve.app import create_app
 from engine.serve.prefix_cache import PrefixCache
 from engine.serve.scheduler import Job, Scheduler
@@ -20,18 +19,18 @@ from engine.serve.server import Server
 
 def open_server(model: str, attention: str | None = None, feature_map: str | None = None, dtype=None,
                 backend: str = "auto", threads: int | None = None, max_batch: int = 16,
-                max_context: int | None = None, max_queue: int | None = None) -> Server:
+                max_context: int | None = None, max_queue: int | None = None, softmax_layers=None,
+                window: int | None = None) -> Server:
     """Load `model` (a registered name or a path) and wrap it in a Server named `model` (chat through
     the model's own chat template, when it has one: see `LLM.chat`).
 
     backend "auto": the native C step where it applies (it runs batches, each row's arithmetic
     the same whatever else is in the batch), else torch; the tests hold batched rows to their solo runs.
+    attention/softmax_layers/window: the default configuration, as `load()` (hybrid layers, a sliding
+    window and learned maps batch like the plain paths: their states regroup rows the same way).
     """
-    llm = load(model, attention=attention, feature_map=feature_map, dtype=dtype, backend=backend, threads=threads)
-    probe = llm.model.init_state(1, 1, llm.attention)
-    if probe.path not in ("softmax", "linear"):   # hybrid and window states cannot join batches yet
-        raise InvalidArgumentError(f"gen serve runs softmax or linear attention; {model} runs {probe.path} by "
-                                   f"default: pass --attention softmax or --attention linear")
+    llm = load(model, attention=attention, feature_map=feature_map, dtype=dtype, backend=backend, threads=threads,
+               softmax_layers=softmax_layers, window=window)
     return Server(llm, name=str(model), max_batch=max_batch, max_context=max_context, max_queue=max_queue)
 
 

@@ -43,7 +43,7 @@ class Sampling(BaseModel):
     top_k: int = Field(default=0, ge=0)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0)
-    attention: Literal["softmax", "linear"] | None = None
+    attention: Literal["softmax", "linear", "hybrid"] | None = None
     ignore_eos: bool = False          # as vLLM: run to max_tokens (benchmarks)
 
     @model_validator(mode="after")

@@ -7,8 +7,9 @@ Limits. `max_batch` sequences decode at once (both paths together); up to `max_q
 for a row; beyond that a request gets 429 with Retry-After. On the softmax path a sequence holds
 at most `max_context` tokens, prompt included (a longer prompt is a 400; `max_tokens` is cut to
 what fits, finish_reason "length"), so the KV caches never exceed max_batch x 2 x max_context
-slots (rows are right-aligned to the longest). A linear sequence has no context limit; there
-`max_context` is only the default cap on generated tokens.
+slots (rows are right-aligned to the longest); a hybrid sequence's KV layers count the same way.
+A linear sequence (with or without a sliding window) has no context limit; there `max_context` is
+only the default cap on generated tokens.
 """
 from __future__ import annotations
 
@@ -67,7 +68,11 @@ class Server:
 
     def make_job(self, req, ids: list[int], emit, default_max_tokens: int | None) -> Job:
         path = req.attention or self.llm.attention
-        if path == "softmax":
+        try:
+            layers = self.llm.model.layer_paths(path)
+        except EngineError as e:   # hybrid asked of a model that names no softmax layers
+            raise bad_request(str(e), "attention") from None
+        if "softmax" in layers:    # a KV cache on some layer: the context limit holds
             room = self.max_context - len(ids)
             if room < 1:
                 raise bad_request(f"This model's maximum context length is {self.max_context} tokens; the prompt "

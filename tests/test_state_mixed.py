@@ -1,0 +1,210 @@
+"""Window and hybrid states saved, restored and regrouped like KVState and LinearState (test_state_io):
+state_dict round trips, concat/select_rows keep each row as it is alone, files restore through the
+model's own (learned) feature maps; and the serve scheduler runs them: a job joining mid-batch changes
+nobody, a prefix-cache hit equals a cold run, `gen serve`'s loader accepts a hybrid + window default."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from engine.api import LLM
+from engine.attention import HybridState, WindowState
+from engine.errors import StateMismatchError
+from engine.sampling import SamplingParams
+from engine.serve import PrefixCache, Scheduler
+from engine.serve.scheduler import Job, Token
+from engine.steps import Stepper
+
+MIXES = {
+    "window": dict(attention="linear", window=3, num_hidden_layers=2),
+    "hybrid-hedgehog": dict(attention="hybrid", layer_attention=("linear", "softmax", "linear"), num_hidden_layers=3,
+                            feature_map="hedgehog"),
+    "hybrid-window-hedgehog": dict(attention="hybrid", layer_attention=("softmax", "linear", "linear"), window=3,
+                                   feature_map="hedgehog", num_hidden_layers=3),
+}
+TRAINED = ("softmax", "linear", "hybrid")
+
+
+def mixed_model(mix: str, seed: int = 1, **extra):
+    model = tiny_model(seed=seed, num_key_value_heads=2, trained_for=TRAINED, **MIXES[mix], **extra)
+    if model.hedgehog is not None:   # learned maps far from identity, different per layer (as test_hedgehog)
+        g = torch.Generator().manual_seed(seed + 100)
+        with torch.no_grad():
+            for p in model.hedgehog.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return model
+
+
+def greedy(step, state, logits, n):
+    """n greedy tokens from logits (B, V), feeding each back. Returns a list per row."""
+    out = [[] for _ in range(logits.shape[0])]
+    for _ in range(n):
+        nxt = logits.argmax(-1)
+        for b, t in enumerate(nxt.tolist()):
+            out[b].append(t)
+        logits = step(nxt[:, None], state)[:, -1]
+    return out
+
+
+def expected_kind(mix):
+    return WindowState if mix == "window" else HybridState
+
+
+@pytest.mark.parametrize("mix", MIXES)
+@pytest.mark.parametrize("ids", [[1, 5], [1, 5, 9, 20, 3, 7]], ids=["inside-window", "past-window"])
+def test_state_dict_round_trip_continues_identically(mix, ids):
+    """A prompt shorter than the window (empty window slots masked) and a longer one (keys in S)."""
+    model = mixed_model(mix)
+    step = Stepper(model, "torch")
+    prompt = torch.tensor([ids])
+    a = model.init_state(1, 64)
+    assert isinstance(a, expected_kind(mix))
+    logits = step(prompt, a, last_only=True)[:, -1]
+    sd = a.state_dict()
+    assert sd["meta"]["slots"] == len(ids) and sd["meta"]["path"] == a.path
+    fresh = model.init_state(1, 64)
+    fresh.load_state_dict(sd)
+    rebuilt = type(a).from_state_dict(sd, max_len=64, feature_map=model.feature_map())
+    want = greedy(step, a.select_rows([0], max_len=64), logits, 12)
+    assert greedy(step, fresh, logits, 12) == want
+    assert greedy(step, rebuilt, logits, 12) == want
+    assert greedy(step, a, logits, 12) == want
+
+
+@pytest.mark.parametrize("mix", MIXES)
+def test_load_state_dict_refuses_another_shape(mix):
+    sd = mixed_model(mix).init_state(1, 32).state_dict()
+    other = mixed_model("hybrid-hedgehog" if mix != "hybrid-hedgehog" else "window").init_state(1, 32)
+    with pytest.raises(StateMismatchError, match="does not fit"):
+        other.load_state_dict(sd)
+    with pytest.raises(StateMismatchError, match="batch|sequences"):
+        mixed_model(mix).init_state(2, 32).load_state_dict(sd)
+
+
+@pytest.mark.parametrize("mix", MIXES)
+def test_concat_and_select_rows_keep_every_row_as_it_is_alone(mix):
+    """Rows prefilled alone (lengths 5, 2, 10 around a window of 3), joined into one batch at different
+    times, dropped as they finish: each row's greedy tokens equal its solo run."""
+    model = mixed_model(mix)
+    step = Stepper(model, "torch")
+    prompts = [[1, 5, 9, 20, 3], [1, 7], [4, 4, 4, 4, 4, 4, 4, 4, 4, 1]]
+
+    def prefill(ids, max_len):
+        s = model.init_state(1, max_len)
+        return s, step(torch.tensor([ids]), s, last_only=True)[:, -1]
+
+    solo = []
+    for ids in prompts:
+        s, logits = prefill(ids, 64)
+        solo.append(greedy(step, s, logits, 12)[0])
+    outs, last, rows, state = [[] for _ in prompts], {}, [], None
+    for t in range(30):
+        if t in (0, 3, 5):                       # a new row joins the running batch
+            i = (0, 3, 5).index(t)
+            s, logits = prefill(prompts[i], 32)
+            last[i] = int(logits.argmax())
+            outs[i].append(last[i])
+            state = s if state is None else type(s).concat([state, s], max_len=64)
+            rows.append(i)
+        logits = step(torch.tensor([[last[i]] for i in rows]), state)[:, -1]
+        for b, i in enumerate(rows):
+            last[i] = int(logits[b].argmax())
+            outs[i].append(last[i])
+        keep = [b for b, i in enumerate(rows) if len(outs[i]) < 12]
+        if len(keep) < len(rows):
+            rows = [rows[b] for b in keep]
+            state = state.select_rows(keep) if keep else None
+        if not rows:
+            break
+    assert outs == solo
+
+
+def test_a_saved_hybrid_window_state_runs_the_models_learned_maps(tmp_path):
+    """Saved to a file and loaded: the linear layers run this model's learned maps (not a fresh map of
+    the same name) in their own layers, and the continuation equals an uninterrupted run."""
+    llm = LLM(mixed_model("hybrid-window-hedgehog"), None, backend="torch")
+    ids = [1, 5, 9, 20, 3, 7, 11, 2]
+    want = llm.generate(ids, max_new_tokens=12, temperature=0, ignore_eos=True).ids
+    llm.save_state(tmp_path / "s.safetensors", llm.prefill(ids))
+    saved = llm.load_state(tmp_path / "s.safetensors")
+    assert saved.state.parts[-1].feature_map is llm.model.hedgehog
+    assert llm.resume(saved, max_new_tokens=12, temperature=0, ignore_eos=True).run()[0].ids == want
+    other = LLM(mixed_model("hybrid-hedgehog"), None, backend="torch")
+    with pytest.raises(StateMismatchError, match="another model"):
+        other.load_state(tmp_path / "s.safetensors")
+
+
+# ---------------------------------------------------------------------- the serve scheduler on mixed states
+def drive(llm, jobs_at: dict, cache=None, iterations: int = 80) -> dict:
+    """Run a Scheduler by hand (no thread, no HTTP): jobs_at {iteration: [(key, ids, params, n)]}.
+    Returns {key: token ids}."""
+    sched = Scheduler(llm.model, llm.tokenizer, llm.step, max_batch=8, cache=cache or PrefixCache(max_entries=0))
+    outs: dict = {}
+    peak = 0
+    for it in range(iterations):
+        new = [Job(ids=ids, path=llm.attention, params=params, max_tokens=n, ignore_eos=True,
+                   emit=lambda ev, k=key: outs.setdefault(k, []).append(ev.id if isinstance(ev, Token) else ev))
+               for key, ids, params, n in jobs_at.get(it, [])]
+        sched._iterate(new)
+        peak = max(peak, sched.active)
+        if not sched.active and it > max(jobs_at):
+            break
+    outs["peak"] = peak
+    outs["stats"] = sched.cache.stats()
+    return outs
+
+
+@pytest.mark.parametrize("mix", MIXES)
+def test_a_job_joining_mid_batch_changes_nobody(mix):
+    llm = LLM(mixed_model(mix), None, backend="auto")
+    long = ("long", [1, 5, 9, 20, 3, 7], SamplingParams(temperature=0.9, seed=7), 30)
+    short = ("short", [1, 7], SamplingParams(temperature=0), 10)
+    other = ("other", [4, 4, 4, 4, 1], SamplingParams(temperature=0.8, seed=3, top_k=20), 14)
+    together = drive(llm, {0: [long], 4: [short], 6: [other]})
+    assert together["peak"] == 3
+    for job in (long, short, other):
+        alone = drive(llm, {0: [job]})
+        assert together[job[0]] == alone[job[0]], job[0]
+        assert len(alone[job[0]]) == job[3]
+
+
+@pytest.mark.parametrize("mix", MIXES)
+def test_prefix_cache_hit_equals_a_cold_run(mix):
+    llm = LLM(mixed_model(mix), None, backend="auto")
+    first = ("first", [1, 5, 9, 20, 3, 7], SamplingParams(temperature=0), 6)
+    more = ("more", [1, 5, 9, 20, 3, 7, 30, 31, 32], SamplingParams(temperature=0.9, seed=5), 12)
+    same = ("same", [1, 5, 9, 20, 3, 7], SamplingParams(temperature=0), 6)
+    cold = drive(llm, {0: [first], 10: [more], 25: [same]})
+    warm = drive(llm, {0: [first], 10: [more], 25: [same]}, cache=PrefixCache(max_entries=8))
+    assert warm["stats"]["hits"] == 2 and warm["stats"]["tokens_saved"] == 6 + 6
+    for key in ("first", "more", "same"):
+        assert warm[key] == cold[key], key
+    assert cold["stats"]["hits"] == 0
+
+
+def test_gen_serve_accepts_a_hybrid_window_default(tmp_path, small_tokenizer):
+    """open_server (what `gen serve --model M` runs) serves a hybrid + window checkpoint as it is, and
+    each request can still pick the softmax or linear path."""
+    from models.weights import save_pretrained
+    from engine.serve import open_server
+    model = tiny_model(seed=3, vocab_size=small_tokenizer.vocab_size, max_position_embeddings=64,
+                       num_hidden_layers=3, attention="hybrid", layer_attention=("softmax", "linear", "linear"),
+                       window=3, trained_for=TRAINED)
+    save_pretrained(model, str(tmp_path), tokenizer_path=small_tokenizer.path)
+    server = open_server(str(tmp_path), max_batch=4)
+    assert server.llm.attention == "hybrid"
+    for path in (None, "softmax", "linear"):
+        job = server.make_job(_Req(path), [1, 5, 9, 20], lambda ev: None, 8)
+        assert job.path == (path or "hybrid")
+    got = drive(server.llm, {0: [("a", [1, 5, 9, 20, 3, 7], SamplingParams(temperature=0), 8)]})
+    assert len(got["a"]) == 8
+
+
+class _Req:
+    """The fields Server.make_job reads from a request body."""
+
+    def __init__(self, attention):
+        self.attention, self.limit, self.temperature, self.top_k, self.top_p = attention, 8, 0.0, 0, 1.0
+        self.min_p, self.repetition_penalty, self.seed, self.stop, self.logprobs, self.ignore_eos = \
+            0.0, 1.0, None, None, None, True
