@@ -10,14 +10,21 @@ Blocks are llama.cpp's (ggml-quants.c), 32 weights along a row each:
   q4_1  fp16 d, fp16 m, 16 bytes          w = d * q + m      (m = min, d = (max - min) / 15)
 Nibbles: byte j holds weight j in its low 4 bits and weight j + 16 in its high 4 bits.
 
-A quantized layer is a `QuantLinear`: it keeps only the blocks. The native step reads them as
-they are and dequantizes inside its dot products (engine/steps/native/kernels.c); PyTorch forms
-(prefill, the torch and module steps) run `F.linear` on `dequantize(...)`, the same fp32 weights.
-So every form computes with the same weights, and tests hold the native quantized step to
-dequantize-then-fp32. Token embeddings stay as loaded (a lookup reads one row per token);
-lm_head is quantized (for tied embeddings that unties the two: the embedding keeps its values).
+A quantized layer is a `QuantLinear`: it keeps only the blocks (from `quantize`, or a GGUF file's
+own, byte for byte: engine.loader). PyTorch forms (prefill, the torch and module steps) run
+`F.linear` on `dequantize(...)`, fp32 weights. The native step computes as llama.cpp does
+(engine/steps/native/qdot.c): it rounds the activations of each matmul to q8 blocks (fp32
+d = max|x| / 127, int8 q = round-half-even(x / d)) and takes integer dot products per block, so
+it differs from dequantize-then-fp32 by that rounding (~0.4% of an activation block's largest
+value per element). `linear_q8` is its PyTorch twin (exact integer dots, fp64 scaling) and
+`q8_reference(model)` a copy of a model computing that way; tests hold the native step to it
+tightly and to dequantize-then-fp32 loosely. Token embeddings stay as loaded (a lookup reads one
+row per token); lm_head is quantized (for tied embeddings that unties the two: the embedding
+keeps its values).
 """
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.nn as nn
@@ -86,6 +93,47 @@ def dequantize(blocks: torch.Tensor, kind: str, shape) -> torch.Tensor:
     return w.reshape(rows, cols)
 
 
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., K) float, K % 32 == 0 -> (q (..., K/32, 32) int8 values as int32, d (..., K/32) fp32), as
+    qdot.c's quantize_x: d = max|x| / 127 per block, q = round-half-even(x * (1 / d)), all in fp32."""
+    xb = x.detach().float().reshape(*x.shape[:-1], x.shape[-1] // QK, QK)
+    d = xb.abs().amax(-1) / 127
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    return (xb * inv.unsqueeze(-1)).round().to(torch.int32), d
+
+
+def block_integers(blocks: torch.Tensor, kind: str, shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A matrix's blocks as (q (rows, nb, 32) int32, d (rows, nb) fp32, m (rows, nb) fp32 or zeros):
+    w = d * q (q8_0), d * (q - 8) (q4_0, q in 0..15), d * q + m (q4_1)."""
+    rows, cols = shape
+    b = blocks.reshape(rows, cols // QK, BLOCK_BYTES[check_kind(kind)])
+    d = _half_of(b[..., 0:2]).squeeze(-1)
+    m = _half_of(b[..., 2:4]).squeeze(-1) if kind == "q4_1" else torch.zeros_like(d)
+    if kind == "q8_0":
+        return b[..., 2:].contiguous().view(torch.int8).to(torch.int32), d, m
+    qs = b[..., 4:] if kind == "q4_1" else b[..., 2:]
+    return torch.cat([qs & 0x0F, qs >> 4], -1).to(torch.int32), d, m
+
+
+def linear_q8(x: torch.Tensor, blocks: torch.Tensor, kind: str, shape) -> torch.Tensor:
+    """The native step's quantized matmul in PyTorch: x (..., in) -> (..., out) fp32.
+
+    Activations rounded to q8 blocks (`quantize_activations`), integer dot products per block
+    (exact: int32 values in fp64), then per block dw * dx * dot (+ q4_0's -8 * dw * dx * sum(qx),
+    q4_1's m * dx * sum(qx)) summed in fp64."""
+    rows, cols = shape
+    qx, dx = quantize_activations(x.reshape(-1, cols))              # (N, nb, 32), (N, nb)
+    qw, dw, mw = block_integers(blocks, kind, shape)                 # (rows, nb, 32), (rows, nb) x2
+    dots = torch.einsum("nkq,rkq->nrk", qx.double(), qw.double())    # (N, rows, nb), exact integers
+    sx = qx.sum(-1).double()                                         # (N, nb)
+    if kind == "q4_0":
+        dots = dots - 8 * sx.unsqueeze(1)
+    y = (dots * dw.double().unsqueeze(0) * dx.double().unsqueeze(1)).sum(-1)
+    if kind == "q4_1":
+        y = y + (sx * dx.double()) @ mw.double().T
+    return y.float().reshape(*x.shape[:-1], rows)
+
+
 class QuantLinear(nn.Module):
     """A bias-free Linear whose weight is kept as quantized blocks (`blocks`, uint8)."""
 
@@ -111,6 +159,25 @@ class QuantLinear(nn.Module):
         return f"{self.in_features}, {self.out_features}, {self.kind}"
 
 
+class QuantLinearQ8(QuantLinear):
+    """A QuantLinear computing as the native step does (`linear_q8`): the reference twin of qdot.c."""
+
+    def forward(self, x):   # (..., in) -> (..., out)
+        return linear_q8(x, self.blocks, self.kind, (self.out_features, self.in_features)).to(x.dtype)
+
+
+def q8_reference(model):
+    """A deep copy of `model` whose QuantLinear layers round their activations to q8 blocks and take
+    integer dot products, as the native step (tests run its module path as the reference)."""
+    ref = copy.deepcopy(model)
+    for name, module in list(ref.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if type(child) is QuantLinear:
+                setattr(module, child_name, QuantLinearQ8(child.blocks, child.kind, child.in_features,
+                                                          child.out_features))
+    return ref
+
+
 def quantizable(linear) -> bool:
     return isinstance(linear, nn.Linear) and linear.bias is None and linear.in_features % QK == 0
 
@@ -118,7 +185,9 @@ def quantizable(linear) -> bool:
 def quantize_model(model, kind: str) -> list[str]:
     """Replace the model's matrices (per layer qkv, o_proj, gate_up, down_proj; lm_head) by
     QuantLinear in place. Returns the names of the matrices left as they were (input width not a
-    multiple of 32, e.g. stories260K's down_proj with 172 inputs)."""
+    multiple of 32, e.g. stories260K's down_proj with 172 inputs). A matrix already quantized
+    (a GGUF file's blocks) keeps its blocks when `kind` is its own, else is requantized from
+    its dequantized weights."""
     check_kind(kind)
     kept = []
     targets = [(f"layers.{i}.self_attn", layer.self_attn, n) for i, layer in enumerate(model.layers)
@@ -131,6 +200,9 @@ def quantize_model(model, kind: str) -> list[str]:
             module = getattr(parent, name)
             if quantizable(module):
                 setattr(parent, name, QuantLinear.from_linear(module, kind))
+            elif isinstance(module, QuantLinear) and module.kind != kind:
+                setattr(parent, name, QuantLinear(quantize(module.weight, kind), kind, module.in_features,
+                                                  module.out_features))
             elif not isinstance(module, QuantLinear):
                 kept.append(f"{prefix}.{name}".lstrip("."))
     model.weights_epoch += 1

@@ -193,24 +193,6 @@ def test_16bit_model_takes_the_native_step_with_its_own_cache(dtype):
     assert d <= (3e-2 if dtype == torch.bfloat16 else 5e-3) and dk <= (2e-2 if dtype == torch.bfloat16 else 3e-3)
 
 
-@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_1"])
-@pytest.mark.parametrize("attention", ["softmax", "linear"])
-def test_quantized_native_equals_dequantize_then_fp32(kind, attention):
-    """The native step keeps the blocks and dequantizes inside its dot products; the module path
-    runs F.linear on dequantize(blocks) (fp32). Same weights, so only the summation order differs:
-    the fp32 tolerance, 1e-4, holds."""
-    model = tiny_model(num_key_value_heads=2, tie_word_embeddings=False)
-    kept = quantize_model(model, kind)
-    assert kept == []
-    prompt, follow = tokens(7, batch=2)
-    ref, _, _ = run(model, prompt, follow, "module", attention=attention, batch=2)
-    got, _, forms = run(model, prompt, follow, "native", attention=attention, batch=2, threads=2)
-    d = (ref - got).abs().max().item()
-    print(f"{kind} {attention}: max |logit diff| {d:.2e}")
-    assert d <= 1e-4 and forms == {"native"}
-    assert torch.equal(ref.argmax(-1), got.argmax(-1))
-
-
 def test_fallback_reason_is_kept():
     model = tiny_model(dtype=torch.float64)
     step = Stepper(model, "auto")
@@ -254,18 +236,6 @@ def test_native_step_after_storage_is_replaced(attention):
     d = (got - want).abs().max().item()
     print(f"{attention}: max |logit diff| after half().float() {d:.2e}")
     assert torch.isfinite(got).all() and d <= 1e-4
-
-
-def test_load_quantize_generates_with_the_native_step(small_model_dir):
-    """load(..., quantize=) keeps the matrices as blocks; greedy text equals the module path's on them."""
-    from engine import load
-    from engine.quant import QuantLinear
-    llm = load(str(small_model_dir), quantize="q4_0", backend="native")
-    assert isinstance(llm.model.layers[0].mlp.gate_up, QuantLinear)
-    ref = load(str(small_model_dir), quantize="q4_0", backend="module")
-    a = llm.generate("the cat", max_new_tokens=12, temperature=0, ignore_eos=True)
-    b = ref.generate("the cat", max_new_tokens=12, temperature=0, ignore_eos=True)
-    assert a.ids == b.ids and llm.step.last_form == "native"
 
 
 def test_bench_records_weights_batch_and_form(small_model_dir):

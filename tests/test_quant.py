@@ -1,10 +1,17 @@
-"""engine.quant: blocks byte-for-byte as llama.cpp's reference quantizers (gguf-py), dequantization as gguf-py's."""
+"""engine.quant: blocks byte-for-byte as llama.cpp's reference quantizers (gguf-py), dequantization as
+gguf-py's; the native quantized matmul (qdot.c) against its PyTorch twin `linear_q8`; the native
+quantized step against the module path computing the same way, and loosely against dequantize-then-fp32."""
+import ctypes
+import os
+
 import numpy as np
 import pytest
 import torch
 
 from engine.errors import InvalidArgumentError
-from engine.quant import BLOCK_BYTES, dequantize, quantize, quantize_model
+from engine.quant import (BLOCK_BYTES, QuantLinear, dequantize, linear_q8, q8_reference, quantize,
+                          quantize_activations, quantize_model)
+from engine.steps import NativeUnavailableError, Stepper
 from tests.conftest import tiny_model
 
 gguf = pytest.importorskip("gguf")
@@ -14,9 +21,9 @@ QTYPE = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationTy
          "q4_1": gguf.GGMLQuantizationType.Q4_1}
 
 
-def weights(seed=0):
+def weights(seed=0, rows=48, cols=96):
     g = torch.Generator().manual_seed(seed)
-    w = torch.randn(48, 96, generator=g) * 0.1
+    w = torch.randn(rows, cols, generator=g) * 0.1
     w[0, :32] = 0.0                      # an all-zero block: d = 0
     w[1, :32] = 0.25                     # a constant block
     w[2, 5] = -3.0                       # an outlier
@@ -42,3 +49,143 @@ def test_quantize_model_keeps_widths_it_cannot_block():
     assert kept == [f"layers.{i}.mlp.down_proj" for i in range(2)]
     with pytest.raises(InvalidArgumentError):
         quantize_model(model, "q5_k")
+
+
+def test_quantize_model_requantizes_other_kinds_and_keeps_its_own():
+    model = tiny_model()
+    quantize_model(model, "q4_1")
+    blocks = model.layers[0].mlp.gate_up.blocks
+    quantize_model(model, "q4_1")
+    assert model.layers[0].mlp.gate_up.blocks is blocks           # its own kind: the blocks as they are
+    quantize_model(model, "q8_0")
+    gu = model.layers[0].mlp.gate_up
+    assert isinstance(gu, QuantLinear) and gu.kind == "q8_0"
+    assert torch.equal(gu.blocks, quantize(dequantize(blocks, "q4_1", (gu.out_features, gu.in_features)), "q8_0"))
+
+
+# ------------------------------------------------------------------ the native quantized matmul
+@pytest.fixture(scope="module")
+def native(tmp_path_factory):
+    os.environ.setdefault("GEN_ENGINE_CACHE", str(tmp_path_factory.mktemp("native-cache")))
+    from engine.steps.native import Mat, library, set_parallel_min
+    try:
+        lib = library()
+    except NativeUnavailableError as e:
+        pytest.skip(f"native decode step unavailable here: {e}")
+    lib.gen_qmatmul.argtypes = [ctypes.POINTER(Mat), ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    lib.gen_qmatmul.restype = None
+    lib.qx_row_bytes.argtypes = [ctypes.c_int]
+    lib.qx_row_bytes.restype = ctypes.c_size_t
+    set_parallel_min(0)       # every phase on the pool, even for these small models
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield lib, Mat
+    torch.set_num_threads(torch_threads)
+    set_parallel_min(24576)
+
+
+def native_matmul(native, blocks, kind, shape, x):
+    """x (B, cols) fp32 -> (out (B, rows), q (B, cols) int8 as rounded by qdot.c's quantize_x, d (B, nb))."""
+    lib, Mat = native
+    rows, cols = shape
+    B = x.shape[0]
+    rs = lib.qx_row_bytes(cols)
+    qx = torch.zeros(B, rs, dtype=torch.uint8)
+    out = torch.empty(B, rows)
+    m = Mat(blocks.data_ptr(), {"q8_0": 3, "q4_0": 4, "q4_1": 5}[kind], rows, cols)
+    lib.gen_qmatmul(ctypes.byref(m), x.contiguous().data_ptr(), B, out.data_ptr(), qx.data_ptr())
+    q = qx[:, :cols].view(torch.int8)
+    d = qx[:, cols:cols + 4 * (cols // 32)].contiguous().view(torch.float32)
+    return out, q, d
+
+
+@pytest.mark.parametrize("kind", list(QTYPE))
+@pytest.mark.parametrize("B", [1, 3, 6])
+def test_native_qmatmul_equals_linear_q8(native, kind, B):
+    """Given the same x, qdot.c rounds it to exactly linear_q8's integers and scales (byte for byte),
+    and its outputs match linear_q8's exact integer dots within fp32 summation order (1e-6 relative)."""
+    w = weights(seed=3, rows=40, cols=160)
+    blocks = quantize(w, kind)
+    g = torch.Generator().manual_seed(B)
+    x = torch.randn(B, 160, generator=g) * 2
+    x[0, :32] = 0.0                                                   # an all-zero activation block
+    x[-1, 40] = 50.0                                                  # an outlier
+    got, q, d = native_matmul(native, blocks, kind, w.shape, x)
+    q_ref, d_ref = quantize_activations(x)
+    assert torch.equal(q.to(torch.int32), q_ref.reshape(B, 160)) and torch.equal(d, d_ref)
+    want = linear_q8(x, blocks, kind, w.shape)
+    rel = ((got - want).abs().max() / want.abs().max()).item()
+    exact = x @ dequantize(blocks, kind, w.shape).T                   # dequantize-then-fp32
+    rel_deq = ((got - exact).abs().max() / exact.abs().max()).item()
+    print(f"{kind} B{B}: relative to linear_q8 {rel:.1e}, to dequantize-then-fp32 {rel_deq:.1e}")
+    assert rel <= 1e-6
+    assert rel_deq <= 2e-2          # activation rounding: <= 1/254 of a block's largest |x| per element
+
+
+# ------------------------------------------------------------------ the native quantized step
+def decode(model, step_model, backend, kind_attention, batch=2, follow=16):
+    """Prefill on `model` (PyTorch, dequantized weights), then `follow` steps of `step_model` on `backend`."""
+    g = torch.Generator().manual_seed(7)
+    prompt, ids = torch.randint(0, 97, (batch, 5), generator=g), torch.randint(0, 97, (batch, follow), generator=g)
+    state = model.init_state(batch, 64, kind_attention)
+    model.step(prompt, state)
+    step = Stepper(step_model, backend, threads=2)
+    out, forms = [], set()
+    for t in ids.T:
+        out.append(step(t.reshape(batch, 1), state))
+        forms.add(step.last_form)
+    return torch.cat(out, 1), forms                                   # (B, follow, V)
+
+
+@pytest.mark.parametrize("kind", list(QTYPE))
+@pytest.mark.parametrize("attention", ["softmax", "linear"])
+def test_native_quantized_step_equals_its_reference(native, kind, attention):
+    """The native step against q8_reference (the module path with activations rounded to q8 blocks
+    and integer dots, as qdot.c): 1e-5 on almost every logit vector. Not on all: where torch's and the
+    C code's fp32 sums put one activation a rounding ulp apart at a q8 tie (x / d within ~1e-7 of
+    k + 1/2), the two round it 1/127 of its block's max apart and the KV cache carries that on, so a
+    run may drift by ~1e-2 from that step; the loose bound below (dequantize-then-fp32's) still holds.
+    Against dequantize-then-fp32 the activation rounding costs ~1e-2 on logits of scale ~2."""
+    model = tiny_model(num_key_value_heads=2, tie_word_embeddings=False)
+    assert quantize_model(model, kind) == []
+    ref, _ = decode(model, q8_reference(model), "module", attention)
+    got, forms = decode(model, model, "native", attention)
+    exact, _ = decode(model, model, "module", attention)
+    per_step = (got - ref).abs().amax(-1)                             # (B, follow)
+    d_exact = (got - exact).abs().max().item()
+    tight = (per_step <= 1e-5).float().mean().item()
+    print(f"{kind} {attention}: |native - q8 reference| max {per_step.max():.1e}, within 1e-5 on "
+          f"{tight:.0%} of steps; |native - dequantize-then-fp32| {d_exact:.1e}")
+    assert forms == {"native"}
+    assert tight >= 0.75 and per_step.max() <= 0.1
+    assert d_exact <= 0.1
+
+
+def test_q8_reference_is_not_dequantize_then_fp32():
+    """The reference twin rounds activations (it would be vacuous if it matched the float path)."""
+    model = tiny_model()
+    quantize_model(model, "q8_0")
+    x = torch.randn(3, model.config.hidden_size)
+    lin = model.layers[0].mlp.gate_up
+    ref = q8_reference(model).layers[0].mlp.gate_up(x)
+    d = (ref - lin(x)).abs().max().item()
+    assert 1e-5 < d < 5e-2
+
+
+def test_load_quantize_generates_greedy_ids_of_its_reference(native, small_model_dir):
+    """load(..., quantize=) keeps the matrices as blocks and decodes natively; its greedy ids are the
+    argmax of the q8 reference at every step, teacher-forced on the same prefill (PyTorch, as in
+    generation). Against dequantize-then-fp32 they may part at a near-tie of a random model."""
+    from engine import load
+    llm = load(str(small_model_dir), quantize="q4_0", backend="native")
+    assert isinstance(llm.model.layers[0].mlp.gate_up, QuantLinear)
+    out = llm.generate("the cat", max_new_tokens=12, temperature=0, ignore_eos=True)
+    assert llm.step.last_form == "native"
+    model, ref = llm.model, q8_reference(llm.model)
+    state = model.init_state(1, 64)
+    logits = model.step(torch.tensor([llm.encode("the cat")]), state)[:, -1]
+    want = []
+    for t in out.ids:
+        want.append(int(logits.argmax()))
+        logits = ref.step(torch.tensor([[t]]), state)[:, -1]
+    assert out.ids == want

@@ -42,7 +42,9 @@ static int widest(const Plan *p) {
 int gen_plan_init(Plan *p) {
     if (p->nthreads < 1) p->nthreads = 1;
     p->tscratch_floats = (fn_scratch(p) + (size_t)p->B * widest(p) + 15) & ~(size_t)15;
-    p->tscratch = aligned_alloc(64, p->tscratch_floats * p->nthreads * sizeof(float));
+    /* after every thread's scratch: the activations of a quantized matmul as q8 blocks (qdot.c) */
+    size_t qx_floats = ((size_t)p->B * qx_row_bytes(widest(p)) / sizeof(float) + 15) & ~(size_t)15;
+    p->tscratch = aligned_alloc(64, (p->tscratch_floats * p->nthreads + qx_floats) * sizeof(float));
     return p->tscratch ? 0 : -1;
 }
 
@@ -53,25 +55,33 @@ void gen_plan_free(Plan *p) {
 }
 
 /* ------------------------------------------------------------------ matrices on the pool */
-typedef struct { Mat m; const float *x; int xs, B; } MatCtx;
+typedef struct { Mat m; const float *x; int xs, B; const void *qx; } MatCtx;
 
 static void mat_fn(const void *ctx, int r0, int r1, float *out, int os, int add, float *scratch) {
     const MatCtx *c = ctx;
     (void)scratch;
-    mat_rows(&c->m, r0, r1, c->x, c->xs, c->B, out, os, add);
+    if (c->qx) qmat_rows(&c->m, r0, r1, c->qx, c->B, out, os, add);
+    else mat_rows(&c->m, r0, r1, c->x, c->xs, c->B, out, os, add);
 }
 
 /* out (B, os) (+)= x (B, xs) @ m^T */
 static void matmul(const Plan *p, const Mat *m, const float *x, int xs, float *out, int os, int add) {
     long long macs = (long long)m->rows * m->cols * p->B;
+    const void *qx = NULL;
+    if (m->type >= T_Q8_0) {   /* quantized weights: x rounded to q8 blocks once, integer dots (qdot.c) */
+        void *buf = p->tscratch + p->tscratch_floats * p->nthreads;
+        quantize_x(x, xs, p->B, m->cols, buf);
+        qx = buf;
+    }
     if (p->nthreads <= 1 || macs < par_min_macs) {
-        mat_rows(m, 0, m->rows, x, xs, p->B, out, os, add);
+        if (qx) qmat_rows(m, 0, m->rows, qx, p->B, out, os, add);
+        else mat_rows(m, 0, m->rows, x, xs, p->B, out, os, add);
         return;
     }
     int chunks = p->nthreads * CHUNKS_PER_THREAD, rows = (m->rows + chunks - 1) / chunks;
     rows = (rows + 7) & ~7;
     if ((m->rows + rows - 1) / rows > 64) rows = (m->rows + 63) / 64;
-    MatCtx c = {*m, x, xs, p->B};
+    MatCtx c = {*m, x, xs, p->B, qx};
     pool_run(p->nthreads, mat_fn, &c, sizeof c, m->rows, 1, rows, p->B, out, os, add,
              p->tscratch, p->tscratch_floats, fn_scratch(p));
 }

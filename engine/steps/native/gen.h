@@ -2,6 +2,7 @@
  *
  * Files, one concept each: pool.c (the thread pool that stays steady when a core is taken),
  * kernels.c (row dot products for every weight type, rms_norm, 16-bit conversions),
+ * qdot.c (quantized weights: integer dot products against activations rounded to q8 blocks),
  * decode.c (the one-token step of a batch, both attention paths).
  * Layouts are torch's: a Linear weight is (out, in) row-major; activations (B, width).
  */
@@ -63,6 +64,11 @@ void load_row(const void *base, int type, size_t at, int n, float *dst);
 void store_row(void *base, int type, size_t at, int n, const float *src);
 
 /* ---- pool.c */
+/* ---- qdot.c: quantized weights (type >= T_Q8_0) times activations rounded to q8 blocks */
+size_t qx_row_bytes(int K);                                   /* one row of K inputs as q8 blocks */
+void quantize_x(const float *x, int xs, int B, int K, void *qx);   /* B rows, qx_row_bytes(K) apart */
+void qmat_rows(const Mat *m, int r0, int r1, const void *qx, int B, float *out, int os, int add);
+
 /* A job: `fn` computes units [u0, u1) for every row b, writing out[b*os + (u - u0)*width + j]
  * (add: +=). `ctx` is copied into the job (a late worker never reads the caller's stack). */
 typedef void (*UnitsFn)(const void *ctx, int u0, int u1, float *out, int os, int add, float *scratch);
