@@ -15,8 +15,9 @@ right-aligned, its leading slots masked pads, so it keeps its own positions); (2
 decode step per pool over every row; (3) drops finished and cancelled rows
 (`State.select_rows`, which also trims pad slots no kept row needs).
 
-A request's tokens do not depend on what else runs: each job has its own `Sampler` (its own
-seeded torch.Generator), its prompt's positions are its own, and decode rows never mix (per-row
+A request's tokens do not depend on what else runs: each job has its own `RowSampler` (its own
+seeded torch.Generator; a step samples every row in one pass, engine.serve.batch_sampling), its
+prompt's positions are its own, and decode rows never mix (per-row
 positions, masked pads; linear rows are independent by construction). An exception in a
 step fails that pool's jobs only; the loop goes on.
 """
@@ -31,7 +32,8 @@ import torch
 
 from engine.detokenize import StreamDecoder
 from engine.generate import eos_set
-from engine.sampling import Sampler, SamplingParams
+from engine.sampling import SamplingParams
+from engine.serve.batch_sampling import RowSampler, sample_rows
 from engine.serve.prefix_cache import PrefixCache
 from engine.stopping import StopText
 
@@ -87,8 +89,7 @@ class Running:
 
     def __init__(self, job: Job, tokenizer, vocab_size: int, device):
         self.job = job
-        self.sampler = Sampler(job.params, 1, vocab_size, device)
-        self.sampler.observe(torch.tensor([job.ids], device=device))
+        self.sampler = RowSampler(job.params, job.ids, vocab_size, device)
         self.decoder = StreamDecoder(tokenizer) if tokenizer is not None else None
         self.stopper = StopText(job.stop)
 
@@ -254,7 +255,7 @@ class Scheduler:
                 logits = self.stepper(tokens, state, last_only=True)[:, -1]      # (1, V)
                 self.cache.record_prefill(len(job.ids) - n, time.perf_counter() - t0)
                 self.cache.put(job.path, job.ids, state, logits)
-            if not self._emit(run, logits):
+            if not self._emit([run], logits)[0]:
                 return None
             return run, state
         except Exception as e:   # noqa: BLE001 -- a failed prefill fails this request only
@@ -290,7 +291,7 @@ class Scheduler:
         try:
             logits = self.stepper(tokens, pool.state)[:, -1]                   # (B, V)
             self.steps += 1
-            done = [r for b, r in enumerate(pool.rows) if not self._emit(r, logits[b:b + 1])]
+            done = [r for r, going in zip(pool.rows, self._emit(pool.rows, logits)) if not going]
         except Exception as e:   # noqa: BLE001 -- fails this batch only; the loop goes on
             self._fail(pool, pool.rows, e)
             del self.pools[path]
@@ -314,18 +315,28 @@ class Scheduler:
             r.job.emit(Failure(f"decode step failed: {type(error).__name__}: {error}"))
         pool.rows, pool.state = [], None
 
-    def _emit(self, run: Running, logits: torch.Tensor) -> bool:
-        """Sample run's next token from logits (1, V), deliver it; False when the job is finished."""
+    def _emit(self, runs: list[Running], logits: torch.Tensor) -> list[bool]:
+        """Sample every run's next token from logits (B, V) (row b for runs[b]) in one pass, deliver
+        each; False where the job is finished."""
+        tokens = sample_rows([r.sampler for r in runs], logits)
+        want = [b for b, r in enumerate(runs) if r.job.logprobs is not None]
+        logprobs = [(None, None)] * len(runs)
+        if want:   # log p under the model (before the sampling filters), the rows that asked, at once
+            lp = torch.log_softmax((logits if len(want) == len(runs) else logits[want]).float(), -1)   # (k, V)
+            chosen = lp.gather(1, torch.tensor([[tokens[b]] for b in want], device=lp.device))[:, 0].tolist()
+            for i, b in enumerate(want):
+                k = runs[b].job.logprobs
+                top = None
+                if k:
+                    values, ids = lp[i].topk(k)
+                    top = list(zip(ids.tolist(), values.tolist()))
+                logprobs[b] = (chosen[i], top)
+        return [self._deliver(r, t, *lps) for r, t, lps in zip(runs, tokens, logprobs)]
+
+    def _deliver(self, run: Running, tok: int, logprob: float | None, top) -> bool:
+        """Record and send one sampled token; False when the job is finished."""
         job = run.job
-        tok = int(run.sampler.sample(logits)[0])
         job.generated.append(tok)
-        logprob = top = None
-        if job.logprobs is not None:
-            lp = torch.log_softmax(logits[0].float(), -1)
-            logprob = float(lp[tok])
-            if job.logprobs:
-                values, ids = lp.topk(job.logprobs)
-                top = list(zip(ids.tolist(), values.tolist()))
         reason, text = None, ""
         if tok in (job.eos_ids if job.eos_ids is not None else self.eos) and not job.ignore_eos:
             reason = "stop"
