@@ -78,7 +78,10 @@ class Rotary(nn.Module):
         """cos, sin tables (n, D) in `dtype`, grown on demand (positions may pass the trained range)."""
         c = self._cos
         if c is None or c.shape[0] < n or c.device != torch.device(device) or c.dtype != dtype:
-            size = max(n, 2 * (c.shape[0] if c is not None else 0), 256)
+            # doubling only when a longer table is asked for: a dtype or device switch (the native
+            # step reads fp32 rows of an f16 model) rebuilds at the same length, not twice it
+            have = c.shape[0] if c is not None else 0
+            size = max(n, 2 * have if have < n else have, 256)
             t = torch.arange(size, device=device, dtype=torch.int64).float()
             freqs = torch.outer(t, self.inv_freq(device))
             emb = torch.cat((freqs, freqs), dim=-1)

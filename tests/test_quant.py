@@ -173,19 +173,24 @@ def test_q8_reference_is_not_dequantize_then_fp32():
 
 
 def test_load_quantize_generates_greedy_ids_of_its_reference(native, small_model_dir):
-    """load(..., quantize=) keeps the matrices as blocks and decodes natively; its greedy ids are the
-    argmax of the q8 reference at every step, teacher-forced on the same prefill (PyTorch, as in
-    generation). Against dequantize-then-fp32 they may part at a near-tie of a random model."""
+    """load(..., quantize=) keeps the matrices as blocks and decodes natively; greedy decoding with the
+    native step picks, at every step, the argmax of the q8 reference on a twin state (the same PyTorch
+    prefill). Against dequantize-then-fp32 the ids may part at a near-tie of a random model."""
     from engine import load
     llm = load(str(small_model_dir), quantize="q4_0", backend="native")
     assert isinstance(llm.model.layers[0].mlp.gate_up, QuantLinear)
-    out = llm.generate("the cat", max_new_tokens=12, temperature=0, ignore_eos=True)
+    llm.generate("the cat", max_new_tokens=4, temperature=0, ignore_eos=True)
     assert llm.step.last_form == "native"
     model, ref = llm.model, q8_reference(llm.model)
-    state = model.init_state(1, 64)
-    logits = model.step(torch.tensor([llm.encode("the cat")]), state)[:, -1]
-    want = []
-    for t in out.ids:
-        want.append(int(logits.argmax()))
-        logits = ref.step(torch.tensor([[t]]), state)[:, -1]
-    assert out.ids == want
+    prompt = torch.tensor([llm.encode("the cat")])
+    state, twin = model.init_state(1, 64), model.init_state(1, 64)
+    first = [model.step(prompt, s)[:, -1] for s in (state, twin)][0]
+    step = Stepper(model, "native", threads=2)
+    got, want, t = [], [], int(first.argmax())
+    for _ in range(12):
+        got.append(t)
+        a, b = step(torch.tensor([[t]]), state)[:, -1], ref.step(torch.tensor([[t]]), twin)[:, -1]
+        t = int(a.argmax())
+        want.append(int(b.argmax()))
+    assert step.last_form == "native"
+    assert got[1:] == want[:-1]

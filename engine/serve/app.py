@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -82,10 +83,12 @@ def create_app(server: Server) -> "FastAPI":
         server.check_model(req.model)
         return await _serve(request, req, server.chat_ids(req), ChatFormat(server, req), None)
 
+    mailboxes: dict = {}   # one per event loop (the app's; tests may run several servers)
+
     async def _serve(request: Request, req, ids, fmt, default_max_tokens):
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        job = server.make_job(req, ids, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev),
-                              default_max_tokens)
+        mailbox = mailboxes.get(loop) or mailboxes.setdefault(loop, Mailbox(loop))
+        job = server.make_job(req, ids, lambda ev: mailbox.post(queue, ev), default_max_tokens)
         server.submit(job)
         if req.stream:
             return EventSourceResponse(_stream(job, queue, fmt, req.include_usage), ping=15)
@@ -127,6 +130,30 @@ def create_app(server: Server) -> "FastAPI":
             job.cancel()   # a client gone mid-stream (the task is cancelled here) frees its row
 
     return app
+
+
+class Mailbox:
+    """Events from the scheduler's thread to the event loop's queues, handed over in one loop wake-up
+    for all that arrived together: a decode step emits one token to each of its B jobs, and waking
+    the loop once per token (call_soon_threadsafe: a lock, a self-pipe write, a loop iteration) cost
+    B wake-ups per step. Order is kept (one list, drained in order)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.items, self.lock, self.scheduled = loop, [], threading.Lock(), False
+
+    def post(self, queue: asyncio.Queue, event) -> None:
+        with self.lock:
+            self.items.append((queue, event))
+            if self.scheduled:
+                return
+            self.scheduled = True
+        self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self.lock:
+            items, self.items, self.scheduled = self.items, [], False
+        for queue, event in items:
+            queue.put_nowait(event)
 
 
 async def _json(request: Request):

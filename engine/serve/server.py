@@ -32,6 +32,7 @@ class Server:
         self.llm, self.name = llm, name
         self.max_context = max_context or llm.model.config.max_position_embeddings
         self._chat_eos: frozenset | None = None
+        self._token_texts: dict[int, str] = {}
         self.scheduler = Scheduler(llm.model, llm.tokenizer, llm.step, max_batch=max_batch, max_queue=max_queue,
                                    feature_map=llm.feature_map, cache=cache)
 
@@ -104,8 +105,12 @@ class Server:
             raise over_capacity(RETRY_AFTER_S) from None
 
     def token_text(self, i: int) -> str:
-        tok = self.llm.tokenizer
-        return tok.decode_continuation([i]) if tok is not None else ""
+        """One token's text as logprobs show it (memoised: every streamed token with logprobs asks)."""
+        text = self._token_texts.get(i)
+        if text is None:
+            tok = self.llm.tokenizer
+            text = self._token_texts[i] = tok.decode_continuation([i]) if tok is not None else ""
+        return text
 
 
 __all__ = ["Server", "APIError", "COMPLETION_DEFAULT_MAX_TOKENS"]

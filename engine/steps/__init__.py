@@ -80,6 +80,7 @@ class Stepper:
         else:
             self.forms.append(TorchStep(model))
         self.last_form: str | None = None
+        self.last_prefill_form: str | None = None   # the form that ran the last prompt block
 
     @property
     def forms_available(self) -> list[str]:
@@ -94,7 +95,12 @@ class Stepper:
                     self.last_form = form.name
                     return form(tokens, state)
                 self.fallback = f"{form.name}: {reason}"
-        self.last_form = "module"
+        if valid is None and last_only and tokens.dim() == 2:   # a prompt block: the native pool where it applies
+            for form in self.forms:
+                if hasattr(form, "prefill") and form.why_not_prefill(state, tokens) is None:
+                    self.last_prefill_form = form.name
+                    return form.prefill(tokens, state)
+        self.last_form = self.last_prefill_form = "module"
         return self.model.step(tokens, state, valid=valid, last_only=last_only)
 
 

@@ -36,6 +36,7 @@ _V = ctypes.c_void_p
 TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, "q8_0": 3, "q4_0": 4, "q4_1": 5}
 FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
 MODES = {"elu1": 1, "relu": 2, "softmax": 3, "cos1": 4}   # linear feature maps; 0 is softmax attention
+PREFILL_ROWS = 64   # a prompt block runs this many tokens at a time (the rows of one batched step)
 
 
 class Mat(ctypes.Structure):   # gen.h Mat
@@ -51,7 +52,8 @@ class Plan(ctypes.Structure):   # gen.h Plan, field for field
                 + [("k", _V), ("v", _V), ("kv_type", ctypes.c_int), ("mode", ctypes.c_int), ("F", ctypes.c_int),
                    ("lin_eps", ctypes.c_float)]
                 + [(n, _P) for n in ("S", "z", "x", "xb", "qkv_out", "att", "gu_out", "hb")]
-                + [("nthreads", ctypes.c_int), ("tscratch", _P), ("tscratch_floats", ctypes.c_size_t)])
+                + [("nthreads", ctypes.c_int), ("tscratch", _P), ("tscratch_floats", ctypes.c_size_t)]
+                + [("Bc", ctypes.c_int), ("seq", ctypes.c_int)])
 
 
 def _bind(lib):
@@ -62,6 +64,9 @@ def _bind(lib):
         lib.gen_plan_free.restype = None
         lib.gen_decode_step.argtypes = [ctypes.POINTER(Plan), _V, ctypes.c_int, _V, _V, ctypes.c_int, _V, _V]
         lib.gen_decode_step.restype = None
+        lib.gen_prefill_block.argtypes = [ctypes.POINTER(Plan), ctypes.c_int, ctypes.c_int, _V, ctypes.c_int, _V, _V,
+                                          _V, _V]
+        lib.gen_prefill_block.restype = None
         lib.gen_set_parallel_min.argtypes = [ctypes.c_longlong]
         lib.gen_set_parallel_min.restype = None
         lib._gen_bound = True
@@ -127,12 +132,26 @@ class NativeStep:
             return None   # checked when the plan was made; what could change since moves the epoch
         return why_not(self.model, state, tokens)
 
-    def __call__(self, tokens: torch.Tensor, state) -> torch.Tensor:
+    def _plan(self, state) -> "NativeDecoder":
         threads = self.threads or current_threads()
         plan = self.plans.get(state)
         if plan is None or not plan.still_valid(state, threads):
             plan = self.plans[state] = NativeDecoder(self.model, state, threads)
-        return plan.step(tokens, state)
+        return plan
+
+    def __call__(self, tokens: torch.Tensor, state) -> torch.Tensor:
+        return self._plan(state).step(tokens, state)
+
+    def why_not_prefill(self, state, tokens) -> str | None:
+        """None when a prompt block (B, T) without pads can run here (as `why_not`, on a state
+        that holds no pads: padded rows sit at their own rotary positions)."""
+        if state.padded:
+            return "a prompt block on a state with pads runs the module path"
+        return self.why_not(state, tokens)
+
+    def prefill(self, tokens: torch.Tensor, state) -> torch.Tensor:
+        """tokens (B, T) -> the last position's logits (B, 1, V), on the thread pool."""
+        return self._plan(state).prefill(tokens, state)
 
 
 def _ptr(t: torch.Tensor):
@@ -163,9 +182,8 @@ class NativeDecoder:
                               cfg.intermediate_size, cfg.hidden_size, state.batch_size)
         linear = state.path == "linear"
         F_ = state.feature_map.out_dim(D) if linear else 0
-        self.scratch = {n: torch.zeros(B, size) for n, size in
-                        (("x", C), ("xb", C), ("qkv_out", (H + 2 * Hkv) * D), ("att", H * D), ("gu_out", 2 * I),
-                         ("hb", I))}
+        self.widths = (("x", C), ("xb", C), ("qkv_out", (H + 2 * Hkv) * D), ("att", H * D), ("gu_out", 2 * I), ("hb", I))
+        self.scratch = {n: torch.zeros(B, size) for n, size in self.widths}
         self.tables = {n: (Mat * cfg.num_hidden_layers)(*[Mat(m[0].data_ptr(), m[1], m[2], m[3]) for m in ms])
                        for n, ms in mats.items()}
         self.norm_tables = {n: (_V * cfg.num_hidden_layers)(*[layer[i].data_ptr() for layer in layers])
@@ -191,11 +209,58 @@ class NativeDecoder:
             raise NativeUnavailableError("the native step could not allocate its thread scratch")
         self.rope = model.uses_rope(state.path)
         self.V, self.D, self.B = cfg.vocab_size, D, B
+        self.prefill_plan = self.prefill_ref = None   # made on the first prompt block
 
     def __del__(self):
-        plan = getattr(self, "plan_ref", None)
-        if plan is not None and self.plan.tscratch:
-            self.library.gen_plan_free(plan)   # waits until no pool worker is inside this plan's chunks
+        for plan, ref in ((getattr(self, "plan", None), getattr(self, "plan_ref", None)),
+                          (getattr(self, "prefill_plan", None), getattr(self, "prefill_ref", None))):
+            if ref is not None and plan.tscratch:
+                self.library.gen_plan_free(ref)   # waits until no pool worker is inside this plan's chunks
+
+    def _prefill_plan(self):
+        """The decode plan's twin for prompt blocks: PREFILL_ROWS rows of scratch, the same weights
+        and state; row r is token r of one sequence's block (gen_prefill_block)."""
+        if self.prefill_plan is None:
+            self.prefill_scratch = {n: torch.zeros(PREFILL_ROWS, size) for n, size in self.widths}
+            plan = Plan()
+            ctypes.memmove(ctypes.byref(plan), self.plan_ref, ctypes.sizeof(Plan))   # every field, then rows and scratch
+            plan.tscratch, plan.tscratch_floats = None, 0
+            plan.B, plan.Bc = PREFILL_ROWS, self.B
+            for n, t in self.prefill_scratch.items():
+                setattr(plan, n, _ptr(t))
+            ref = ctypes.byref(plan)
+            if self.library.gen_plan_init(ref) != 0:
+                raise NativeUnavailableError("the native step could not allocate its thread scratch")
+            self.prefill_plan, self.prefill_ref = plan, ref
+        return self.prefill_ref
+
+    def prefill(self, tokens: torch.Tensor, state) -> torch.Tensor:
+        """tokens (B, T), no pads, on a state without pads -> the last position's logits (B, 1, V);
+        writes T cache slots per row (or T linear updates) and advances the state."""
+        span = state.open(tokens)            # shape and capacity checks, as PyTorch
+        B, T = tokens.shape
+        ids = tokens.to(torch.int64).contiguous()
+        lo, hi = ids.aminmax()
+        if int(lo) < 0 or int(hi) >= self.V:
+            raise IndexError(f"token id {int(lo) if int(lo) < 0 else int(hi)} outside the vocabulary "
+                             f"(0..{self.V - 1})")
+        ref = self._prefill_plan()
+        cos = sin = None
+        if self.rope:
+            cos, sin = self.model.rotary.table(span.start + T, tokens.device, torch.float32)   # (S, D)
+        logits = torch.empty(B, 1, self.V)
+        row_bytes = 8 * T
+        for b in range(B):
+            self.prefill_plan.seq = b
+            for t0 in range(0, T, PREFILL_ROWS):
+                n = min(PREFILL_ROWS, T - t0)
+                slot = span.start + t0
+                rope = (None, None) if cos is None else (cos[slot].data_ptr(), sin[slot].data_ptr())
+                out = logits[b].data_ptr() if t0 + n == T else None     # the head for the last block only
+                self.library.gen_prefill_block(ref, PREFILL_ROWS, n, ids.data_ptr() + b * row_bytes + 8 * t0, slot,
+                                               *rope, None, out)
+        state.commit(span)
+        return logits
 
     def _pointers(self) -> list:
         """(data pointer, dtype) of every weight and state tensor the plan points into. (A device

@@ -89,6 +89,12 @@ static void matmul(const Plan *p, const Mat *m, const float *x, int xs, float *o
 /* ------------------------------------------------------------------ softmax attention */
 typedef struct { const Plan *p; int l, slot; const uint8_t *slot_real; } AttCtx;
 
+/* A decode plan's row b is sequence b at `slot`; a prefill plan's (Bc > 0) row r is token r of a
+ * block of sequence `seq` (of a cache holding Bc sequences), at slot + r. */
+static inline int cache_batch(const Plan *p) { return p->Bc > 0 ? p->Bc : p->B; }
+static inline int cache_seq(const Plan *p, int r) { return p->Bc > 0 ? p->seq : r; }
+static inline int row_slot(const Plan *p, int slot, int r) { return p->Bc > 0 ? slot + r : slot; }
+
 /* Heads [h0, h1) of every row: out[b*os + (h - h0)*D + d]. */
 /* 4 dot products q . k_j for the rows k, k + D, k + 2D, k + 3D (D a multiple of 8): independent
  * accumulators, so the adds of one key do not wait for the previous key's. */
@@ -159,16 +165,17 @@ static inline void weighted_rows(const float *w, const float *v, int n, int D, f
 static void att_fn(const void *ctx, int h0, int h1, float *out, int os, int add, float *scratch) {
     const AttCtx *c = ctx;
     const Plan *p = c->p;
-    const int D = p->D, G = p->H / p->Hkv, QKV = (p->H + 2 * p->Hkv) * D, n = c->slot + 1;
+    const int D = p->D, G = p->H / p->Hkv, QKV = (p->H + 2 * p->Hkv) * D, Bc = cache_batch(p);
     const int fast = p->kv_type == T_F32 && D % 8 == 0;
     float *sc = scratch, *row = scratch + p->S_max, *acc = row + D, *tmp = acc + D, *blk = tmp + D;
     const int widen = p->kv_type != T_F32 && D % 8 == 0;   /* 16-bit cache: KCH rows at a time */
     (void)add;
     for (int b = 0; b < p->B; b++) {
-        const uint8_t *real = c->slot_real ? c->slot_real + (size_t)b * p->S_max : NULL;
+        const int cb = cache_seq(p, b), slot = row_slot(p, c->slot, b), n = slot + 1;
+        const uint8_t *real = c->slot_real ? c->slot_real + (size_t)cb * p->S_max : NULL;
         for (int h = h0; h < h1; h++) {
             const float *q = p->qkv_out + (size_t)b * QKV + h * D;
-            size_t base = (((size_t)c->l * p->B + b) * p->Hkv + h / G) * p->S_max * D;
+            size_t base = (((size_t)c->l * Bc + cb) * p->Hkv + h / G) * p->S_max * D;
             int t = 0;
             if (fast) {
                 for (; t + 8 <= n; t += 8) dot8(q, (const float *)p->k + base + (size_t)t * D, D, sc + t);
@@ -190,7 +197,7 @@ static void att_fn(const void *ctx, int h0, int h1, float *out, int os, int add,
             }
             float mx = -INFINITY;
             for (t = 0; t < n; t++) {
-                if (real && !real[t] && t != c->slot) sc[t] = -INFINITY;   /* pad slot: weight exactly 0 */
+                if (real && !real[t] && t != slot) sc[t] = -INFINITY;   /* pad slot: weight exactly 0 */
                 else sc[t] *= p->scale;
                 if (sc[t] > mx) mx = sc[t];
             }
@@ -227,13 +234,13 @@ static void softmax_attention(const Plan *p, int l, int slot, const uint8_t *slo
     const int D = p->D, QKV = (p->H + 2 * p->Hkv) * D;
     for (int b = 0; b < p->B; b++)
         for (int g = 0; g < p->Hkv; g++) {
-            size_t at = ((((size_t)l * p->B + b) * p->Hkv + g) * p->S_max + slot) * D;
+            size_t at = ((((size_t)l * cache_batch(p) + cache_seq(p, b)) * p->Hkv + g) * p->S_max + row_slot(p, slot, b)) * D;
             const float *k = p->qkv_out + (size_t)b * QKV + (p->H + g) * D, *v = k + p->Hkv * D;
             store_row(p->k, p->kv_type, at, D, k);
             store_row(p->v, p->kv_type, at, D, v);
         }
     AttCtx c = {p, l, slot, slot_real};
-    long long macs = 2LL * p->B * p->H * (slot + 1) * D;
+    long long macs = 2LL * p->B * p->H * (row_slot(p, slot, p->B - 1) + 1) * D;
     if (p->nthreads <= 1 || macs < par_min_macs) {
         att_fn(&c, 0, p->H, p->att, p->H * D, 0, p->tscratch);
         return;
@@ -272,7 +279,7 @@ static void linear_attention(const Plan *p, int l) {
     for (int b = 0; b < p->B; b++) {
         const float *q = p->qkv_out + (size_t)b * QKV, *k = q + p->H * D, *v = k + p->Hkv * D;
         for (int g = 0; g < p->Hkv; g++) {
-            size_t sg = ((size_t)l * p->B + b) * p->Hkv + g;
+            size_t sg = ((size_t)l * cache_batch(p) + cache_seq(p, b)) * p->Hkv + g;
             float *S = p->S + sg * F * D, *z = p->z + sg * F;
             const float *vg = v + g * D;
             feature_map(p->mode, k + g * D, phi_k, D);
@@ -310,10 +317,9 @@ static void rotate(float *x, const float *cos, const float *sin, int D) {
     }
 }
 
-/* Feed tokens (B) at cache slot `slot`. cos/sin: (B, D) rows `rope_stride` apart (NULL: no
- * rotary). slot_real: (B, S_max) bytes, 0 at pad slots (NULL: no pads). Writes logits (B, V). */
-void gen_decode_step(const Plan *p, const int64_t *tokens, int slot, const float *cos, const float *sin,
-                     int rope_stride, const uint8_t *slot_real, float *logits) {
+/* Every layer for the plan's B rows; leaves the residual stream in p->x (B, C). */
+static void layers(const Plan *p, const int64_t *tokens, int slot, const float *cos, const float *sin,
+                   int rope_stride, const uint8_t *slot_real) {
     const int B = p->B, C = p->C, H = p->H, Hkv = p->Hkv, D = p->D, I = p->I, QKV = (H + 2 * Hkv) * D;
     for (int b = 0; b < B; b++) row_to_f32(&p->embed, (int)tokens[b], p->x + (size_t)b * C);
     for (int l = 0; l < p->L; l++) {
@@ -337,6 +343,36 @@ void gen_decode_step(const Plan *p, const int64_t *tokens, int slot, const float
         }
         matmul(p, &p->wd[l], p->hb, I, p->x, C, 1);
     }
-    for (int b = 0; b < B; b++) rms_norm(p->xb + (size_t)b * C, p->x + (size_t)b * C, p->norm, p->norm_type, C, p->eps);
+}
+
+/* Feed tokens (B) at cache slot `slot`. cos/sin: (B, D) rows `rope_stride` apart (NULL: no
+ * rotary). slot_real: (B, S_max) bytes, 0 at pad slots (NULL: no pads). Writes logits (B, V). */
+void gen_decode_step(const Plan *p, const int64_t *tokens, int slot, const float *cos, const float *sin,
+                     int rope_stride, const uint8_t *slot_real, float *logits) {
+    const int C = p->C;
+    layers(p, tokens, slot, cos, sin, rope_stride, slot_real);
+    for (int b = 0; b < p->B; b++) rms_norm(p->xb + (size_t)b * C, p->x + (size_t)b * C, p->norm, p->norm_type, C, p->eps);
     matmul(p, &p->head, p->xb, C, logits, p->V, 0);
+}
+
+/* A prompt block on a prefill plan (Bc > 0, made for up to `rows_max` rows): tokens (n) of
+ * sequence p->seq at slots slot..slot+n-1, every row on the pool like a batch (its keys and values
+ * written before any row attends, each row to the keys up to its own slot). cos/sin: the rotary
+ * rows of those positions, D apart. Writes the last row's logits (V) unless logits is NULL. */
+void gen_prefill_block(Plan *p, int rows_max, int n, const int64_t *tokens, int slot, const float *cos,
+                       const float *sin, const uint8_t *slot_real, float *logits) {
+    if (p->Bc <= 0 || n < 1 || n > rows_max) return;
+    const int C = p->C;
+    pool_quiesce();   /* no late worker still reads this plan's row count */
+    p->B = n;
+    layers(p, tokens, slot, cos, sin, p->D, slot_real);
+    if (logits) {
+        float *last = p->xb + (size_t)(n - 1) * C;
+        rms_norm(last, p->x + (size_t)(n - 1) * C, p->norm, p->norm_type, C, p->eps);
+        pool_quiesce();
+        p->B = 1;
+        matmul(p, &p->head, last, C, logits, p->V, 0);
+    }
+    pool_quiesce();
+    p->B = rows_max;
 }

@@ -45,6 +45,7 @@ typedef struct {
     int nthreads;                          /* threads the step may use, the caller's included */
     float *tscratch;                       /* per thread: tscratch + tid * tscratch_floats (owned by C) */
     size_t tscratch_floats;
+    int Bc, seq;                           /* prefill plans: the cache's batch and the block's sequence; decode: 0 */
 } Plan;
 
 enum { MODE_SOFTMAX = 0, MODE_ELU1 = 1, MODE_RELU = 2, MODE_SOFTMAX_MAP = 3, MODE_COS1 = 4 };
@@ -63,12 +64,12 @@ uint16_t store_bf16(float f);
 void load_row(const void *base, int type, size_t at, int n, float *dst);
 void store_row(void *base, int type, size_t at, int n, const float *src);
 
-/* ---- pool.c */
 /* ---- qdot.c: quantized weights (type >= T_Q8_0) times activations rounded to q8 blocks */
 size_t qx_row_bytes(int K);                                   /* one row of K inputs as q8 blocks */
 void quantize_x(const float *x, int xs, int B, int K, void *qx);   /* B rows, qx_row_bytes(K) apart */
 void qmat_rows(const Mat *m, int r0, int r1, const void *qx, int B, float *out, int os, int add);
 
+/* ---- pool.c */
 /* A job: `fn` computes units [u0, u1) for every row b, writing out[b*os + (u - u0)*width + j]
  * (add: +=). `ctx` is copied into the job (a late worker never reads the caller's stack). */
 typedef void (*UnitsFn)(const void *ctx, int u0, int u1, float *out, int os, int add, float *scratch);

@@ -270,6 +270,15 @@ static inline __attribute__((always_inline)) void rows_tile8(const Mat *m, int r
 
 static inline __attribute__((always_inline)) void rows_typed(const Mat *m, int r0, int r1, const float *x, int xs,
                                                             int B, float *out, int os, int add, const int type) {
+    if (B > 8 && r1 - r0 > 16) {   /* many inputs (a prompt block): 16 rows at a time, re-read from L1 per 8 inputs */
+        for (int r = r0; r < r1; r += 16) {
+            int e = r + 16 < r1 ? r + 16 : r1, b = 0;
+            float *o = out + (r - r0);
+            for (; b + 8 <= B; b += 8) rows_tile8(m, r, e, x + (size_t)b * xs, xs, o + (size_t)b * os, os, add, type);
+            for (; b < B; b++) rows_tile(m, r, e, x + (size_t)b * xs, xs, 1, o + (size_t)b * os, os, add, type);
+        }
+        return;
+    }
     int b = 0;
     for (; b + 8 <= B; b += 8) rows_tile8(m, r0, r1, x + (size_t)b * xs, xs, out + (size_t)b * os, os, add, type);
     for (; b + 4 <= B; b += 4) rows_tile(m, r0, r1, x + (size_t)b * xs, xs, 4, out + (size_t)b * os, os, add, type);

@@ -1,0 +1,52 @@
+"""Markdown tables (as in the README) from benchmarks/serve_bench.py results.
+
+    python benchmarks/serve_table.py docs/serve_bench_tiny.json docs/serve_bench_smollm2.json
+
+Per run: aggregate tokens/s, TTFT and inter-token p50/p99, server peak RSS, the server's CPU
+milliseconds per token (its user + system time over the tokens served: less sensitive than wall
+time to other processes taking the cores) and the 1-minute load average when the run ended; then
+16 clients against 1 per path, the 2k-token conversations that fit in the budget, and the soak.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+
+def table(results: dict) -> str:
+    s = results["settings"]
+    out = [f"`{results['command']}` (load average at start "
+           f"{', '.join(f'{x:.1f}' for x in results['machine']['load_average_at_start'])})", "",
+           "| path | clients | tokens/s | TTFT p50 / p99 ms | inter-token p50 / p99 ms | server peak RSS "
+           "| server CPU ms/token | load avg |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results["runs"]:
+        out.append(f"| {r['path']} | {r['clients']} | {r['tokens_per_s']:.1f} | {r['ttft_p50_ms']:.0f} / "
+                   f"{r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} | "
+                   f"{r['server_peak_rss_mib']:.0f} MiB | {1e3 * r['server_cpu_s'] / max(r['tokens'], 1):.2f} | "
+                   f"{r.get('load_average', float('nan')):.1f} |")
+    out.append("")
+    for path in s["paths"].split(","):
+        runs = {r["clients"]: r for r in results["runs"] if r["path"] == path}
+        if 1 in runs and 16 in runs:
+            wall = runs[16]["tokens_per_s"] / runs[1]["tokens_per_s"]
+            cpu = (runs[1]["server_cpu_s"] / runs[1]["tokens"]) / (runs[16]["server_cpu_s"] / runs[16]["tokens"])
+            out.append(f"- {path}: 16 clients / 1 client = {wall:.1f}x tokens/s ({cpu:.1f}x less server CPU per token)")
+    budget = s["budget_gib"]
+    for path, f in results.get("fit_2k", {}).items():
+        out.append(f"- {path}: a 2,048-token conversation holds {f['state_bytes_2k'] / 2 ** 20:.2f} MiB of state; "
+                   f"{f['fit_in_budget']:,} fit in {budget:g} GiB")
+    soak = results.get("soak")
+    if soak:
+        out.append(f"- soak {soak['seconds']:.0f} s, {soak['workers']} clients: {soak['completed']} completed "
+                   f"({soak['matched']} identical to solo, {soak['corrupted']} corrupted), {soak['lost']} lost, "
+                   f"{soak['disconnected']} disconnected, {soak['rejected']} rejected; server after: "
+                   f"{soak['server_after']}")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    for name in sys.argv[1:]:
+        with open(name) as f:
+            print(table(json.load(f)))
+        print()
