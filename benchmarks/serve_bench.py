@@ -2,8 +2,11 @@
 
     python benchmarks/serve_bench.py --model tiny --clients 1,4,16,64 --out docs/serve_bench_tiny.json
     python benchmarks/serve_bench.py --model smollm2 --clients 1,4,16 --tokens 32 --soak 0
+    python benchmarks/serve_bench.py --model smollm2-linear --paths hybrid,linear --tokens 32 --soak 0
+    python benchmarks/serve_table.py docs/serve_bench_tiny.json      # the README's tables
 
-Starts `gen serve` in a subprocess on 127.0.0.1 (a free port), then for each path and client count
+Starts `gen serve` in a subprocess on 127.0.0.1 (a free port), then for each path (`--paths`: softmax,
+linear, hybrid: what each request asks in `attention`) and client count
 runs N concurrent clients, each streaming `--requests` completions of `--tokens` tokens
 (ignore_eos, logprobs=0 so every token is one SSE chunk). Reports aggregate tokens/s (all tokens /
 wall time), time to first token and inter-token latency p50/p99, the server's peak RSS during the
