@@ -9,6 +9,7 @@ from cli.common import run_guarded
 from engine.attention.hybrid import runtime_config
 from engine.evaluate import evaluate_file
 from engine.loader import load_model
+from engine.quant import quantize_model
 from engine.threads import set_threads
 
 
@@ -25,15 +26,20 @@ from engine.threads import set_threads
 @click.option("--batch-size", default=8, show_default=True)
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default="float32", show_default=True)
+@click.option("--quantize", type=click.Choice(["q8_0", "q4_0", "q4_1"]),
+              help="quantize the matrices at load (a GGUF's own Q8_0/Q4_0/Q4_1 blocks are kept as they are); "
+                   "scored on the dequantized weights")
 @click.option("--threads", type=int, help="CPU threads (default: torch's, all cores: scoring is batched matmuls)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
-def eval_cmd(model_name, attention, softmax_layers, window, feature_map, data, context, max_docs, batch_size, device, dtype, threads,
-             as_json):
+def eval_cmd(model_name, attention, softmax_layers, window, feature_map, data, context, max_docs, batch_size, device, dtype,
+             quantize, threads, as_json):
     """Score each document as BOS + text + EOS; bits per byte is the headline."""
     def run():
         if threads is not None:
             set_threads(threads)
         model, tokenizer = load_model(model_name, device=device, dtype=dtype)
+        if quantize:
+            quantize_model(model, quantize)
         model.config = runtime_config(model.config, attention, softmax_layers, window)
         res = evaluate_file(model, tokenizer, data, attention=model.config.attention, feature_map=feature_map,
                             context=context, batch_size=batch_size, progress=not as_json, max_docs=max_docs)

@@ -1,7 +1,12 @@
 """Build the runtime model from a checkpoint on disk (`models.registry`) on a device, in a dtype.
 
 `build` maps Hugging Face-named tensors onto the runtime model (`models.weights.hf_to_runtime`),
-copying only what it must fuse or convert; the rest stay views of the file's memory map.
+copying only what it must fuse or convert; the rest stay views of the file's memory map. A matrix
+whose parts a GGUF file stores as Q8_0 / Q4_0 / Q4_1 blocks of one kind becomes a QuantLinear on
+those very blocks (`quantized_matrices`: q/k rows permuted and parts fused by whole rows of
+blocks, never decoded), as llama.cpp runs them; other GGUF types are dequantized at load. The
+token embedding is always dequantized (to `dtype`, the whole table: a lookup reads one row per
+token); a tied lm_head keeps the embedding's blocks for its dot products.
 """
 from __future__ import annotations
 
@@ -10,11 +15,12 @@ import os
 import torch
 
 from engine.attention.feature_maps import Hedgehog
+from engine.quant import QuantLinear
 from engine.transformer import Transformer
 from models.config import ModelConfig
 from models.errors import InvalidArgumentError
 from models.registry import read_checkpoint, resolve
-from models.weights import hf_to_runtime
+from models.weights import FUSED, hf_shapes, hf_to_runtime, interleaved_to_half
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -81,13 +87,50 @@ def build(cfg: ModelConfig, hf_tensors, device, dtype, interleaved_rotary: bool 
     """
     with torch.device("meta"):
         model = Transformer(cfg)
-    runtime = hf_to_runtime(hf_tensors, cfg, device, dtype, interleaved_rotary=interleaved_rotary)
-    if cfg.tie_word_embeddings:
+    quantized = quantized_matrices(hf_tensors, cfg, device, interleaved_rotary)
+    runtime = hf_to_runtime(hf_tensors, cfg, device, dtype, interleaved_rotary=interleaved_rotary,
+                            skip={f"{path}.weight" for path in quantized})
+    tied = cfg.tie_word_embeddings and "lm_head" not in quantized
+    if tied:
         runtime["lm_head.weight"] = runtime["embed_tokens.weight"]
+    for path, module in quantized.items():
+        parent, _, name = path.rpartition(".")
+        setattr(model.get_submodule(parent), name, module)
+        runtime[f"{path}.blocks"] = module.blocks
     if cfg.feature_map == "hedgehog":
         fresh = {f"hedgehog.{k}": v for k, v in Hedgehog.for_config(cfg).state_dict().items()}
         runtime.update({k: v.to(device, dtype) for k, v in (maps or fresh).items()})
     model.load_state_dict(runtime, assign=True, strict=True)
-    if cfg.tie_word_embeddings:
+    if tied:
         model.lm_head.weight = model.embed_tokens.weight
     return model.eval()
+
+
+def quantized_matrices(hf_tensors, cfg: ModelConfig, device, interleaved_rotary: bool) -> dict[str, QuantLinear]:
+    """Runtime matrices (path -> QuantLinear) whose every part the checkpoint holds as blocks of one
+    kind (`hf_tensors.blocks(name)`: GGUF Q8_0 / Q4_0 / Q4_1), on those blocks undecoded: q/k rows
+    permuted from the interleaved rotary layout and q/k/v, gate/up concatenated by rows (a row of
+    blocks is a row of weights). lm_head of tied embeddings reads the embedding's blocks."""
+    blocks_of = getattr(hf_tensors, "blocks", None)
+    if blocks_of is None:
+        return {}
+    heads = {"self_attn.q_proj.weight": cfg.num_attention_heads,
+             "self_attn.k_proj.weight": cfg.num_key_value_heads} if interleaved_rotary else {}
+    groups = {"lm_head": ["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]}
+    for i in range(cfg.num_hidden_layers):
+        for fused, parts in FUSED.items():
+            groups[f"layers.{i}.{fused.removesuffix('.weight')}"] = [f"model.layers.{i}.{p}" for p in parts]
+        for plain in ("self_attn.o_proj", "mlp.down_proj"):
+            groups[f"layers.{i}.{plain}"] = [f"model.layers.{i}.{plain}.weight"]
+    shapes = hf_shapes(cfg)
+    out = {}
+    for path, names in groups.items():
+        parts = [blocks_of(n) for n in names]
+        if any(p is None for p in parts) or len({p[1] for p in parts}) != 1:
+            continue   # stored as floats, as another type, or parts of mixed kinds: dequantized at load
+        rows = [interleaved_to_half(b, heads[n.split(".", 3)[-1]]).reshape(b.shape)
+                if n.split(".", 3)[-1] in heads else b for n, (b, _) in zip(names, parts)]
+        blocks = rows[0] if len(rows) == 1 else torch.cat(rows)
+        out_features = sum(shapes[n][0] for n in names)
+        out[path] = QuantLinear(blocks.to(device), parts[0][1], shapes[names[0]][1], out_features)
+    return out

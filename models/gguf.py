@@ -3,7 +3,9 @@
     config, tensors, meta = read_gguf(path)
     config                 ModelConfig from the `llama.*` metadata (GGUF_CONFIG, the one mapping)
     tensors                a Mapping of Hugging Face names -> torch tensors (rows, cols), dequantized
-                           on access (one tensor at a time, so a load never holds the whole model twice)
+                           on access (one tensor at a time, so a load never holds the whole model twice);
+                           tensors.blocks(name): a Q8_0/Q4_0/Q4_1 tensor's own blocks, undecoded (the
+                           engine's loader keeps those as they are: engine.quant.QuantLinear)
     meta                   the other metadata the engine uses (`tokenizer.*`, `general.*`), as Python values
 
 Only `general.architecture == "llama"` (Llama, SmolLM, Mistral-7B-shaped models) and the tensor types
@@ -31,6 +33,9 @@ from models.weights import hf_shapes
 MAGIC = b"GGUF"
 ARCHITECTURES = ("llama",)
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+# types whose blocks the engine computes with as they are (engine.quant's layouts, byte for byte the
+# same as ggml's block_q8_0 / block_q4_0 / block_q4_1): `GGUFTensors.blocks` hands them up undecoded
+BLOCK_KINDS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
 
 # `{arch}.<key>` -> ModelConfig field: the one place GGUF metadata meets the config.
 GGUF_CONFIG = {
@@ -100,6 +105,16 @@ class GGUFTensors(Mapping):
             data = dequantize(t.data, t.tensor_type)   # a new float32 array (rows, cols)
             self._release(t.data_offset, t.n_bytes)
         return torch.from_numpy(np.asarray(data).reshape(self.shapes[name]))
+
+    def blocks(self, name: str) -> tuple[torch.Tensor, str] | None:
+        """The file's own blocks of a Q8_0 / Q4_0 / Q4_1 tensor, not decoded: (uint8 (rows, cols / 32 *
+        block bytes), "q8_0" | "q4_0" | "q4_1"), a view of the private map. None for any other type
+        (floats, and the K-quants and Q5 types, which the engine dequantizes: `self[name]`)."""
+        t = self._tensors[name]
+        kind = BLOCK_KINDS.get(t.tensor_type.name)
+        if kind is None:
+            return None
+        return torch.from_numpy(np.asarray(t.data).reshape(self.shapes[name][0], -1)), kind
 
     def _release(self, offset: int, n: int) -> None:
         """Drop the file pages a dequantized tensor was read from (they would otherwise stay resident

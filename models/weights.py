@@ -102,24 +102,28 @@ def _fuse(parts, device, dtype) -> torch.Tensor:
 
 
 def hf_to_runtime(tensors, cfg: ModelConfig, device="cpu", dtype: torch.dtype = torch.float32,
-                  interleaved_rotary: bool = False) -> dict[str, torch.Tensor]:
+                  interleaved_rotary: bool = False, skip=frozenset()) -> dict[str, torch.Tensor]:
     """Map Hugging Face names to runtime names on `device` in `dtype`.
 
     q/k/v and gate/up are fused, which copies them once; every other tensor is passed through
     `.to()`, which returns the (memory-mapped) tensor itself when device and dtype already match.
     interleaved_rotary: q/k rows are in Meta's layout (llama2.c) and are permuted during the fuse.
+    skip: runtime names not to build (matrices the caller builds from quantized blocks itself).
     """
     out = {"embed_tokens.weight": tensors["model.embed_tokens.weight"],
            "norm.weight": tensors["model.norm.weight"]}
-    if not cfg.tie_word_embeddings:
+    if not cfg.tie_word_embeddings and "lm_head.weight" not in skip:
         out["lm_head.weight"] = tensors["lm_head.weight"]
     rotary_heads = {"self_attn.q_proj.weight": cfg.num_attention_heads,
                     "self_attn.k_proj.weight": cfg.num_key_value_heads} if interleaved_rotary else {}
     for i in range(cfg.num_hidden_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         for name in PLAIN:
-            out[dst + name] = tensors[src + name]
+            if dst + name not in skip:
+                out[dst + name] = tensors[src + name]
         for fused, parts in FUSED.items():
+            if dst + fused in skip:
+                continue
             ts = [interleaved_to_half(tensors[src + p], rotary_heads[p]) if p in rotary_heads
                   else tensors[src + p] for p in parts]
             out[dst + fused] = _fuse(ts, device, dtype)

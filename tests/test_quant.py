@@ -95,7 +95,7 @@ def native_matmul(native, blocks, kind, shape, x):
     m = Mat(blocks.data_ptr(), {"q8_0": 3, "q4_0": 4, "q4_1": 5}[kind], rows, cols)
     lib.gen_qmatmul(ctypes.byref(m), x.contiguous().data_ptr(), B, out.data_ptr(), qx.data_ptr())
     q = qx[:, :cols].view(torch.int8)
-    d = qx[:, cols:cols + 4 * (cols // 32)].contiguous().view(torch.float32)
+    d = qx[:, cols:cols + 8 * (cols // 32)].contiguous().view(torch.float32)[:, 0::2]   # pairs (d, d * sum)
     return out, q, d
 
 

@@ -3,7 +3,8 @@
  * quantize_x rounds each 32-wide block of an activation row once per matmul: fp32 d = max|x| / 127,
  * q = round-half-even(x * (1 / d)) as int8 (the nearest-even rounding of the vector convert), the
  * block's integer sum (q4_0's offset) and d * sum (q4_1's minimum term). Layout of one row of K
- * inputs (qx_row_bytes apart): int8 q[K], float d[K/32], int32 sum[K/32], float dsum[K/32].
+ * inputs (qx_row_bytes apart): int8 q[K], then per block the pair float (d, d * sum), then int32
+ * sum[K/32] (the pair is one 8-byte load next to a q4_1 block's (d, m) pair).
  *
  * qmat_rows then computes, per weight block k of row r and input row b, an exact int32 dot of the
  * block's integers with x's and scales it once:
@@ -33,9 +34,8 @@ void quantize_x(const float *x, int xs, int B, int K, void *qx) {
         const float *xr = x + (size_t)b * xs;
         unsigned char *row = (unsigned char *)qx + (size_t)b * rs;
         signed char *q = (signed char *)row;
-        float *d = (float *)(row + K);
-        int32_t *sum = (int32_t *)(d + nb);
-        float *fs = (float *)(sum + nb);
+        float *ds = (float *)(row + K);            /* (d, d * sum) per block */
+        int32_t *sum = (int32_t *)(ds + 2 * nb);
         for (int k = 0; k < nb; k++) {
             const float *v = xr + k * QK;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -46,9 +46,9 @@ void quantize_x(const float *x, int xs, int B, int K, void *qx) {
             __m512i ic = _mm512_cvtps_epi32(_mm512_mul_ps(c, _mm512_set1_ps(id)));
             _mm_storeu_si128((__m128i *)(q + k * QK), _mm512_cvtsepi32_epi8(ia));
             _mm_storeu_si128((__m128i *)(q + k * QK + 16), _mm512_cvtsepi32_epi8(ic));
-            d[k] = dk;
             sum[k] = _mm512_reduce_add_epi32(_mm512_add_epi32(ia, ic));
-            fs[k] = dk * (float)sum[k];
+            ds[2 * k] = dk;
+            ds[2 * k + 1] = dk * (float)sum[k];
 #else
             float amax = 0.0f;
             for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(v[i]));
@@ -59,9 +59,9 @@ void quantize_x(const float *x, int xs, int B, int K, void *qx) {
                 q[k * QK + i] = (signed char)qi;
                 s += qi;
             }
-            d[k] = dk;
             sum[k] = s;
-            fs[k] = dk * (float)s;
+            ds[2 * k] = dk;
+            ds[2 * k + 1] = dk * (float)s;
 #endif
         }
     }
@@ -94,10 +94,9 @@ static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
 }
 
 /* 16 bytes of nibbles -> 32 u8: low nibbles are weights 0..15, high nibbles 16..31 */
-static inline __m256i nibbles_u8(const unsigned char *qs) {
-    __m128i b = _mm_loadu_si128((const __m128i *)qs), mask = _mm_set1_epi8(0x0f);
-    __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-    return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+static inline __m256i nibbles_u8(const unsigned char *qs) {   /* the 16 bytes in both halves, the upper shifted by 4 */
+    __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
+    return _mm256_and_si256(_mm256_srlv_epi64(b, _mm256_set_epi64x(4, 4, 0, 0)), _mm256_set1_epi8(0x0f));
 }
 
 static inline float hsum8(__m256 v) {
@@ -108,12 +107,26 @@ static inline float hsum8(__m256 v) {
 }
 #endif
 
-/* One weight block's integer dot with input j's block k, scaled, into acc (x86) or returned (scalar). */
+/* One weight block's integer dot with input j's block k, scaled, into acc; q4_1's m * (dx * sum)
+ * goes to lane 1 of macc (the fp16 (d, m) pair times x's (d, d * sum) pair: one multiply). */
 #ifdef GEN_X86
 static inline __attribute__((always_inline)) __m256 qblock(const unsigned char *blk, const signed char *xq,
-                                                          float dx, int32_t sx, __m256 acc, const int type) {
-    const float dw = f16_at(blk);
+                                                          const float *xds, int32_t sx, __m256 acc, __m128 *macc,
+                                                          const int type) {
     __m256i w, x = _mm256_loadu_si256((const __m256i *)xq), s;
+    __m128 scale;
+    if (type == T_Q4_1) {
+        uint32_t dm;
+        memcpy(&dm, blk, 4);
+        __m128 p = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dm)),
+                              _mm_castpd_ps(_mm_load_sd((const double *)xds)));    /* (dw * dx, m * dx * sum) */
+        *macc = _mm_add_ps(*macc, p);
+        scale = p;
+    } else {
+        uint16_t dw;
+        memcpy(&dw, blk, 2);
+        scale = _mm_mul_ss(_mm_cvtph_ps(_mm_cvtsi32_si128(dw)), _mm_load_ss(xds));
+    }
     if (type == T_Q8_0) {
         w = _mm256_loadu_si256((const __m256i *)(blk + 2));
         s = dpbusd(_mm256_setzero_si256(), _mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
@@ -124,7 +137,7 @@ static inline __attribute__((always_inline)) __m256 qblock(const unsigned char *
         w = nibbles_u8(blk + 4);
         s = dpbusd(_mm256_setzero_si256(), w, x);
     }
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(dw * dx), acc);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_broadcastss_ps(scale), acc);
 }
 #endif
 
@@ -135,47 +148,44 @@ static inline __attribute__((always_inline)) void qtile(const Mat *m, int r0, in
                                                        const int type) {
     const int K = m->cols, nb = K / QK;
     const size_t bb = qblock_bytes(type), stride = (size_t)nb * bb;
-    const float *dx[4], *fx[4];
+    const float *xds[4];
     const int32_t *sx[4];
     const signed char *xq[4];
     for (int j = 0; j < n; j++) {
         xq[j] = (const signed char *)(qx + j * rs);
-        dx[j] = (const float *)(qx + j * rs + K);
-        sx[j] = (const int32_t *)(dx[j] + nb);
-        fx[j] = (const float *)(sx[j] + nb);
+        xds[j] = (const float *)(qx + j * rs + K);
+        sx[j] = (const int32_t *)(xds[j] + 2 * nb);
     }
     for (int r = r0; r < r1; r++) {
         const unsigned char *row = (const unsigned char *)m->data + (size_t)r * stride;
-        float mt0[4] = {0, 0, 0, 0}, mt1[4] = {0, 0, 0, 0};   /* q4_1: sum_k m_k * dx_k * sum(qx_k) */
 #ifdef GEN_X86
         __m256 a0[4], a1[4];
-        for (int j = 0; j < 4; j++) a0[j] = a1[j] = _mm256_setzero_ps();
+        __m128 m0[4], m1[4];   /* q4_1: lane 1 sums m_k * dx_k * sum(qx_k) */
+        for (int j = 0; j < 4; j++) {
+            a0[j] = a1[j] = _mm256_setzero_ps();
+            m0[j] = m1[j] = _mm_setzero_ps();
+        }
         int k = 0;
         for (; k + 2 <= nb; k += 2) {
             const unsigned char *b0 = row + (size_t)k * bb, *b1 = b0 + bb;
             for (int j = 0; j < n; j++) {
-                a0[j] = qblock(b0, xq[j] + k * QK, dx[j][k], sx[j][k], a0[j], type);
-                a1[j] = qblock(b1, xq[j] + (k + 1) * QK, dx[j][k + 1], sx[j][k + 1], a1[j], type);
-                if (type == T_Q4_1) {
-                    mt0[j] += f16_at(b0 + 2) * fx[j][k];
-                    mt1[j] += f16_at(b1 + 2) * fx[j][k + 1];
-                }
+                a0[j] = qblock(b0, xq[j] + k * QK, xds[j] + 2 * k, sx[j][k], a0[j], &m0[j], type);
+                a1[j] = qblock(b1, xq[j] + (k + 1) * QK, xds[j] + 2 * k + 2, sx[j][k + 1], a1[j], &m1[j], type);
             }
         }
         if (k < nb) {
             const unsigned char *b0 = row + (size_t)k * bb;
-            for (int j = 0; j < n; j++) {
-                a0[j] = qblock(b0, xq[j] + k * QK, dx[j][k], sx[j][k], a0[j], type);
-                if (type == T_Q4_1) mt0[j] += f16_at(b0 + 2) * fx[j][k];
-            }
+            for (int j = 0; j < n; j++)
+                a0[j] = qblock(b0, xq[j] + k * QK, xds[j] + 2 * k, sx[j][k], a0[j], &m0[j], type);
         }
         for (int j = 0; j < n; j++) {
-            float s = hsum8(_mm256_add_ps(a0[j], a1[j])) + (mt0[j] + mt1[j]);
+            float mt = type == T_Q4_1 ? _mm_cvtss_f32(_mm_shuffle_ps(_mm_add_ps(m0[j], m1[j]), _mm_add_ps(m0[j], m1[j]), 1)) : 0.0f;
+            float s = hsum8(_mm256_add_ps(a0[j], a1[j])) + mt;
             float *o = out + (size_t)j * os + (r - r0);
             *o = add ? *o + s : s;
         }
 #else
-        float acc[4] = {0, 0, 0, 0};
+        float acc[4] = {0, 0, 0, 0}, mt0[4] = {0, 0, 0, 0};
         for (int k = 0; k < nb; k++) {
             const unsigned char *blk = row + (size_t)k * bb;
             const float dw = f16_at(blk);
@@ -190,12 +200,12 @@ static inline __attribute__((always_inline)) void qtile(const Mat *m, int r0, in
                     for (int i = 0; i < QK / 2; i++) s += (qs[i] & 0x0f) * x[i] + (qs[i] >> 4) * x[i + QK / 2];
                     if (type == T_Q4_0) s -= 8 * sx[j][k];
                 }
-                acc[j] += (dw * dx[j][k]) * (float)s;
-                if (type == T_Q4_1) mt0[j] += f16_at(blk + 2) * fx[j][k];
+                acc[j] += (dw * xds[j][2 * k]) * (float)s;
+                if (type == T_Q4_1) mt0[j] += f16_at(blk + 2) * xds[j][2 * k + 1];
             }
         }
         for (int j = 0; j < n; j++) {
-            float s = acc[j] + (mt0[j] + mt1[j]);
+            float s = acc[j] + mt0[j];
             float *o = out + (size_t)j * os + (r - r0);
             *o = add ? *o + s : s;
         }

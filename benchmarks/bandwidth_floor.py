@@ -1,0 +1,126 @@
+"""The memory-bandwidth floor of a decode step, and gen's native decode next to it (issue 11).
+
+    python benchmarks/bandwidth_floor.py [MODEL] [--weights gguf,q8_0,q4_1,f16,f32] [--threads 1,2] [--rounds 5]
+    python benchmarks/bandwidth_floor.py smollm2 --weights gguf,q8_0,q4_0,f16,bf16,f32
+
+Bytes read per token: every tensor the native step streams for one token at depth ~0 (the layer
+matrices and lm_head in their stored form -- quantized blocks, 16-bit or fp32 -- plus the norm
+weights and one embedding row), summed over the loaded model itself. Copy bandwidth: the best of
+`--copies` torch copies of a 256 MiB buffer on N threads (bytes copied per second; a copy also
+writes them, so this is a conservative, higher floor than a pure read would give). Floor = bytes per
+token / copy bandwidth. gen: best-of-`--rounds` native decode tokens/s (batch 1, greedy ids, 128
+steps after an 8-step warm-up), alternating thread counts each round; ratio = gen's ms/token / the
+floor's (issue 11's target: <= 1.3).
+
+`gguf` is the model as its file stores it (SmolLM2: Q4_1 matrices, Q8_0 tied embedding as lm_head);
+q8_0/q4_0/q4_1 requantize the matrices and lm_head at load (`--quantize`); f32/f16/bf16 load in that
+dtype. On a shared machine both numbers move with the neighbours' load: the script prints the load
+average before and after.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from engine.loader import load_model
+from engine.quant import QuantLinear, quantize_model
+from engine.steps import Stepper
+
+DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
+
+
+def copy_bandwidth(threads: int, copies: int = 8, mib: int = 256) -> float:
+    """Bytes copied per second, best of `copies` (torch's parallel copy on `threads` threads)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    a = torch.ones(mib << 20, dtype=torch.uint8)
+    b = torch.zeros_like(a)   # touched: no page faults in the timing
+    best = float("inf")
+    for _ in range(copies):
+        t = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - t)
+    torch.set_num_threads(before)
+    return a.numel() / best
+
+
+def bytes_per_token(model) -> int:
+    """What one decode step at depth ~0 streams: matrices as stored, norms, one embedding row."""
+    def size(module) -> int:
+        if isinstance(module, QuantLinear):
+            return module.blocks.numel()
+        return module.weight.numel() * module.weight.element_size()
+    total = size(model.lm_head) + model.norm.weight.numel() * model.norm.weight.element_size()
+    for b in model.layers:
+        total += sum(size(m) for m in (b.self_attn.qkv, b.self_attn.o_proj, b.mlp.gate_up, b.mlp.down_proj))
+        total += 2 * b.input_layernorm.weight.numel() * b.input_layernorm.weight.element_size()
+    emb = model.embed_tokens.weight
+    return total + emb.shape[1] * emb.element_size()
+
+
+def decode_rate(model, threads: list[int], rounds: int, steps: int = 128) -> dict[int, float]:
+    """Best-of-`rounds` native decode tokens/s per thread count, alternating the counts each round."""
+    best = {t: 0.0 for t in threads}
+    V = model.config.vocab_size
+    for _ in range(rounds):
+        for t in threads:
+            step, state = Stepper(model, "native", threads=t), model.init_state(1, steps + 64)
+            ids = torch.randint(0, V, (1, steps + 12), generator=torch.Generator().manual_seed(0))
+            step(ids[:, :4], state)
+            for i in range(4, 12):
+                step(ids[:, i:i + 1], state)
+            t0 = time.perf_counter()
+            for i in range(12, steps + 12):
+                step(ids[:, i:i + 1], state)
+            dt = time.perf_counter() - t0
+            if step.last_form != "native":
+                raise SystemExit(f"the native step did not run: {step.fallback}")
+            best[t] = max(best[t], steps / dt)
+    return best
+
+
+def load(name: str, weights: str):
+    model, _ = load_model(name, dtype=DTYPES.get(weights, "float32"))
+    if weights in ("q8_0", "q4_0", "q4_1"):
+        quantize_model(model, weights)
+    kinds = sorted({m.kind for m in model.modules() if isinstance(m, QuantLinear)})
+    return model, "+".join(kinds) if kinds else str(model.dtype).removeprefix("torch.")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("model", nargs="?", default="smollm2")
+    ap.add_argument("--weights", default="gguf,q8_0,q4_1,f16,f32")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--copies", type=int, default=8)
+    ap.add_argument("--no-measure", action="store_true", help="only the floor, no decode runs")
+    args = ap.parse_args()
+    threads = [int(t) for t in args.threads.split(",")]
+    print(f"load average before: {os.getloadavg()[0]:.2f}; cores: {os.cpu_count()}")
+    bw = {t: copy_bandwidth(t, args.copies) for t in threads}
+    print("copy bandwidth (256 MiB, best of %d): " % args.copies
+          + ", ".join(f"{t} thread{'s' * (t > 1)} {bw[t] / 1e9:.1f} GB/s" for t in threads))
+    head = "| weights | stored as | MB read / token | " + " | ".join(
+        f"floor {t}t tok/s | gen {t}t tok/s | ratio {t}t" for t in threads) + " |"
+    print(head)
+    print("|" + "---|" * (3 + 3 * len(threads)))
+    for w in args.weights.split(","):
+        model, stored = load(args.model, w)
+        nbytes = bytes_per_token(model)
+        floor = {t: bw[t] / nbytes for t in threads}
+        rate = {} if args.no_measure else decode_rate(model, threads, args.rounds)
+        cells = []
+        for t in threads:
+            r = rate.get(t)
+            cells += [f"{floor[t]:.0f}", f"{r:.1f}" if r else "-", f"{floor[t] / r:.2f}" if r else "-"]
+        print(f"| {w} | {stored} | {nbytes / 1e6:.1f} | " + " | ".join(cells) + " |", flush=True)
+        del model
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
