@@ -134,3 +134,17 @@ def test_native_prefill_past_the_cache_raises():
     with pytest.raises(ContextFullError):
         step(ids(13, 1, 9), state, last_only=True)
     assert state.slots == 0
+
+
+@pytest.mark.parametrize("dtype,form", [(torch.float32, "module"), (torch.bfloat16, "module"),
+                                        (torch.float16, "native")], ids=["f32", "bf16", "f16"])
+def test_auto_prefills_on_the_faster_form(dtype, form):
+    """backend auto: prompt blocks of f16 weights on the native pool (PyTorch's f16 GEMM on a CPU is
+    slow), fp32 and bf16 on PyTorch's GEMMs; decode steps native either way."""
+    model = tiny_model(dtype=dtype)
+    step = Stepper(model, "auto", threads=2)
+    state = model.init_state(1, 32)
+    step(ids(14, 1, 6), state, last_only=True)
+    assert step.last_prefill_form == form
+    step(ids(15, 1, 1), state)
+    assert step.last_form == "native"

@@ -96,8 +96,8 @@ class Stepper:
                     return form(tokens, state)
                 self.fallback = f"{form.name}: {reason}"
         if valid is None and last_only and tokens.dim() == 2:   # a prompt block: the native pool where it applies
-            for form in self.forms:
-                if hasattr(form, "prefill") and form.why_not_prefill(state, tokens) is None:
+            for form in self.forms:                             # (auto: where it is the faster form)
+                if hasattr(form, "prefill") and form.why_not_prefill(state, tokens, self.backend == "auto") is None:
                     self.last_prefill_form = form.name
                     return form.prefill(tokens, state)
         self.last_form = self.last_prefill_form = "module"
