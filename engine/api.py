@@ -162,9 +162,10 @@ class LLM:
     def resume(self, saved: SavedState, more: Sequence[int] = (), **settings) -> Generation:
         """Continue from a SavedState: feeds its next ids (then `more` ids), generates as `start` does.
         The state is used in place (resume a fresh load to continue twice). Settings: make_config."""
-        if saved.state.path != self.attention:
-            raise InvalidArgumentError(f"resume(): the state is for {saved.state.path} attention, this LLM runs "
-                                       f"{self.attention}; load(..., attention={saved.state.path!r})")
+        runs = "linear" if saved.state.path == "window" else saved.state.path   # a window state: the linear path's
+        if runs != self.attention:
+            raise InvalidArgumentError(f"resume(): the state is for {runs} attention, this LLM runs "
+                                       f"{self.attention}; load(..., attention={runs!r})")
         config = make_config_for("resume()", settings)
         return Generation(self.model, [list(saved.next_ids) + self.encode(list(more), "resume()") if more
                                        else list(saved.next_ids)], config, self.tokenizer,

@@ -120,15 +120,18 @@ def test_concat_and_select_rows_keep_every_row_as_it_is_alone(mix):
     assert outs == solo
 
 
-def test_a_saved_hybrid_window_state_runs_the_models_learned_maps(tmp_path):
-    """Saved to a file and loaded: the linear layers run this model's learned maps (not a fresh map of
-    the same name) in their own layers, and the continuation equals an uninterrupted run."""
-    llm = LLM(mixed_model("hybrid-window-hedgehog"), None, backend="torch")
+@pytest.mark.parametrize("mix", ["window", "hybrid-window-hedgehog"])
+def test_a_saved_state_file_continues_identically_on_the_models_own_maps(tmp_path, mix):
+    """Saved to a file and loaded: linear layers run this model's learned maps (not a fresh map of the
+    same name) in their own layers, and the continuation equals an uninterrupted run (a window state
+    resumes on an LLM running the linear path)."""
+    llm = LLM(mixed_model(mix), None, backend="torch")
     ids = [1, 5, 9, 20, 3, 7, 11, 2]
     want = llm.generate(ids, max_new_tokens=12, temperature=0, ignore_eos=True).ids
     llm.save_state(tmp_path / "s.safetensors", llm.prefill(ids))
     saved = llm.load_state(tmp_path / "s.safetensors")
-    assert saved.state.parts[-1].feature_map is llm.model.hedgehog
+    linear_part = saved.state.parts[-1] if isinstance(saved.state, HybridState) else saved.state
+    assert linear_part.feature_map is llm.model.feature_map()
     assert llm.resume(saved, max_new_tokens=12, temperature=0, ignore_eos=True).run()[0].ids == want
     other = LLM(mixed_model("hybrid-hedgehog"), None, backend="torch")
     with pytest.raises(StateMismatchError, match="another model"):
