@@ -17,16 +17,8 @@
  *  - A job's context is copied into the pool (a late worker never reads a returned stack frame)
  *    and states carry the job's generation, so a worker waking late cannot claim a newer job's
  *    chunk with an older job's view.
- *  - A worker never shares the caller's core: before it claims, it compares its CPU with the
- *    caller's, and on a match it moves itself to the other cores this process may use (its
- *    affinity then excludes the caller's core; a caller that moves later is followed the same way).
- *    Left to itself the scheduler wakes the worker onto the waker's core when every core is busy
- *    (one held by another process): the two then time-slice one core while the caller spin-waits
- *    for the worker's chunk, slower than one thread. With only the caller's core allowed, a
- *    worker stays out of the job.
- *  - A worker waits by pause-spinning (never sched_yield: on a core shared with another busy
- *    process a yield hands it a whole slice), then, idle for SPIN_NS, a futex sleep. The caller
- *    pause-spins, and only until its steal deadline.
+ *  - A worker waits politely: a short pause-spin, then sched_yield, then (idle for SPIN_NS) a futex
+ *    sleep. The caller only pause-spins, and only until its steal deadline.
  *
  * One job runs at a time; a second caller thread (another Python thread stepping another
  * state) runs its job serially rather than wait.
@@ -65,9 +57,7 @@ static struct {
     _Atomic uint32_t seq;                 /* futex word: low bits of gen */
     _Atomic uint64_t state[MAX_CHUNKS];   /* gen << 3 | FREE..OWNED */
     _Atomic int chunks, nthreads, sleepers, busy, started;
-    _Atomic int caller_cpu;               /* the CPU the current job's caller runs on (-1: unknown) */
     Job job;
-    cpu_set_t allowed;                    /* the cores the process may use (the caller's affinity at spawn) */
     pthread_mutex_t run, spawn;
 } P = {.run = PTHREAD_MUTEX_INITIALIZER, .spawn = PTHREAD_MUTEX_INITIALIZER};
 
@@ -83,19 +73,11 @@ static inline void relax(void) {
 #endif
 }
 
-/* pool_quiesce's wait (the caller freeing a plan while a late worker finishes a chunk). */
+/* A worker's polite wait: pause for the first iterations, then give the core away (to the
+ * caller, when they share one). The caller never yields while it waits for a chunk: on a core
+ * shared with another busy process, sched_yield would hand that process a whole time slice. */
 static inline void wait_step(int i) {
     if (i < 64) relax(); else sched_yield();
-}
-
-/* Keep a worker off the caller's core: 1 if it may take chunks now (it runs elsewhere, or has just
- * moved to the process's other cores), 0 if the caller's core is the only one it may use. */
-static int off_caller_core(void) {
-    int me = sched_getcpu(), caller = atomic_load_explicit(&P.caller_cpu, memory_order_relaxed);
-    if (me < 0 || caller < 0 || me != caller) return 1;
-    cpu_set_t set = P.allowed;
-    if (caller < CPU_SETSIZE) CPU_CLR(caller, &set);
-    return CPU_COUNT(&set) > 0 && sched_setaffinity(0, sizeof set, &set) == 0;   /* migrates at once */
 }
 
 static int claim(uint64_t g, int chunks, int as, int from_end) {
@@ -116,7 +98,7 @@ static void chunk_range(const Job *j, int c, int *u0, int *u1) {
 
 /* A worker's share of job g: claim, compute privately, publish if the claim still stands. */
 static void work(uint64_t g, int tid) {
-    if (tid >= atomic_load(&P.nthreads) || !off_caller_core()) return;
+    if (tid >= atomic_load(&P.nthreads)) return;
     for (;;) {
         atomic_fetch_add(&P.busy, 1);
         int n = atomic_load(&P.chunks);
@@ -153,7 +135,7 @@ static void *worker(void *arg) {
         for (int i = 0;; i++) {
             if ((g = atomic_load(&P.gen)) != seen) goto run;
             if ((i & 63) == 63 && now_ns() - t0 > SPIN_NS) break;
-            relax();
+            wait_step(i);
         }
         atomic_fetch_add(&P.sleepers, 1);
         for (;;) {
@@ -172,7 +154,6 @@ static void *worker(void *arg) {
 static void spawn_workers(int nthreads) {
     if (atomic_load(&P.started) >= nthreads - 1) return;
     pthread_mutex_lock(&P.spawn);
-    if (atomic_load(&P.started) == 0 && sched_getaffinity(0, sizeof P.allowed, &P.allowed) != 0) CPU_ZERO(&P.allowed);
     while (atomic_load(&P.started) < nthreads - 1 && atomic_load(&P.started) < MAX_THREADS - 1) {
         pthread_t t;
         pthread_attr_t a;
@@ -208,7 +189,6 @@ void pool_run(int nthreads, UnitsFn fn, const void *ctx, size_t ctx_bytes, int u
     j->units = units; j->width = width; j->chunk_units = chunk_units; j->chunks = chunks;
     j->B = B; j->os = os; j->add = add; j->nthreads = nthreads;
     j->out = out; j->scratch = scratch; j->stride = stride; j->fn_scratch = fn_scratch;
-    atomic_store_explicit(&P.caller_cpu, sched_getcpu(), memory_order_relaxed);
     for (int c = 0; c < chunks; c++) atomic_store_explicit(&P.state[c], g << 3 | FREE, memory_order_relaxed);
     atomic_store(&P.chunks, chunks);
     atomic_store(&P.nthreads, nthreads);
