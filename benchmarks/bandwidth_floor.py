@@ -26,7 +26,7 @@ import time
 import torch
 
 from engine.loader import load_model
-from engine.quant import QuantLinear, quantize_model
+from engine.quant import QuantLinear, dequantize_model, quantize_model
 from engine.steps import Stepper
 
 DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
@@ -86,6 +86,8 @@ def load(name: str, weights: str):
     model, _ = load_model(name, dtype=DTYPES.get(weights, "float32"))
     if weights in ("q8_0", "q4_0", "q4_1"):
         quantize_model(model, weights)
+    elif weights in DTYPES:
+        dequantize_model(model)   # a GGUF's blocks as float matrices in that dtype
     kinds = sorted({m.kind for m in model.modules() if isinstance(m, QuantLinear)})
     return model, "+".join(kinds) if kinds else str(model.dtype).removeprefix("torch.")
 

@@ -24,7 +24,7 @@ import torch
 
 from engine.evaluate import evaluate_file
 from engine.loader import load_model
-from engine.quant import QuantLinear, q8_reference, quantize_model
+from engine.quant import QuantLinear, dequantize_model, q8_reference, quantize_model
 
 DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
 
@@ -47,6 +47,8 @@ def main() -> None:
         model, tok = load_model(args.model, dtype=DTYPES.get(w, "float32"))
         if w in ("q8_0", "q4_0", "q4_1"):
             quantize_model(model, w)
+        elif w in DTYPES:
+            dequantize_model(model)   # a GGUF's blocks as float matrices in that dtype
         kinds = sorted({m.kind for m in model.modules() if isinstance(m, QuantLinear)})
         stored = "+".join(kinds) if kinds else str(model.dtype).removeprefix("torch.")
         maths = [("dequant", model)] + ([("q8 act", q8_reference(model))] if w in args.q8.split(",") else [])

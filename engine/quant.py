@@ -207,3 +207,16 @@ def quantize_model(model, kind: str) -> list[str]:
     model.weights_epoch += 1
     model.quantization = kind
     return kept
+
+
+def dequantize_model(model) -> None:
+    """Replace every QuantLinear (e.g. a GGUF file's blocks) by a bias-free nn.Linear holding its
+    dequantized weight in the model's dtype, in place: the float form of the same weights."""
+    with torch.no_grad():
+        for module in list(model.modules()):
+            for name, child in list(module.named_children()):
+                if isinstance(child, QuantLinear):
+                    lin = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
+                    lin.weight = nn.Parameter(child.weight.to(model.dtype), requires_grad=False)
+                    setattr(module, name, lin)
+    model.weights_epoch += 1

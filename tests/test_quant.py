@@ -194,3 +194,15 @@ def test_load_quantize_generates_greedy_ids_of_its_reference(native, small_model
         want.append(int(b.argmax()))
     assert step.last_form == "native"
     assert got[1:] == want[:-1]
+
+
+def test_dequantize_model_gives_float_matrices_of_the_same_weights():
+    from engine.quant import dequantize_model
+    model = tiny_model()
+    quantize_model(model, "q4_1")
+    before = {n: m.weight.clone() for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    epoch = model.weights_epoch
+    dequantize_model(model)
+    after = dict(model.named_modules())
+    assert before and all(type(after[n]) is torch.nn.Linear and torch.equal(after[n].weight, w) for n, w in before.items())
+    assert model.weights_epoch > epoch
