@@ -5,6 +5,7 @@ prefill after prefill, threads, and the cases that stay on the module path (pads
 import pytest
 import torch
 
+from engine.quant import quantize_model
 from engine.steps import NativeUnavailableError, Stepper
 from engine.steps.native import PREFILL_ROWS
 from tests.conftest import tiny_model
@@ -142,6 +143,17 @@ def test_auto_prefills_on_the_faster_form(dtype, form):
     """backend auto: prompt blocks of f16 weights on the native pool (PyTorch's f16 GEMM on a CPU is
     slow), fp32 and bf16 on PyTorch's GEMMs; decode steps native either way."""
     model = tiny_model(dtype=dtype)
+    _prefill_then_step(model, form)
+
+
+def test_auto_prefills_quantized_weights_on_the_native_pool():
+    """PyTorch forms dequantize every matrix on every call; the native pool reads the blocks."""
+    model = tiny_model()
+    quantize_model(model, "q8_0")
+    _prefill_then_step(model, "native")
+
+
+def _prefill_then_step(model, form):
     step = Stepper(model, "auto", threads=2)
     state = model.init_state(1, 32)
     step(ids(14, 1, 6), state, last_only=True)
