@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from models.config import ModelConfig
+from engine.steps import NativeUnavailableError
+from engine.steps.native import library, set_parallel_min
 from engine.transformer import Transformer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,3 +127,67 @@ class ScriptedModel:
         for b, script in enumerate(self.scripts):
             logits[b, 0, script[min(k, len(script) - 1)]] = 0.0
         return logits
+
+
+def greedy(step, state, logits, n):
+    """n greedy tokens from logits (B, V), feeding each back. Returns a list per row."""
+    out = [[] for _ in range(logits.shape[0])]
+    for _ in range(n):
+        nxt = logits.argmax(-1)
+        for b, t in enumerate(nxt.tolist()):
+            out[b].append(t)
+        logits = step(nxt[:, None], state)[:, -1]
+    return out
+
+
+def check_rows_join_and_leave(step, new_state) -> None:
+    """Rows prefilled alone (lengths 5, 2, 10), joined into one running batch at steps 0, 3 and 5
+    (`concat`), dropped as they finish (`select_rows`): each row's 12 greedy tokens equal its solo
+    run. new_state(max_len) -> an empty one-row state of the configuration under test."""
+    prompts = [[1, 5, 9, 20, 3], [1, 7], [4, 4, 4, 4, 4, 4, 4, 4, 4, 1]]
+
+    def prefill(ids, max_len):
+        s = new_state(max_len)
+        return s, step(torch.tensor([ids]), s, last_only=True)[:, -1]
+
+    solo = []
+    for ids in prompts:
+        s, logits = prefill(ids, 64)
+        solo.append(greedy(step, s, logits, 12)[0])
+    outs, last, rows, state = [[] for _ in prompts], {}, [], None
+    for t in range(30):
+        if t in (0, 3, 5):                       # a new row joins the running batch
+            i = (0, 3, 5).index(t)
+            s, logits = prefill(prompts[i], 32)
+            last[i] = int(logits.argmax())
+            outs[i].append(last[i])
+            state = s if state is None else type(s).concat([state, s], max_len=64)
+            rows.append(i)
+        logits = step(torch.tensor([[last[i]] for i in rows]), state)[:, -1]
+        for b, i in enumerate(rows):
+            last[i] = int(logits[b].argmax())
+            outs[i].append(last[i])
+        keep = [b for b, i in enumerate(rows) if len(outs[i]) < 12]
+        if len(keep) < len(rows):
+            rows = [rows[b] for b in keep]
+            state = state.select_rows(keep) if keep else None
+        if not rows:
+            break
+    assert outs == solo
+
+
+@pytest.fixture(scope="module")
+def native_built(tmp_path_factory):
+    """The native step built into a fresh cache (or the module skipped, saying why), every phase on
+    its pool even for small models, PyTorch references on one thread; restored afterwards."""
+    os.environ.setdefault("GEN_ENGINE_CACHE", str(tmp_path_factory.mktemp("native-cache")))
+    try:
+        library()
+    except NativeUnavailableError as e:
+        pytest.skip(f"native decode step unavailable here: {e}")
+    set_parallel_min(0)       # every phase on the pool, even for these small models
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the references (module path) on one thread: no OpenMP barriers on a busy machine
+    yield
+    torch.set_num_threads(torch_threads)
+    set_parallel_min(24576)

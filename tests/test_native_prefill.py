@@ -11,21 +11,7 @@ from engine.steps.native import PREFILL_ROWS
 from tests.conftest import tiny_model
 
 
-@pytest.fixture(scope="module", autouse=True)
-def built(tmp_path_factory):
-    import os
-    os.environ.setdefault("GEN_ENGINE_CACHE", str(tmp_path_factory.mktemp("native-cache")))
-    from engine.steps.native import library, set_parallel_min
-    try:
-        library()
-    except NativeUnavailableError as e:
-        pytest.skip(f"native decode step unavailable here: {e}")
-    set_parallel_min(0)       # every phase on the pool, even for these small models
-    torch_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(torch_threads)
-    set_parallel_min(24576)
+pytestmark = pytest.mark.usefixtures("native_built")   # tests/conftest.py: built, or skipped with the reason
 
 
 def ids(seed, batch, n):

@@ -9,23 +9,12 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, tiny_model
+from conftest import ROOT, check_rows_join_and_leave, greedy, tiny_model
 from engine.api import load
 from engine.errors import CheckpointError, StateMismatchError
 from engine.steps import Stepper
 
 PATHS = ["softmax", "linear"]
-
-
-def greedy(step, state, logits, n):
-    """n greedy tokens from logits (B, V), feeding each back. Returns a list per row."""
-    out = [[] for _ in range(logits.shape[0])]
-    for _ in range(n):
-        nxt = logits.argmax(-1)
-        for b, t in enumerate(nxt.tolist()):
-            out[b].append(t)
-        logits = step(nxt[:, None], state)[:, -1]
-    return out
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -59,36 +48,7 @@ def test_concat_and_select_rows_keep_every_row_as_it_is_alone(path):
     as they finish: each row's greedy tokens equal its solo run (KV rows right-aligned, pads masked)."""
     model = tiny_model(seed=1)
     step = Stepper(model, "torch")
-    prompts = [[1, 5, 9, 20, 3], [1, 7], [4, 4, 4, 4, 4, 4, 4, 4, 4, 1]]
-
-    def prefill(ids, max_len):
-        s = model.init_state(1, max_len, attention=path)
-        return s, step(torch.tensor([ids]), s, last_only=True)[:, -1]
-
-    solo = []
-    for ids in prompts:
-        s, logits = prefill(ids, 64)
-        solo.append(greedy(step, s, logits, 12)[0])
-    outs, last, rows, state = [[] for _ in prompts], {}, [], None
-    for t in range(30):
-        if t in (0, 3, 5):                       # a new row joins the running batch
-            i = (0, 3, 5).index(t)
-            s, logits = prefill(prompts[i], 32)
-            last[i] = int(logits.argmax())
-            outs[i].append(last[i])
-            state = s if state is None else type(s).concat([state, s], max_len=64)
-            rows.append(i)
-        logits = step(torch.tensor([[last[i]] for i in rows]), state)[:, -1]
-        for b, i in enumerate(rows):
-            last[i] = int(logits[b].argmax())
-            outs[i].append(last[i])
-        keep = [b for b, i in enumerate(rows) if len(outs[i]) < 12]
-        if len(keep) < len(rows):
-            rows = [rows[b] for b in keep]
-            state = state.select_rows(keep) if keep else None
-        if not rows:
-            break
-    assert outs == solo
+    check_rows_join_and_leave(step, lambda max_len: model.init_state(1, max_len, attention=path))
 
 
 def test_concat_masks_the_pad_slots_of_a_shorter_row():
