@@ -15,6 +15,11 @@ from engine.transformer import Transformer
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("GEN_SHARED_DIR", ROOT.parent / "shared"))
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Workers share the cores: PyTorch's OpenMP pool on more threads than its share of them stalls at
+    # every barrier (a small GQA test went from 0.7 s to 4 s), so each worker gets cores / workers.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
 
 def tiny_config(**overrides) -> ModelConfig:
     base = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
