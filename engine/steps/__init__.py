@@ -100,7 +100,9 @@ class Stepper:
                 if hasattr(form, "prefill") and form.why_not_prefill(state, tokens, self.backend == "auto") is None:
                     self.last_prefill_form = form.name
                     return form.prefill(tokens, state)
-        self.last_form = self.last_prefill_form = "module"
+        self.last_form = "module"
+        if last_only or tokens.dim() != 2 or tokens.shape[1] != 1:   # a prompt block, not a one-token step
+            self.last_prefill_form = "module"
         return self.model.step(tokens, state, valid=valid, last_only=last_only)
 
 
