@@ -1,54 +1,106 @@
-"""Decode speed of the native step by thread count, quiet and with one core held by a busy loop.
+"""Decode speed of the native step by thread count, quiet and with cores held by busy loops.
 
     python benchmarks/native_threads.py                        # tiny and stories260K, 1 and 2 threads
-    python benchmarks/native_threads.py --models tiny --threads 1,2,3 --depths 128,2048 --batches 1,8
+    python benchmarks/native_threads.py --models tiny --threads 1,2 --batches 1,8
+    python benchmarks/native_threads.py --models tiny --threads default --busy 1,0+1 --repeats 5
 
-For every (model, weights, depth, batch, threads) it prefills `depth` random tokens and times
-`--steps` greedy decode steps through the default step form (backend auto), reporting the median
-ms per step and tokens/s (aggregate over the batch), and the mean ms per step (a contended run
-alternates fast and slow stretches as the scheduler shares core 1: the mean counts the slow ones). Then it starts `taskset -c 1 sh -c 'while :;
-do :; done'` (a busy loop pinned on core 1), repeats the same rows, stops the loop (by its pid) and
-prints contended / quiet. Each row runs in a fresh process so thread pools start clean. Issue 11
-asks that contended decode at the default thread count stays >= 50% of its quiet speed.
+Every (model, weights, depth, batch, threads) row runs in a fresh process (thread pools start
+clean) that loads the model once and then alternates, `--repeats` times, a quiet window and one
+window per `--busy` condition: `1` starts `taskset -c 1 sh -c 'while :; do :; done'` (a busy loop
+pinned on core 1) for the window and stops it (by its pid) after; `0+1` starts one on core 0 and one
+on core 1. Each window prefills `depth` random tokens into a fresh state, takes 8 untimed steps, then
+times `--steps` greedy decode steps through the default step form (backend auto). Interleaving the
+windows in one process keeps the machine's other load (shared VM) the same for quiet and busy.
+
+Per condition it reports the median ms per step over every timed step of every window, tokens/s
+(aggregate over the batch) from that median, the mean ms per step (a contended run alternates fast
+and slow stretches as the scheduler shares a core: the mean counts the slow ones), busy / quiet
+speed (ratio of medians, and the spread of that ratio over the repeats), and the share of the
+pool's phases that ran on the caller alone (pool.c's adaptive mode). `threads` is a count (PyTorch
+gets the same count, as --threads N does) or `default` (set_threads(None): the native pool on every
+core, PyTorch on one: what `gen` runs). The load average (`uptime`) is printed before and after
+each row. Issue 11 asks that decode at the default thread count with one core busy keeps >= 50% of
+its quiet speed. `--adapt off` turns the pool's adaptive mode off, `--adapt both` interleaves
+windows with it on and off (conditions marked /fixed), each compared with its own quiet windows.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = {"tiny": "tiny", "stories260K": os.path.join(ROOT, "..", "shared", "checkpoints", "stories260K", "hf")}
 
 ROW = r"""
-import json, statistics, sys, time, torch
+import json, os, statistics, subprocess, sys, time, torch
 from engine.loader import load_model
 from engine.quant import quantize_model
 from engine.steps import Stepper
+from engine.steps.native import NativeUnavailableError, pool_adapt, pool_stats
 from engine.threads import set_threads
 job = json.loads(sys.argv[1])
-set_threads(job["threads"])
+set_threads(None if job["threads"] == "default" else int(job["threads"]))
 dtype = {"f16": "float16", "bf16": "bfloat16"}.get(job["weights"], "float32")
 model, _ = load_model(job["model"], dtype=dtype)
 if job["weights"].startswith("q"):
     quantize_model(model, job["weights"])
+try:
+    pool_stats()
+    native = True
+except NativeUnavailableError:
+    native = False
 step, B, depth, n = Stepper(model, "auto"), job["batch"], job["depth"], job["steps"]
-state = model.init_state(B, depth + n + 16)
 prompt = torch.randint(0, model.config.vocab_size, (B, depth), generator=torch.Generator().manual_seed(0))
-tok = step(prompt, state, last_only=True)[:, -1:].argmax(-1)
-for _ in range(8):
-    tok = step(tok, state).argmax(-1)
-times = []
-for _ in range(n):
-    t0 = time.perf_counter()
-    tok = step(tok, state).argmax(-1)
-    times.append(time.perf_counter() - t0)
-med, mean = statistics.median(times), sum(times) / len(times)
-print(json.dumps({"ms_per_step": med * 1e3, "tokens_per_s": B / med, "mean_ms_per_step": mean * 1e3,
-                  "form": step.last_form, "fallback": step.fallback}))
+
+def window(adapt):
+    if native:
+        pool_adapt() if adapt else pool_adapt(0)
+    state = model.init_state(B, depth + n + 16)
+    tok = step(prompt, state, last_only=True)[:, -1:].argmax(-1)
+    for _ in range(8):
+        tok = step(tok, state).argmax(-1)
+    if native:
+        pool_stats(reset=True)
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        tok = step(tok, state).argmax(-1)
+        times.append(time.perf_counter() - t0)
+    st = pool_stats(reset=True) if native else {}
+    return times, st.get("solo_phases", 0), st.get("parallel_phases", 0) + st.get("solo_phases", 0)
+
+def busy_loops(cores):
+    return [subprocess.Popen(["taskset", "-c", c, "sh", "-c", "while :; do :; done"]) for c in cores.split("+")]
+
+conds = [(c, a) for c in ["quiet"] + job["busy"] for a in job["adapt"]]
+res = {f"{c}{'' if a else '/fixed'}": {"times": [], "medians": [], "solo": 0, "phases": 0} for c, a in conds}
+window(True)   # warm-up: build, spawn the pool
+for _ in range(job["repeats"]):
+    for c, a in conds:
+        loops = [] if c == "quiet" else busy_loops(c)
+        try:
+            if loops:
+                time.sleep(0.05)   # the loops are running before the window starts
+            times, solo, phases = window(a)
+        finally:
+            for p in loops:
+                p.kill()
+                p.wait()
+        r = res[f"{c}{'' if a else '/fixed'}"]
+        r["times"] += times
+        r["medians"].append(statistics.median(times))
+        r["solo"] += solo
+        r["phases"] += phases
+out = {}
+for c, r in res.items():
+    med = statistics.median(r["times"])
+    out[c] = {"ms_per_step": med * 1e3, "tokens_per_s": B / med, "mean_ms_per_step": 1e3 * sum(r["times"]) / len(r["times"]),
+              "window_ms": [m * 1e3 for m in r["medians"]], "solo_share": r["solo"] / max(1, r["phases"])}
+print(json.dumps({"conditions": out, "form": step.last_form, "fallback": step.fallback}))
 """
 
 
@@ -60,37 +112,50 @@ def run_row(job: dict) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="tiny,stories260K")
     ap.add_argument("--weights", default="f32")
-    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--threads", default="1,2", help="counts, or `default` (native on every core, PyTorch on 1)")
     ap.add_argument("--depths", default="128")
     ap.add_argument("--batches", default="1")
-    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--steps", type=int, default=200, help="timed steps per window")
+    ap.add_argument("--repeats", type=int, default=3, help="quiet/busy window rounds per row")
+    ap.add_argument("--busy", default="1", help="busy conditions: cores of the busy loops, '+' joined (1 or 0+1)")
+    ap.add_argument("--adapt", choices=["on", "off", "both"], default="on",
+                    help="pool.c's adaptive (solo) mode; off: conditions marked /fixed; both: interleaved A/B")
     ap.add_argument("--json", help="write the rows here")
     a = ap.parse_args()
-    jobs = [dict(model=MODELS.get(m, m), name=m, weights=w, depth=int(d), batch=int(b), threads=int(t), steps=a.steps)
+    busy = a.busy.split(",")
+    jobs = [dict(model=MODELS.get(m, m), name=m, weights=w, depth=int(d), batch=int(b),
+                 threads=t if t == "default" else int(t), steps=a.steps, repeats=a.repeats, busy=busy,
+                 adapt={"on": [True], "off": [False], "both": [True, False]}[a.adapt])
             for m in a.models.split(",") for w in a.weights.split(",") for d in a.depths.split(",")
             for b in a.batches.split(",") for t in a.threads.split(",")]
-    quiet = [run_row(j) for j in jobs]
-    busy = subprocess.Popen(["taskset", "-c", "1", "sh", "-c", "while :; do :; done"])
-    try:
-        time.sleep(0.5)
-        contended = [run_row(j) for j in jobs]
-    finally:
-        busy.kill()
-        busy.wait()
-    print(f"{'model':12} {'weights':7} {'depth':>5} {'B':>2} {'thr':>3}  {'quiet ms':>9} {'tok/s':>7}  "
-          f"{'busy ms':>9} {'tok/s':>7}  {'busy/quiet':>10}  {'mean ms quiet/busy':>18}  form")
+    print(f"{'model':12} {'weights':7} {'depth':>5} {'B':>2} {'thr':>7} {'cond':>11}  {'ms/step':>8} {'tok/s':>7} "
+          f"{'mean ms':>8}  {'x quiet':>7} {'per repeat':>16}  {'solo':>5}  load before/after  form")
     rows = []
-    for j, q, c in zip(jobs, quiet, contended):
-        ratio = c["tokens_per_s"] / q["tokens_per_s"]
-        print(f"{j['name']:12} {j['weights']:7} {j['depth']:>5} {j['batch']:>2} {j['threads']:>3}  "
-              f"{q['ms_per_step']:9.3f} {q['tokens_per_s']:7.0f}  {c['ms_per_step']:9.3f} {c['tokens_per_s']:7.0f}  "
-              f"{ratio:10.2f}  {q['mean_ms_per_step']:8.3f}/{c['mean_ms_per_step']:<8.3f}  {q['form']}")
-        rows.append({**j, "quiet": q, "contended": c, "contended_over_quiet": ratio})
-    print(f"load average at the end: {os.getloadavg()[0]:.2f} (other processes share the machine when > ~0.5)")
+    for j in jobs:
+        before = load()
+        r = run_row(j)
+        after = load()
+        for c, v in r["conditions"].items():
+            q = r["conditions"]["quiet" + ("/fixed" if c.endswith("/fixed") else "")]
+            ratio = v["tokens_per_s"] / q["tokens_per_s"]
+            per = [qm / bm for qm, bm in zip(q["window_ms"], v["window_ms"])]
+            spread = f"{min(per):.2f}-{max(per):.2f}" if not c.startswith("quiet") else ""
+            print(f"{j['name']:12} {j['weights']:7} {j['depth']:>5} {j['batch']:>2} {j['threads']:>7} {c:>11}  "
+                  f"{v['ms_per_step']:8.3f} {v['tokens_per_s']:7.0f} {v['mean_ms_per_step']:8.3f}  {ratio:7.2f} "
+                  f"{spread:>16}  {v['solo_share']:5.0%}  {before} / {after}  {r['form']}")
+            v["x_quiet"] = ratio
+        rows.append({**j, **r, "load_before": before, "load_after": after})
+    print("cond: quiet, or the cores held by busy loops (/fixed: adaptive mode off); x quiet: speed / quiet "
+          "speed (medians; per repeat: its range over the repeats); solo: share of pool phases run on the caller "
+          "alone (adaptive mode)")
     if a.json:
         with open(a.json + ".tmp", "w") as f:
             json.dump(rows, f, indent=2)

@@ -32,7 +32,8 @@ from engine.quant import QuantLinear
 from engine.steps.native.build import NativeUnavailableError, library
 from engine.threads import current_threads
 
-__all__ = ["NativeStep", "NativeDecoder", "NativeUnavailableError", "library", "set_parallel_min", "why_not"]
+__all__ = ["NativeStep", "NativeDecoder", "NativeUnavailableError", "library", "pool_adapt", "pool_stats",
+           "set_parallel_min", "why_not"]
 
 _P = ctypes.POINTER(ctypes.c_float)
 _V = ctypes.c_void_p
@@ -72,6 +73,10 @@ def _bind(lib):
         lib.gen_prefill_block.restype = None
         lib.gen_set_parallel_min.argtypes = [ctypes.c_longlong]
         lib.gen_set_parallel_min.restype = None
+        lib.gen_pool_adapt.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong]
+        lib.gen_pool_adapt.restype = None
+        lib.gen_pool_stats.argtypes = [ctypes.POINTER(ctypes.c_longlong), ctypes.c_int]
+        lib.gen_pool_stats.restype = None
         lib._gen_bound = True
     return lib
 
@@ -80,6 +85,26 @@ def set_parallel_min(macs: int) -> None:
     """Phases below `macs` multiply-adds run on the calling thread alone (tests: 0 puts every phase
     on the pool, so small models exercise it)."""
     _bind(library()).gen_set_parallel_min(macs)
+
+
+POOL_ADAPT = (32, 115, 2_000_000)   # pool.c's defaults: phases per verdict, min speedup (%), solo ns
+
+
+def pool_adapt(window: int = POOL_ADAPT[0], min_speedup_pct: int = POOL_ADAPT[1], solo_ns: int = POOL_ADAPT[2]) -> None:
+    """How the pool decides that its workers do not pay (a core taken by another process) and runs
+    phases on the caller alone for a while (pool.c): a verdict every `window` phases (0: never solo),
+    solo when the phases ran less than `min_speedup_pct`/100 times faster than the caller alone would,
+    for `solo_ns` (doubling on each failed probe, up to 16x). No arguments: the defaults."""
+    _bind(library()).gen_pool_adapt(window, min_speedup_pct, solo_ns)
+
+
+def pool_stats(reset: bool = False) -> dict:
+    """The pool's counters since the last reset: phases run parallel and solo, verdicts, failed
+    verdicts, and the scored phases' estimated time alone and wall time (ns)."""
+    out = (ctypes.c_longlong * 6)()
+    _bind(library()).gen_pool_stats(out, int(reset))
+    keys = ("parallel_phases", "solo_phases", "verdicts", "solo_verdicts", "alone_ns", "wall_ns")
+    return dict(zip(keys, out))
 
 
 def _layer_modules(model) -> list[tuple]:

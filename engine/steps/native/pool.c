@@ -20,6 +20,16 @@
  *  - A worker waits politely: a short pause-spin, then sched_yield, then (idle for SPIN_NS) a futex
  *    sleep. The caller only pause-spins, and only until its steal deadline.
  *
+ *  - It adapts to a core taken by another process. The caller keeps score over windows of phases:
+ *    its own fastest time per unit, times the phase's units, is what the phase would cost it alone;
+ *    the phase's wall time is what it cost with the workers. When a window's speedup falls below
+ *    ADAPT_MIN_SPEEDUP (a worker kept losing its core, or shares the caller's), phases run on the
+ *    caller alone for a while and the workers sleep at once instead of spinning: the caller then
+ *    has a core to itself (the scheduler moves it off the busy core into the one the sleeping
+ *    worker left idle), which is one thread's speed instead of a shared core's. It probes again
+ *    after the solo stretch (ADAPT_SOLO_NS, doubling on each failed probe up to ADAPT_SOLO_GROWTH x),
+ *    so the workers are back within milliseconds of the core coming free.
+ *
  * One job runs at a time; a second caller thread (another Python thread stepping another
  * state) runs its job serially rather than wait.
  */
@@ -41,6 +51,11 @@
 #define SPIN_NS 2000000LL       /* an idle worker sleeps after 2 ms without work */
 #define STEAL_MIN_NS 5000LL     /* a claimed chunk is stolen after max(5 us, 2x the caller's fastest chunk), */
 #define STEAL_MAX_NS 200000LL   /* and never later than 200 us */
+#define ADAPT_WINDOW 32               /* phases per verdict (about one decode step of a small model) */
+#define ADAPT_MIN_SPEEDUP 115         /* percent: a window below this runs solo for a while */
+#define ADAPT_SKIP 2                  /* phases of a probe not scored (the workers are waking up) */
+#define ADAPT_SOLO_NS 2000000LL       /* the first solo stretch: 2 ms, doubling on each failed */
+#define ADAPT_SOLO_GROWTH 16          /* probe up to 16x that (32 ms) */
 
 enum { FREE = 0, CLAIMED = 1, PUBLISHING = 2, DONE = 3, OWNED = 4 };
 
@@ -57,9 +72,19 @@ static struct {
     _Atomic uint32_t seq;                 /* futex word: low bits of gen */
     _Atomic uint64_t state[MAX_CHUNKS];   /* gen << 3 | FREE..OWNED */
     _Atomic int chunks, nthreads, sleepers, busy, started;
+    _Atomic int solo;                     /* the caller runs alone for now: idle workers sleep at once */
     Job job;
     pthread_mutex_t run, spawn;
 } P = {.run = PTHREAD_MUTEX_INITIALIZER, .spawn = PTHREAD_MUTEX_INITIALIZER};
+
+/* The caller's score of the workers (read and written under P.run only). */
+static struct {
+    int window, min_speedup;              /* phases per verdict (0: never solo), percent */
+    long long solo_min, solo_until, solo_ns;   /* the first solo stretch; run solo until; the next one */
+    long long alone_ns, wall_ns;          /* this window: estimated cost alone, wall time */
+    int phases, skip;
+    long long stats[6];                   /* parallel phases, solo phases, windows, failed windows, alone ns, wall ns */
+} A = {.window = ADAPT_WINDOW, .min_speedup = ADAPT_MIN_SPEEDUP, .solo_min = ADAPT_SOLO_NS, .solo_ns = ADAPT_SOLO_NS};
 
 static inline long long now_ns(void) {
     struct timespec t;
@@ -134,7 +159,7 @@ static void *worker(void *arg) {
         long long t0 = now_ns();
         for (int i = 0;; i++) {
             if ((g = atomic_load(&P.gen)) != seen) goto run;
-            if ((i & 63) == 63 && now_ns() - t0 > SPIN_NS) break;
+            if ((i & 63) == 63 && (atomic_load_explicit(&P.solo, memory_order_relaxed) || now_ns() - t0 > SPIN_NS)) break;
             wait_step(i);
         }
         atomic_fetch_add(&P.sleepers, 1);
@@ -171,6 +196,53 @@ static void run_serial(UnitsFn fn, const void *ctx, int units, float *out, int o
     fn(ctx, 0, units, out, os, add, scratch);
 }
 
+/* After a parallel phase: add it to the window; at the window's end, go solo if the workers did
+ * not pay (see the header). per_unit: the caller's fastest ns per unit x 1024 (< 0: it ran none). */
+static void score(long long start, long long per_unit, int units) {
+    long long end = now_ns();
+    A.stats[0]++;
+    if (A.window <= 0 || per_unit < 0) return;
+    if (A.skip > 0) { A.skip--; return; }
+    A.alone_ns += per_unit * units / 1024;
+    A.wall_ns += end - start;
+    if (++A.phases < A.window) return;
+    A.stats[2]++;
+    A.stats[4] += A.alone_ns;
+    A.stats[5] += A.wall_ns;
+    if (A.alone_ns * 100 < A.wall_ns * A.min_speedup) {
+        A.stats[3]++;
+        A.solo_until = end + A.solo_ns;
+        A.solo_ns = A.solo_ns * 2 < A.solo_min * ADAPT_SOLO_GROWTH ? A.solo_ns * 2 : A.solo_min * ADAPT_SOLO_GROWTH;
+        atomic_store(&P.solo, 1);
+    } else {
+        A.solo_ns = A.solo_min;
+    }
+    A.phases = 0;
+    A.alone_ns = A.wall_ns = 0;
+}
+
+/* Tuning and counters (tests, benchmarks). window: phases per verdict (0: never solo);
+ * min_speedup: percent; solo_ns: the first solo stretch. stats: see A.stats, reset after reading
+ * when `reset`. */
+void gen_pool_adapt(int window, int min_speedup, long long solo_ns) {
+    pthread_mutex_lock(&P.run);
+    A.window = window;
+    A.min_speedup = min_speedup;
+    A.phases = A.skip = 0;
+    A.alone_ns = A.wall_ns = 0;
+    A.solo_until = 0;
+    A.solo_min = A.solo_ns = solo_ns;
+    atomic_store(&P.solo, 0);
+    pthread_mutex_unlock(&P.run);
+}
+
+void gen_pool_stats(long long *out, int reset) {
+    pthread_mutex_lock(&P.run);
+    memcpy(out, A.stats, sizeof A.stats);
+    if (reset) memset(A.stats, 0, sizeof A.stats);
+    pthread_mutex_unlock(&P.run);
+}
+
 void pool_run(int nthreads, UnitsFn fn, const void *ctx, size_t ctx_bytes, int units, int width,
               int chunk_units, int B, float *out, int os, int add,
               float *scratch, size_t stride, size_t fn_scratch) {
@@ -180,6 +252,17 @@ void pool_run(int nthreads, UnitsFn fn, const void *ctx, size_t ctx_bytes, int u
         pthread_mutex_trylock(&P.run) != 0) {
         run_serial(fn, ctx, units, out, os, add, scratch);
         return;
+    }
+    long long start = now_ns();
+    if (start < A.solo_until) {
+        run_serial(fn, ctx, units, out, os, add, scratch);
+        A.stats[1]++;
+        pthread_mutex_unlock(&P.run);
+        return;
+    }
+    if (atomic_load_explicit(&P.solo, memory_order_relaxed)) {   /* a probe: wake the workers, score later */
+        atomic_store(&P.solo, 0);
+        A.skip = ADAPT_SKIP;
     }
     spawn_workers(nthreads);
     uint64_t g = atomic_load(&P.gen) + 1;
@@ -197,15 +280,16 @@ void pool_run(int nthreads, UnitsFn fn, const void *ctx, size_t ctx_bytes, int u
     if (atomic_load(&P.sleepers) > 0) syscall(SYS_futex, &P.seq, FUTEX_WAKE_PRIVATE, MAX_THREADS, NULL, NULL, 0);
 
     /* The caller's share: claim from the front, compute in place. */
-    long long fastest = -1;
+    long long fastest = -1, per_unit = -1;   /* ns; per_unit: x 1024 */
     int c;
     while ((c = claim(g, chunks, OWNED, 0)) >= 0) {
         int u0, u1;
         chunk_range(j, c, &u0, &u1);
         long long t0 = now_ns();
         fn(j->ctx, u0, u1, out + (size_t)u0 * width, os, add, scratch);
-        long long took = now_ns() - t0;
+        long long took = now_ns() - t0, pu = took * 1024 / (u1 - u0);
         if (fastest < 0 || took < fastest) fastest = took;   /* the fastest: blind to our own preemption */
+        if (per_unit < 0 || pu < per_unit) per_unit = pu;
         atomic_store_explicit(&P.state[c], g << 3 | DONE, memory_order_release);
     }
     /* Wait for the workers' chunks; steal one that is late. */
@@ -233,6 +317,7 @@ void pool_run(int nthreads, UnitsFn fn, const void *ctx, size_t ctx_bytes, int u
             relax();
         }
     }
+    score(start, per_unit, units);
     pthread_mutex_unlock(&P.run);
 }
 

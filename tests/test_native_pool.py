@@ -1,0 +1,44 @@
+"""The native pool's adaptive mode (pool.c): phases that switch between the caller alone and the
+workers within a step (solo stretches, probes, workers told to sleep and woken again) compute the
+same bits as one thread. Results only; timing is for benchmarks/native_threads.py."""
+import pytest
+import torch
+
+from engine.steps.native import pool_adapt, pool_stats
+from tests.conftest import tiny_model
+from tests.test_native import run, tokens
+
+pytestmark = pytest.mark.usefixtures("native_built")   # tests/conftest.py: built, or skipped with the reason
+
+
+@pytest.mark.parametrize("attention", ["softmax", "linear"])
+@pytest.mark.parametrize("threads", [2, 5])
+def test_solo_stretches_and_probes_give_the_same_bits(threads, attention):
+    model = tiny_model(hidden_size=128, intermediate_size=256)
+    prompt, follow = tokens(4, batch=3, follow=40)
+    want = run(model, prompt, follow, "native", batch=3, threads=1, attention=attention)[0]
+    try:
+        # a verdict after every phase, and every one fails: solo for 20 us (doubling to 320 us), probe, ...
+        pool_adapt(window=1, min_speedup_pct=10**6, solo_ns=20_000)
+        pool_stats(reset=True)
+        got = run(model, prompt, follow, "native", batch=3, threads=threads, attention=attention)[0]
+        st = pool_stats(reset=True)
+    finally:
+        pool_adapt()
+    print(st)
+    assert st["solo_phases"] > 0 and st["parallel_phases"] > 0, "the step did not switch between solo and pool"
+    assert st["solo_verdicts"] == st["verdicts"] > 0
+    assert torch.equal(got, want)
+
+
+def test_the_default_scores_and_never_forgets_work():
+    """Adaptive mode on (the default): counters move and results still equal one thread's."""
+    model = tiny_model(hidden_size=128, intermediate_size=256)
+    prompt, follow = tokens(5, batch=2, follow=50)
+    want = run(model, prompt, follow, "native", batch=2, threads=1)[0]
+    pool_adapt()
+    pool_stats(reset=True)
+    got = run(model, prompt, follow, "native", batch=2, threads=2)[0]
+    st = pool_stats(reset=True)
+    assert st["verdicts"] > 0 and st["parallel_phases"] > 0
+    assert torch.equal(got, want)
