@@ -171,3 +171,18 @@ class _Req:
         self.attention, self.limit, self.temperature, self.top_k, self.top_p = attention, 8, 0.0, 0, 1.0
         self.min_p, self.repetition_penalty, self.seed, self.stop, self.logprobs, self.ignore_eos = \
             0.0, 1.0, None, None, None, True
+
+
+@pytest.mark.parametrize("kind", ["softmax", "linear", "window", "hybrid-hedgehog"])
+def test_concat_refuses_states_of_another_shape(kind):
+    """Rows of different models never share a batch: a state of another shape (here heads of size 8
+    instead of 16) is refused, whichever side it is on."""
+    def state(heads):
+        if kind in MIXES:
+            return mixed_model(kind, num_attention_heads=heads).init_state(1, 16)
+        return tiny_model(num_attention_heads=heads).init_state(1, 16, kind)
+    a, b = state(4), state(8)
+    for pair in ([a, b], [b, a], [a, a, b]):
+        with pytest.raises(StateMismatchError, match="cannot share a batch"):
+            type(a).concat(pair)
+    assert type(a).concat([a, a]).batch_size == 2

@@ -82,6 +82,13 @@ class State:
         slot axes, dtype (and the feature map on the linear path). JSON-able."""
         raise NotImplementedError
 
+    @staticmethod
+    def check_same_identity(states: list["State"], what: str) -> None:
+        """Refuse to batch states whose identities differ (`what` names what may differ)."""
+        for s in states[1:]:
+            if s.identity() != states[0].identity():
+                raise StateMismatchError(f"states of different {what} cannot share a batch")
+
     def state_dict(self) -> dict:
         """{"tensors": {name: tensor}, "meta": JSON-able dict}: the tensors (copies, the KV cache cut
         to the slots written), lengths, slots, padded, and `identity()`. See `load_state_dict`."""

@@ -18,7 +18,7 @@ from engine.attention.base import Span, State
 from engine.attention.linear import LinearState
 from engine.attention.softmax import KVState
 from engine.attention.window import WindowState
-from engine.errors import InvalidArgumentError, StateMismatchError
+from engine.errors import InvalidArgumentError
 
 LAYER_PATHS = ("softmax", "linear")
 PART_STATES = {"softmax": KVState, "linear": LinearState, "window": WindowState}
@@ -114,10 +114,7 @@ class HybridState(State):
 
     @classmethod
     def concat(cls, states, max_len=None) -> "HybridState":
-        for s in states:
-            if s.identity() != states[0].identity():
-                raise StateMismatchError("hybrid states of different layer mixes, shapes, dtypes or feature maps "
-                                         "cannot share a batch")
+        cls.check_same_identity(states, "layer mixes, shapes, dtypes or feature maps")
         first = states[0]
         return first._regrouped([type(p).concat([s.parts[i] for s in states], max_len)
                                  for i, p in enumerate(first.parts)])

@@ -18,7 +18,6 @@ import torch
 
 from engine.attention.base import State
 from engine.attention.feature_maps import FeatureMap, get_feature_map, state_dtype
-from engine.errors import StateMismatchError
 
 EPS = 1e-6          # the denominator's eps: out = num / (phi(q)^T z + EPS)
 # 0-dim tensors in each state dtype: no scalar wrap and no dtype cast per decode step
@@ -80,9 +79,7 @@ class LinearState(State):
 
     @classmethod
     def concat(cls, states, max_len=None) -> "LinearState":
-        for s in states:
-            if s.identity() != states[0].identity():
-                raise StateMismatchError("states of different shapes, dtypes or feature maps cannot share a batch")
+        cls.check_same_identity(states, "shapes, dtypes or feature maps")
         out = cls(lengths=torch.cat([s.lengths for s in states]), slots=0,
                   S=torch.cat([s.S for s in states], 1), z=torch.cat([s.z for s in states], 1),
                   feature_map=states[0].feature_map, layer_ids=states[0].layer_ids)

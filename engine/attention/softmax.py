@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import Span, State
-from engine.errors import ContextFullError, StateMismatchError
+from engine.errors import ContextFullError
 
 # Decode (one query, no mask) from this many cached keys on uses two matmuls instead of SDPA:
 # measured on the 2-core dev VM, 1 thread: SDPA's kernel wins below ~1k keys, the matmuls above (2x at 32k).
@@ -106,6 +106,7 @@ class KVState(State):
 
     @classmethod
     def concat(cls, states, max_len=None) -> "KVState":
+        cls.check_same_identity(states, "shapes or dtypes")
         P = max(s.slots for s in states)
         max_len = max(max_len or max(s.max_len for s in states), P)
         L, _, Hkv, _, D = states[0].k.shape
@@ -113,8 +114,6 @@ class KVState(State):
                                  states[0].device, states[0].k.dtype)
         b = 0
         for s in states:
-            if s.identity() != states[0].identity():
-                raise StateMismatchError("states of different shapes or dtypes cannot share a batch")
             rows, lo = slice(b, b + s.batch_size), P - s.slots      # right-align: pads in [0, lo)
             out.k[:, rows, :, lo:P] = s.k[:, :, :, :s.slots]
             out.v[:, rows, :, lo:P] = s.v[:, :, :, :s.slots]

@@ -27,7 +27,6 @@ import torch
 from engine.attention.base import State
 from engine.attention.feature_maps import FeatureMap, get_feature_map, state_dtype
 from engine.attention.linear import CHUNK, EPS, as_feature_map
-from engine.errors import StateMismatchError
 
 NEG = float("-inf")
 
@@ -99,10 +98,7 @@ class WindowState(State):
 
     @classmethod
     def concat(cls, states, max_len=None) -> "WindowState":
-        for s in states:
-            if s.identity() != states[0].identity():
-                raise StateMismatchError("states of different shapes, windows, dtypes or feature maps cannot "
-                                         "share a batch")
+        cls.check_same_identity(states, "shapes, windows, dtypes or feature maps")
         return states[0]._rows(torch.cat([s.lengths for s in states]),
                                *(torch.cat([getattr(s, n) for s in states], 1) for n in ("S", "z", "wk", "wv")),
                                torch.cat([s.wreal for s in states]))

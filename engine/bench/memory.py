@@ -89,38 +89,29 @@ def run_bytes(cfg, attention: str, context: int, slots: int, dtype: torch.dtype,
     return parts
 
 
-def available_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (what can be allocated without swapping), or None."""
+def _kib_field(path: str, key: str) -> int | None:
+    """A "Key:  N kB" line of a /proc file (meminfo, status) in bytes, or None."""
     try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def total_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def _status_bytes(key: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
                 if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
+
+
+def available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping), or None."""
+    return _kib_field("/proc/meminfo", "MemAvailable")
+
+
+def total_bytes() -> int | None:
+    return _kib_field("/proc/meminfo", "MemTotal")
+
+
+def _status_bytes(key: str) -> int | None:
+    return _kib_field("/proc/self/status", key)
 
 
 def peak_rss_bytes() -> int:
