@@ -9,27 +9,21 @@ of the 8 rows. The step column is the form that actually ran (and the weights it
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 import tempfile
 
+from common import load_average, options, write_json
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = {"tiny": "tiny", "stories260K": os.path.join(ROOT, "..", "shared", "checkpoints", "stories260K", "hf")}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="tiny,stories260K")
-    ap.add_argument("--weights", default="f32,f16,bf16,q8_0,q4_0")
-    ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--contexts", default="128,2048")
-    ap.add_argument("--attention", default="softmax")
-    ap.add_argument("--backend", default="auto")
-    ap.add_argument("--steps", default="64")
+    ap = options(__doc__, models="tiny,stories260K", weights="f32,f16,bf16,q8_0,q4_0", threads="1,2",
+                 batches="1,8", contexts="128,2048", attention="softmax", backend="auto", steps="64")
     ap.add_argument("--out", help="write all rows as JSON here")
     a = ap.parse_args()
     rows = []
@@ -50,11 +44,9 @@ def main() -> None:
                             rows.append({"model": m, "weights": w, "threads": int(t), "batch": int(b), **res})
                             print(f"| {m} | {w} | {t} | {b} | {res['context']} | {res['decode_tokens_per_s']:.0f} | "
                                   f"{res['decode_ms_per_token']:.3f} | {res['step_form']} |", flush=True)
-    print(f"load average at the end: {os.getloadavg()[0]:.2f}")
+    print(f"load average at the end: {load_average()}")
     if a.out:
-        with open(a.out + ".tmp", "w") as f:
-            json.dump(rows, f, indent=1)
-        os.replace(a.out + ".tmp", a.out)
+        write_json(a.out, rows)
 
 
 if __name__ == "__main__":

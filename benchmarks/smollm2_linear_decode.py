@@ -14,12 +14,13 @@ both rows (the transfer-only maps are not kept by gen linearize).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shlex
 import subprocess
 import sys
+
+from common import load_average, options
 
 # (card row, gen bench arguments selecting it)
 ROWS = [
@@ -44,19 +45,9 @@ def run(args, out_json: str) -> dict:
         return json.load(f)
 
 
-def load_average() -> str:
-    with open("/proc/loadavg") as f:
-        return " ".join(f.read().split()[:3])
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--contexts", default="2048,32768")
-    ap.add_argument("--prefill-tokens", default="512")
-    ap.add_argument("--steps", default="16")
-    ap.add_argument("--warmup", default="4")
-    ap.add_argument("--threads", default="1")
-    ap.add_argument("--backend", default="auto")
+    ap = options(__doc__, contexts="2048,32768", prefill_tokens="512", steps="16", warmup="4", threads="1",
+                 backend="auto")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rows", help="comma-separated row numbers (0-based) to run; default: all")
     ap.add_argument("--out", required=True, help="directory for each run's JSON and the summary")

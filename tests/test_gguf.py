@@ -184,7 +184,10 @@ def test_gguf_tensors_are_views_of_the_map_for_f32(tmp_path, model, tok_dir):
 
 
 # ---------------------------------------------------------------------- bad files
-def one_line(e) -> str:
+def load_error(path, error=CheckpointError) -> str:
+    """The one-line message load_model(path) refuses the file with."""
+    with pytest.raises(error) as e:
+        load_model(path)
     msg = str(e.value)
     assert "\n" not in msg and "Traceback" not in msg
     return msg
@@ -193,9 +196,7 @@ def one_line(e) -> str:
 def test_wrong_magic(tmp_path):
     path = tmp_path / "x.gguf"
     path.write_bytes(b"GGML" + b"\0" * 100)
-    with pytest.raises(CheckpointError) as e:
-        load_model(path)
-    assert "not a GGUF file" in one_line(e)
+    assert "not a GGUF file" in load_error(path)
 
 
 def test_truncated(tmp_path, model, tok_dir):
@@ -205,17 +206,13 @@ def test_truncated(tmp_path, model, tok_dir):
     for cut in (len(data) // 2, len(data) - 100, 50):
         short = tmp_path / f"cut{cut}.gguf"
         short.write_bytes(data[:cut])
-        with pytest.raises(CheckpointError) as e:
-            load_model(short)
-        assert "truncated" in one_line(e)
+        assert "truncated" in load_error(short)
 
 
 def test_other_architecture(tmp_path, model, tok_dir):
     path = tmp_path / "m.gguf"
     write_gguf(path, model, tok_dir, arch="gpt2")
-    with pytest.raises(CheckpointError) as e:
-        load_model(path)
-    msg = one_line(e)
+    msg = load_error(path)
     assert "'gpt2'" in msg and "supported: llama" in msg
 
 
@@ -239,9 +236,7 @@ def test_unsupported_tensor_type(tmp_path, model, tok_dir):
         else:
             w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
-    with pytest.raises(CheckpointError) as e:
-        load_model(tmp_path / "q2.gguf")
-    msg = one_line(e)
+    msg = load_error(tmp_path / "q2.gguf")
     assert "blk.0.ffn_up.weight" in msg and "Q2_K" in msg and ", ".join(SUPPORTED_TYPES) in msg
 
 
@@ -258,9 +253,7 @@ def test_rope_scaling_refused(tmp_path, model, tok_dir):
         write_gguf(path, model, tok_dir)
     finally:
         g.GGUFWriter.write_header_to_file = orig
-    with pytest.raises(ConfigError) as e:
-        load_model(path)
-    assert "rope.scaling.type" in one_line(e)
+    assert "rope.scaling.type" in load_error(path, ConfigError)
 
 
 def test_directory_named_gguf_and_copy(tmp_path, model, tok_dir):
