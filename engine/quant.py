@@ -209,6 +209,22 @@ def quantize_model(model, kind: str) -> list[str]:
     return kept
 
 
+def weights_label(model) -> str:
+    """What the step's matrices (projections and lm_head; not the embedding lookup) hold, most bytes
+    first: "float32", "float16", or block kinds such as "q4_1+q8_0" (a GGUF file's Q4_1 matrices
+    with a Q8_0 lm_head)."""
+    sizes: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            name, size = module.kind, module.blocks.numel()
+        elif isinstance(module, nn.Linear):
+            name, size = str(module.weight.dtype).removeprefix("torch."), module.weight.nbytes
+        else:
+            continue
+        sizes[name] = sizes.get(name, 0) + size
+    return "+".join(sorted(sizes, key=lambda k: -sizes[k])) or str(model.dtype).removeprefix("torch.")
+
+
 def dequantize_model(model) -> None:
     """Replace every QuantLinear (e.g. a GGUF file's blocks) by a bias-free nn.Linear holding its
     dequantized weight in the model's dtype, in place: the float form of the same weights."""

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from engine.errors import ContextFullError
-from engine.quant import quantize_model
+from engine.quant import QuantLinear, quantize, quantize_model
 from engine.steps import NativeStep, NativeUnavailableError, Stepper
 from tests.conftest import tiny_model
 
@@ -245,3 +245,18 @@ def test_default_threads_native_on_every_core_torch_on_one():
         assert set_threads(3) == 3 == current_threads() and torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)
+
+
+def test_bench_labels_the_weights_a_model_holds(small_model_dir):
+    """Without --weights the record names what the matrices hold (a GGUF's blocks are not "float32")."""
+    from engine.bench.sweep import BenchSettings, run_in_process
+    from engine.loader import load_model
+    settings = BenchSettings(model=str(small_model_dir), contexts=(8,), attentions=("linear",), steps=2, warmup=1,
+                             isolate=False, backend="torch")
+    model, _ = load_model(settings.model, dtype=settings.dtype)
+    assert run_in_process(model, settings, "linear", 8)["weights"] == "float32"
+    quantize_model(model, "q4_1")
+    head = model.lm_head                                 # a Q8_0 lm_head beside Q4_1 matrices, as SmolLM2's GGUF
+    model.lm_head = QuantLinear(quantize(head.weight, "q8_0"), "q8_0", head.in_features, head.out_features)
+    rec = run_in_process(model, settings, "linear", 8)
+    assert rec["weights"] == rec["weights_stored"] == "q4_1+q8_0"

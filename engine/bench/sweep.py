@@ -30,6 +30,7 @@ from engine.bench.configs import check_entries, configure, entry_window, layer_p
 from engine.bench.depth import extend_to_depth
 from engine.bench.memory import config_state_bytes, peak_rss_bytes
 from engine.errors import EngineError, InvalidArgumentError
+from engine.quant import weights_label
 from engine.steps import Stepper, check_backend
 
 DEFAULT_CONTEXTS = (128, 512, 2048, 8192, 32768)
@@ -223,6 +224,7 @@ def measure_entry(model, entry: str, context: int, steps: int, warmup: int, feat
     finally:
         model.config = base
     rec.update(keys)
+    rec["weights_stored"] = weights_label(model)
     return rec
 
 
@@ -231,7 +233,7 @@ def run_in_process(model, settings: BenchSettings, attention: str, context: int)
     rec = measure_entry(model, attention, context, settings.steps, settings.warmup, settings.feature_map,
                         settings.seed, settings.backend, settings.batch, settings.prefill_tokens,
                         settings.softmax_layers if attention == "hybrid" else None, settings.window_for(attention))
-    rec["weights"] = settings.weights or settings.dtype
+    rec["weights"] = settings.weights or rec["weights_stored"]
     rec["peak_rss_bytes"] = peak_rss_bytes()
     rec["rss_method"] = ("VmHWM of the bench process itself (--no-isolate): the peak over everything "
                          "run so far, not this configuration alone")
@@ -256,5 +258,5 @@ def run_isolated(model_path: str, settings: BenchSettings, attention: str, conte
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise BenchError(f"{attention} at context {context}: worker exited with code {proc.returncode}: {tail}")
     rec = json.loads(lines[-1])
-    rec["weights"] = settings.weights or settings.dtype
+    rec["weights"] = settings.weights or rec["weights_stored"]
     return rec
