@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampling import Sampler, SamplingParams
-from engine.serve.batch_sampling import RowSampler, sample_rows
+from engine.sampling import Sampler, SamplingParams, filtered_logits
+from engine.serve.batch_sampling import UNIFORM_BLOCK, RowSampler, sample_rows
 
 V = 97
 SETTINGS = [SamplingParams(temperature=0), SamplingParams(temperature=0.9, seed=1),
@@ -65,3 +65,36 @@ def test_greedy_rows_equal_the_api_sampler():
         ref.observe(torch.tensor([[1, 2, 3]]))
         want = [int(ref.sample(x[:1])[0]) for x in stream]
         assert [t[0] for t in run([p], [x[:1] for x in stream])] == want
+
+
+def reference_rows(samplers, logits):
+    """The draw as first written (one torch.rand(1) per row and token, the target in tensor ops): the
+    faster form must pick exactly these tokens, so a seeded request keeps its output."""
+    out = []
+    for b, s in enumerate(samplers):
+        x = filtered_logits(logits[b:b + 1], s.params, s.seen)
+        if s.params.greedy:
+            t = int(x.argmax(-1))
+        else:
+            cdf = x.softmax(-1).double().cumsum(-1)
+            u = torch.rand(1, generator=s.generator, dtype=torch.float64)
+            total = cdf[:, -1]
+            target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+            t = int(torch.searchsorted(cdf, target[:, None], right=True)[0, 0].clamp_max(x.shape[-1] - 1))
+        s.observe(t)
+        out.append(t)
+    return out
+
+
+def test_draws_equal_the_first_form_token_for_token():
+    stream = logits_stream(3 * UNIFORM_BLOCK + 5, len(SETTINGS), seed=9)   # past several uniform blocks
+    fast = run(SETTINGS, stream)
+    ref_samplers = [RowSampler(p, [1, 2, 3], V) for p in SETTINGS]
+    assert fast == [reference_rows(ref_samplers, x) for x in stream]
+
+
+def test_uniforms_drawn_in_blocks_equal_one_draw_at_a_time():
+    s = RowSampler(SamplingParams(temperature=1.0, seed=123), [], V)
+    g = torch.Generator().manual_seed(123)
+    one_by_one = [torch.rand(1, generator=g, dtype=torch.float64).item() for _ in range(2 * UNIFORM_BLOCK + 3)]
+    assert [s.uniform() for _ in range(len(one_by_one))] == one_by_one

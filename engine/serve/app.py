@@ -25,6 +25,7 @@ from engine.serve.schemas import ChatRequest, CompletionRequest, parse
 from engine.serve.server import COMPLETION_DEFAULT_MAX_TOKENS, Server
 
 POLL_S = 0.25     # a non-streaming handler checks for a vanished client this often
+DONE = b"data: [DONE]\r\n\r\n"
 
 
 def create_app(server: Server) -> "FastAPI":
@@ -85,58 +86,48 @@ def create_app(server: Server) -> "FastAPI":
 
     mailboxes: dict = {}   # one per event loop (the app's; tests may run several servers)
 
+    def _mailbox(loop) -> "Mailbox":
+        box = mailboxes.get(loop)
+        if box is None:
+            box = mailboxes[loop] = Mailbox(loop)
+            server.scheduler.flush_hooks.append(box.flush)
+        return box
+
     async def _serve(request: Request, req, ids, fmt, default_max_tokens):
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        mailbox = mailboxes.get(loop) or mailboxes.setdefault(loop, Mailbox(loop))
+        mailbox = _mailbox(loop)
         job = server.make_job(req, ids, lambda ev: mailbox.post(queue, ev), default_max_tokens)
         server.submit(job)
         if req.stream:
-            return EventSourceResponse(_stream(job, queue, fmt, req.include_usage), ping=15)
+            return EventSourceResponse(sse_stream(job, queue, fmt, req.include_usage), ping=15)
         try:
             while True:
                 try:
-                    ev = await asyncio.wait_for(queue.get(), POLL_S)
+                    events = await _pending(queue, POLL_S)
                 except asyncio.TimeoutError:
                     if await request.is_disconnected():
                         job.cancel()
                         return JSONResponse({}, status_code=499)
                     continue
-                if isinstance(ev, Failure):
-                    return server_error(ev.message).response()
-                fmt.add(ev)
-                if ev.finish_reason is not None:
-                    return fmt.whole(usage(job))
+                for ev in events:
+                    if isinstance(ev, Failure):
+                        return server_error(ev.message).response()
+                    fmt.add(ev)
+                    if ev.finish_reason is not None:
+                        return fmt.whole(usage(job))
         finally:
             job.cancel()
-
-    async def _stream(job, queue, fmt, include_usage):
-        try:
-            for chunk in fmt.opening():
-                yield {"data": json.dumps(chunk)}
-            while True:
-                ev = await queue.get()
-                if isinstance(ev, Failure):
-                    yield {"data": json.dumps(server_error(ev.message).body())}
-                    return
-                chunk = fmt.chunk(ev)
-                if chunk is not None:
-                    yield {"data": json.dumps(chunk)}
-                if ev.finish_reason is not None:
-                    break
-            if include_usage:
-                yield {"data": json.dumps(fmt.usage_chunk(usage(job)))}
-            yield {"data": "[DONE]"}
-        finally:
-            job.cancel()   # a client gone mid-stream (the task is cancelled here) frees its row
 
     return app
 
 
 class Mailbox:
-    """Events from the scheduler's thread to the event loop's queues, handed over in one loop wake-up
-    for all that arrived together: a decode step emits one token to each of its B jobs, and waking
-    the loop once per token (call_soon_threadsafe: a lock, a self-pipe write, a loop iteration) cost
-    B wake-ups per step. Order is kept (one list, drained in order)."""
+    """Events from the scheduler's thread to the event loop's queues. `post` only appends; the
+    scheduler calls `flush` once an iteration's tokens are all emitted, which wakes the loop once
+    for all of them (call_soon_threadsafe: a lock, a self-pipe write, a loop iteration). Waking on
+    the first token of a step instead woke the loop while the decode thread still had the step's
+    other tokens to deliver: the two threads then took turns on the GIL, token by token. Order is
+    kept (one list, drained in order)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop, self.items, self.lock, self.scheduled = loop, [], threading.Lock(), False
@@ -144,7 +135,10 @@ class Mailbox:
     def post(self, queue: asyncio.Queue, event) -> None:
         with self.lock:
             self.items.append((queue, event))
-            if self.scheduled:
+
+    def flush(self) -> None:
+        with self.lock:
+            if self.scheduled or not self.items:
                 return
             self.scheduled = True
         self.loop.call_soon_threadsafe(self._drain)
@@ -154,6 +148,54 @@ class Mailbox:
             items, self.items, self.scheduled = self.items, [], False
         for queue, event in items:
             queue.put_nowait(event)
+
+
+async def _pending(queue: asyncio.Queue, timeout: float | None = None) -> list:
+    """The next event and every one already queued behind it (waits up to `timeout` for the first)."""
+    first = await (queue.get() if timeout is None else asyncio.wait_for(queue.get(), timeout))
+    events = [first]
+    while not queue.empty():
+        events.append(queue.get_nowait())
+    return events
+
+
+async def sse_stream(job, queue: asyncio.Queue, fmt, include_usage: bool):
+    """A streaming response's body: SSE events (bytes) for `job`'s tokens as they reach `queue`, then
+    the usage chunk (when asked) and `data: [DONE]`; a Failure ends it with an `error` event. Every
+    event already waiting goes out in one write (one ASGI send): a client whose reader fell behind
+    the decode loop catches up in one send, not one per token."""
+    try:
+        opening = [sse(chunk) for chunk in fmt.opening()]
+        if opening:
+            yield b"".join(opening)
+        done = False
+        while not done:
+            out = []
+            for ev in await _pending(queue):
+                if isinstance(ev, Failure):
+                    out.append(sse(server_error(ev.message).body()))
+                    yield b"".join(out)
+                    return
+                chunk = fmt.chunk(ev)
+                if chunk is not None:
+                    out.append(sse(chunk))
+                if ev.finish_reason is not None:
+                    done = True
+                    break
+            if done:
+                if include_usage:
+                    out.append(sse(fmt.usage_chunk(usage(job))))
+                out.append(DONE)
+            if out:
+                yield b"".join(out)
+    finally:
+        job.cancel()   # a client gone mid-stream (the task is cancelled here) frees its row
+
+
+def sse(obj) -> bytes:
+    """One Server-Sent Event carrying `obj` as JSON (what sse-starlette's ServerSentEvent(data=...)
+    encodes: json.dumps escapes newlines, so the data is one line)."""
+    return b"data: " + json.dumps(obj).encode() + b"\r\n\r\n"
 
 
 async def _json(request: Request):

@@ -10,6 +10,12 @@ uniform number from its own torch.Generator (seeded with the request's seed) and
 CDF (fp64 cumulative sum, `searchsorted`). So a request's tokens depend on its seed and its logits
 only: the same whether it runs alone or in any batch, in any row.
 
+Per step a group costs a fixed handful of tensor ops whatever its size (the server's Python per
+token is what batching cannot amortize): a row's uniforms are drawn UNIFORM_BLOCK at a time (CPU
+generators fill a tensor serially: the same numbers, in the same order, as one draw per token; a
+test holds this), and the draw's scalar arithmetic (u * total, below total) runs on Python floats,
+the same IEEE double operations the tensor form did.
+
 Why not `engine.sampling.Sampler` (what `gen` and the Python API use): its torch.multinomial draws V
 exponential numbers per token (torch's Gumbel-max form), ~0.1 ms a row at V = 4096 and ~1 ms at
 V = 49152, one call per row. Here a row costs one uniform. Greedy tokens are the same as the API's;
@@ -17,11 +23,14 @@ a seeded sampled request is reproducible on the server but is not the same draw 
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
 
 from engine.sampling import SamplingParams, filtered_logits
+
+UNIFORM_BLOCK = 64   # uniforms a sampled row draws from its generator at a time
 
 
 class RowSampler:
@@ -36,6 +45,7 @@ class RowSampler:
         if not params.greedy:
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(self.seed)
+        self._uniforms: list[float] = []
         self.seen = None
         if params.repetition_penalty != 1.0:
             self.seen = torch.zeros(1, vocab_size, dtype=torch.bool, device=device)   # (1, V)
@@ -44,6 +54,13 @@ class RowSampler:
     def observe(self, token: int) -> None:
         if self.seen is not None:
             self.seen[0, token] = True
+
+    def uniform(self) -> float:
+        """The row's next uniform number in [0, 1) (fp64), as torch.rand(1, generator=...) would give it."""
+        if not self._uniforms:
+            block = torch.rand(UNIFORM_BLOCK, generator=self.generator, dtype=torch.float64).tolist()
+            self._uniforms = block[::-1]   # popped from the end: in draw order
+        return self._uniforms.pop()
 
 
 def sample_rows(samplers: list[RowSampler], logits: torch.Tensor) -> list[int]:
@@ -59,15 +76,16 @@ def sample_rows(samplers: list[RowSampler], logits: torch.Tensor) -> list[int]:
         seen = torch.cat([samplers[b].seen for b in rows]) if first.seen is not None else None
         x = filtered_logits(x, first.params, seen)
         if first.params.greedy:
-            tokens = x.argmax(-1)
+            tokens = x.argmax(-1).tolist()
         else:
             cdf = x.softmax(-1).double().cumsum(-1)                                     # (k, V)
-            u = torch.cat([torch.rand(1, generator=samplers[b].generator, dtype=torch.float64) for b in rows])
-            total = cdf[:, -1]
-            # u < 1, so u * total < total: the first index whose CDF passes it is a token of nonzero weight
-            target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-            tokens = torch.searchsorted(cdf, target[:, None], right=True)[:, 0].clamp_max(V - 1)
-        for b, t in zip(rows, tokens.tolist()):
+            # u < 1, so u * total < total: the first index whose CDF passes the target is a token of
+            # nonzero weight; the target is kept below total against rounding
+            targets = [min(samplers[b].uniform() * total, math.nextafter(total, 0.0))
+                       for b, total in zip(rows, cdf[:, -1].tolist())]
+            target = torch.tensor(targets, dtype=torch.float64, device=cdf.device)[:, None]   # (k, 1)
+            tokens = [min(t, V - 1) for t in torch.searchsorted(cdf, target, right=True)[:, 0].tolist()]
+        for b, t in zip(rows, tokens):
             out[b] = t
             samplers[b].observe(t)
     return out

@@ -122,6 +122,12 @@ class Scheduler:
         self.failures = 0             # steps or prefills that raised
         self.peak_active = 0          # most sequences decoded in one iteration
         self.admitting = 0            # jobs being prefilled by the loop right now
+        # called (from the loop's thread) once an iteration's tokens are all emitted, and after stop()'s
+        # failures: a consumer buffering events (the HTTP app's mailbox) wakes its reader once per step
+        self.flush_hooks: list = []
+        self.timing = {"iterations": 0, "tokens": 0, "step_s": 0.0, "step_cpu_s": 0.0, "busy_s": 0.0,
+                       "busy_cpu_s": 0.0, "sample_cpu_s": 0.0, "deliver_cpu_s": 0.0}
+        self.thread_id: int | None = None   # the loop thread's OS id (benchmarks read its CPU time in /proc)
 
     # ------------------------------------------------------------------ control
     def start(self) -> None:
@@ -139,6 +145,7 @@ class Scheduler:
             job.emit(Failure("the server is shutting down"))
         self.pending.clear()
         self.pools.clear()
+        self._flush()
 
     def submit(self, job: Job) -> None:
         with self.cond:
@@ -159,13 +166,18 @@ class Scheduler:
         return sum(p.state is not None for p in list(self.pools.values()))
 
     def stats(self) -> dict:
+        """Counts, and `timing`: the loop's iterations and tokens emitted; wall and thread-CPU seconds
+        inside decode steps (step_s, step_cpu_s) and inside whole iterations (busy_s, busy_cpu_s: admission,
+        steps, sampling, delivery); CPU seconds sampling and delivering tokens; the loop's OS thread id."""
         return {"active": self.active, "queued": len(self.pending), "states": self.states,
                 "state_bytes": sum(p.state.nbytes for p in list(self.pools.values()) if p.state is not None),
                 "steps": self.steps, "failures": self.failures, "peak_active": self.peak_active,
-                "max_batch": self.max_batch, "max_queue": self.max_queue, "prefix_cache": self.cache.stats()}
+                "max_batch": self.max_batch, "max_queue": self.max_queue, "prefix_cache": self.cache.stats(),
+                "timing": dict(self.timing), "thread_id": self.thread_id}
 
     # ------------------------------------------------------------------ the loop
     def _loop(self) -> None:
+        self.thread_id = threading.get_native_id()
         while True:
             with self.cond:
                 while not self._stopping and not self.pending and not self.active:
@@ -175,6 +187,7 @@ class Scheduler:
                 room = self.max_batch - self.active
                 new = [self.pending.popleft() for _ in range(min(room, len(self.pending)))]
                 self.admitting = len(new)   # taken from the queue, not yet rows: they still count
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 self._iterate(new)
             except Exception as e:   # noqa: BLE001 -- a bug in the loop itself: fail what is in flight, go on
@@ -187,6 +200,18 @@ class Scheduler:
                         job.emit(Failure(f"scheduler error: {type(e).__name__}: {e}"))
             finally:
                 self.admitting = 0
+                self._flush()
+                tm = self.timing
+                tm["iterations"] += 1
+                tm["busy_s"] += time.perf_counter() - t0
+                tm["busy_cpu_s"] += time.thread_time() - c0
+
+    def _flush(self) -> None:
+        for hook in list(self.flush_hooks):
+            try:
+                hook()
+            except Exception:   # noqa: BLE001 -- a consumer gone (its event loop closed) must not stop the loop
+                pass
 
     def _iterate(self, new: list[Job]) -> None:
         """One loop iteration: admit `new` jobs, then one decode step per path."""
@@ -289,7 +314,10 @@ class Scheduler:
             return
         tokens = torch.tensor([[r.job.generated[-1]] for r in pool.rows], device=self.model.device)   # (B, 1)
         try:
+            t0, c0 = time.perf_counter(), time.thread_time()
             logits = self.stepper(tokens, pool.state)[:, -1]                   # (B, V)
+            self.timing["step_s"] += time.perf_counter() - t0
+            self.timing["step_cpu_s"] += time.thread_time() - c0
             self.steps += 1
             done = [r for r, going in zip(pool.rows, self._emit(pool.rows, logits)) if not going]
         except Exception as e:   # noqa: BLE001 -- fails this batch only; the loop goes on
@@ -318,6 +346,7 @@ class Scheduler:
     def _emit(self, runs: list[Running], logits: torch.Tensor) -> list[bool]:
         """Sample every run's next token from logits (B, V) (row b for runs[b]) in one pass, deliver
         each; False where the job is finished."""
+        c0 = time.thread_time()
         tokens = sample_rows([r.sampler for r in runs], logits)
         want = [b for b, r in enumerate(runs) if r.job.logprobs is not None]
         logprobs = [(None, None)] * len(runs)
@@ -331,7 +360,13 @@ class Scheduler:
                     values, ids = lp[i].topk(k)
                     top = list(zip(ids.tolist(), values.tolist()))
                 logprobs[b] = (chosen[i], top)
-        return [self._deliver(r, t, *lps) for r, t, lps in zip(runs, tokens, logprobs)]
+        c1 = time.thread_time()
+        going = [self._deliver(r, t, *lps) for r, t, lps in zip(runs, tokens, logprobs)]
+        tm = self.timing
+        tm["sample_cpu_s"] += c1 - c0
+        tm["deliver_cpu_s"] += time.thread_time() - c1
+        tm["tokens"] += len(runs)
+        return going
 
     def _deliver(self, run: Running, tok: int, logprob: float | None, top) -> bool:
         """Record and send one sampled token; False when the job is finished."""
