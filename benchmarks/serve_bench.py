@@ -1,6 +1,7 @@
 """Load test of `gen serve`: concurrent streaming clients, both attention paths, and a soak with disconnects.
 
     python benchmarks/serve_bench.py --model tiny --clients 1,4,16,64 --out docs/serve_bench_tiny.json
+    python benchmarks/serve_bench.py --model tiny --clients 1,16 --repeat 5 --soak 0   # the 16-vs-1 ratio, interleaved
     python benchmarks/serve_bench.py --model smollm2 --clients 1,4,16 --tokens 32 --soak 0
     python benchmarks/serve_bench.py --model smollm2-linear --paths hybrid,linear --tokens 32 --soak 0
     python benchmarks/serve_table.py docs/serve_bench_tiny.json      # the README's tables
@@ -80,6 +81,17 @@ class ServerProcess:
         fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
+    def thread_cpu_s(self) -> dict[int, float]:
+        """CPU seconds so far of each of the server's threads, by OS thread id."""
+        out = {}
+        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+            try:
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:   # the thread ended
+                continue
+            out[int(task.name)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return out
+
     def rss(self, field: str = "VmRSS") -> int:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
             if line.startswith(field + ":"):
@@ -121,39 +133,58 @@ class RssSampler:
 
 async def stream_one(client: httpx.AsyncClient, url: str, body: dict, disconnect_after: int | None = None) -> dict:
     """One streaming completion; times per token chunk. disconnect_after: leave after that many chunks.
-    A stream silent for the client's read timeout is reported as lost (status 0), with what it got."""
+    A stream silent for the client's read timeout is reported as lost (status 0), with what it got.
+
+    The load generator shares the server's cores, so it does the least it can while the stream runs:
+    it keeps each SSE event's bytes with the time its read returned and parses the JSON afterwards
+    (events that arrive in one read share its time: they did arrive together)."""
     t0 = time.perf_counter()
-    times, tokens, text, reason = [], [], "", None
+    events: list[tuple[float, bytes]] = []
     try:
-        return await _stream_one(client, url, body, disconnect_after, t0, times, tokens)
+        status, error, left = await _read_events(client, url, body, disconnect_after, events)
     except httpx.TimeoutException as e:
-        return {"status": 0, "error": f"{type(e).__name__} after {len(times)} chunks", "chunks": len(times)}
+        return {"status": 0, "error": f"{type(e).__name__} after {len(events)} chunks", "chunks": len(events)}
+    if status != 200:
+        return {"status": status, "error": error}
+    if left:
+        return {"status": 200, "disconnected": True}
+    times, tokens, text, reason = [], [], "", None
+    for t, data in events:
+        if data == b"[DONE]":
+            break
+        obj = json.loads(data)
+        if "error" in obj:
+            return {"status": 500, "error": obj["error"]["message"]}
+        if not obj["choices"]:
+            continue
+        ch = obj["choices"][0]
+        times.append(t)
+        tokens += (ch.get("logprobs") or {}).get("tokens", [])
+        text += ch["text"]
+        reason = ch["finish_reason"] or reason
+    return {"status": 200, "t0": t0, "times": times, "tokens": tokens, "text": text, "finish_reason": reason}
 
 
-async def _stream_one(client, url, body, disconnect_after, t0, times, tokens) -> dict:
-    text, reason = "", None
+async def _read_events(client, url, body, disconnect_after, events) -> tuple[int, str | None, bool]:
+    """Append (arrival time, data bytes) per SSE event until [DONE]; returns (status, error, left):
+    left when the client went away after `disconnect_after` events."""
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
-            return {"status": r.status_code, "error": (await r.aread()).decode()[:200]}
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line[6:]
-            if data == "[DONE]":
-                break
-            obj = json.loads(data)
-            if "error" in obj:
-                return {"status": 500, "error": obj["error"]["message"]}
-            if not obj["choices"]:
-                continue
-            ch = obj["choices"][0]
-            times.append(time.perf_counter())
-            tokens += (ch.get("logprobs") or {}).get("tokens", [])
-            text += ch["text"]
-            reason = ch["finish_reason"] or reason
-            if disconnect_after is not None and len(times) >= disconnect_after:
-                return {"status": 200, "disconnected": True}
-    return {"status": 200, "t0": t0, "times": times, "tokens": tokens, "text": text, "finish_reason": reason}
+            return r.status_code, (await r.aread()).decode()[:200], False
+        buf = b""
+        async for chunk in r.aiter_raw():
+            t = time.perf_counter()
+            buf += chunk
+            *done, buf = buf.replace(b"\r\n", b"\n").split(b"\n\n")
+            for event in done:
+                data = b"".join(line[6:] for line in event.split(b"\n") if line.startswith(b"data: "))
+                if data:
+                    events.append((t, data))
+                    if data == b"[DONE]":
+                        return 200, None, False
+            if disconnect_after is not None and len(events) >= disconnect_after:
+                return 200, None, True
+    return 200, None, False
 
 
 def pct(xs, q):
@@ -241,6 +272,47 @@ def fit_2k(model: str, paths: list[str], budget: int) -> dict:
     return out
 
 
+def measure(server: ServerProcess, path: str, n: int, a) -> dict:
+    """One load run of `n` clients, with the server's peak RSS and CPU: the whole process, its decode
+    loop's thread (and, of that, inside decode steps, sampling, delivering tokens: the scheduler's own
+    counts), its event loop's thread and the rest (the native pool's workers), and the load generator."""
+    stats0, threads0, client0 = httpx.get(server.url + "/stats").json(), server.thread_cpu_s(), time.process_time()
+    with RssSampler(server) as rss:
+        run = asyncio.run(load_run(server.url, path, n, a.requests, a.tokens, a.model))
+    client_cpu = time.process_time() - client0               # the machine's cores are shared with the
+    threads1, stats1 = server.thread_cpu_s(), httpx.get(server.url + "/stats").json()   # clients (and others)
+    per = {tid: cpu - threads0.get(tid, 0.0) for tid, cpu in threads1.items()}
+    loop_tid, main_tid = stats1["thread_id"], server.proc.pid
+    timing = {k: stats1["timing"][k] - stats0["timing"][k] for k in stats1["timing"]}
+    run.update(server_peak_rss_mib=rss.peak / 2 ** 20, server_cpu_s=sum(per.values()), client_cpu_s=client_cpu,
+               load_average=os.getloadavg()[0], cpu_s={
+                   "decode_thread": per.get(loop_tid, 0.0), "event_loop": per.get(main_tid, 0.0),
+                   "other_threads": sum(c for t, c in per.items() if t not in (loop_tid, main_tid)),
+                   "in_steps": timing["step_cpu_s"], "sampling": timing["sample_cpu_s"],
+                   "delivering": timing["deliver_cpu_s"]},
+               steps_wall_s=timing["step_s"], loop_tokens=timing["tokens"])
+    return run
+
+
+def describe(model: str, run: dict) -> str:
+    n, c = max(run["tokens"], 1), run["cpu_s"]
+    ms = {k: 1e3 * v / n for k, v in c.items()}
+    return (f"{model} {run['path']:7s} {run['clients']:3d} clients: {run['tokens_per_s']:8.1f} tok/s  "
+            f"TTFT p50 {run['ttft_p50_ms']:7.1f} p99 {run['ttft_p99_ms']:7.1f} ms  "
+            f"ITL p50 {run['itl_p50_ms']:6.1f} p99 {run['itl_p99_ms']:7.1f} ms  "
+            f"RSS {run['server_peak_rss_mib']:.0f} MiB  failed {run['failed']}  load {run['load_average']:.1f}\n"
+            f"    CPU ms/token: server {1e3 * run['server_cpu_s'] / n:.3f} = decode thread {ms['decode_thread']:.3f} "
+            f"(steps {ms['in_steps']:.3f}, sampling {ms['sampling']:.3f}, delivering {ms['delivering']:.3f}, "
+            f"rest {ms['decode_thread'] - ms['in_steps'] - ms['sampling'] - ms['delivering']:.3f}) + event loop "
+            f"{ms['event_loop']:.3f} + other threads {ms['other_threads']:.3f}; clients {1e3 * run['client_cpu_s'] / n:.3f}; "
+            f"{run['wall_s']:.1f} s wall, {100 * run['steps_wall_s'] / run['wall_s']:.0f}% of it in decode steps")
+
+
+def ratio_16_to_1(runs: list[dict]) -> float | None:
+    by = {r["clients"]: r for r in runs}
+    return by[16]["tokens_per_s"] / by[1]["tokens_per_s"] if 1 in by and 16 in by else None
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="tiny")
@@ -254,6 +326,8 @@ def main():
     ap.add_argument("--budget-gib", type=float, default=1.0)
     ap.add_argument("--soak", type=float, default=120.0, help="soak seconds (0: none)")
     ap.add_argument("--soak-workers", type=int, default=16)
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="measure every client count this many times, interleaved (1, 16, 1, 16, ...)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     a = ap.parse_args()
     paths, clients = a.paths.split(","), [int(c) for c in a.clients.split(",")]
@@ -266,25 +340,21 @@ def main():
     try:
         for path in paths:
             asyncio.run(load_run(server.url, path, 1, 1, 8, a.model))   # warm-up
-            for n in clients:
-                cpu0, client0 = server.cpu_s(), time.process_time()
-                with RssSampler(server) as rss:
-                    run = asyncio.run(load_run(server.url, path, n, a.requests, a.tokens, a.model))
-                run["server_peak_rss_mib"] = rss.peak / 2 ** 20
-                run["server_cpu_s"] = server.cpu_s() - cpu0          # the machine's 2 cores are shared with
-                run["client_cpu_s"] = time.process_time() - client0  # the clients (and other people's runs)
-                run["load_average"] = os.getloadavg()[0]
-                results["runs"].append(run)
-                print(f"{a.model} {path:7s} {n:3d} clients: {run['tokens_per_s']:8.1f} tok/s  "
-                      f"TTFT p50 {run['ttft_p50_ms']:7.1f} p99 {run['ttft_p99_ms']:7.1f} ms  "
-                      f"ITL p50 {run['itl_p50_ms']:6.1f} p99 {run['itl_p99_ms']:7.1f} ms  "
-                      f"RSS {run['server_peak_rss_mib']:.0f} MiB  failed {run['failed']}  CPU s: server "
-                      f"{run['server_cpu_s']:.1f} clients {run['client_cpu_s']:.1f} in {run['wall_s']:.1f} s wall",
-                      flush=True)
-            one = next(r for r in results["runs"] if r["path"] == path and r["clients"] == 1) if 1 in clients else None
-            sixteen = next((r for r in results["runs"] if r["path"] == path and r["clients"] == 16), None)
-            if one and sixteen:
-                print(f"  {path}: 16 clients / 1 client = {sixteen['tokens_per_s'] / one['tokens_per_s']:.1f}x")
+            for rep in range(a.repeat):   # client counts interleaved, so each repeat sees similar load
+                for n in clients:
+                    run = measure(server, path, n, a)
+                    run["repeat"] = rep
+                    results["runs"].append(run)
+                    print(describe(a.model, run), flush=True)
+                ratio = ratio_16_to_1([r for r in results["runs"] if r["path"] == path and r["repeat"] == rep])
+                if ratio is not None:
+                    print(f"  {path}: 16 clients / 1 client = {ratio:.2f}x (repeat {rep + 1} of {a.repeat})",
+                          flush=True)
+            ratios = [ratio_16_to_1([r for r in results["runs"] if r["path"] == path and r["repeat"] == rep])
+                      for rep in range(a.repeat)]
+            if ratios and None not in ratios:
+                print(f"  {path}: 16 clients / 1 client: median {statistics.median(ratios):.2f}x over {len(ratios)} "
+                      f"interleaved pairs ({', '.join(f'{x:.2f}' for x in ratios)}); target >= 6x", flush=True)
         if a.soak > 0:
             s = asyncio.run(soak(server.url, a.model, a.soak, a.soak_workers, paths))
             results["soak"] = s

@@ -1,0 +1,67 @@
+"""benchmarks/serve_bench.py's stream reader (SSE events split anywhere across reads, parsed after the
+stream; a client leaving early) and serve_table.py's 16-vs-1 ratio over interleaved repeats. No timing."""
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import serve_bench  # noqa: E402
+import serve_table  # noqa: E402
+
+
+def sse_bytes(texts, reason="length") -> bytes:
+    out = b""
+    for i, t in enumerate(texts):
+        obj = {"choices": [{"text": t, "logprobs": {"tokens": [f"<{t}>"]},
+                            "finish_reason": reason if i == len(texts) - 1 else None}]}
+        out += b"data: " + json.dumps(obj).encode() + b"\r\n\r\n"
+    return out + b"data: [DONE]\r\n\r\n"
+
+
+def read(body: bytes, cut: int, disconnect_after=None) -> dict:
+    """Stream `body` in pieces of `cut` bytes (splitting events and even \\r\\n pairs) through stream_one."""
+    async def pieces():
+        for i in range(0, len(body), cut):
+            yield body[i:i + cut]
+
+    async def go():
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, content=pieces()))
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await serve_bench.stream_one(client, "http://test", {}, disconnect_after)
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("cut", [1, 3, 7, 1000])
+def test_stream_reader_parses_events_split_anywhere(cut):
+    got = read(sse_bytes(["Once", " upon", " a\ntime"]), cut)
+    assert got["status"] == 200 and got["finish_reason"] == "length"
+    assert got["text"] == "Once upon a\ntime" and got["tokens"] == ["<Once>", "< upon>", "< a\ntime>"]
+    assert len(got["times"]) == 3
+
+
+def test_stream_reader_reports_a_client_that_left_and_an_error_event():
+    assert read(sse_bytes(["a", "b", "c", "d"]), 5, disconnect_after=2) == {"status": 200, "disconnected": True}
+    err = b'data: {"choices": [{"text": "a", "finish_reason": null}]}\r\n\r\ndata: {"error": {"message": "boom"}}\r\n\r\n'
+    assert read(err, 4) == {"status": 500, "error": "boom"}
+
+
+def run(path, clients, rep, tps):
+    return {"path": path, "clients": clients, "repeat": rep, "tokens_per_s": tps, "tokens": 100, "server_cpu_s": 0.1,
+            "ttft_p50_ms": 1, "ttft_p99_ms": 1, "itl_p50_ms": 1, "itl_p99_ms": 1, "server_peak_rss_mib": 1,
+            "load_average": 1.0}
+
+
+def test_table_gives_the_median_ratio_of_interleaved_pairs():
+    runs = [run("linear", 1, 0, 200), run("linear", 16, 0, 500), run("linear", 1, 1, 100),
+            run("linear", 16, 1, 300), run("linear", 1, 2, 100), run("linear", 16, 2, 400)]
+    results = {"command": "x", "machine": {"load_average_at_start": [1, 1, 1]},
+               "settings": {"paths": "linear", "budget_gib": 1}, "runs": runs}
+    text = serve_table.table(results)
+    assert "16 clients / 1 client = 3.00x tokens/s, median of 3 interleaved pairs (2.50, 3.00, 4.00)" in text
