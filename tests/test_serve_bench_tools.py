@@ -65,3 +65,49 @@ def test_table_gives_the_median_ratio_of_interleaved_pairs():
                "settings": {"paths": "linear", "budget_gib": 1}, "runs": runs}
     text = serve_table.table(results)
     assert "16 clients / 1 client = 3.00x tokens/s, median of 3 interleaved pairs (2.50, 3.00, 4.00)" in text
+
+
+def raw_exchange(responses: list[bytes], requests: int, disconnect_after=None) -> list[dict]:
+    """RawClient against a bare asyncio server answering each request on one connection with the next of
+    `responses` (raw HTTP bytes, written in 5-byte pieces)."""
+    async def go():
+        connections = []
+
+        async def handle(reader, writer):
+            connections.append(1)
+            for answer in responses:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int([h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")][0].split(b":")[1])
+                await reader.readexactly(length)
+                for i in range(0, len(answer), 5):
+                    writer.write(answer[i:i + 5])
+                    await writer.drain()
+            writer.close()
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        client = serve_bench.RawClient(timeout=10)
+        try:
+            got = [await serve_bench.stream_one(client, url, {"n": i}, disconnect_after) for i in range(requests)]
+        finally:
+            client.close()
+            server.close()
+        return got, len(connections)
+    return asyncio.run(go())
+
+
+def chunked(body: bytes, pieces: int = 3) -> bytes:
+    step = max(1, len(body) // pieces)
+    parts = [body[i:i + step] for i in range(0, len(body), step)]
+    return (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+            + b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\n\r\n")
+
+
+def test_raw_client_reads_chunked_streams_and_errors_on_one_connection():
+    busy = b'{"error": {"message": "busy"}}'
+    responses = [chunked(sse_bytes(["a", "b"])), b"HTTP/1.1 429 Too Many Requests\r\ncontent-length: %d\r\n\r\n%s"
+                 % (len(busy), busy), chunked(sse_bytes(["x", "y", "z"], reason="stop"), pieces=7)]
+    (first, second, third), connections = raw_exchange(responses, 3)
+    assert connections == 1                                     # keep-alive: one connection for all three
+    assert (first["text"], first["tokens"], first["finish_reason"]) == ("ab", ["<a>", "<b>"], "length")
+    assert second == {"status": 429, "error": busy.decode()}
+    assert (third["text"], third["finish_reason"], len(third["times"])) == ("xyz", "stop", 3)
