@@ -161,6 +161,56 @@ static inline void weighted_rows(const float *w, const float *v, int n, int D, f
     }
 }
 
+/* sc (n) <- softmax(scale * sc) in place; slots t with real[t] == 0 (pads; never `slot`, the
+ * row's own) weigh exactly 0. Scale, max, exp and the division in 16 lanes (each element as the
+ * scalar form computes it); the sum in order: a reassociated sum moves the weights' last bits, and
+ * a quantized o_proj rounds its inputs to q8, which turns a last bit into a step (the q8 twin's
+ * logits moved by 7e-2 with a 16-lane sum). */
+static void softmax_scores(float *sc, int n, float scale, const uint8_t *real, int slot) {
+    if (real)
+        for (int t = 0; t < n; t++)
+            if (!real[t] && t != slot) sc[t] = -INFINITY;
+    int t = 0;
+    float mx = -INFINITY, sum = 0.0f;
+#if defined(__AVX512F__)
+    const __m512 s = _mm512_set1_ps(scale);
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    for (; t + 16 <= n; t += 16) {
+        __m512 v = _mm512_mul_ps(_mm512_loadu_ps(sc + t), s);
+        _mm512_storeu_ps(sc + t, v);
+        m = _mm512_max_ps(m, v);
+    }
+    mx = _mm512_reduce_max_ps(m);
+    for (int u = t; u < n; u++) { sc[u] *= scale; if (sc[u] > mx) mx = sc[u]; }
+    const __m512 vmx = _mm512_set1_ps(mx);
+    for (t = 0; t < n; t += 16) {
+        __mmask16 k = n - t >= 16 ? 0xffff : (__mmask16)((1u << (n - t)) - 1);
+        _mm512_mask_storeu_ps(sc + t, k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + t), vmx)));
+    }
+    for (t = 0; t < n; t++) sum += sc[t];   /* in order, as the scalar form and PyTorch's short rows */
+    const __m512 vs = _mm512_set1_ps(sum);
+    for (t = 0; t + 16 <= n; t += 16) _mm512_storeu_ps(sc + t, _mm512_div_ps(_mm512_loadu_ps(sc + t), vs));
+    for (; t < n; t++) sc[t] /= sum;
+#else
+    for (; t < n; t++) { sc[t] *= scale; if (sc[t] > mx) mx = sc[t]; }
+    for (t = 0; t < n; t++) { sc[t] = expf(sc[t] - mx); sum += sc[t]; }
+    for (t = 0; t < n; t++) sc[t] /= sum;
+#endif
+}
+
+/* hb (I) = silu(gate) * up for gu = [gate (I), up (I)] */
+static void silu_mul(const float *gu, float *hb, int I) {
+    int i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= I; i += 16) {
+        __m512 g = _mm512_loadu_ps(gu + i), e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        __m512 sg = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+        _mm512_storeu_ps(hb + i, _mm512_mul_ps(sg, _mm512_loadu_ps(gu + I + i)));
+    }
+#endif
+    for (; i < I; i++) hb[i] = gu[i] / (1.0f + expf(-gu[i])) * gu[I + i];
+}
+
 /* Heads [h0, h1) of every row: out[b*os + (h - h0)*D + d]. */
 static void att_fn(const void *ctx, int h0, int h1, float *out, int os, int add, float *scratch) {
     const AttCtx *c = ctx;
@@ -195,15 +245,7 @@ static void att_fn(const void *ctx, int h0, int h1, float *out, int os, int add,
                 else load_row(p->k, p->kv_type, base + (size_t)t * D, D, row);
                 sc[t] = dot_f32(q, key, D);
             }
-            float mx = -INFINITY;
-            for (t = 0; t < n; t++) {
-                if (real && !real[t] && t != slot) sc[t] = -INFINITY;   /* pad slot: weight exactly 0 */
-                else sc[t] *= p->scale;
-                if (sc[t] > mx) mx = sc[t];
-            }
-            float sum = 0.0f;
-            for (t = 0; t < n; t++) { sc[t] = expf(sc[t] - mx); sum += sc[t]; }
-            for (t = 0; t < n; t++) sc[t] /= sum;
+            softmax_scores(sc, n, p->scale, real, slot);
             float *o = out + (size_t)b * os + (h - h0) * D;
             if (fast) {
                 weighted_rows(sc, (const float *)p->v + base, n, D, o);
@@ -336,11 +378,7 @@ static void layers(const Plan *p, const int64_t *tokens, int slot, const float *
         matmul(p, &p->wo[l], p->att, H * D, p->x, C, 1);
         for (int b = 0; b < B; b++) rms_norm(p->xb + (size_t)b * C, p->x + (size_t)b * C, p->ln2[l], p->norm_type, C, p->eps);
         matmul(p, &p->gu[l], p->xb, C, p->gu_out, 2 * I, 0);
-        for (int b = 0; b < B; b++) {
-            const float *gu = p->gu_out + (size_t)b * 2 * I;
-            float *hb = p->hb + (size_t)b * I;
-            for (int i = 0; i < I; i++) hb[i] = gu[i] / (1.0f + expf(-gu[i])) * gu[I + i];
-        }
+        for (int b = 0; b < B; b++) silu_mul(p->gu_out + (size_t)b * 2 * I, p->hb + (size_t)b * I, I);
         matmul(p, &p->wd[l], p->hb, I, p->x, C, 1);
     }
 }

@@ -2,6 +2,7 @@
  *
  * Files, one concept each: pool.c (the thread pool that stays steady when a core is taken),
  * kernels.c (row dot products for every weight type, rms_norm, 16-bit conversions),
+ * tile.c (float weights times a batch in AVX-512 register tiles),
  * qdot.c (quantized weights: integer dot products against activations rounded to q8 blocks),
  * decode.c (the one-token step of a batch, both attention paths).
  * Layouts are torch's: a Linear weight is (out, in) row-major; activations (B, width).
@@ -54,6 +55,8 @@ enum { MODE_SOFTMAX = 0, MODE_ELU1 = 1, MODE_RELU = 2, MODE_SOFTMAX_MAP = 3, MOD
 /* out[b*os + r - r0] (+)= row r of m . x[b*xs ...] for r in [r0, r1), b < B */
 void mat_rows(const Mat *m, int r0, int r1, const float *x, int xs, int B, float *out, int os, int add);
 void row_to_f32(const Mat *m, int r, float *dst);
+/* ---- tile.c: mat_rows for float weights in AVX-512 register tiles; 0 where it does not apply */
+int tile_rows(const Mat *m, int r0, int r1, const float *x, int xs, int B, float *out, int os, int add);
 /* one row, dequantized */
 void rms_norm(float *out, const float *x, const void *w, int wtype, int n, float eps);
 float load_f16(uint16_t h);
@@ -106,6 +109,33 @@ static inline float dot_f32(const float *a, const float *b, int n) {
     for (; i < n; i++) s += a[i] * b[i];
     return s;
 }
+
+#if defined(__AVX512F__)
+/* e^x of 8 doubles, |x| <= 110: n = round(x log2 e), r = x - n ln 2 (ln 2 in two parts, n ln2_hi
+ * exact), e^r by its Taylor series to r^12 (|r| <= 0.347: relative error < 1e-14), times 2^n. */
+static inline __m512d exp8d(__m512d x) {
+    __m512d n = _mm512_roundscale_pd(_mm512_mul_pd(x, _mm512_set1_pd(1.4426950408889634)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512d r = _mm512_fnmadd_pd(n, _mm512_set1_pd(6.93147180369123816490e-01), x);
+    r = _mm512_fnmadd_pd(n, _mm512_set1_pd(1.90821492927058770002e-10), r);
+    static const double c[] = {1.0 / 479001600, 1.0 / 39916800, 1.0 / 3628800, 1.0 / 362880, 1.0 / 40320,
+                               1.0 / 5040, 1.0 / 720, 1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0};
+    __m512d p = _mm512_set1_pd(c[0]);
+    for (int i = 1; i < 13; i++) p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(c[i]));
+    return _mm512_scalef_pd(p, n);
+}
+
+/* e^x in 16 float lanes, computed in double and rounded once: the correctly rounded expf but for
+ * ~1 value in 10^4 (glibc's expf and PyTorch's vectorised exp are, too, so the forms agree: a
+ * quantized matmul rounds its inputs to q8 and would turn a last-bit difference into a step).
+ * x is clamped to [-110, 88.7]: below, exactly 0 (a -inf score, a masked pad, weighs 0). */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-110.0f));
+    __m256 lo = _mm512_cvtpd_ps(exp8d(_mm512_cvtps_pd(_mm512_castps512_ps256(x))));
+    __m256 hi = _mm512_cvtpd_ps(exp8d(_mm512_cvtps_pd(_mm512_extractf32x8_ps(x, 1))));
+    return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+}
+#endif
 
 static inline void axpy_f32(float *restrict y, float a, const float *restrict x, int n) {
     for (int i = 0; i < n; i++) y[i] += a * x[i];

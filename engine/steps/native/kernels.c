@@ -5,7 +5,9 @@
  * dequantized: w = d*q, d*(q-8), d*q + m exactly as engine/quant.py dequantizes) and used for
  * up to 4 inputs, so a batch reads the weights once. Accumulation is fp32 in four independent
  * vector accumulators per input (a fixed order: results do not depend on threads or chunking).
- * x86 intrinsics where the compiler targets AVX2/F16C, portable scalar code otherwise.
+ * x86 intrinsics where the compiler targets AVX2/F16C, portable scalar code otherwise. Where it
+ * targets AVX-512, float weights take tile.c's register tiles instead (one FMA chain per row and
+ * input, whatever the batch).
  */
 #include <math.h>
 #include <string.h>
@@ -296,6 +298,7 @@ static inline __attribute__((always_inline)) void rows_typed(const Mat *m, int r
 ROWS_OF(T_F32) ROWS_OF(T_F16) ROWS_OF(T_BF16) ROWS_OF(T_Q8_0) ROWS_OF(T_Q4_0) ROWS_OF(T_Q4_1)
 
 void mat_rows(const Mat *m, int r0, int r1, const float *x, int xs, int B, float *out, int os, int add) {
+    if (tile_rows(m, r0, r1, x, xs, B, out, os, add)) return;   /* float weights on AVX-512: tile.c */
     switch (m->type) {
     case T_F32: rows_T_F32(m, r0, r1, x, xs, B, out, os, add); break;
     case T_F16: rows_T_F16(m, r0, r1, x, xs, B, out, os, add); break;
