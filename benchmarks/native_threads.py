@@ -3,6 +3,7 @@
     python benchmarks/native_threads.py                        # tiny and stories260K, 1 and 2 threads
     python benchmarks/native_threads.py --models tiny --threads 1,2 --batches 1,8
     python benchmarks/native_threads.py --models tiny --threads default --busy 1,0+1 --repeats 5
+    python benchmarks/native_threads.py --models smollm2 --weights gguf --threads default --adapt both
 
 Every (model, weights, depth, batch, threads) row runs in a fresh process (thread pools start
 clean) that loads the model once and then alternates, `--repeats` times, a quiet window and one
@@ -18,7 +19,8 @@ and slow stretches as the scheduler shares a core: the mean counts the slow ones
 speed (ratio of medians, and the spread of that ratio over the repeats), and the share of the
 pool's phases that ran on the caller alone (pool.c's adaptive mode). `threads` is a count (PyTorch
 gets the same count, as --threads N does) or `default` (set_threads(None): the native pool on every
-core, PyTorch on one: what `gen` runs). The load average (`uptime`) is printed before and after
+core, PyTorch on one: what `gen` runs). `--weights gguf` keeps a GGUF file's blocks as stored
+(smollm2: Q4_1). The load average (`uptime`) is printed before and after
 each row. Issue 11 asks that decode at the default thread count with one core busy keeps >= 50% of
 its quiet speed. `--adapt off` turns the pool's adaptive mode off, `--adapt both` interleaves
 windows with it on and off (conditions marked /fixed), each compared with its own quiet windows.
@@ -56,9 +58,10 @@ except NativeUnavailableError:
 step, B, depth, n = Stepper(model, "auto"), job["batch"], job["depth"], job["steps"]
 prompt = torch.randint(0, model.config.vocab_size, (B, depth), generator=torch.Generator().manual_seed(0))
 
-def window(adapt):
+MODES = {"on": {}, "off": {"window": 0}}
+def window(mode):
     if native:
-        pool_adapt() if adapt else pool_adapt(0)
+        pool_adapt(**MODES[mode])
     state = model.init_state(B, depth + n + 16)
     tok = step(prompt, state, last_only=True)[:, -1:].argmax(-1)
     for _ in range(8):
@@ -77,8 +80,9 @@ def busy_loops(cores):
     return [subprocess.Popen(["taskset", "-c", c, "sh", "-c", "while :; do :; done"]) for c in cores.split("+")]
 
 conds = [(c, a) for c in ["quiet"] + job["busy"] for a in job["adapt"]]
-res = {f"{c}{'' if a else '/fixed'}": {"times": [], "medians": [], "solo": 0, "phases": 0} for c, a in conds}
-window(True)   # warm-up: build, spawn the pool
+label = lambda c, a: c + ("/fixed" if a == "off" else "")
+res = {label(c, a): {"times": [], "medians": [], "solo": 0, "phases": 0} for c, a in conds}
+window("on")   # warm-up: build, spawn the pool
 for _ in range(job["repeats"]):
     for c, a in conds:
         loops = [] if c == "quiet" else busy_loops(c)
@@ -90,7 +94,7 @@ for _ in range(job["repeats"]):
             for p in loops:
                 p.kill()
                 p.wait()
-        r = res[f"{c}{'' if a else '/fixed'}"]
+        r = res[label(c, a)]
         r["times"] += times
         r["medians"].append(statistics.median(times))
         r["solo"] += solo
@@ -133,7 +137,7 @@ def main() -> None:
     busy = a.busy.split(",")
     jobs = [dict(model=MODELS.get(m, m), name=m, weights=w, depth=int(d), batch=int(b),
                  threads=t if t == "default" else int(t), steps=a.steps, repeats=a.repeats, busy=busy,
-                 adapt={"on": [True], "off": [False], "both": [True, False]}[a.adapt])
+                 adapt=["on", "off"] if a.adapt == "both" else [a.adapt])
             for m in a.models.split(",") for w in a.weights.split(",") for d in a.depths.split(",")
             for b in a.batches.split(",") for t in a.threads.split(",")]
     print(f"{'model':12} {'weights':7} {'depth':>5} {'B':>2} {'thr':>7} {'cond':>11}  {'ms/step':>8} {'tok/s':>7} "
@@ -144,7 +148,7 @@ def main() -> None:
         r = run_row(j)
         after = load()
         for c, v in r["conditions"].items():
-            q = r["conditions"]["quiet" + ("/fixed" if c.endswith("/fixed") else "")]
+            q = r["conditions"]["quiet" + c[c.index("/"):] if "/" in c else "quiet"]
             ratio = v["tokens_per_s"] / q["tokens_per_s"]
             per = [qm / bm for qm, bm in zip(q["window_ms"], v["window_ms"])]
             spread = f"{min(per):.2f}-{max(per):.2f}" if not c.startswith("quiet") else ""
