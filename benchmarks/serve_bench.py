@@ -344,8 +344,10 @@ def measure(server: ServerProcess, path: str, n: int, a) -> dict:
     client_cpu = time.process_time() - client0               # the machine's cores are shared with the
     threads1, stats1 = server.thread_cpu_s(), httpx.get(server.url + "/stats").json()   # clients (and others)
     per = {tid: cpu - threads0.get(tid, 0.0) for tid, cpu in threads1.items()}
-    loop_tid, main_tid = stats1["thread_id"], server.proc.pid
-    timing = {k: stats1["timing"][k] - stats0["timing"][k] for k in stats1["timing"]}
+    loop_tid, main_tid = stats1.get("thread_id"), server.proc.pid   # (a server from before these counts: zeros)
+    t0, t1 = stats0.get("timing", {}), stats1.get("timing", {})
+    timing = {k: t1.get(k, 0.0) - t0.get(k, 0.0) for k in ("step_s", "step_cpu_s", "sample_cpu_s", "deliver_cpu_s",
+                                                             "tokens")}
     run.update(server_peak_rss_mib=rss.peak / 2 ** 20, server_cpu_s=sum(per.values()), client_cpu_s=client_cpu,
                load_average=os.getloadavg()[0], cpu_s={
                    "decode_thread": per.get(loop_tid, 0.0), "event_loop": per.get(main_tid, 0.0),
