@@ -15,7 +15,8 @@ windows in one process keeps the machine's other load (shared VM) the same for q
 
 Per condition it reports the median ms per step over every timed step of every window, tokens/s
 (aggregate over the batch) from that median, the mean ms per step (a contended run alternates fast
-and slow stretches as the scheduler shares a core: the mean counts the slow ones), busy / quiet
+and slow stretches as the scheduler shares a core: the mean counts the slow ones), the process's CPU
+time per step (all its threads: what the step takes from other processes), busy / quiet
 speed (ratio of medians, and the spread of that ratio over the repeats), and the share of the
 pool's phases that ran on the caller alone (pool.c's adaptive mode). `threads` is a count (PyTorch
 gets the same count, as --threads N does) or `default` (set_threads(None): the native pool on every
@@ -68,20 +69,21 @@ def window(mode):
         tok = step(tok, state).argmax(-1)
     if native:
         pool_stats(reset=True)
-    times = []
+    times, cpu0 = [], time.process_time()
     for _ in range(n):
         t0 = time.perf_counter()
         tok = step(tok, state).argmax(-1)
         times.append(time.perf_counter() - t0)
+    cpu = time.process_time() - cpu0
     st = pool_stats(reset=True) if native else {}
-    return times, st.get("solo_phases", 0), st.get("parallel_phases", 0) + st.get("solo_phases", 0)
+    return times, cpu, st.get("solo_phases", 0), st.get("parallel_phases", 0) + st.get("solo_phases", 0)
 
 def busy_loops(cores):
     return [subprocess.Popen(["taskset", "-c", c, "sh", "-c", "while :; do :; done"]) for c in cores.split("+")]
 
 conds = [(c, a) for c in ["quiet"] + job["busy"] for a in job["adapt"]]
 label = lambda c, a: c + ("/fixed" if a == "off" else "")
-res = {label(c, a): {"times": [], "medians": [], "solo": 0, "phases": 0} for c, a in conds}
+res = {label(c, a): {"times": [], "medians": [], "cpu": 0.0, "solo": 0, "phases": 0} for c, a in conds}
 window("on")   # warm-up: build, spawn the pool
 for _ in range(job["repeats"]):
     for c, a in conds:
@@ -89,13 +91,14 @@ for _ in range(job["repeats"]):
         try:
             if loops:
                 time.sleep(0.05)   # the loops are running before the window starts
-            times, solo, phases = window(a)
+            times, cpu, solo, phases = window(a)
         finally:
             for p in loops:
                 p.kill()
                 p.wait()
         r = res[label(c, a)]
         r["times"] += times
+        r["cpu"] += cpu
         r["medians"].append(statistics.median(times))
         r["solo"] += solo
         r["phases"] += phases
@@ -103,6 +106,7 @@ out = {}
 for c, r in res.items():
     med = statistics.median(r["times"])
     out[c] = {"ms_per_step": med * 1e3, "tokens_per_s": B / med, "mean_ms_per_step": 1e3 * sum(r["times"]) / len(r["times"]),
+              "cpu_ms_per_step": 1e3 * r["cpu"] / len(r["times"]),
               "window_ms": [m * 1e3 for m in r["medians"]], "solo_share": r["solo"] / max(1, r["phases"])}
 print(json.dumps({"conditions": out, "form": step.last_form, "fallback": step.fallback}))
 """
@@ -141,7 +145,7 @@ def main() -> None:
             for m in a.models.split(",") for w in a.weights.split(",") for d in a.depths.split(",")
             for b in a.batches.split(",") for t in a.threads.split(",")]
     print(f"{'model':12} {'weights':7} {'depth':>5} {'B':>2} {'thr':>7} {'cond':>11}  {'ms/step':>8} {'tok/s':>7} "
-          f"{'mean ms':>8}  {'x quiet':>7} {'per repeat':>16}  {'solo':>5}  load before/after  form")
+          f"{'mean ms':>8} {'cpu ms':>7}  {'x quiet':>7} {'per repeat':>16}  {'solo':>5}  load before/after  form")
     rows = []
     for j in jobs:
         before = load()
@@ -153,13 +157,13 @@ def main() -> None:
             per = [qm / bm for qm, bm in zip(q["window_ms"], v["window_ms"])]
             spread = f"{min(per):.2f}-{max(per):.2f}" if not c.startswith("quiet") else ""
             print(f"{j['name']:12} {j['weights']:7} {j['depth']:>5} {j['batch']:>2} {j['threads']:>7} {c:>11}  "
-                  f"{v['ms_per_step']:8.3f} {v['tokens_per_s']:7.0f} {v['mean_ms_per_step']:8.3f}  {ratio:7.2f} "
+                  f"{v['ms_per_step']:8.3f} {v['tokens_per_s']:7.0f} {v['mean_ms_per_step']:8.3f} {v['cpu_ms_per_step']:7.3f}  {ratio:7.2f} "
                   f"{spread:>16}  {v['solo_share']:5.0%}  {before} / {after}  {r['form']}")
             v["x_quiet"] = ratio
         rows.append({**j, **r, "load_before": before, "load_after": after})
-    print("cond: quiet, or the cores held by busy loops (/fixed: adaptive mode off); x quiet: speed / quiet "
-          "speed (medians; per repeat: its range over the repeats); solo: share of pool phases run on the caller "
-          "alone (adaptive mode)")
+    print("cond: quiet, or the cores held by busy loops (/fixed: adaptive mode off); cpu ms: the process's CPU "
+          "time per step (every thread); x quiet: speed / quiet speed (medians; per repeat: its range over the "
+          "repeats); solo: share of pool phases run on the caller alone (adaptive mode)")
     if a.json:
         with open(a.json + ".tmp", "w") as f:
             json.dump(rows, f, indent=2)
