@@ -260,3 +260,44 @@ def test_bench_labels_the_weights_a_model_holds(small_model_dir):
     model.lm_head = QuantLinear(quantize(head.weight, "q8_0"), "q8_0", head.in_features, head.out_features)
     rec = run_in_process(model, settings, "linear", 8)
     assert rec["weights"] == rec["weights_stored"] == "q4_1+q8_0"
+
+
+def expanded_to_mha(model):
+    """The same model with each KV head repeated for its group's query heads (k/v rows of qkv
+    copied): multi-head attention that computes exactly what the GQA model does."""
+    cfg = model.config
+    H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    mha = tiny_model(num_attention_heads=H, num_key_value_heads=H, head_dim=D, dtype=model.embed_tokens.weight.dtype)
+    state = model.state_dict()
+    heads = torch.arange(H) // (H // Hkv)   # the KV head of each query head
+    for name, w in state.items():
+        if name.endswith("self_attn.qkv.weight"):
+            q, k, v = w.split([H * D, Hkv * D, Hkv * D])
+            k, v = (t.view(Hkv, D, -1)[heads].reshape(H * D, -1) for t in (k, v))
+            state[name] = torch.cat([q, k, v])
+    mha.load_state_dict(state)
+    return mha
+
+
+@pytest.mark.parametrize("cache", [torch.float32, torch.float16, torch.bfloat16], ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("head_dim", [16, 12], ids=["D16", "D12"])
+@pytest.mark.parametrize("kv_heads", [1, 2], ids=["G4", "G2"])
+def test_gqa_groups_read_once_equal_repeated_heads(cache, head_dim, kv_heads):
+    """Softmax attention runs by KV group (each cached row read once for the group's query heads):
+    B = 3 left-padded rows, fp32/f16/bf16 models with their own caches, head_dim on the vector path
+    (16) and off it (12), against the same model with its KV heads repeated (one query head per KV
+    head: the per-head path), and in fp32 against the module path too."""
+    model = tiny_model(num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=head_dim, dtype=cache)
+    B = 3
+    prompt, follow = tokens(8, batch=B, prompt=6, follow=40)
+    real = torch.ones(B, 6, dtype=torch.bool)
+    real[1, :2] = False
+    got, _, forms = run(model, prompt, follow, "native", batch=B, real=real, state_dtype=cache, threads=2)
+    mha, _, _ = run(expanded_to_mha(model), prompt, follow, "native", batch=B, real=real, state_dtype=cache,
+                    threads=2)
+    d = (mha - got).abs().max().item()
+    print(f"G={4 // kv_heads} D={head_dim} {cache}: max |GQA - repeated heads| {d:.2e}")
+    assert forms == {"native"} and d <= 1e-5
+    if cache == torch.float32:
+        ref, _, _ = run(model, prompt, follow, "module", batch=B, real=real)
+        assert (ref - got).abs().max().item() <= 1e-4

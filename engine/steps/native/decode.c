@@ -10,7 +10,7 @@
  * position is its own length (the caller passes its row) and `slot_real` (B, S_max) masks the pad
  * slots out of the softmax. Pads never entered the linear state, so it needs no mask.
  *
- * Matrices run on the thread pool (pool.c) by rows, softmax attention by heads; a phase too
+ * Matrices run on the thread pool (pool.c) by rows, softmax attention by KV groups; a phase too
  * small to pay for the hand-off runs on the caller alone. Compute is fp32 throughout.
  */
 #include <math.h>
@@ -27,10 +27,16 @@ void gen_set_parallel_min(long long macs) { par_min_macs = macs; }
 /* ------------------------------------------------------------------ per-thread scratch */
 #define KCH 32   /* 16-bit cache rows widened to fp32 this many at a time */
 
-/* Per-thread scratch of the units functions: scores (S_max), row, acc, tmp (D each), a block of
- * KCH widened cache rows (KCH * D), then phi_k and phi_q (F + 1 each). */
+/* Per-thread scratch of the units functions: scores (G * S_max: a KV group's G heads), row (D),
+ * acc (G * D), tmp (D), a block of KCH widened cache rows (KCH * D), then phi_k and phi_q (F + 1
+ * each). */
+static size_t att_scratch(const Plan *p) {
+    const size_t G = (size_t)(p->H / p->Hkv);
+    return G * p->S_max + (2 + G + KCH) * (size_t)p->D;
+}
+
 static size_t fn_scratch(const Plan *p) {
-    return (size_t)p->S_max + (3 + KCH) * (size_t)p->D + 2 * (size_t)(p->F + 1) + 16;
+    return att_scratch(p) + 2 * (size_t)(p->F + 1) + 16;
 }
 
 static int widest(const Plan *p) {
@@ -95,7 +101,6 @@ static inline int cache_batch(const Plan *p) { return p->Bc > 0 ? p->Bc : p->B; 
 static inline int cache_seq(const Plan *p, int r) { return p->Bc > 0 ? p->seq : r; }
 static inline int row_slot(const Plan *p, int slot, int r) { return p->Bc > 0 ? slot + r : slot; }
 
-/* Heads [h0, h1) of every row: out[b*os + (h - h0)*D + d]. */
 /* 4 dot products q . k_j for the rows k, k + D, k + 2D, k + 3D (D a multiple of 8): independent
  * accumulators, so the adds of one key do not wait for the previous key's. */
 static inline void dot4(const float *q, const float *k, int D, float *out) {
@@ -211,63 +216,74 @@ static void silu_mul(const float *gu, float *hb, int I) {
     for (; i < I; i++) hb[i] = gu[i] / (1.0f + expf(-gu[i])) * gu[I + i];
 }
 
-/* Heads [h0, h1) of every row: out[b*os + (h - h0)*D + d]. */
-static void att_fn(const void *ctx, int h0, int h1, float *out, int os, int add, float *scratch) {
+/* KV groups [g0, g1) of every row: out[b*os + ((g - g0)*G + j)*D + d] for the group's G query
+ * heads j. Each key and value row is read once per group (from memory; the group's other heads
+ * take it from L1): GQA reads the cache once, not once per query head. */
+static void att_fn(const void *ctx, int g0, int g1, float *out, int os, int add, float *scratch) {
     const AttCtx *c = ctx;
     const Plan *p = c->p;
     const int D = p->D, G = p->H / p->Hkv, QKV = (p->H + 2 * p->Hkv) * D, Bc = cache_batch(p);
     const int fast = p->kv_type == T_F32 && D % 8 == 0;
-    float *sc = scratch, *row = scratch + p->S_max, *acc = row + D, *tmp = acc + D, *blk = tmp + D;
+    float *sc = scratch, *row = sc + (size_t)G * p->S_max, *acc = row + D, *tmp = acc + (size_t)G * D, *blk = tmp + D;
     const int widen = p->kv_type != T_F32 && D % 8 == 0;   /* 16-bit cache: KCH rows at a time */
     (void)add;
     for (int b = 0; b < p->B; b++) {
         const int cb = cache_seq(p, b), slot = row_slot(p, c->slot, b), n = slot + 1;
         const uint8_t *real = c->slot_real ? c->slot_real + (size_t)cb * p->S_max : NULL;
-        for (int h = h0; h < h1; h++) {
-            const float *q = p->qkv_out + (size_t)b * QKV + h * D;
-            size_t base = (((size_t)c->l * Bc + cb) * p->Hkv + h / G) * p->S_max * D;
+        for (int g = g0; g < g1; g++) {
+            const float *q = p->qkv_out + (size_t)b * QKV + (size_t)g * G * D;   /* head j: q + j*D */
+            const size_t base = (((size_t)c->l * Bc + cb) * p->Hkv + g) * p->S_max * D;
+            const float *K = (const float *)p->k + base, *V = (const float *)p->v + base;
             int t = 0;
             if (fast) {
-                for (; t + 8 <= n; t += 8) dot8(q, (const float *)p->k + base + (size_t)t * D, D, sc + t);
-                for (; t + 4 <= n; t += 4) dot4(q, (const float *)p->k + base + (size_t)t * D, D, sc + t);
+                for (; t + 8 <= n; t += 8)
+                    for (int j = 0; j < G; j++) dot8(q + j * D, K + (size_t)t * D, D, sc + (size_t)j * p->S_max + t);
+                for (; t + 4 <= n; t += 4)
+                    for (int j = 0; j < G; j++) dot4(q + j * D, K + (size_t)t * D, D, sc + (size_t)j * p->S_max + t);
             }
             if (widen)
                 for (; t < n; t += KCH) {
-                    int m = n - t < KCH ? n - t : KCH, j = 0;
+                    int m = n - t < KCH ? n - t : KCH;
                     load_row(p->k, p->kv_type, base + (size_t)t * D, m * D, blk);
-                    for (; j + 8 <= m; j += 8) dot8(q, blk + (size_t)j * D, D, sc + t + j);
-                    for (; j + 4 <= m; j += 4) dot4(q, blk + (size_t)j * D, D, sc + t + j);
-                    for (; j < m; j++) sc[t + j] = dot_f32(q, blk + (size_t)j * D, D);
+                    for (int j = 0; j < G; j++) {
+                        float *sj = sc + (size_t)j * p->S_max + t;
+                        int i = 0;
+                        for (; i + 8 <= m; i += 8) dot8(q + j * D, blk + (size_t)i * D, D, sj + i);
+                        for (; i + 4 <= m; i += 4) dot4(q + j * D, blk + (size_t)i * D, D, sj + i);
+                        for (; i < m; i++) sj[i] = dot_f32(q + j * D, blk + (size_t)i * D, D);
+                    }
                 }
             for (; t < n; t++) {
                 const float *key = row;
-                if (p->kv_type == T_F32) key = (const float *)p->k + base + (size_t)t * D;
+                if (p->kv_type == T_F32) key = K + (size_t)t * D;
                 else load_row(p->k, p->kv_type, base + (size_t)t * D, D, row);
-                sc[t] = dot_f32(q, key, D);
+                for (int j = 0; j < G; j++) sc[(size_t)j * p->S_max + t] = dot_f32(q + j * D, key, D);
             }
-            softmax_scores(sc, n, p->scale, real, slot);
-            float *o = out + (size_t)b * os + (h - h0) * D;
-            if (fast) {
-                weighted_rows(sc, (const float *)p->v + base, n, D, o);
+            for (int j = 0; j < G; j++) softmax_scores(sc + (size_t)j * p->S_max, n, p->scale, real, slot);
+            float *o = out + (size_t)b * os + (size_t)(g - g0) * G * D;   /* head j: o + j*D */
+            if (fast && G == 1) {
+                weighted_rows(sc, V, n, D, o);
                 continue;
             }
-            for (int d = 0; d < D; d++) acc[d] = 0.0f;
-            if (widen) {
+            memset(acc, 0, (size_t)G * D * sizeof(float));
+            if (fast || widen) {   /* KCH value rows at a time, used by every head of the group */
                 for (t = 0; t < n; t += KCH) {
                     int m = n - t < KCH ? n - t : KCH;
-                    load_row(p->v, p->kv_type, base + (size_t)t * D, m * D, blk);
-                    weighted_rows(sc + t, blk, m, D, tmp);
-                    for (int d = 0; d < D; d++) acc[d] += tmp[d];
+                    const float *vb = V + (size_t)t * D;
+                    if (widen) { load_row(p->v, p->kv_type, base + (size_t)t * D, m * D, blk); vb = blk; }
+                    for (int j = 0; j < G; j++) {
+                        weighted_rows(sc + (size_t)j * p->S_max + t, vb, m, D, tmp);
+                        for (int d = 0; d < D; d++) acc[j * D + d] += tmp[d];
+                    }
                 }
-                memcpy(o, acc, (size_t)D * sizeof(float));
-                continue;
+            } else {
+                for (t = 0; t < n; t++) {
+                    load_row(p->v, p->kv_type, base + (size_t)t * D, D, row);
+                    for (int j = 0; j < G; j++)
+                        if (sc[(size_t)j * p->S_max + t] != 0.0f) axpy_f32(acc + j * D, sc[(size_t)j * p->S_max + t], row, D);
+                }
             }
-            for (t = 0; t < n; t++) {
-                if (sc[t] == 0.0f) continue;
-                load_row(p->v, p->kv_type, base + (size_t)t * D, D, row);
-                axpy_f32(acc, sc[t], row, D);
-            }
-            memcpy(o, acc, (size_t)D * sizeof(float));
+            memcpy(o, acc, (size_t)G * D * sizeof(float));
         }
     }
 }
@@ -284,11 +300,12 @@ static void softmax_attention(const Plan *p, int l, int slot, const uint8_t *slo
     AttCtx c = {p, l, slot, slot_real};
     long long macs = 2LL * p->B * p->H * (row_slot(p, slot, p->B - 1) + 1) * D;
     if (p->nthreads <= 1 || macs < par_min_macs) {
-        att_fn(&c, 0, p->H, p->att, p->H * D, 0, p->tscratch);
+        att_fn(&c, 0, p->Hkv, p->att, p->H * D, 0, p->tscratch);
         return;
     }
-    int per = (p->H + p->nthreads * CHUNKS_PER_THREAD - 1) / (p->nthreads * CHUNKS_PER_THREAD);
-    pool_run(p->nthreads, att_fn, &c, sizeof c, p->H, D, per, p->B, p->att, p->H * D, 0,
+    /* units: KV groups, each G heads wide (a group's heads are adjacent columns of att) */
+    int per = (p->Hkv + p->nthreads * CHUNKS_PER_THREAD - 1) / (p->nthreads * CHUNKS_PER_THREAD);
+    pool_run(p->nthreads, att_fn, &c, sizeof c, p->Hkv, (p->H / p->Hkv) * D, per, p->B, p->att, p->H * D, 0,
              p->tscratch, p->tscratch_floats, fn_scratch(p));
 }
 
@@ -317,7 +334,7 @@ static void feature_map(int mode, const float *x, float *out, int D) {
 /* One token per row: S += phi(k) v^T, z += phi(k); out_h = phi(q_h)^T S / (phi(q_h)^T z + eps). */
 static void linear_attention(const Plan *p, int l) {
     const int D = p->D, F = p->F, G = p->H / p->Hkv, QKV = (p->H + 2 * p->Hkv) * D;
-    float *phi_k = p->tscratch + p->S_max + (3 + KCH) * D, *phi_q = phi_k + F + 1;
+    float *phi_k = p->tscratch + att_scratch(p), *phi_q = phi_k + F + 1;
     for (int b = 0; b < p->B; b++) {
         const float *q = p->qkv_out + (size_t)b * QKV, *k = q + p->H * D, *v = k + p->Hkv * D;
         for (int g = 0; g < p->Hkv; g++) {
