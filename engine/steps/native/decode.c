@@ -236,8 +236,12 @@ static void att_fn(const void *ctx, int g0, int g1, float *out, int os, int add,
             const float *K = (const float *)p->k + base, *V = (const float *)p->v + base;
             int t = 0;
             if (fast) {
-                for (; t + 8 <= n; t += 8)
+                for (; t + 8 <= n; t += 8) {
+                    /* the same keys' values, next: their stream runs beside the keys' (measured on tiny,
+                     * B = 8 at depth 178 out of DRAM: attention 1.53-1.64 -> 1.37-1.45 ms) */
+                    for (int i = 0; i < 8 * D; i += 16) __builtin_prefetch(V + (size_t)t * D + i);
                     for (int j = 0; j < G; j++) dot8(q + j * D, K + (size_t)t * D, D, sc + (size_t)j * p->S_max + t);
+                }
                 for (; t + 4 <= n; t += 4)
                     for (int j = 0; j < G; j++) dot4(q + j * D, K + (size_t)t * D, D, sc + (size_t)j * p->S_max + t);
             }
