@@ -377,6 +377,15 @@ def ratio_16_to_1(runs: list[dict]) -> float | None:
     return by[16]["tokens_per_s"] / by[1]["tokens_per_s"] if 1 in by and 16 in by else None
 
 
+def step_ratio_16_to_1(runs: list[dict]) -> float | None:
+    """The ratio the decode steps alone allow: wall ms inside steps per token at 1 client over that at 16
+    (what 16 clients / 1 client would be if nothing but the steps took time)."""
+    by = {r["clients"]: r for r in runs}
+    if 1 not in by or 16 not in by or not all(by[c].get("loop_tokens") and by[c].get("steps_wall_s") for c in (1, 16)):
+        return None
+    return (by[1]["steps_wall_s"] / by[1]["loop_tokens"]) / (by[16]["steps_wall_s"] / by[16]["loop_tokens"])
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="tiny")
@@ -410,10 +419,11 @@ def main():
                     run["repeat"] = rep
                     results["runs"].append(run)
                     print(describe(a.model, run), flush=True)
-                ratio = ratio_16_to_1([r for r in results["runs"] if r["path"] == path and r["repeat"] == rep])
+                pair = [r for r in results["runs"] if r["path"] == path and r["repeat"] == rep]
+                ratio, steps = ratio_16_to_1(pair), step_ratio_16_to_1(pair)
                 if ratio is not None:
-                    print(f"  {path}: 16 clients / 1 client = {ratio:.2f}x (repeat {rep + 1} of {a.repeat})",
-                          flush=True)
+                    print(f"  {path}: 16 clients / 1 client = {ratio:.2f}x (repeat {rep + 1} of {a.repeat}; the decode "
+                          f"steps alone: {steps or float('nan'):.2f}x)", flush=True)
             ratios = [ratio_16_to_1([r for r in results["runs"] if r["path"] == path and r["repeat"] == rep])
                       for rep in range(a.repeat)]
             if ratios and None not in ratios:

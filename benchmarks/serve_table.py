@@ -7,7 +7,8 @@ milliseconds per token (its user + system time over the tokens served: less sens
 time to other processes taking the cores; where recorded, split into the decode thread's time inside
 decode steps, the rest of the decode thread, the event loop's thread and the native pool's workers)
 and the 1-minute load average when the run ended; then 16 clients against 1 per path (every
-interleaved repeat and their median), the 2k-token conversations that fit in the budget, and the soak.
+interleaved repeat and their median, next to the ratio the decode steps alone allow: wall time in steps
+per token at 1 client over that at 16), the 2k-token conversations that fit in the budget, and the soak.
 """
 from __future__ import annotations
 
@@ -42,14 +43,20 @@ def table(results: dict) -> str:
             if 1 in runs and 16 in runs:
                 wall = runs[16]["tokens_per_s"] / runs[1]["tokens_per_s"]
                 cpu = (runs[1]["server_cpu_s"] / runs[1]["tokens"]) / (runs[16]["server_cpu_s"] / runs[16]["tokens"])
-                pairs.append((wall, cpu))
+                steps = float("nan")
+                if all(runs[c].get("loop_tokens") and runs[c].get("steps_wall_s") for c in (1, 16)):
+                    steps = ((runs[1]["steps_wall_s"] / runs[1]["loop_tokens"])
+                             / (runs[16]["steps_wall_s"] / runs[16]["loop_tokens"]))
+                pairs.append((wall, cpu, steps))
         if len(pairs) == 1:
             out.append(f"- {path}: 16 clients / 1 client = {pairs[0][0]:.1f}x tokens/s ({pairs[0][1]:.1f}x less server "
                        f"CPU per token)")
         elif pairs:
             out.append(f"- {path}: 16 clients / 1 client = {statistics.median(p[0] for p in pairs):.2f}x tokens/s, "
                        f"median of {len(pairs)} interleaved pairs ({', '.join(f'{p[0]:.2f}' for p in pairs)}); "
-                       f"{statistics.median(p[1] for p in pairs):.2f}x less server CPU per token")
+                       f"{statistics.median(p[1] for p in pairs):.2f}x less server CPU per token; the decode steps "
+                       f"alone (wall ms in steps per token, 1 client over 16): "
+                       f"{statistics.median(p[2] for p in pairs):.2f}x ({', '.join(f'{p[2]:.2f}' for p in pairs)})")
     budget = s["budget_gib"]
     for path, f in results.get("fit_2k", {}).items():
         out.append(f"- {path}: a 2,048-token conversation holds {f['state_bytes_2k'] / 2 ** 20:.2f} MiB of state; "

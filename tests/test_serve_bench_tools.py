@@ -52,19 +52,21 @@ def test_stream_reader_reports_a_client_that_left_and_an_error_event():
     assert read(err, 4) == {"status": 500, "error": "boom"}
 
 
-def run(path, clients, rep, tps):
+def run(path, clients, rep, tps, steps_s=0.1):
     return {"path": path, "clients": clients, "repeat": rep, "tokens_per_s": tps, "tokens": 100, "server_cpu_s": 0.1,
+            "steps_wall_s": steps_s, "loop_tokens": 100,
             "ttft_p50_ms": 1, "ttft_p99_ms": 1, "itl_p50_ms": 1, "itl_p99_ms": 1, "server_peak_rss_mib": 1,
             "load_average": 1.0}
 
 
 def test_table_gives_the_median_ratio_of_interleaved_pairs():
-    runs = [run("linear", 1, 0, 200), run("linear", 16, 0, 500), run("linear", 1, 1, 100),
-            run("linear", 16, 1, 300), run("linear", 1, 2, 100), run("linear", 16, 2, 400)]
+    runs = [run("linear", 1, 0, 200, 0.2), run("linear", 16, 0, 500), run("linear", 1, 1, 100, 0.4),
+            run("linear", 16, 1, 300), run("linear", 1, 2, 100, 0.3), run("linear", 16, 2, 400)]
     results = {"command": "x", "machine": {"load_average_at_start": [1, 1, 1]},
                "settings": {"paths": "linear", "budget_gib": 1}, "runs": runs}
     text = serve_table.table(results)
     assert "16 clients / 1 client = 3.00x tokens/s, median of 3 interleaved pairs (2.50, 3.00, 4.00)" in text
+    assert "the decode steps alone (wall ms in steps per token, 1 client over 16): 3.00x (2.00, 4.00, 3.00)" in text
 
 
 def raw_exchange(responses: list[bytes], requests: int, disconnect_after=None) -> list[dict]:
