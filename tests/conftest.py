@@ -29,13 +29,19 @@ def tiny_config(**overrides) -> ModelConfig:
 
 
 def tiny_model(seed: int = 0, dtype=torch.float32, **overrides) -> Transformer:
-    """A random model whose weights are big enough that attention is far from uniform."""
+    """A random model whose weights are big enough that attention is far from uniform. With
+    feature_map="hedgehog" its learned maps are random too (far from identity, different per layer
+    and head)."""
     torch.manual_seed(seed)
     model = Transformer(tiny_config(**overrides))
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0, 0.08)
+        if model.hedgehog is not None:
+            g = torch.Generator().manual_seed(seed + 100)
+            for p in model.hedgehog.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
     return model.to(dtype).eval()
 
 

@@ -43,6 +43,8 @@ CASES = {
     "linear-relu-T9": dict(T=9, B=1, attention="linear", fmap="relu"),
     "linear-softmax-T9": dict(T=9, B=1, attention="linear", fmap="softmax"),
     "linear-cos1-GQA-T9": dict(T=9, B=2, attention="linear", fmap="cos1", cfg={"num_key_value_heads": 2}),
+    "linear-hedgehog-GQA-T70": dict(T=PREFILL_ROWS + 6, B=2, attention="linear", fmap="hedgehog",
+                                    cfg={"num_key_value_heads": 2, "feature_map": "hedgehog"}),
 }
 
 

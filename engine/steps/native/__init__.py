@@ -39,7 +39,8 @@ _P = ctypes.POINTER(ctypes.c_float)
 _V = ctypes.c_void_p
 TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, "q8_0": 3, "q4_0": 4, "q4_1": 5}
 FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
-MODES = {"elu1": 1, "relu": 2, "softmax": 3, "cos1": 4}   # linear feature maps; 0 is softmax attention
+MODES = {"elu1": 1, "relu": 2, "softmax": 3, "cos1": 4, "hedgehog": 5}   # linear feature maps; 0 is softmax attention
+HEDGEHOG_MAX_D = 256   # gen.h
 PREFILL_ROWS = 64   # a prompt block runs this many tokens at a time (the rows of one batched step)
 
 
@@ -57,7 +58,8 @@ class Plan(ctypes.Structure):   # gen.h Plan, field for field
                    ("lin_eps", ctypes.c_float)]
                 + [(n, _P) for n in ("S", "z", "x", "xb", "qkv_out", "att", "gu_out", "hb")]
                 + [("nthreads", ctypes.c_int), ("tscratch", _P), ("tscratch_floats", ctypes.c_size_t)]
-                + [("Bc", ctypes.c_int), ("seq", ctypes.c_int)])
+                + [("Bc", ctypes.c_int), ("seq", ctypes.c_int)]
+                + [(n, _V) for n in ("hq_w", "hq_b", "hk_w", "hk_b")] + [("hh_type", ctypes.c_int)])
 
 
 def _bind(lib):
@@ -136,6 +138,13 @@ def why_not(model, state, tokens) -> str | None:
             return "the native step needs an fp32 linear state"
         if state.feature_map.name not in MODES:
             return f"the native step has no feature map {state.feature_map.name!r}"
+        if state.feature_map.name == "hedgehog":
+            maps = _learned_maps(state.feature_map)
+            if model.config.head_dim > HEDGEHOG_MAX_D:
+                return f"the native step's learned maps take heads of up to {HEDGEHOG_MAX_D}, not {model.config.head_dim}"
+            if any(t.dtype not in FLOAT_TYPES or t.dtype != maps[0].dtype or t.device.type != "cpu"
+                   or not t.is_contiguous() for t in maps):
+                return "the native step needs the learned maps as contiguous CPU tensors of one float dtype"
     elif any(t.dtype not in FLOAT_TYPES for t in tensors):
         return f"the native step reads an fp32, f16 or bf16 KV cache, not {tensors[0].dtype}"
     if not all(t.is_contiguous() for t in tensors):
@@ -191,6 +200,11 @@ class NativeStep:
         return self._plan(state).prefill(tokens, state)
 
 
+def _learned_maps(fmap) -> list[torch.Tensor]:
+    """A hedgehog map's tensors in gen.h's order: q_weight (L, H, D, D), q_bias, k_weight, k_bias."""
+    return [fmap.q_weight, fmap.q_bias, fmap.k_weight, fmap.k_bias]
+
+
 def _ptr(t: torch.Tensor):
     return ctypes.cast(t.data_ptr(), _P)
 
@@ -215,6 +229,9 @@ class NativeDecoder:
         if norm_type < 0 or any(TYPES.get(n.dtype) != norm_type for n in norms):
             raise NativeUnavailableError("the native step needs the norm weights in one float dtype")
         tensors = state.tensors()   # [k, v] or [S, z]
+        learned = state.path == "linear" and state.feature_map.name == "hedgehog"
+        maps = [t.detach() for t in _learned_maps(state.feature_map)] if learned else []
+        flat += maps                # checked before every step as the weights are
         H, Hkv, D, I, C, B = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                               cfg.intermediate_size, cfg.hidden_size, state.batch_size)
         linear = state.path == "linear"
@@ -240,6 +257,8 @@ class NativeDecoder:
                          norm=model.norm.weight.data_ptr(), norm_type=norm_type,
                          mode=MODES[state.feature_map.name] if linear else 0, F=F_, lin_eps=EPS,
                          nthreads=max(1, threads), **state_ptrs, **self.tables, **self.norm_tables,
+                         **({n: t.data_ptr() for n, t in zip(("hq_w", "hq_b", "hk_w", "hk_b"), maps)}
+                            | {"hh_type": TYPES[maps[0].dtype]} if maps else {}),
                          **{n: _ptr(t) for n, t in self.scratch.items()})
         self.plan_ref = ctypes.byref(self.plan)
         if self.library.gen_plan_init(self.plan_ref) != 0:

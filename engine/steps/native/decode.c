@@ -335,6 +335,41 @@ static void feature_map(int mode, const float *x, float *out, int D) {
     }
 }
 
+/* The learned map of layer l, query head `head` (is_q) or key/value head `head`: y = x W + b,
+ * out = [softmax(y), softmax(-y)] (2D); as engine.attention.feature_maps.hedgehog_phi. */
+static void hedgehog_map(const Plan *p, int l, int head, int is_q, const float *x, float *out) {
+    const int D = p->D;
+    const size_t at = (size_t)l * (is_q ? p->H : p->Hkv) + head;
+    const void *W = is_q ? p->hq_w : p->hk_w;
+    float y[HEDGEHOG_MAX_D], w[HEDGEHOG_MAX_D], bias[HEDGEHOG_MAX_D];
+    for (int j = 0; j < D; j++) y[j] = 0.0f;
+    for (int i = 0; i < D; i++) {
+        load_row(W, p->hh_type, (at * D + i) * D, D, w);
+        const float xi = x[i];
+        #pragma omp simd
+        for (int j = 0; j < D; j++) y[j] += xi * w[j];
+    }
+    load_row(is_q ? p->hq_b : p->hk_b, p->hh_type, at * D, D, bias);
+    float mx = -INFINITY, mn = INFINITY, sp = 0.0f, sn = 0.0f;
+    for (int j = 0; j < D; j++) {
+        y[j] += bias[j];
+        if (y[j] > mx) mx = y[j];
+        if (y[j] < mn) mn = y[j];
+    }
+    for (int j = 0; j < D; j++) {
+        out[j] = expf(y[j] - mx);
+        out[D + j] = expf(mn - y[j]);
+        sp += out[j];
+        sn += out[D + j];
+    }
+    for (int j = 0; j < D; j++) { out[j] /= sp; out[D + j] /= sn; }
+}
+
+static void phi(const Plan *p, int l, int head, int is_q, const float *x, float *out) {
+    if (p->mode == MODE_HEDGEHOG) hedgehog_map(p, l, head, is_q, x, out);
+    else feature_map(p->mode, x, out, p->D);
+}
+
 /* One token per row: S += phi(k) v^T, z += phi(k); out_h = phi(q_h)^T S / (phi(q_h)^T z + eps). */
 static void linear_attention(const Plan *p, int l) {
     const int D = p->D, F = p->F, G = p->H / p->Hkv, QKV = (p->H + 2 * p->Hkv) * D;
@@ -345,7 +380,7 @@ static void linear_attention(const Plan *p, int l) {
             size_t sg = ((size_t)l * cache_batch(p) + cache_seq(p, b)) * p->Hkv + g;
             float *S = p->S + sg * F * D, *z = p->z + sg * F;
             const float *vg = v + g * D;
-            feature_map(p->mode, k + g * D, phi_k, D);
+            phi(p, l, g, 0, k + g * D, phi_k);
             for (int f = 0; f < F; f++) {
                 float a = phi_k[f];
                 #pragma omp simd
@@ -354,7 +389,7 @@ static void linear_attention(const Plan *p, int l) {
             }
             for (int j = 0; j < G; j++) {
                 int h = g * G + j;
-                feature_map(p->mode, q + h * D, phi_q, D);
+                phi(p, l, h, 1, q + h * D, phi_q);
                 float *out = p->att + (size_t)b * p->H * D + h * D, den = 0.0f;
                 for (int d = 0; d < D; d++) out[d] = 0.0f;
                 for (int f = 0; f < F; f++) {

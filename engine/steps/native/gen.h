@@ -47,9 +47,14 @@ typedef struct {
     float *tscratch;                       /* per thread: tscratch + tid * tscratch_floats (owned by C) */
     size_t tscratch_floats;
     int Bc, seq;                           /* prefill plans: the cache's batch and the block's sequence; decode: 0 */
+    /* MODE_HEDGEHOG: learned maps, y = x W + b, phi = [softmax(y), softmax(-y)] (F = 2D), in hh_type:
+     * hq_w (L, H, D, D), hq_b (L, H, D) for queries; hk_w (L, Hkv, D, D), hk_b (L, Hkv, D) for keys */
+    const void *hq_w, *hq_b, *hk_w, *hk_b;
+    int hh_type;
 } Plan;
 
-enum { MODE_SOFTMAX = 0, MODE_ELU1 = 1, MODE_RELU = 2, MODE_SOFTMAX_MAP = 3, MODE_COS1 = 4 };
+enum { MODE_SOFTMAX = 0, MODE_ELU1 = 1, MODE_RELU = 2, MODE_SOFTMAX_MAP = 3, MODE_COS1 = 4, MODE_HEDGEHOG = 5 };
+#define HEDGEHOG_MAX_D 256
 
 /* ---- kernels.c */
 /* out[b*os + r - r0] (+)= row r of m . x[b*xs ...] for r in [r0, r1), b < B */
