@@ -60,7 +60,41 @@ def test_decode_forms_equal_module_path(backend):
     step(tokens[:, :3], fast)
     for i in range(3, 10):
         assert max_diff(model.step(tokens[:, i:i + 1], ref), step(tokens[:, i:i + 1], fast)) <= 1e-5
-        assert step.last_form in ("torch", "module")
+        assert step.last_form == backend or (backend == "auto" and step.last_form in ("native", "torch"))
+
+
+HYBRID_NATIVE = {
+    "hedgehog": dict(layers=("linear", "softmax", "linear"), feature_map="hedgehog"),
+    "elu1-no-linear-rope": dict(layers=("softmax", "linear"), linear_rope=False),
+    "softmax-last-MHA": dict(layers=("linear", "linear", "softmax"), feature_map="cos1", num_key_value_heads=4),
+}
+
+
+@pytest.mark.usefixtures("native_built")
+@pytest.mark.parametrize("case", HYBRID_NATIVE)
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
+def test_native_step_equals_module_path(case, padded):
+    """The native step runs the per-layer mix (KV cache and linear state in one plan, rotary per
+    layer, learned maps per model layer): prompt and 12 steps equal the module path, batch of 3."""
+    cfg = dict(HYBRID_NATIVE[case])
+    model = tiny_model(num_hidden_layers=len(cfg["layers"]), attention="hybrid",
+                       layer_attention=cfg.pop("layers"), **{"num_key_value_heads": 2, **cfg})
+    g = torch.Generator().manual_seed(9)
+    prompt, follow = torch.randint(0, 97, (3, 7), generator=g), torch.randint(0, 97, (3, 12), generator=g)
+    real = None
+    if padded:
+        real = torch.ones(3, 7, dtype=torch.bool)
+        real[1, :3] = real[2, :6] = False
+    step = Stepper(model, "native", threads=2)
+    ref, fast = model.init_state(3, 32), model.init_state(3, 32)
+    a = [model.step(prompt, ref, valid=real)[:, -1:]]
+    b = [step(prompt, fast, valid=real, last_only=True)[:, -1:]]
+    assert step.last_prefill_form == ("module" if padded else "native")
+    for t in follow.T:
+        a.append(model.step(t[:, None], ref))
+        b.append(step(t[:, None], fast))
+        assert step.last_form == "native", step.fallback
+    assert max_diff(torch.cat(a, 1), torch.cat(b, 1)) <= 1e-4
 
 
 def test_rotary_per_layer_when_linear_layers_skip_it():

@@ -59,7 +59,9 @@ class Plan(ctypes.Structure):   # gen.h Plan, field for field
                 + [(n, _P) for n in ("S", "z", "x", "xb", "qkv_out", "att", "gu_out", "hb")]
                 + [("nthreads", ctypes.c_int), ("tscratch", _P), ("tscratch_floats", ctypes.c_size_t)]
                 + [("Bc", ctypes.c_int), ("seq", ctypes.c_int)]
-                + [(n, _V) for n in ("hq_w", "hq_b", "hk_w", "hk_b")] + [("hh_type", ctypes.c_int)])
+                + [(n, _V) for n in ("hq_w", "hq_b", "hk_w", "hk_b")] + [("hh_type", ctypes.c_int)]
+                + [(n, ctypes.POINTER(ctypes.c_int)) for n in ("layer_mode", "layer_index")]
+                + [("linear_rope", ctypes.c_int)])
 
 
 def _bind(lib):
@@ -123,30 +125,40 @@ def _matrix(module) -> tuple[torch.Tensor, int, int, int]:
     return w, TYPES.get(w.dtype, -1), w.shape[0], w.shape[1]
 
 
+def _parts(state) -> tuple:
+    """(KV cache part or None, linear part or None) of a softmax, linear or hybrid state."""
+    parts = state.parts if state.path == "hybrid" else [state]
+    return (next((p for p in parts if p.path == "softmax"), None),
+            next((p for p in parts if p.path != "softmax"), None))
+
+
 def why_not(model, state, tokens) -> str | None:
     """None for the cases the C step covers; otherwise the reason (the caller falls back)."""
     if tokens.device.type != "cpu":
         return f"the native step runs on the CPU, not {tokens.device.type}"
-    if state.path not in ("softmax", "linear"):
-        return f"the native step runs softmax and linear states, not {state.path}"
+    if state.path not in ("softmax", "linear", "hybrid"):
+        return f"the native step runs softmax, linear and hybrid states, not {state.path}"
     dtype = model.embed_tokens.weight.dtype
     if dtype not in FLOAT_TYPES:
         return f"the native step reads fp32, f16 or bf16 weights, not {str(dtype).removeprefix('torch.')}"
-    tensors = state.tensors()
-    if state.path == "linear":
-        if any(t.dtype != torch.float32 for t in tensors):
+    kv, lin = _parts(state)
+    if lin is not None:
+        if lin.path != "linear":
+            return f"the native step runs hybrid layers of softmax and linear, not {lin.path}"
+        if any(t.dtype != torch.float32 for t in lin.tensors()):
             return "the native step needs an fp32 linear state"
-        if state.feature_map.name not in MODES:
-            return f"the native step has no feature map {state.feature_map.name!r}"
-        if state.feature_map.name == "hedgehog":
-            maps = _learned_maps(state.feature_map)
+        if lin.feature_map.name not in MODES:
+            return f"the native step has no feature map {lin.feature_map.name!r}"
+        if lin.feature_map.name == "hedgehog":
+            maps = _learned_maps(lin.feature_map)
             if model.config.head_dim > HEDGEHOG_MAX_D:
                 return f"the native step's learned maps take heads of up to {HEDGEHOG_MAX_D}, not {model.config.head_dim}"
             if any(t.dtype not in FLOAT_TYPES or t.dtype != maps[0].dtype or t.device.type != "cpu"
                    or not t.is_contiguous() for t in maps):
                 return "the native step needs the learned maps as contiguous CPU tensors of one float dtype"
-    elif any(t.dtype not in FLOAT_TYPES for t in tensors):
-        return f"the native step reads an fp32, f16 or bf16 KV cache, not {tensors[0].dtype}"
+    if kv is not None and any(t.dtype not in FLOAT_TYPES for t in kv.tensors()):
+        return f"the native step reads an fp32, f16 or bf16 KV cache, not {kv.k.dtype}"
+    tensors = state.tensors()
     if not all(t.is_contiguous() for t in tensors):
         return "the native step needs a contiguous state"
     return None
@@ -228,14 +240,14 @@ class NativeDecoder:
         norm_type = TYPES.get(model.norm.weight.dtype, -1)
         if norm_type < 0 or any(TYPES.get(n.dtype) != norm_type for n in norms):
             raise NativeUnavailableError("the native step needs the norm weights in one float dtype")
-        tensors = state.tensors()   # [k, v] or [S, z]
-        learned = state.path == "linear" and state.feature_map.name == "hedgehog"
-        maps = [t.detach() for t in _learned_maps(state.feature_map)] if learned else []
+        tensors = state.tensors()   # [k, v], [S, z], or a hybrid's [k, v, S, z]
+        kv, lin = _parts(state)
+        learned = lin is not None and lin.feature_map.name == "hedgehog"
+        maps = [t.detach() for t in _learned_maps(lin.feature_map)] if learned else []
         flat += maps                # checked before every step as the weights are
         H, Hkv, D, I, C, B = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                               cfg.intermediate_size, cfg.hidden_size, state.batch_size)
-        linear = state.path == "linear"
-        F_ = state.feature_map.out_dim(D) if linear else 0
+        F_ = lin.feature_map.out_dim(D) if lin is not None else 0
         self.widths = (("x", C), ("xb", C), ("qkv_out", (H + 2 * Hkv) * D), ("att", H * D), ("gu_out", 2 * I), ("hb", I))
         self.scratch = {n: torch.zeros(B, size) for n, size in self.widths}
         self.tables = {n: (Mat * cfg.num_hidden_layers)(*[Mat(m[0].data_ptr(), m[1], m[2], m[3]) for m in ms])
@@ -247,18 +259,25 @@ class NativeDecoder:
         # if a Parameter's storage is swapped in a way nothing reports (then the checks rebuild it).
         self.storages = [t.untyped_storage() for t in flat + tensors]
         self.pointers = self._pointers()
-        if linear:
-            state_ptrs = dict(S=_ptr(state.S), z=_ptr(state.z), kv_type=0)
-        else:
-            state_ptrs = dict(k=state.k.data_ptr(), v=state.v.data_ptr(), kv_type=TYPES[state.k.dtype])
+        mode = MODES[lin.feature_map.name] if lin is not None else 0
+        fields = dict(mode=mode, F=F_, S_max=kv.max_len if kv is not None else 0, linear_rope=int(cfg.linear_rope))
+        if lin is not None:
+            fields.update(S=_ptr(lin.S), z=_ptr(lin.z))
+        if kv is not None:
+            fields.update(k=kv.k.data_ptr(), v=kv.v.data_ptr(), kv_type=TYPES[kv.k.dtype])
+        if maps:
+            fields.update({n: t.data_ptr() for n, t in zip(("hq_w", "hq_b", "hk_w", "hk_b"), maps)},
+                          hh_type=TYPES[maps[0].dtype])
+        if state.path == "hybrid":   # per model layer: its mode, and its layer inside its part
+            self.layer_mode = (ctypes.c_int * len(state.where))(
+                *[0 if p == "softmax" else mode for p in state.layer_paths])
+            self.layer_index = (ctypes.c_int * len(state.where))(*[j for _, j in state.where])
+            fields.update(layer_mode=self.layer_mode, layer_index=self.layer_index)
         self.plan = Plan(L=cfg.num_hidden_layers, C=C, H=H, Hkv=Hkv, D=D, I=I, V=cfg.vocab_size, B=B,
-                         S_max=0 if linear else state.max_len, eps=cfg.rms_norm_eps, scale=D ** -0.5,
+                         eps=cfg.rms_norm_eps, scale=D ** -0.5,
                          embed=Mat(embed[0].data_ptr(), *embed[1:]), head=Mat(head[0].data_ptr(), *head[1:]),
-                         norm=model.norm.weight.data_ptr(), norm_type=norm_type,
-                         mode=MODES[state.feature_map.name] if linear else 0, F=F_, lin_eps=EPS,
-                         nthreads=max(1, threads), **state_ptrs, **self.tables, **self.norm_tables,
-                         **({n: t.data_ptr() for n, t in zip(("hq_w", "hq_b", "hk_w", "hk_b"), maps)}
-                            | {"hh_type": TYPES[maps[0].dtype]} if maps else {}),
+                         norm=model.norm.weight.data_ptr(), norm_type=norm_type, lin_eps=EPS,
+                         nthreads=max(1, threads), **fields, **self.tables, **self.norm_tables,
                          **{n: _ptr(t) for n, t in self.scratch.items()})
         self.plan_ref = ctypes.byref(self.plan)
         if self.library.gen_plan_init(self.plan_ref) != 0:
@@ -353,8 +372,9 @@ class NativeDecoder:
                 c, s = self.model.rotary.table(pos + 1, tokens.device, torch.float32)
                 cos, sin = c.data_ptr() + pos * self.D * 4, s.data_ptr() + pos * self.D * 4
         real = None
-        if padded and state.path == "softmax":
-            real = state.slot_real.data_ptr()   # (B, S_max) bool, one byte each
+        kv = _parts(state)[0] if padded else None
+        if kv is not None:
+            real = kv.slot_real.data_ptr()   # (B, S_max) bool, one byte each
         logits = torch.empty(self.B, 1, self.V)
         self.library.gen_decode_step(self.plan_ref, ids.data_ptr(), span.start, cos, sin, stride, real,
                                      logits.data_ptr())

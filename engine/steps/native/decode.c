@@ -370,8 +370,9 @@ static void phi(const Plan *p, int l, int head, int is_q, const float *x, float 
     else feature_map(p->mode, x, out, p->D);
 }
 
-/* One token per row: S += phi(k) v^T, z += phi(k); out_h = phi(q_h)^T S / (phi(q_h)^T z + eps). */
-static void linear_attention(const Plan *p, int l) {
+/* One token per row: S += phi(k) v^T, z += phi(k); out_h = phi(q_h)^T S / (phi(q_h)^T z + eps).
+ * l: the layer inside the linear state; ml: the model layer (learned maps are per model layer). */
+static void linear_attention(const Plan *p, int l, int ml) {
     const int D = p->D, F = p->F, G = p->H / p->Hkv, QKV = (p->H + 2 * p->Hkv) * D;
     float *phi_k = p->tscratch + att_scratch(p), *phi_q = phi_k + F + 1;
     for (int b = 0; b < p->B; b++) {
@@ -380,7 +381,7 @@ static void linear_attention(const Plan *p, int l) {
             size_t sg = ((size_t)l * cache_batch(p) + cache_seq(p, b)) * p->Hkv + g;
             float *S = p->S + sg * F * D, *z = p->z + sg * F;
             const float *vg = v + g * D;
-            phi(p, l, g, 0, k + g * D, phi_k);
+            phi(p, ml, g, 0, k + g * D, phi_k);
             for (int f = 0; f < F; f++) {
                 float a = phi_k[f];
                 #pragma omp simd
@@ -389,7 +390,7 @@ static void linear_attention(const Plan *p, int l) {
             }
             for (int j = 0; j < G; j++) {
                 int h = g * G + j;
-                phi(p, l, h, 1, q + h * D, phi_q);
+                phi(p, ml, h, 1, q + h * D, phi_q);
                 float *out = p->att + (size_t)b * p->H * D + h * D, den = 0.0f;
                 for (int d = 0; d < D; d++) out[d] = 0.0f;
                 for (int f = 0; f < F; f++) {
@@ -423,14 +424,15 @@ static void layers(const Plan *p, const int64_t *tokens, int slot, const float *
     for (int l = 0; l < p->L; l++) {
         for (int b = 0; b < B; b++) rms_norm(p->xb + (size_t)b * C, p->x + (size_t)b * C, p->ln1[l], p->norm_type, C, p->eps);
         matmul(p, &p->qkv[l], p->xb, C, p->qkv_out, QKV, 0);
-        if (cos)
+        const int mode = p->layer_mode ? p->layer_mode[l] : p->mode, li = p->layer_index ? p->layer_index[l] : l;
+        if (cos && (mode == MODE_SOFTMAX || p->linear_rope))
             for (int b = 0; b < B; b++) {
                 float *q = p->qkv_out + (size_t)b * QKV;
                 const float *cb = cos + (size_t)b * rope_stride, *sb = sin + (size_t)b * rope_stride;
                 for (int h = 0; h < H + Hkv; h++) rotate(q + h * D, cb, sb, D);
             }
-        if (p->mode == MODE_SOFTMAX) softmax_attention(p, l, slot, slot_real);
-        else linear_attention(p, l);
+        if (mode == MODE_SOFTMAX) softmax_attention(p, li, slot, slot_real);
+        else linear_attention(p, li, l);
         matmul(p, &p->wo[l], p->att, H * D, p->x, C, 1);
         for (int b = 0; b < B; b++) rms_norm(p->xb + (size_t)b * C, p->x + (size_t)b * C, p->ln2[l], p->norm_type, C, p->eps);
         matmul(p, &p->gu[l], p->xb, C, p->gu_out, 2 * I, 0);

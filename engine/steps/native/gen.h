@@ -51,6 +51,11 @@ typedef struct {
      * hq_w (L, H, D, D), hq_b (L, H, D) for queries; hk_w (L, Hkv, D, D), hk_b (L, Hkv, D) for keys */
     const void *hq_w, *hq_b, *hk_w, *hk_b;
     int hh_type;
+    /* Hybrid layers (NULL: every layer `mode`, state layer l = model layer l): per model layer its mode
+     * (MODE_SOFTMAX or `mode`) and its layer inside the KV cache or the linear state. linear_rope:
+     * linear layers rotate q and k too (softmax layers always do, when cos is given). */
+    const int *layer_mode, *layer_index;
+    int linear_rope;
 } Plan;
 
 enum { MODE_SOFTMAX = 0, MODE_ELU1 = 1, MODE_RELU = 2, MODE_SOFTMAX_MAP = 3, MODE_COS1 = 4, MODE_HEDGEHOG = 5 };
