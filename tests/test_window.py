@@ -6,6 +6,7 @@ import torch
 from engine.attention.linear import CHUNK
 from engine.attention.window import window_attention, window_linear_reference
 from engine.attention.feature_maps import get_feature_map
+from engine.steps import Stepper
 from tests.conftest import check_every_split, tiny_model
 
 
@@ -79,3 +80,44 @@ def test_state_is_constant_in_the_context():
     cfg = model.config
     D, Hkv, L = cfg.head_dim, cfg.num_key_value_heads, cfg.num_hidden_layers
     assert state.nbytes == before == L * Hkv * ((D * D + D) * 4 + 2 * 8 * D * 4)
+
+
+WINDOW_NATIVE = {
+    "W3-MHA-elu1": dict(window=3, num_key_value_heads=4),
+    "W1-GQA-cos1": dict(window=1, feature_map="cos1"),
+    "W5-GQA-hedgehog": dict(window=5, feature_map="hedgehog"),
+    "W4-hybrid-hedgehog": dict(window=4, feature_map="hedgehog", attention="hybrid", num_hidden_layers=3,
+                               layer_attention=("linear", "softmax", "linear")),
+    "W6-bf16": dict(window=6, dtype=torch.bfloat16),
+}
+
+
+@pytest.mark.usefixtures("native_built")
+@pytest.mark.parametrize("case", WINDOW_NATIVE)
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
+def test_native_step_equals_module_path(case, padded):
+    """The native step runs window states (alone and in a hybrid): from one prefill, 12 steps past the
+    window equal the module path, batch of 3. bf16: the window buffer in bf16 on both sides, the
+    module path computing in bf16, so logits agree to bf16 rounding (3e-2, as test_native's 16-bit
+    cache). Prompt blocks of window states stay on the module path."""
+    cfg = dict(WINDOW_NATIVE[case])
+    dtype = cfg.pop("dtype", torch.float32)
+    model = reference = tiny_model(**{"attention": "linear", "num_key_value_heads": 2, **cfg}).to(dtype)
+    g = torch.Generator().manual_seed(11)
+    prompt, follow = torch.randint(0, 97, (3, 7), generator=g), torch.randint(0, 97, (3, 12), generator=g)
+    real = None
+    if padded:
+        real = torch.ones(3, 7, dtype=torch.bool)
+        real[1, :3] = real[2, :6] = False
+    ref, fast = reference.init_state(3, 32), model.init_state(3, 32)
+    a = [reference.step(prompt, ref, valid=real)[:, -1:]]
+    fast.load_state_dict(ref.state_dict())
+    step, b = Stepper(model, "native", threads=2), [a[0]]
+    for t in follow.T:
+        a.append(reference.step(t[:, None], ref))
+        b.append(step(t[:, None], fast))
+        assert step.last_form == "native", step.fallback
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert max_diff(torch.cat(a, 1), torch.cat(b, 1)) <= tol
+    assert max_diff(ref.tensors()[0], fast.tensors()[0]) <= tol * (1 + ref.tensors()[0].abs().max().item())
+    assert step(prompt, model.init_state(3, 32), last_only=True) is not None and step.last_prefill_form == "module"

@@ -61,7 +61,8 @@ class Plan(ctypes.Structure):   # gen.h Plan, field for field
                 + [("Bc", ctypes.c_int), ("seq", ctypes.c_int)]
                 + [(n, _V) for n in ("hq_w", "hq_b", "hk_w", "hk_b")] + [("hh_type", ctypes.c_int)]
                 + [(n, ctypes.POINTER(ctypes.c_int)) for n in ("layer_mode", "layer_index")]
-                + [("linear_rope", ctypes.c_int)])
+                + [("linear_rope", ctypes.c_int)]
+                + [("wk", _V), ("wv", _V), ("wreal", _V), ("W", ctypes.c_int), ("w_type", ctypes.c_int)])
 
 
 def _bind(lib):
@@ -126,7 +127,7 @@ def _matrix(module) -> tuple[torch.Tensor, int, int, int]:
 
 
 def _parts(state) -> tuple:
-    """(KV cache part or None, linear part or None) of a softmax, linear or hybrid state."""
+    """(KV cache part or None, linear or window part or None) of a softmax, linear, window or hybrid state."""
     parts = state.parts if state.path == "hybrid" else [state]
     return (next((p for p in parts if p.path == "softmax"), None),
             next((p for p in parts if p.path != "softmax"), None))
@@ -136,17 +137,17 @@ def why_not(model, state, tokens) -> str | None:
     """None for the cases the C step covers; otherwise the reason (the caller falls back)."""
     if tokens.device.type != "cpu":
         return f"the native step runs on the CPU, not {tokens.device.type}"
-    if state.path not in ("softmax", "linear", "hybrid"):
-        return f"the native step runs softmax, linear and hybrid states, not {state.path}"
+    if state.path not in ("softmax", "linear", "window", "hybrid"):
+        return f"the native step runs softmax, linear, window and hybrid states, not {state.path}"
     dtype = model.embed_tokens.weight.dtype
     if dtype not in FLOAT_TYPES:
         return f"the native step reads fp32, f16 or bf16 weights, not {str(dtype).removeprefix('torch.')}"
     kv, lin = _parts(state)
     if lin is not None:
-        if lin.path != "linear":
-            return f"the native step runs hybrid layers of softmax and linear, not {lin.path}"
-        if any(t.dtype != torch.float32 for t in lin.tensors()):
+        if lin.S.dtype != torch.float32 or lin.z.dtype != torch.float32:
             return "the native step needs an fp32 linear state"
+        if lin.path == "window" and (lin.wk.dtype not in FLOAT_TYPES or lin.window < 1):
+            return f"the native step reads a window of fp32, f16 or bf16 keys, not {lin.wk.dtype}"
         if lin.feature_map.name not in MODES:
             return f"the native step has no feature map {lin.feature_map.name!r}"
         if lin.feature_map.name == "hedgehog":
@@ -200,6 +201,8 @@ class NativeStep:
         tokens); fp32 MKL and bf16 oneDNN prompt blocks are faster than this step's row dots."""
         if state.padded:
             return "a prompt block on a state with pads runs the module path"
+        if _parts(state)[1] is not None and _parts(state)[1].path == "window":
+            return "prompt blocks of window states run the module path"
         if fastest and self.model.embed_tokens.weight.dtype != torch.float16 and not self._quantized():
             return "prompt blocks of fp32 and bf16 weights are faster on PyTorch's GEMMs"
         return self.why_not(state, tokens)
@@ -263,6 +266,12 @@ class NativeDecoder:
         fields = dict(mode=mode, F=F_, S_max=kv.max_len if kv is not None else 0, linear_rope=int(cfg.linear_rope))
         if lin is not None:
             fields.update(S=_ptr(lin.S), z=_ptr(lin.z))
+        if lin is not None and lin.path == "window":
+            fields.update(wk=lin.wk.data_ptr(), wv=lin.wv.data_ptr(), w_type=TYPES[lin.wk.dtype], W=lin.window,
+                          wreal=lin.wreal.data_ptr())
+            self.tensors = tensors + [lin.wreal]   # (B, W) bool, shifted in place by commit: checked too
+            self.storages.append(lin.wreal.untyped_storage())
+            self.pointers = self._pointers()
         if kv is not None:
             fields.update(k=kv.k.data_ptr(), v=kv.v.data_ptr(), kv_type=TYPES[kv.k.dtype])
         if maps:

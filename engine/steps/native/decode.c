@@ -29,14 +29,14 @@ void gen_set_parallel_min(long long macs) { par_min_macs = macs; }
 
 /* Per-thread scratch of the units functions: scores (G * S_max: a KV group's G heads), row (D),
  * acc (G * D), tmp (D), a block of KCH widened cache rows (KCH * D), then phi_k and phi_q (F + 1
- * each). */
+ * each), window scores (W + 1) and two window rows (D each). */
 static size_t att_scratch(const Plan *p) {
     const size_t G = (size_t)(p->H / p->Hkv);
     return G * p->S_max + (2 + G + KCH) * (size_t)p->D;
 }
 
 static size_t fn_scratch(const Plan *p) {
-    return att_scratch(p) + 2 * (size_t)(p->F + 1) + 16;
+    return att_scratch(p) + 2 * (size_t)(p->F + 1) + (size_t)p->W + 1 + 2 * (size_t)p->D + 16;
 }
 
 static int widest(const Plan *p) {
@@ -406,6 +406,77 @@ static void linear_attention(const Plan *p, int l, int ml) {
     }
 }
 
+/* Sliding window + linear, one token per row (engine/attention/window.py with T = 1): the oldest
+ * buffered key leaves the window into S, z; the query attends exactly to the other W - 1 buffered
+ * keys and its own, and through phi to S, z, in one normalisation:
+ *   out = (sum_j a_j v_j + phi(q)^T S) / (sum_j a_j + phi(q)^T z + eps), a_j = exp(s_j - max s).
+ * The buffer then drops its oldest key and takes the new one. l: layer inside the state; ml: model layer. */
+static void window_attention(const Plan *p, int l, int ml) {
+    const int D = p->D, F = p->F, W = p->W, G = p->H / p->Hkv, QKV = (p->H + 2 * p->Hkv) * D;
+    float *phi_k = p->tscratch + att_scratch(p), *phi_q = phi_k + F + 1, *sc = phi_q + F + 1;
+    float *krow = sc + W + 1, *vrow = krow + D;
+    for (int b = 0; b < p->B; b++) {
+        const int cb = cache_seq(p, b);
+        const float *q = p->qkv_out + (size_t)b * QKV, *k = q + p->H * D, *v = k + p->Hkv * D;
+        const uint8_t *wreal = p->wreal + (size_t)cb * W;
+        for (int g = 0; g < p->Hkv; g++) {
+            const size_t sg = ((size_t)l * cache_batch(p) + cb) * p->Hkv + g, wb = sg * W * D;
+            float *S = p->S + sg * F * D, *z = p->z + sg * F;
+            if (wreal[0]) {   /* the oldest key leaves the window: into S, z */
+                load_row(p->wk, p->w_type, wb, D, krow);
+                load_row(p->wv, p->w_type, wb, D, vrow);
+                phi(p, ml, g, 0, krow, phi_k);
+                for (int f = 0; f < F; f++) {
+                    float a = phi_k[f];
+                    #pragma omp simd
+                    for (int d = 0; d < D; d++) S[f * D + d] += a * vrow[d];
+                    z[f] += a;
+                }
+            }
+            for (int j = 0; j < G; j++) {
+                const int h = g * G + j;
+                const float *qh = q + h * D;
+                float *out = p->att + (size_t)b * p->H * D + h * D, den = 0.0f, mx = -INFINITY;
+                for (int t = 1; t < W; t++) {   /* buffered keys 1..W-1, then the query's own */
+                    if (!wreal[t]) { sc[t] = -INFINITY; continue; }
+                    load_row(p->wk, p->w_type, wb + (size_t)t * D, D, krow);
+                    sc[t] = dot_f32(qh, krow, D) * p->scale;
+                    if (sc[t] > mx) mx = sc[t];
+                }
+                sc[W] = dot_f32(qh, k + g * D, D) * p->scale;
+                if (sc[W] > mx) mx = sc[W];
+                phi(p, ml, h, 1, qh, phi_q);
+                for (int d = 0; d < D; d++) out[d] = 0.0f;
+                for (int f = 0; f < F; f++) {
+                    float a = phi_q[f];
+                    den += a * z[f];
+                    #pragma omp simd
+                    for (int d = 0; d < D; d++) out[d] += a * S[f * D + d];
+                }
+                for (int t = 1; t <= W; t++) {
+                    if (t < W && !wreal[t]) continue;
+                    const float a = expf(sc[t] - mx);
+                    const float *vt = vrow;
+                    if (t < W) load_row(p->wv, p->w_type, wb + (size_t)t * D, D, vrow);
+                    else vt = v + g * D;
+                    den += a;
+                    #pragma omp simd
+                    for (int d = 0; d < D; d++) out[d] += a * vt[d];
+                }
+                den += p->lin_eps;
+                for (int d = 0; d < D; d++) out[d] /= den;
+            }
+            /* the buffer drops its oldest key and takes the new one (stored in w_type) */
+            const size_t row_bytes = (size_t)D * (p->w_type == T_F32 ? 4 : 2);
+            char *wk = (char *)p->wk + wb * (row_bytes / D), *wv = (char *)p->wv + wb * (row_bytes / D);
+            memmove(wk, wk + row_bytes, (size_t)(W - 1) * row_bytes);
+            memmove(wv, wv + row_bytes, (size_t)(W - 1) * row_bytes);
+            store_row(p->wk, p->w_type, wb + (size_t)(W - 1) * D, D, k + g * D);
+            store_row(p->wv, p->w_type, wb + (size_t)(W - 1) * D, D, v + g * D);
+        }
+    }
+}
+
 /* ------------------------------------------------------------------ the step */
 static void rotate(float *x, const float *cos, const float *sin, int D) {
     int h = D / 2;
@@ -432,6 +503,7 @@ static void layers(const Plan *p, const int64_t *tokens, int slot, const float *
                 for (int h = 0; h < H + Hkv; h++) rotate(q + h * D, cb, sb, D);
             }
         if (mode == MODE_SOFTMAX) softmax_attention(p, li, slot, slot_real);
+        else if (p->W > 0) window_attention(p, li, l);
         else linear_attention(p, li, l);
         matmul(p, &p->wo[l], p->att, H * D, p->x, C, 1);
         for (int b = 0; b < B; b++) rms_norm(p->xb + (size_t)b * C, p->x + (size_t)b * C, p->ln2[l], p->norm_type, C, p->eps);

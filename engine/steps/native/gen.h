@@ -56,6 +56,12 @@ typedef struct {
      * linear layers rotate q and k too (softmax layers always do, when cos is given). */
     const int *layer_mode, *layer_index;
     int linear_rope;
+    /* Sliding window + linear (W > 0): every linear layer also attends exactly to the W newest keys,
+     * held oldest first in wk, wv (L_lin, B, Hkv, W, D) of w_type; wreal (B, W) bytes, 0 at a pad or
+     * empty slot (the caller shifts it after the step, as WindowState.commit). */
+    void *wk, *wv;
+    const uint8_t *wreal;
+    int W, w_type;
 } Plan;
 
 enum { MODE_SOFTMAX = 0, MODE_ELU1 = 1, MODE_RELU = 2, MODE_SOFTMAX_MAP = 3, MODE_COS1 = 4, MODE_HEDGEHOG = 5 };
