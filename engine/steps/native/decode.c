@@ -216,6 +216,70 @@ static void silu_mul(const float *gu, float *hb, int I) {
     for (; i < I; i++) hb[i] = gu[i] / (1.0f + expf(-gu[i])) * gu[I + i];
 }
 
+#ifdef GEN_AVX512
+/* A 16-bit cache read in place (no widened copy): 16 values from h as fp32. */
+static inline __m512 ld16h(const uint16_t *h, const int type) {
+    __m256i v = _mm256_loadu_si256((const __m256i *)h);
+    if (type == T_F16) return _mm512_cvtph_ps(v);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+/* out[i] = q . k_i for the 16-bit rows k + i*D, i < m (m <= 8; D a multiple of 16). */
+static inline void dots16(const float *q, const uint16_t *k, int D, int m, const int type, float *out) {
+    __m512 a[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 16) {
+        const __m512 qv = _mm512_loadu_ps(q + d);
+        for (int i = 0; i < m; i++) a[i] = _mm512_fmadd_ps(qv, ld16h(k + (size_t)i * D + d, type), a[i]);
+    }
+    float s[8];
+    reduce8(a, s);
+    memcpy(out, s, (size_t)m * sizeof(float));
+}
+
+/* out (D) = sum_t w[t] v_t over n 16-bit rows v (D a multiple of 16): 64 columns at a time, even
+ * and odd keys in separate accumulators. */
+static inline void weighted16(const float *w, const uint16_t *v, int n, int D, const int type, float *out) {
+    for (int d0 = 0; d0 < D; d0 += 64) {
+        const int nb = D - d0 < 64 ? (D - d0) / 16 : 4;
+        __m512 a[4], b[4];
+        for (int i = 0; i < 4; i++) a[i] = b[i] = _mm512_setzero_ps();
+        int t = 0;
+        for (; t + 2 <= n; t += 2) {
+            const __m512 w0 = _mm512_set1_ps(w[t]), w1 = _mm512_set1_ps(w[t + 1]);
+            const uint16_t *r = v + (size_t)t * D + d0;
+            for (int i = 0; i < nb; i++) {
+                a[i] = _mm512_fmadd_ps(w0, ld16h(r + 16 * i, type), a[i]);
+                b[i] = _mm512_fmadd_ps(w1, ld16h(r + D + 16 * i, type), b[i]);
+            }
+        }
+        if (t < n)
+            for (int i = 0; i < nb; i++)
+                a[i] = _mm512_fmadd_ps(_mm512_set1_ps(w[t]), ld16h(v + (size_t)t * D + d0 + 16 * i, type), a[i]);
+        for (int i = 0; i < nb; i++) _mm512_storeu_ps(out + d0 + 16 * i, _mm512_add_ps(a[i], b[i]));
+    }
+}
+
+/* One KV group's attention on a 16-bit cache, read in place: K, V (n, D) rows; q and o G heads
+ * of D; sc G rows of S_max scores. */
+static void group16(const Plan *p, const float *q, const uint16_t *K, const uint16_t *V, int n, int G,
+                    float *sc, const uint8_t *real, int slot, float *o) {
+    const int D = p->D, type = p->kv_type;
+    for (int t = 0; t < n; t += 8) {
+        const int m = n - t < 8 ? n - t : 8;
+        for (int i = 0; i < m * D; i += 32) __builtin_prefetch(V + (size_t)t * D + i);   /* values beside keys */
+        for (int j = 0; j < G; j++)
+            if (type == T_F16) dots16(q + j * D, K + (size_t)t * D, D, m, T_F16, sc + (size_t)j * p->S_max + t);
+            else dots16(q + j * D, K + (size_t)t * D, D, m, T_BF16, sc + (size_t)j * p->S_max + t);
+    }
+    for (int j = 0; j < G; j++) {
+        softmax_scores(sc + (size_t)j * p->S_max, n, p->scale, real, slot);
+        if (type == T_F16) weighted16(sc + (size_t)j * p->S_max, V, n, D, T_F16, o + j * D);
+        else weighted16(sc + (size_t)j * p->S_max, V, n, D, T_BF16, o + j * D);
+    }
+}
+#endif
+
 /* KV groups [g0, g1) of every row: out[b*os + ((g - g0)*G + j)*D + d] for the group's G query
  * heads j. Each key and value row is read once per group (from memory; the group's other heads
  * take it from L1): GQA reads the cache once, not once per query head. */
@@ -234,6 +298,13 @@ static void att_fn(const void *ctx, int g0, int g1, float *out, int os, int add,
             const float *q = p->qkv_out + (size_t)b * QKV + (size_t)g * G * D;   /* head j: q + j*D */
             const size_t base = (((size_t)c->l * Bc + cb) * p->Hkv + g) * p->S_max * D;
             const float *K = (const float *)p->k + base, *V = (const float *)p->v + base;
+            float *o = out + (size_t)b * os + (size_t)(g - g0) * G * D;   /* head j: o + j*D */
+#ifdef GEN_AVX512
+            if (p->kv_type != T_F32 && D % 16 == 0) {
+                group16(p, q, (const uint16_t *)p->k + base, (const uint16_t *)p->v + base, n, G, sc, real, slot, o);
+                continue;
+            }
+#endif
             int t = 0;
             if (fast) {
                 for (; t + 8 <= n; t += 8) {
@@ -264,7 +335,6 @@ static void att_fn(const void *ctx, int g0, int g1, float *out, int os, int add,
                 for (int j = 0; j < G; j++) sc[(size_t)j * p->S_max + t] = dot_f32(q + j * D, key, D);
             }
             for (int j = 0; j < G; j++) softmax_scores(sc + (size_t)j * p->S_max, n, p->scale, real, slot);
-            float *o = out + (size_t)b * os + (size_t)(g - g0) * G * D;   /* head j: o + j*D */
             if (fast && G == 1) {
                 weighted_rows(sc, V, n, D, o);
                 continue;

@@ -36,33 +36,6 @@ static inline __attribute__((always_inline)) __m512 wload_full(const void *row, 
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* 8 accumulators -> their 8 lane sums in s.
- * Every sum takes the same tree: lanes (j, j+8), then (j, j+4), (j, j+2), (j, j+1); hsum16 is the
- * same tree for one accumulator, so a row's sum does not depend on how many inputs share its tile. */
-static inline __attribute__((always_inline)) void reduce8(const __m512 a[8], float *s) {
-    __m512 h[4], t[2];
-    for (int p = 0; p < 4; p++)   /* per accumulator of the pair: quarters q0+q2, q1+q3 (lanes j, j+8) */
-        h[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0x44),
-                             _mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0xee));
-    for (int p = 0; p < 2; p++)   /* one accumulator per quarter, 4 partials each (lanes j, j+4) */
-        t[p] = _mm512_add_ps(_mm512_shuffle_f32x4(h[2 * p], h[2 * p + 1], 0x88),
-                             _mm512_shuffle_f32x4(h[2 * p], h[2 * p + 1], 0xdd));
-    /* quarter q of t[p] is accumulator 4p + q: (p0 + p2, p1 + p3), then their sum */
-    __m512 e = _mm512_add_ps(_mm512_shuffle_ps(t[0], t[1], 0x44), _mm512_shuffle_ps(t[0], t[1], 0xee));
-    __m512 f = _mm512_add_ps(_mm512_shuffle_ps(e, e, 0x88), _mm512_shuffle_ps(e, e, 0xdd));
-    /* quarter q of f: [acc q, acc 4+q, acc q, acc 4+q] */
-    float o[16] __attribute__((aligned(64)));
-    _mm512_store_ps(o, f);
-    for (int q = 0; q < 4; q++) { s[q] = o[4 * q]; s[4 + q] = o[4 * q + 1]; }
-}
-
-static inline float hsum16(__m512 a) {
-    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));   /* j, j+8 */
-    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));       /* j, j+4 */
-    q = _mm_add_ps(q, _mm_movehl_ps(q, q));                                              /* j, j+2 */
-    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));                             /* j, j+1 */
-}
-
 /* Row w against inputs x[0..NB-1] (xs apart): out[j*os] (+)= w . x[j]. */
 static inline __attribute__((always_inline)) void tile(const unsigned char *w, size_t stride, int K,
                                                       const float *x, int xs, float *out, int os, int add,
