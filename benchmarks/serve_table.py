@@ -16,6 +16,10 @@ import json
 import statistics
 import sys
 
+FIT = "- {path}: a 2,048-token conversation holds {mib:.2f} MiB of state; {fit:,} fit in {budget:g} GiB"
+SOAK = ("- soak {seconds:.0f} s, {workers} clients: {completed} completed ({matched} identical to solo, {corrupted} "
+        "corrupted), {lost} lost, {disconnected} disconnected, {rejected} rejected; server after: {server_after}")
+
 
 def table(results: dict) -> str:
     s = results["settings"]
@@ -57,16 +61,10 @@ def table(results: dict) -> str:
                        f"{statistics.median(p[1] for p in pairs):.2f}x less server CPU per token; the decode steps "
                        f"alone (wall ms in steps per token, 1 client over 16): "
                        f"{statistics.median(p[2] for p in pairs):.2f}x ({', '.join(f'{p[2]:.2f}' for p in pairs)})")
-    budget = s["budget_gib"]
     for path, f in results.get("fit_2k", {}).items():
-        out.append(f"- {path}: a 2,048-token conversation holds {f['state_bytes_2k'] / 2 ** 20:.2f} MiB of state; "
-                   f"{f['fit_in_budget']:,} fit in {budget:g} GiB")
-    soak = results.get("soak")
-    if soak:
-        out.append(f"- soak {soak['seconds']:.0f} s, {soak['workers']} clients: {soak['completed']} completed "
-                   f"({soak['matched']} identical to solo, {soak['corrupted']} corrupted), {soak['lost']} lost, "
-                   f"{soak['disconnected']} disconnected, {soak['rejected']} rejected; server after: "
-                   f"{soak['server_after']}")
+        out.append(FIT.format(path=path, mib=f["state_bytes_2k"] / 2 ** 20, fit=f["fit_in_budget"], budget=s["budget_gib"]))
+    if results.get("soak"):
+        out.append(SOAK.format(**results["soak"]))
     return "\n".join(out)
 
 

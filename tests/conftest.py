@@ -202,3 +202,26 @@ def native_built(tmp_path_factory):
     yield
     torch.set_num_threads(torch_threads)
     set_parallel_min(24576)
+
+
+def prompt_and_follow(seed: int, padded: bool, batch: int = 3, prompt: int = 7, follow: int = 12):
+    """(prompt (batch, prompt), its pad mask or None, follow (batch, follow)): with `padded`, rows 1
+    and 2 are left-padded by 3 and 6 slots."""
+    g = torch.Generator().manual_seed(seed)
+    tokens, rest = torch.randint(0, 97, (batch, prompt), generator=g), torch.randint(0, 97, (batch, follow), generator=g)
+    real = None
+    if padded:
+        real = torch.ones(batch, prompt, dtype=torch.bool)
+        real[1, :3] = real[2, :6] = False
+    return tokens, real, rest
+
+
+def module_and_native_steps(model, step, ref, fast, follow):
+    """Step `follow` (B, N) token by token: the module path of `model` on state `ref`, the Stepper
+    `step` on state `fast`, which must run natively every time. Returns both logits (B, N, V)."""
+    a, b = [], []
+    for t in follow.T:
+        a.append(model.step(t[:, None], ref))
+        b.append(step(t[:, None], fast))
+        assert step.last_form == "native", step.fallback
+    return torch.cat(a, 1), torch.cat(b, 1)

@@ -8,7 +8,7 @@ from engine.attention.hybrid import HybridState, parse_softmax_layers, state_byt
 from engine.errors import InvalidArgumentError
 from engine.steps import Stepper
 from models.errors import ConfigError
-from tests.conftest import tiny_model
+from tests.conftest import module_and_native_steps, prompt_and_follow, tiny_model
 
 
 def max_diff(a, b):
@@ -79,22 +79,13 @@ def test_native_step_equals_module_path(case, padded):
     cfg = dict(HYBRID_NATIVE[case])
     model = tiny_model(num_hidden_layers=len(cfg["layers"]), attention="hybrid",
                        layer_attention=cfg.pop("layers"), **{"num_key_value_heads": 2, **cfg})
-    g = torch.Generator().manual_seed(9)
-    prompt, follow = torch.randint(0, 97, (3, 7), generator=g), torch.randint(0, 97, (3, 12), generator=g)
-    real = None
-    if padded:
-        real = torch.ones(3, 7, dtype=torch.bool)
-        real[1, :3] = real[2, :6] = False
+    prompt, real, follow = prompt_and_follow(9, padded)
     step = Stepper(model, "native", threads=2)
     ref, fast = model.init_state(3, 32), model.init_state(3, 32)
-    a = [model.step(prompt, ref, valid=real)[:, -1:]]
-    b = [step(prompt, fast, valid=real, last_only=True)[:, -1:]]
+    first = model.step(prompt, ref, valid=real)[:, -1:], step(prompt, fast, valid=real, last_only=True)[:, -1:]
     assert step.last_prefill_form == ("module" if padded else "native")
-    for t in follow.T:
-        a.append(model.step(t[:, None], ref))
-        b.append(step(t[:, None], fast))
-        assert step.last_form == "native", step.fallback
-    assert max_diff(torch.cat(a, 1), torch.cat(b, 1)) <= 1e-4
+    a, b = module_and_native_steps(model, step, ref, fast, follow)
+    assert max_diff(torch.cat([first[0], a], 1), torch.cat([first[1], b], 1)) <= 1e-4
 
 
 def test_rotary_per_layer_when_linear_layers_skip_it():

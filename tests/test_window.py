@@ -7,7 +7,7 @@ from engine.attention.linear import CHUNK
 from engine.attention.window import window_attention, window_linear_reference
 from engine.attention.feature_maps import get_feature_map
 from engine.steps import Stepper
-from tests.conftest import check_every_split, tiny_model
+from tests.conftest import check_every_split, module_and_native_steps, prompt_and_follow, tiny_model
 
 
 def max_diff(a, b):
@@ -102,22 +102,14 @@ def test_native_step_equals_module_path(case, padded):
     cache). Prompt blocks of window states stay on the module path."""
     cfg = dict(WINDOW_NATIVE[case])
     dtype = cfg.pop("dtype", torch.float32)
-    model = reference = tiny_model(**{"attention": "linear", "num_key_value_heads": 2, **cfg}).to(dtype)
-    g = torch.Generator().manual_seed(11)
-    prompt, follow = torch.randint(0, 97, (3, 7), generator=g), torch.randint(0, 97, (3, 12), generator=g)
-    real = None
-    if padded:
-        real = torch.ones(3, 7, dtype=torch.bool)
-        real[1, :3] = real[2, :6] = False
-    ref, fast = reference.init_state(3, 32), model.init_state(3, 32)
-    a = [reference.step(prompt, ref, valid=real)[:, -1:]]
+    model = tiny_model(**{"attention": "linear", "num_key_value_heads": 2, **cfg}).to(dtype)
+    prompt, real, follow = prompt_and_follow(11, padded)
+    ref, fast = model.init_state(3, 32), model.init_state(3, 32)
+    model.step(prompt, ref, valid=real)
     fast.load_state_dict(ref.state_dict())
-    step, b = Stepper(model, "native", threads=2), [a[0]]
-    for t in follow.T:
-        a.append(reference.step(t[:, None], ref))
-        b.append(step(t[:, None], fast))
-        assert step.last_form == "native", step.fallback
+    step = Stepper(model, "native", threads=2)
+    a, b = module_and_native_steps(model, step, ref, fast, follow)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
-    assert max_diff(torch.cat(a, 1), torch.cat(b, 1)) <= tol
+    assert max_diff(a, b) <= tol
     assert max_diff(ref.tensors()[0], fast.tensors()[0]) <= tol * (1 + ref.tensors()[0].abs().max().item())
     assert step(prompt, model.init_state(3, 32), last_only=True) is not None and step.last_prefill_form == "module"
