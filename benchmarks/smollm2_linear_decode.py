@@ -33,7 +33,9 @@ ROWS = [
     ("window W=16", ["--model", "smollm2-linear", "--attention", "window", "--window", "16"]),
     ("window W=64", ["--model", "smollm2-linear", "--attention", "window", "--window", "64"]),
     ("window W=256", ["--model", "smollm2-linear", "--attention", "window", "--window", "256"]),
-    ("default (hybrid K=8 + window 64)", ["--model", "smollm2-linear", "--attention", "default"]),
+    ("hybrid K=8 + window 64", ["--model", "smollm2-linear", "--attention", "hybrid", "--softmax-layers", "auto:8",
+                                "--window", "64"]),
+    ("default (hybrid K=8 + window 256)", ["--model", "smollm2-linear", "--attention", "default"]),
 ]
 
 
