@@ -464,6 +464,29 @@ static void phi(const Plan *p, int l, int head, int is_q, const float *x, float 
     else feature_map(p->mode, x, out, p->D);
 }
 
+/* S += phi_k v^T, z += phi_k: one key into a group's linear state (S (F, D), z (F)). */
+static inline void fold_key(float *S, float *z, const float *phi_k, const float *v, int F, int D) {
+    for (int f = 0; f < F; f++) {
+        float a = phi_k[f];
+        #pragma omp simd
+        for (int d = 0; d < D; d++) S[f * D + d] += a * v[d];
+        z[f] += a;
+    }
+}
+
+/* out (D) = phi_q^T S; returns phi_q . z (the linear part of the denominator). */
+static inline float read_state(const float *S, const float *z, const float *phi_q, int F, int D, float *out) {
+    float den = 0.0f;
+    for (int d = 0; d < D; d++) out[d] = 0.0f;
+    for (int f = 0; f < F; f++) {
+        float a = phi_q[f];
+        den += a * z[f];
+        #pragma omp simd
+        for (int d = 0; d < D; d++) out[d] += a * S[f * D + d];
+    }
+    return den;
+}
+
 /* One token per row: S += phi(k) v^T, z += phi(k); out_h = phi(q_h)^T S / (phi(q_h)^T z + eps).
  * l: the layer inside the linear state; ml: the model layer (learned maps are per model layer). */
 static void linear_attention(const Plan *p, int l, int ml) {
@@ -476,24 +499,12 @@ static void linear_attention(const Plan *p, int l, int ml) {
             float *S = p->S + sg * F * D, *z = p->z + sg * F;
             const float *vg = v + g * D;
             phi(p, ml, g, 0, k + g * D, phi_k);
-            for (int f = 0; f < F; f++) {
-                float a = phi_k[f];
-                #pragma omp simd
-                for (int d = 0; d < D; d++) S[f * D + d] += a * vg[d];
-                z[f] += a;
-            }
+            fold_key(S, z, phi_k, vg, F, D);
             for (int j = 0; j < G; j++) {
                 int h = g * G + j;
                 phi(p, ml, h, 1, q + h * D, phi_q);
-                float *out = p->att + (size_t)b * p->H * D + h * D, den = 0.0f;
-                for (int d = 0; d < D; d++) out[d] = 0.0f;
-                for (int f = 0; f < F; f++) {
-                    float a = phi_q[f];
-                    den += a * z[f];
-                    #pragma omp simd
-                    for (int d = 0; d < D; d++) out[d] += a * S[f * D + d];
-                }
-                den += p->lin_eps;
+                float *out = p->att + (size_t)b * p->H * D + h * D;
+                float den = read_state(S, z, phi_q, F, D, out) + p->lin_eps;
                 for (int d = 0; d < D; d++) out[d] /= den;
             }
         }
@@ -520,12 +531,7 @@ static void window_attention(const Plan *p, int l, int ml) {
                 load_row(p->wk, p->w_type, wb, D, krow);
                 load_row(p->wv, p->w_type, wb, D, vrow);
                 phi(p, ml, g, 0, krow, phi_k);
-                for (int f = 0; f < F; f++) {
-                    float a = phi_k[f];
-                    #pragma omp simd
-                    for (int d = 0; d < D; d++) S[f * D + d] += a * vrow[d];
-                    z[f] += a;
-                }
+                fold_key(S, z, phi_k, vrow, F, D);
             }
             for (int j = 0; j < G; j++) {
                 const int h = g * G + j;
@@ -540,13 +546,7 @@ static void window_attention(const Plan *p, int l, int ml) {
                 sc[W] = dot_f32(qh, k + g * D, D) * p->scale;
                 if (sc[W] > mx) mx = sc[W];
                 phi(p, ml, h, 1, qh, phi_q);
-                for (int d = 0; d < D; d++) out[d] = 0.0f;
-                for (int f = 0; f < F; f++) {
-                    float a = phi_q[f];
-                    den += a * z[f];
-                    #pragma omp simd
-                    for (int d = 0; d < D; d++) out[d] += a * S[f * D + d];
-                }
+                den = read_state(S, z, phi_q, F, D, out);
                 for (int t = 1; t <= W; t++) {
                     if (t < W && !wreal[t]) continue;
                     const float a = expf(sc[t] - mx);
