@@ -190,16 +190,17 @@ def check_rows_join_and_leave(step, new_state) -> None:
 @pytest.fixture(scope="module")
 def native_built(tmp_path_factory):
     """The native step built into a fresh cache (or the module skipped, saying why), every phase on
-    its pool even for small models, PyTorch references on one thread; restored afterwards."""
+    its pool even for small models, PyTorch references on one thread; restored afterwards. Yields
+    the library."""
     os.environ.setdefault("GEN_ENGINE_CACHE", str(tmp_path_factory.mktemp("native-cache")))
     try:
-        library()
+        lib = library()
     except NativeUnavailableError as e:
         pytest.skip(f"native decode step unavailable here: {e}")
     set_parallel_min(0)       # every phase on the pool, even for these small models
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the references (module path) on one thread: no OpenMP barriers on a busy machine
-    yield
+    yield lib                 # the ctypes library, for tests that call its kernels directly
     torch.set_num_threads(torch_threads)
     set_parallel_min(24576)
 

@@ -2,12 +2,10 @@
 float64 reference, for every weight type, batch sizes 1..17 (not multiples of the 8-input tile),
 row ranges that do not start at 0 or fill a 16-row block, and widths that are not multiples of 16."""
 import ctypes
-import os
 
 import pytest
 import torch
 
-from engine.steps import NativeUnavailableError
 
 TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -23,13 +21,9 @@ def _avx512() -> bool:
 
 
 @pytest.fixture(scope="module")
-def lib(tmp_path_factory):
-    os.environ.setdefault("GEN_ENGINE_CACHE", str(tmp_path_factory.mktemp("native-cache")))
-    from engine.steps.native import Mat, library
-    try:
-        lib = library()
-    except NativeUnavailableError as e:
-        pytest.skip(f"native decode step unavailable here: {e}")
+def lib(native_built):
+    from engine.steps.native import Mat
+    lib = native_built
     lib.mat_rows.argtypes = [ctypes.POINTER(Mat), ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
                              ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.mat_rows.restype = None

@@ -2,7 +2,6 @@
 gguf-py's; the native quantized matmul (qdot.c) against its PyTorch twin `linear_q8`; the native
 quantized step against the module path computing the same way, and loosely against dequantize-then-fp32."""
 import ctypes
-import os
 
 import numpy as np
 import pytest
@@ -11,7 +10,7 @@ import torch
 from engine.errors import InvalidArgumentError
 from engine.quant import (BLOCK_BYTES, QuantLinear, dequantize, linear_q8, q8_reference, quantize,
                           quantize_activations, quantize_model)
-from engine.steps import NativeUnavailableError, Stepper
+from engine.steps import Stepper
 from tests.conftest import tiny_model
 
 gguf = pytest.importorskip("gguf")
@@ -65,23 +64,14 @@ def test_quantize_model_requantizes_other_kinds_and_keeps_its_own():
 
 # ------------------------------------------------------------------ the native quantized matmul
 @pytest.fixture(scope="module")
-def native(tmp_path_factory):
-    os.environ.setdefault("GEN_ENGINE_CACHE", str(tmp_path_factory.mktemp("native-cache")))
-    from engine.steps.native import Mat, library, set_parallel_min
-    try:
-        lib = library()
-    except NativeUnavailableError as e:
-        pytest.skip(f"native decode step unavailable here: {e}")
+def native(native_built):
+    from engine.steps.native import Mat
+    lib = native_built
     lib.gen_qmatmul.argtypes = [ctypes.POINTER(Mat), ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
     lib.gen_qmatmul.restype = None
     lib.qx_row_bytes.argtypes = [ctypes.c_int]
     lib.qx_row_bytes.restype = ctypes.c_size_t
-    set_parallel_min(0)       # every phase on the pool, even for these small models
-    torch_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield lib, Mat
-    torch.set_num_threads(torch_threads)
-    set_parallel_min(24576)
+    return lib, Mat
 
 
 def native_matmul(native, blocks, kind, shape, x):
