@@ -112,6 +112,13 @@ static inline void nibbles(const unsigned char *qs, v8 w[4]) {
 }
 #endif
 
+/* The f16 scale stored (unaligned) at p. */
+static inline float f16_at(const unsigned char *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return load_f16(h);
+}
+
 /* Block k of a row (32 consecutive weights from element 32k) as fp32 in w[4]. */
 static inline __attribute__((always_inline)) void decode_block(const unsigned char *row, const int type, int k,
                                                               v8 w[4]) {
@@ -138,9 +145,7 @@ static inline __attribute__((always_inline)) void decode_block(const unsigned ch
 #endif
     }
     case T_Q8_0: {
-        uint16_t dh;
-        memcpy(&dh, blk, 2);
-        float d = load_f16(dh);
+        const float d = f16_at(blk);
         const signed char *qs = (const signed char *)(blk + 2);
 #ifdef GEN_X86
         for (int q = 0; q < 4; q++) {
@@ -154,9 +159,7 @@ static inline __attribute__((always_inline)) void decode_block(const unsigned ch
 #endif
     }
     case T_Q4_0: {
-        uint16_t dh;
-        memcpy(&dh, blk, 2);
-        float d = load_f16(dh);
+        const float d = f16_at(blk);
         const unsigned char *qs = blk + 2;
 #ifdef GEN_X86
         nibbles(qs, w);
@@ -171,10 +174,7 @@ static inline __attribute__((always_inline)) void decode_block(const unsigned ch
 #endif
     }
     default: {   /* T_Q4_1 */
-        uint16_t dh, mh;
-        memcpy(&dh, blk, 2);
-        memcpy(&mh, blk + 2, 2);
-        float d = load_f16(dh), m = load_f16(mh);
+        const float d = f16_at(blk), m = f16_at(blk + 2);
         const unsigned char *qs = blk + 4;
 #ifdef GEN_X86
         nibbles(qs, w);
