@@ -22,7 +22,7 @@ from pathlib import Path
 from engine.errors import EngineError
 
 HERE = Path(__file__).parent
-SOURCES = ["pool.c", "kernels.c", "tile.c", "qdot.c", "decode.c"]
+SOURCES = ["pool.c", "kernels.c", "tile.c", "qdot.c", "attention.c", "linear.c", "decode.c"]
 HEADERS = ["gen.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-pthread"]
 _LIB = None

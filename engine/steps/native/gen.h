@@ -188,4 +188,33 @@ static inline void axpy_f32(float *restrict y, float a, const float *restrict x,
     for (int i = 0; i < n; i++) y[i] += a * x[i];
 }
 
+
+/* ---- shared by decode.c (the step), attention.c (softmax attention), linear.c (linear attention) */
+#define CHUNKS_PER_THREAD 4     /* chunks a phase is cut into, per thread (dynamic claiming) */
+extern long long gen_par_min_macs;   /* a phase below this many multiply-adds runs on the caller alone */
+
+/* A decode plan's row b is sequence b at `slot`; a prefill plan's (Bc > 0) row r is token r of a
+ * block of sequence `seq` (of a cache holding Bc sequences), at slot + r. */
+static inline int cache_batch(const Plan *p) { return p->Bc > 0 ? p->Bc : p->B; }
+static inline int cache_seq(const Plan *p, int r) { return p->Bc > 0 ? p->seq : r; }
+static inline int row_slot(const Plan *p, int slot, int r) { return p->Bc > 0 ? slot + r : slot; }
+/* ------------------------------------------------------------------ per-thread scratch */
+#define KCH 32   /* 16-bit cache rows widened to fp32 this many at a time */
+
+/* Per-thread scratch of the units functions: scores (G * S_max: a KV group's G heads), row (D),
+ * acc (G * D), tmp (D), a block of KCH widened cache rows (KCH * D), then phi_k and phi_q (F + 1
+ * each), window scores (W + 1) and two window rows (D each). */
+static inline size_t att_scratch(const Plan *p) {
+    const size_t G = (size_t)(p->H / p->Hkv);
+    return G * p->S_max + (2 + G + KCH) * (size_t)p->D;
+}
+
+static inline size_t fn_scratch(const Plan *p) {
+    return att_scratch(p) + 2 * (size_t)(p->F + 1) + (size_t)p->W + 1 + 2 * (size_t)p->D + 16;
+}
+
+void softmax_attention(const Plan *p, int l, int slot, const uint8_t *slot_real);   /* attention.c */
+void linear_attention(const Plan *p, int l, int ml);                                 /* linear.c */
+void window_attention(const Plan *p, int l, int ml);                                 /* linear.c */
+
 #endif
