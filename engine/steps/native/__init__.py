@@ -2,8 +2,9 @@
 
     make_step(model, backend="native")      # or load(..., backend="native"), gen --backend native
 
-It runs the one-token step of a CPU state (a KV cache, or a linear state with any of the four
-feature maps), any batch size, left-padded rows included, on weights in fp32, f16, bf16 or
+It runs the one-token step of a CPU state (a KV cache; a linear state with any of the four fixed
+feature maps or learned hedgehog maps; a sliding window + linear state; a hybrid of a KV cache and
+one of those, per layer), any batch size, left-padded rows included, on weights in fp32, f16, bf16 or
 quantized blocks (engine.quant: q8_0, q4_0, q4_1), on `threads` threads (engine.threads); `why_not`
 names every other case and the Stepper hands it to the torch form. The C code reads the model's
 weight tensors and writes the state's own tensors in place through their data pointers, so a
