@@ -14,7 +14,7 @@ import sys
 
 import click
 
-from cli.common import run_guarded
+from cli.common import FEATURE_MAP_HELP, run_guarded
 from cli.generate import load_quietly, summary
 from engine.api import make_config
 from engine.errors import EngineError
@@ -28,7 +28,7 @@ HELP_LINE = "/reset starts over, /exit or Ctrl-D leaves, Ctrl-C stops a reply"
 @click.option("--attention", type=click.Choice(["softmax", "linear", "hybrid"]), help="default: the model's own")
 @click.option("--softmax-layers", help="hybrid: layers that keep a KV cache, e.g. 2,9,11, or auto:K")
 @click.option("--window", type=int, help="linear layers also attend exactly to the last W keys")
-@click.option("--feature-map", help="linear attention feature map (elu1, relu, softmax, cos1)")
+@click.option("--feature-map", help=FEATURE_MAP_HELP)
 @click.option("--system", help="a system message for the conversation (default: the template's own, if any)")
 @click.option("--max-new-tokens", default=512, show_default=True, type=int, help="per reply")
 @click.option("--temperature", default=0.8, show_default=True, type=float, help="0 = greedy")

@@ -36,3 +36,7 @@ def run_guarded(fn):
     except KeyboardInterrupt:
         click.echo("", err=True)
         sys.exit(130)
+
+
+FEATURE_MAP_HELP = ("linear attention feature map: elu1, relu, softmax, cos1, or hedgehog (the learned maps a "
+                    "model such as smollm2-linear ships)")

@@ -5,7 +5,7 @@ import json
 
 import click
 
-from cli.common import run_guarded
+from cli.common import FEATURE_MAP_HELP, run_guarded
 from engine.attention.hybrid import runtime_config
 from engine.evaluate import evaluate_file
 from engine.loader import load_model
@@ -18,7 +18,7 @@ from engine.threads import set_threads
 @click.option("--attention", type=click.Choice(["softmax", "linear", "hybrid"]), help="default: the model's own")
 @click.option("--softmax-layers", help="hybrid: layers that keep a KV cache, e.g. 2,9,11, or auto:K")
 @click.option("--window", type=int, help="linear layers also attend exactly to the last W keys")
-@click.option("--feature-map", help="linear attention feature map (elu1, relu, softmax, cos1)")
+@click.option("--feature-map", help=FEATURE_MAP_HELP)
 @click.option("--data", required=True, type=click.Path(dir_okay=False),
               help="documents separated by '<|endoftext|>' lines")
 @click.option("--context", type=int, help="window length in tokens (default: max_position_embeddings)")

@@ -8,7 +8,7 @@ import warnings
 
 import click
 
-from cli.common import fail, run_guarded
+from cli.common import FEATURE_MAP_HELP, fail, run_guarded
 from engine.api import check_text, load, make_config
 from engine.errors import InvalidArgumentError
 
@@ -23,7 +23,7 @@ from engine.errors import InvalidArgumentError
 @click.option("--attention", type=click.Choice(["softmax", "linear", "hybrid"]), help="default: the model's own")
 @click.option("--softmax-layers", help="hybrid: layers that keep a KV cache, e.g. 2,9,11, or auto:K")
 @click.option("--window", type=int, help="linear layers also attend exactly to the last W keys")
-@click.option("--feature-map", help="linear attention feature map (elu1, relu, softmax, cos1)")
+@click.option("--feature-map", help=FEATURE_MAP_HELP)
 @click.option("--max-new-tokens", default=256, show_default=True, type=int)
 @click.option("--temperature", default=0.8, show_default=True, type=float, help="0 = greedy")
 @click.option("--top-k", default=0, show_default=True, type=int, help="0 = off")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from cli.common import fail, run_guarded
+from cli.common import FEATURE_MAP_HELP, fail, run_guarded
 from engine.serve import open_server, run
 
 
@@ -14,7 +14,7 @@ from engine.serve import open_server, run
               help="default path (default: the model's own); requests may pick another with `attention`")
 @click.option("--softmax-layers", help="hybrid: layers that keep a KV cache, e.g. 2,9,11, or auto:K")
 @click.option("--window", type=int, help="linear layers also attend exactly to the last W keys")
-@click.option("--feature-map", help="linear attention feature map (elu1, relu, softmax, cos1)")
+@click.option("--feature-map", help=FEATURE_MAP_HELP)
 @click.option("--host", default="127.0.0.1", show_default=True, help="address to bind (loopback by default)")
 @click.option("--port", default=8000, show_default=True, type=int)
 @click.option("--max-batch", default=16, show_default=True, type=int, help="sequences decoded at once")
