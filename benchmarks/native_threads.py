@@ -23,8 +23,9 @@ gets the same count, as --threads N does) or `default` (set_threads(None): the n
 core, PyTorch on one: what `gen` runs). `--weights gguf` keeps a GGUF file's blocks as stored
 (smollm2: Q4_1). The load average (`uptime`) is printed before and after
 each row. Issue 11 asks that decode at the default thread count with one core busy keeps >= 50% of
-its quiet speed. `--adapt off` turns the pool's adaptive mode off, `--adapt both` interleaves
-windows with it on and off (conditions marked /fixed), each compared with its own quiet windows.
+its quiet speed. The pool's adaptive (solo) mode is off by default (pool.c); `--adapt on` turns it on
+(a verdict every 32 phases), `--adapt both` interleaves windows with it on and off (on: conditions
+marked /adaptive), each compared with its own quiet windows.
 """
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ except NativeUnavailableError:
 step, B, depth, n = Stepper(model, "auto"), job["batch"], job["depth"], job["steps"]
 prompt = torch.randint(0, model.config.vocab_size, (B, depth), generator=torch.Generator().manual_seed(0))
 
-MODES = {"on": {}, "off": {"window": 0}}
+MODES = {"on": {"window": 32}, "off": {}}   # off: the default (pool_adapt())
 def window(mode):
     if native:
         pool_adapt(**MODES[mode])
@@ -82,7 +83,7 @@ def busy_loops(cores):
     return [subprocess.Popen(["taskset", "-c", c, "sh", "-c", "while :; do :; done"]) for c in cores.split("+")]
 
 conds = [(c, a) for c in ["quiet"] + job["busy"] for a in job["adapt"]]
-label = lambda c, a: c + ("/fixed" if a == "off" else "")
+label = lambda c, a: c + ("/adaptive" if a == "on" and len(job["adapt"]) > 1 else "")
 res = {label(c, a): {"times": [], "medians": [], "cpu": 0.0, "solo": 0, "phases": 0} for c, a in conds}
 window("on")   # warm-up: build, spawn the pool
 for _ in range(job["repeats"]):
@@ -134,8 +135,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200, help="timed steps per window")
     ap.add_argument("--repeats", type=int, default=3, help="quiet/busy window rounds per row")
     ap.add_argument("--busy", default="1", help="busy conditions: cores of the busy loops, '+' joined (1 or 0+1)")
-    ap.add_argument("--adapt", choices=["on", "off", "both"], default="on",
-                    help="pool.c's adaptive (solo) mode; off: conditions marked /fixed; both: interleaved A/B")
+    ap.add_argument("--adapt", choices=["on", "off", "both"], default="off",
+                    help="pool.c's adaptive (solo) mode, off by default; both: interleaved A/B (on: conditions marked /adaptive)")
     ap.add_argument("--json", help="write the rows here")
     a = ap.parse_args()
     busy = a.busy.split(",")
@@ -161,7 +162,7 @@ def main() -> None:
                   f"{spread:>16}  {v['solo_share']:5.0%}  {before} / {after}  {r['form']}")
             v["x_quiet"] = ratio
         rows.append({**j, **r, "load_before": before, "load_after": after})
-    print("cond: quiet, or the cores held by busy loops (/fixed: adaptive mode off); cpu ms: the process's CPU "
+    print("cond: quiet, or the cores held by busy loops (/adaptive: adaptive mode on); cpu ms: the process's CPU "
           "time per step (every thread); x quiet: speed / quiet speed (medians; per repeat: its range over the "
           "repeats); solo: share of pool phases run on the caller alone (adaptive mode)")
     if a.json:

@@ -31,14 +31,32 @@ def test_solo_stretches_and_probes_give_the_same_bits(threads, attention):
     assert torch.equal(got, want)
 
 
-def test_the_default_scores_and_never_forgets_work():
-    """Adaptive mode on (the default): counters move and results still equal one thread's."""
+def test_adaptive_mode_scores_and_never_forgets_work():
+    """Adaptive mode on (a verdict every 32 phases; off by default): counters move and results still
+    equal one thread's."""
     model = tiny_model(hidden_size=128, intermediate_size=256)
     prompt, follow = tokens(5, batch=2, follow=50)
+    want = run(model, prompt, follow, "native", batch=2, threads=1)[0]
+    try:
+        pool_adapt(window=32)
+        pool_stats(reset=True)
+        got = run(model, prompt, follow, "native", batch=2, threads=2)[0]
+        st = pool_stats(reset=True)
+    finally:
+        pool_adapt()
+    assert st["verdicts"] > 0 and st["parallel_phases"] > 0
+    assert torch.equal(got, want)
+
+
+def test_the_default_never_runs_solo():
+    """The default pool (adaptive mode off) keeps every phase on the workers: no verdicts, no solo
+    phases, results equal one thread's."""
+    model = tiny_model(hidden_size=128, intermediate_size=256)
+    prompt, follow = tokens(6, batch=2, follow=50)
     want = run(model, prompt, follow, "native", batch=2, threads=1)[0]
     pool_adapt()
     pool_stats(reset=True)
     got = run(model, prompt, follow, "native", batch=2, threads=2)[0]
     st = pool_stats(reset=True)
-    assert st["verdicts"] > 0 and st["parallel_phases"] > 0
+    assert st["parallel_phases"] > 0 and st["verdicts"] == 0 and st["solo_phases"] == 0
     assert torch.equal(got, want)

@@ -93,7 +93,7 @@ def set_parallel_min(macs: int) -> None:
     _bind(library()).gen_set_parallel_min(macs)
 
 
-POOL_ADAPT = (32, 115, 2_000_000)   # pool.c's defaults: phases per verdict, min speedup (%), solo ns
+POOL_ADAPT = (0, 115, 2_000_000)   # pool.c's defaults: phases per verdict (0: adaptive mode off), min speedup (%), solo ns
 
 
 def pool_adapt(window: int = POOL_ADAPT[0], min_speedup_pct: int = POOL_ADAPT[1], solo_ns: int = POOL_ADAPT[2]) -> None:

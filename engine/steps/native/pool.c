@@ -17,10 +17,21 @@
  *  - A job's context is copied into the pool (a late worker never reads a returned stack frame)
  *    and states carry the job's generation, so a worker waking late cannot claim a newer job's
  *    chunk with an older job's view.
- *  - A worker waits politely: a short pause-spin, then sched_yield, then (idle for SPIN_NS) a futex
- *    sleep. The caller only pause-spins, and only until its steal deadline.
+ *  - A worker waits with a pause-spin, then (idle for SPIN_NS) a futex sleep; the caller only
+ *    pause-spins, and only until its steal deadline. A worker never yields on a core it shares
+ *    with another process: on 6.x (EEVDF) kernels each sched_yield pushes the yielder's deadline
+ *    a slice back, so a worker yielding between phases got ~3% of the busy core instead of its
+ *    fair half (measured: one core busy, the step at one thread's speed).
+ *  - A worker that finds itself on the caller's core (the caller publishes sched_getcpu() with
+ *    each job) cannot help there: it yields to the caller and, at most once per MOVE_NS, takes
+ *    that core out of its affinity (the process's cores minus the caller's). Without this the
+ *    load balancer, seeing 2 tasks against 1 either way, often left caller and worker sharing
+ *    the free core while the busy process kept the other: one core for the whole step.
+ *    With both: one core busy, the worker gets half of it and the caller the other core.
  *
- *  - It adapts to a core taken by another process. The caller keeps score over windows of phases:
+ *  - Optional (off by default since the two points above: it then cost more than it saved, its
+ *    solo stretches also spilling into quiet periods): it adapts to a core taken by another
+ *    process. The caller keeps score over windows of phases:
  *    its own fastest time per unit, times the phase's units, is what the phase would cost it alone;
  *    the phase's wall time is what it cost with the workers. When a window's speedup falls below
  *    ADAPT_MIN_SPEEDUP (a worker kept losing its core, or shares the caller's), phases run on the
@@ -48,10 +59,11 @@
 
 #define MAX_THREADS 64
 #define MAX_CHUNKS 64
+#define MOVE_NS 1000000LL       /* a worker moves off the caller's core at most once a ms */
 #define SPIN_NS 2000000LL       /* an idle worker sleeps after 2 ms without work */
 #define STEAL_MIN_NS 5000LL     /* a claimed chunk is stolen after max(5 us, 2x the caller's fastest chunk), */
 #define STEAL_MAX_NS 200000LL   /* and never later than 200 us */
-#define ADAPT_WINDOW 32               /* phases per verdict (about one decode step of a small model) */
+#define ADAPT_WINDOW 0                /* phases per verdict (0: never solo, the default; 32 is about one decode step of a small model) */
 #define ADAPT_MIN_SPEEDUP 115         /* percent: a window below this runs solo for a while */
 #define ADAPT_SKIP 2                  /* phases of a probe not scored (the workers are waking up) */
 #define ADAPT_SOLO_NS 2000000LL       /* the first solo stretch: 2 ms, doubling on each failed */
@@ -72,6 +84,8 @@ static struct {
     _Atomic uint32_t seq;                 /* futex word: low bits of gen */
     _Atomic uint64_t state[MAX_CHUNKS];   /* gen << 3 | FREE..OWNED */
     _Atomic int chunks, nthreads, sleepers, busy, started;
+    cpu_set_t allowed;                    /* the process's cores when the first worker started */
+    _Atomic int caller_cpu;               /* where the caller last ran: a worker sharing its core yields */
     _Atomic int solo;                     /* the caller runs alone for now: idle workers sleep at once */
     Job job;
     pthread_mutex_t run, spawn;
@@ -98,9 +112,9 @@ static inline void relax(void) {
 #endif
 }
 
-/* A worker's polite wait: pause for the first iterations, then give the core away (to the
- * caller, when they share one). The caller never yields while it waits for a chunk: on a core
- * shared with another busy process, sched_yield would hand that process a whole time slice. */
+/* pool_quiesce's wait: pause for the first iterations, then give the core away. (A worker waits
+ * in worker(): it yields only on the caller's core. Neither the caller nor a worker yields on a
+ * core shared with another busy process: sched_yield would hand that process a whole slice.) */
 static inline void wait_step(int i) {
     if (i < 64) relax(); else sched_yield();
 }
@@ -151,8 +165,19 @@ static void work(uint64_t g, int tid) {
     }
 }
 
+/* A worker on the caller's core cannot help it: move off that core (at most once per MOVE_NS). */
+static void leave_cpu(int cpu, long long *moved) {
+    long long t = now_ns();
+    if (cpu < 0 || cpu >= CPU_SETSIZE || t - *moved < MOVE_NS) return;
+    *moved = t;
+    cpu_set_t m = P.allowed;
+    CPU_CLR(cpu, &m);
+    if (CPU_COUNT(&m) > 0) sched_setaffinity(0, sizeof m, &m);
+}
+
 static void *worker(void *arg) {
     int tid = (int)(intptr_t)arg;
+    long long moved = 0;
     uint64_t seen = atomic_load(&P.gen);
     for (;;) {
         uint64_t g;
@@ -160,7 +185,12 @@ static void *worker(void *arg) {
         for (int i = 0;; i++) {
             if ((g = atomic_load(&P.gen)) != seen) goto run;
             if ((i & 63) == 63 && (atomic_load_explicit(&P.solo, memory_order_relaxed) || now_ns() - t0 > SPIN_NS)) break;
-            wait_step(i);
+            if (i < 64) relax();
+            else {
+                int cpu = sched_getcpu();
+                if (cpu != atomic_load_explicit(&P.caller_cpu, memory_order_relaxed)) relax();
+                else { leave_cpu(cpu, &moved); sched_yield(); }
+            }
         }
         atomic_fetch_add(&P.sleepers, 1);
         for (;;) {
@@ -179,6 +209,7 @@ static void *worker(void *arg) {
 static void spawn_workers(int nthreads) {
     if (atomic_load(&P.started) >= nthreads - 1) return;
     pthread_mutex_lock(&P.spawn);
+    if (atomic_load(&P.started) == 0 && sched_getaffinity(0, sizeof P.allowed, &P.allowed) != 0) CPU_ZERO(&P.allowed);
     while (atomic_load(&P.started) < nthreads - 1 && atomic_load(&P.started) < MAX_THREADS - 1) {
         pthread_t t;
         pthread_attr_t a;
@@ -265,6 +296,7 @@ void pool_run(int nthreads, UnitsFn fn, const void *ctx, size_t ctx_bytes, int u
         A.skip = ADAPT_SKIP;
     }
     spawn_workers(nthreads);
+    atomic_store_explicit(&P.caller_cpu, sched_getcpu(), memory_order_relaxed);
     uint64_t g = atomic_load(&P.gen) + 1;
     Job *j = &P.job;
     j->fn = fn;
