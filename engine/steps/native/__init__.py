@@ -202,7 +202,7 @@ class NativeStep:
         tokens); fp32 MKL and bf16 oneDNN prompt blocks are faster than this step's row dots."""
         if state.padded:
             return "a prompt block on a state with pads runs the module path"
-        if _parts(state)[1] is not None and _parts(state)[1].path == "window":
+        if getattr(_parts(state)[1], "path", None) == "window":
             return "prompt blocks of window states run the module path"
         if fastest and self.model.embed_tokens.weight.dtype != torch.float16 and not self._quantized():
             return "prompt blocks of fp32 and bf16 weights are faster on PyTorch's GEMMs"
@@ -244,8 +244,10 @@ class NativeDecoder:
         norm_type = TYPES.get(model.norm.weight.dtype, -1)
         if norm_type < 0 or any(TYPES.get(n.dtype) != norm_type for n in norms):
             raise NativeUnavailableError("the native step needs the norm weights in one float dtype")
-        tensors = state.tensors()   # [k, v], [S, z], or a hybrid's [k, v, S, z]
         kv, lin = _parts(state)
+        tensors = state.tensors()   # [k, v], [S, z], or a hybrid's [k, v, S, z] (+ a window's [wk, wv])
+        if lin is not None and lin.path == "window":
+            tensors = tensors + [lin.wreal]   # (B, W) bool, shifted in place by commit: checked too
         learned = lin is not None and lin.feature_map.name == "hedgehog"
         maps = [t.detach() for t in _learned_maps(lin.feature_map)] if learned else []
         flat += maps                # checked before every step as the weights are
@@ -270,9 +272,6 @@ class NativeDecoder:
         if lin is not None and lin.path == "window":
             fields.update(wk=lin.wk.data_ptr(), wv=lin.wv.data_ptr(), w_type=TYPES[lin.wk.dtype], W=lin.window,
                           wreal=lin.wreal.data_ptr())
-            self.tensors = tensors + [lin.wreal]   # (B, W) bool, shifted in place by commit: checked too
-            self.storages.append(lin.wreal.untyped_storage())
-            self.pointers = self._pointers()
         if kv is not None:
             fields.update(k=kv.k.data_ptr(), v=kv.v.data_ptr(), kv_type=TYPES[kv.k.dtype])
         if maps:
