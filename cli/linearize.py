@@ -16,7 +16,9 @@ from engine.threads import set_threads
 @click.option("--data", multiple=True, required=True, type=click.Path(dir_okay=False),
               help="training text, documents separated by '<|endoftext|>' lines (repeat for several files)")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="output directory (new or empty)")
-@click.option("--tokens", default=65536, show_default=True, help="training tokens, split evenly over the files")
+@click.option("--tokens", default=65536, show_default=True, help="transfer tokens, split evenly over the files")
+@click.option("--finetune-tokens", type=int, help="finetune tokens (fresh rows beyond the transfer's; "
+                                                   "default: the transfer's rows)")
 @click.option("--seq-len", default=256, show_default=True)
 @click.option("--layer-steps", default=300, show_default=True, help="Adam steps per layer (attention transfer)")
 @click.option("--batch-size", default=8, show_default=True, help="rows per transfer step")
@@ -33,13 +35,13 @@ from engine.threads import set_threads
 @click.option("--seed", default=0, show_default=True)
 @click.option("--resume", is_flag=True, help="continue an interrupted run in the same --out")
 @click.option("--threads", type=int, help="CPU threads (default: engine.threads)")
-def linearize_cmd(model_name, data, out, tokens, seq_len, layer_steps, batch_size, lr, finetune_steps,
+def linearize_cmd(model_name, data, out, tokens, finetune_tokens, seq_len, layer_steps, batch_size, lr, finetune_steps,
                   finetune_batch, finetune_lr, finetune_loss, hybrid, window, budget, seed, resume, threads):
     """With the model frozen, train per-layer hedgehog maps (transfer), then finetune them end to end."""
     def run():
         set_threads(threads)
         args = LinearizeArgs(model=model_name, data=list(data), out=out, seq_len=seq_len, tokens=tokens,
-                             layer_steps=layer_steps, batch_size=batch_size, lr=lr, finetune_steps=finetune_steps,
+                             finetune_tokens=finetune_tokens, layer_steps=layer_steps, batch_size=batch_size, lr=lr, finetune_steps=finetune_steps,
                              finetune_batch=finetune_batch, finetune_lr=finetune_lr, finetune_loss=finetune_loss,
                              hybrid=hybrid, window=window, budget=budget, seed=seed, resume=resume,
                              command="gen " + shlex.join(sys.argv[1:]))

@@ -5,7 +5,10 @@ softmax model (attention transfer, Hedgehog / LoLCATs), then finetune them end t
 
 1. Data: each file's documents (shuffled by the seed) as BOS + text + EOS, packed into rows of
    `seq_len` tokens, the same number of tokens from each file. The last `eval_rows` rows are a
-   fixed batch on which every layer's transfer loss is reported.
+   fixed batch on which every layer's transfer loss is reported. The transfer uses the first
+   `tokens` of the other rows; the finetune all `finetune_tokens` of them (default: the same rows).
+   Fresh rows matter: 800 LM steps over 34,816 tokens memorised them (train loss 1.5, held-out
+   perplexity worse than after 67 steps).
 2. Transfer, layer by layer, with the model frozen: the softmax model's residual stream entering
    layer i (one (N, T, C) fp32 file on disk: the bounded temporary store, replaced as the layers
    advance, removed at the end) gives the post-rotary q, k, v and the target, the layer's softmax
@@ -60,7 +63,8 @@ class LinearizeArgs:
     data: list[str]
     out: str
     seq_len: int = 256
-    tokens: int = 65536            # training tokens (split evenly over the data files)
+    tokens: int = 65536            # transfer tokens (split evenly over the data files)
+    finetune_tokens: int | None = None   # finetune tokens (None: the transfer's rows); more = fresh rows
     eval_rows: int = 4             # rows of the fixed batch the transfer losses are reported on
     layer_steps: int = 300
     batch_size: int = 8
@@ -99,6 +103,8 @@ def check_args(a: LinearizeArgs) -> None:
         raise InvalidArgumentError("give at least one --data file")
     for path in a.data:
         read_documents(path)          # raises on a missing, non-UTF-8 or empty file
+    if a.finetune_tokens is not None and a.finetune_tokens < a.tokens:
+        raise InvalidArgumentError(f"--finetune-tokens must be at least --tokens ({a.tokens}), got {a.finetune_tokens}")
     for name, v in (("seq_len", a.seq_len), ("tokens", a.tokens), ("batch_size", a.batch_size),
                     ("finetune_batch", a.finetune_batch), ("save_every", a.save_every)):
         if v < 1:
@@ -124,7 +130,8 @@ def check_args(a: LinearizeArgs) -> None:
 # ---------------------------------------------------------------------- data
 def build_rows(tok, a: LinearizeArgs) -> tuple[torch.Tensor, list[dict]]:
     """(N, seq_len) int64 rows, the same number of tokens from each file, and what was used."""
-    per_file = a.tokens // len(a.data) + a.eval_rows * a.seq_len // len(a.data) + a.seq_len
+    total = max(a.tokens, a.finetune_tokens or 0)
+    per_file = total // len(a.data) + a.eval_rows * a.seq_len // len(a.data) + a.seq_len
     rows, used = [], []
     for path in a.data:
         docs = read_documents(path)
@@ -250,6 +257,7 @@ def linearize(a: LinearizeArgs, log=print, on_step=None) -> dict:
     deadline = t0 + a.budget * 60 if a.budget else None
     rows, used = build_rows(ckpt.tokenizer, a)
     eval_rows, train_rows = rows[-a.eval_rows:], rows[:-a.eval_rows]
+    transfer_rows = train_rows[:max(1, a.tokens // a.seq_len)]
     L = cfg.num_hidden_layers
     state = progress.load() if a.resume else {}
     if state:
@@ -261,11 +269,12 @@ def linearize(a: LinearizeArgs, log=print, on_step=None) -> dict:
         state = {"layers_done": 0, "finetune_done": 0, "losses": [], "finetune_log": [], "seconds": 0.0,
                  "args": asdict(a)}
         saved = None
+        layer_rows = torch.cat([transfer_rows, eval_rows])
         x0 = np.lib.format.open_memmap(progress.dir / "x_0.npy", "w+", np.float32,
-                                       (rows.shape[0], a.seq_len, cfg.hidden_size))
+                                       (layer_rows.shape[0], a.seq_len, cfg.hidden_size))
         with torch.no_grad():
-            for s in range(0, rows.shape[0], a.batch_size):
-                x0[s:s + a.batch_size] = model.embed_tokens(rows[s:s + a.batch_size]).numpy()
+            for s in range(0, layer_rows.shape[0], a.batch_size):
+                x0[s:s + a.batch_size] = model.embed_tokens(layer_rows[s:s + a.batch_size]).numpy()
         x0.flush()
         del x0
         progress.save(state, {"maps": maps.state_dict()})
@@ -277,7 +286,7 @@ def linearize(a: LinearizeArgs, log=print, on_step=None) -> dict:
         t_layer = time.monotonic()
         xs = np.load(progress.dir / f"x_{i}.npy", mmap_mode="r")
         q, k, v, y = layer_targets(model, i, xs, a.batch_size)
-        n_train = train_rows.shape[0]
+        n_train = transfer_rows.shape[0]
         ev = slice(n_train, n_train + a.eval_rows)
         y_ms = float(y[ev].pow(2).mean())
         params = [t[i].detach().clone().requires_grad_() for t in (maps.q_weight, maps.q_bias,
@@ -325,7 +334,8 @@ def linearize(a: LinearizeArgs, log=print, on_step=None) -> dict:
     layer_attention = layer_attention_for(L, highest_loss_layers(relative, a.hybrid))
     # ----------------------------------------------------------------- finetune
     if a.finetune_steps and state["finetune_done"] < a.finetune_steps:
-        finetune(model, a, state, progress, saved, train_rows, layer_attention, deadline, log, on_step)
+        finetune_rows = train_rows[:a.finetune_tokens // a.seq_len] if a.finetune_tokens else transfer_rows
+        finetune(model, a, state, progress, saved, finetune_rows, layer_attention, deadline, log, on_step)
     summary = write_output(model, a, state, used, layer_attention if a.hybrid else None, t0)
     shutil.rmtree(progress.dir, ignore_errors=True)
     return summary

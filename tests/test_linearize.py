@@ -72,6 +72,26 @@ def test_resume_after_interrupts_equals_an_uninterrupted_run(small_model_dir, co
     assert not (out / ".linearize").exists()
 
 
+def test_finetune_tokens_are_fresh_rows_beyond_the_transfer(small_model_dir, corpus, tmp_path, monkeypatch):
+    """--finetune-tokens: the finetune draws from more rows than the transfer saw (the transfer's rows
+    first), never from the fixed eval rows; by default it reuses the transfer's rows."""
+    import engine.linearize as lin
+    from models.registry import read_checkpoint
+    seen = {}
+    monkeypatch.setattr(lin, "finetune", lambda model, a, state, progress, saved, rows, *rest: seen.update(rows=rows))
+    tok = read_checkpoint(small_model_dir).tokenizer
+    for extra, n_rows in (({}, 1024 // 32), ({"finetune_tokens": 2048}, 2048 // 32)):
+        a = args(small_model_dir, corpus, tmp_path / str(n_rows), layer_steps=1, **extra)
+        lin.linearize(a, log=lambda m: None)
+        rows, _ = lin.build_rows(tok, a)
+        assert torch.equal(seen["rows"], rows[:n_rows])          # never the eval rows, rows[-2:]
+        assert rows.shape[0] >= n_rows + a.eval_rows
+    r = cli("linearize", "--model", small_model_dir, "--data", corpus, "--out", tmp_path / "bad",
+            "--tokens", "1024", "--finetune-tokens", "512")
+    assert r.exit_code == 2 and "--finetune-tokens must be at least --tokens" in r.output
+    assert not (tmp_path / "bad").exists()
+
+
 def test_bad_input_is_one_line_exit_2_and_nothing_written(small_model_dir, corpus, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n<|endoftext|>\n")
