@@ -224,6 +224,63 @@ def test_native_step_after_storage_is_replaced(attention):
     assert torch.isfinite(got).all() and d <= 1e-4
 
 
+def _exact16_model():
+    """fp32 weights: layer 0's exactly f16 values, layer 1's down_proj exactly bf16 (not f16: beyond
+    its range), the rest plain fp32."""
+    model = tiny_model(num_key_value_heads=2)
+    with torch.no_grad():
+        for p in model.layers[0].parameters():
+            p.copy_(p.half().float())
+        w = model.layers[1].mlp.down_proj.weight
+        w.copy_(w.bfloat16().float() * 2.0 ** 20)
+    return model
+
+
+@pytest.mark.parametrize("attention", ["softmax", "linear"])
+def test_exact16_weights_run_from_16_bit_copies_bit_identically(attention):
+    """fp32 weights holding only 16-bit values run from f16 / bf16 copies (half the bytes): the
+    logits are bit-identical to reading the fp32 tensors, batched and padded; other weights stay fp32."""
+    import engine.steps.native as nat
+    from tests.conftest import prompt_and_follow
+    model = _exact16_model()
+    prompt, real, follow = prompt_and_follow(5, padded=True)
+    got = {}
+    for flag in (True, False):
+        nat.EXACT16 = flag
+        try:
+            step = Stepper(model, "native", threads=2)
+            state = model.init_state(3, 32, attention)
+            got[flag] = [step(prompt, state, valid=real)[:, -1]]
+            for t in follow.T:
+                got[flag].append(step(t[:, None], state)[:, -1])
+            assert step.last_form == "native"
+            plan = step.forms[0].plans[state]
+            types = [plan.tables["qkv"][0].type, plan.tables["wd"][1].type, plan.tables["qkv"][1].type]
+            assert types == ([1, 2, 0] if flag else [0, 0, 0]), types   # f16, bf16, fp32 (gen.h codes)
+        finally:
+            nat.EXACT16 = True
+    assert torch.equal(torch.stack(got[True]), torch.stack(got[False]))
+
+
+def test_exact16_copy_follows_a_weight_changed_in_place():
+    """A weight edited in place (same storage, same pointer) moves its version: the plan drops the
+    stale 16-bit copy and the next step reads the new values."""
+    model = _exact16_model()
+    step = Stepper(model, "native", threads=2)
+    state, ref = model.init_state(1, 16), model.init_state(1, 16)
+    prompt = torch.tensor([[1, 2, 3, 4]])
+    step(prompt, state)
+    model.step(prompt, ref)
+    step(torch.tensor([[6]]), state)          # the plan and its copies exist before the edit
+    model.step(torch.tensor([[6]]), ref)
+    assert step.last_form == "native"
+    with torch.no_grad():
+        model.layers[0].mlp.down_proj.weight.mul_(-2.0)   # still exactly f16
+    got, want = step(torch.tensor([[5]]), state), model.step(torch.tensor([[5]]), ref)
+    assert step.last_form == "native"
+    assert (got - want).abs().max().item() <= 1e-4
+
+
 def test_bench_records_weights_batch_and_form(small_model_dir):
     from engine.bench.sweep import BenchSettings, run_in_process
     from engine.loader import load_model

@@ -9,6 +9,8 @@ quantized blocks (engine.quant: q8_0, q4_0, q4_1), on `threads` threads (engine.
 names every other case and the Stepper hands it to the torch form. The C code reads the model's
 weight tensors and writes the state's own tensors in place through their data pointers, so a
 prefill on either side and decode share one state (`prefill` runs prompt blocks on the pool too).
+fp32 weights that hold only 16-bit values (a checkpoint stored in f16 or bf16, loaded in fp32) are
+read from f16 / bf16 copies made once (`_exact16`): the same fp32 products from half the bytes.
 Compute is fp32 (16-bit weights widened), except quantized matrices: there each matmul rounds its
 activations to q8 blocks and takes one int8 dot per block, as llama.cpp does (qdot.c;
 engine.quant.linear_q8 is the PyTorch twin the tests hold it to).
@@ -127,6 +129,34 @@ def _matrix(module) -> tuple[torch.Tensor, int, int, int]:
     return w, TYPES.get(w.dtype, -1), w.shape[0], w.shape[1]
 
 
+EXACT16 = True   # fp32 weights that are exactly 16-bit values run from a 16-bit copy (tests turn it off)
+
+
+def _exact16(model, w: torch.Tensor) -> torch.Tensor:
+    """An f16 (else bf16) copy of an fp32 CPU weight whose every value it holds exactly, else `w`.
+
+    Widening f16 or bf16 to fp32 is exact, so the C step computes the same fp32 products from half
+    the bytes: a checkpoint stored in 16 bits and loaded in fp32 (tiny: f16; most Hugging Face
+    checkpoints: bf16) decodes bit-identically, reading half the memory per token. Made once per
+    (tensor, storage, version) and kept on the model; a tensor changed in place moves its
+    version, which the plan checks before every step."""
+    if not EXACT16 or w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous():
+        return w
+    cache = model.__dict__.setdefault("_native_exact16", {})
+    hit = cache.get(id(w))
+    if hit is not None and hit[0]() is w and hit[1] == (w.data_ptr(), w._version):
+        return hit[2]
+    copy = w
+    with torch.no_grad():
+        for dtype in (torch.float16, torch.bfloat16):
+            c = w.to(dtype)
+            if torch.equal(c.float(), w):
+                copy = c
+                break
+    cache[id(w)] = (weakref.ref(w), (w.data_ptr(), w._version), copy)
+    return copy
+
+
 def _parts(state) -> tuple:
     """(KV cache part or None, linear or window part or None) of a softmax, linear, window or hybrid state."""
     parts = state.parts if state.path == "hybrid" else [state]
@@ -235,6 +265,11 @@ class NativeDecoder:
         layers = _layer_modules(model)
         mats = {n: [_matrix(layer[i]) for layer in layers] for i, n in ((1, "qkv"), (2, "wo"), (4, "gu"), (5, "wd"))}
         embed, head = _matrix(model.embed_tokens), _matrix(model.lm_head)
+        # fp32 weights holding only 16-bit values: read from their 16-bit copies (the same products)
+        self.sources = [m[0] for ms in mats.values() for m in ms] + [embed[0], head[0]]
+        self.source_versions = self._versions()
+        mats = {n: [self._narrow(model, m) for m in ms] for n, ms in mats.items()}
+        embed, head = self._narrow(model, embed), self._narrow(model, head)
         norms = [layer[i] for layer in layers for i in (0, 3)] + [model.norm.weight]
         flat = [m[0] for ms in mats.values() for m in ms] + [embed[0], head[0]] + norms
         if any(t.device.type != "cpu" or not t.is_contiguous() for t in flat) or \
@@ -346,6 +381,14 @@ class NativeDecoder:
         state.commit(span)
         return logits
 
+    @staticmethod
+    def _narrow(model, m: tuple) -> tuple:
+        w = _exact16(model, m[0])
+        return m if w is m[0] else (w, TYPES[w.dtype], m[2], m[3])
+
+    def _versions(self) -> list:
+        return [(t.data_ptr(), t._version) for t in self.sources]
+
     def _pointers(self) -> list:
         """(data pointer, dtype) of every weight and state tensor the plan points into. (A device
         change always comes with new storage, so a new pointer, and moves the model's epoch.)"""
@@ -355,7 +398,8 @@ class NativeDecoder:
         """The plan's pointers are still the tensors' own (checked before every step)."""
         if self.epoch != self.model.weights_epoch or threads != self.threads:
             return False   # .to()/load_state_dict/quantize: Parameter objects or their storage were replaced
-        return self._pointers() == self.pointers and state.tensors()[0] is self.tensors[0]
+        return (self._pointers() == self.pointers and state.tensors()[0] is self.tensors[0]
+                and self._versions() == self.source_versions)
 
     def step(self, tokens: torch.Tensor, state) -> torch.Tensor:
         """tokens (B, 1) -> logits (B, 1, V); writes one cache slot per row and advances the state."""
