@@ -209,16 +209,17 @@ def quantize_model(model, kind: str) -> list[str]:
     return kept
 
 
-def weights_label(model) -> str:
+def weights_label(model, view=None) -> str:
     """What the step's matrices (projections and lm_head; not the embedding lookup) hold, most bytes
     first: "float32", "float16", or block kinds such as "q4_1+q8_0" (a GGUF file's Q4_1 matrices
-    with a Q8_0 lm_head)."""
+    with a Q8_0 lm_head). view(weight): the tensor a step form reads instead of a float weight."""
     sizes: dict[str, int] = {}
     for module in model.modules():
         if isinstance(module, QuantLinear):
             name, size = module.kind, module.blocks.numel()
         elif isinstance(module, nn.Linear):
-            name, size = str(module.weight.dtype).removeprefix("torch."), module.weight.nbytes
+            w = view(module.weight) if view else module.weight
+            name, size = str(w.dtype).removeprefix("torch."), w.nbytes
         else:
             continue
         sizes[name] = sizes.get(name, 0) + size

@@ -260,6 +260,7 @@ def test_exact16_weights_run_from_16_bit_copies_bit_identically(attention):
         finally:
             nat.EXACT16 = True
     assert torch.equal(torch.stack(got[True]), torch.stack(got[False]))
+    assert set(nat.weights_read(model).split("+")) == {"float32", "float16", "bfloat16"}   # what gen bench records
 
 
 def test_exact16_copy_follows_a_weight_changed_in_place():

@@ -32,6 +32,7 @@ from engine.bench.memory import config_state_bytes, peak_rss_bytes
 from engine.errors import EngineError, InvalidArgumentError
 from engine.quant import weights_label
 from engine.steps import Stepper, check_backend
+from engine.steps.native import weights_read
 
 DEFAULT_CONTEXTS = (128, 512, 2048, 8192, 32768)
 # --weights: (dtype the model loads in, block quantization applied at load)
@@ -225,6 +226,8 @@ def measure_entry(model, entry: str, context: int, steps: int, warmup: int, feat
         model.config = base
     rec.update(keys)
     rec["weights_stored"] = weights_label(model)
+    if rec["step_form"] == "native":   # fp32 weights of 16-bit values are read from 16-bit copies
+        rec["weights_read"] = weights_read(model)
     return rec
 
 

@@ -31,12 +31,12 @@ import weakref
 import torch
 
 from engine.attention.linear import EPS
-from engine.quant import QuantLinear
+from engine.quant import QuantLinear, weights_label
 from engine.steps.native.build import NativeUnavailableError, library
 from engine.threads import current_threads
 
 __all__ = ["NativeStep", "NativeDecoder", "NativeUnavailableError", "library", "pool_adapt", "pool_stats",
-           "set_parallel_min", "why_not"]
+           "set_parallel_min", "weights_read", "why_not"]
 
 _P = ctypes.POINTER(ctypes.c_float)
 _V = ctypes.c_void_p
@@ -155,6 +155,13 @@ def _exact16(model, w: torch.Tensor) -> torch.Tensor:
                 break
     cache[id(w)] = (weakref.ref(w), (w.data_ptr(), w._version), copy)
     return copy
+
+
+def weights_read(model) -> str:
+    """What the native step reads for the model's matrices (projections and lm_head), most bytes
+    first, as engine.quant.weights_label names them: "float16" for tiny loaded in fp32 (its
+    f16 checkpoint's values, read from the exact 16-bit copies), "q4_1+q8_0" for a GGUF's blocks."""
+    return weights_label(model, view=lambda w: _exact16(model, w))
 
 
 def _parts(state) -> tuple:
