@@ -145,8 +145,8 @@ def _exact16(model, w: torch.Tensor) -> torch.Tensor:
     cache = model.__dict__.setdefault("_native_exact16", {})
     hit = cache.get(id(w))
     if hit is not None and hit[0]() is w and hit[1] == (w.data_ptr(), w._version):
-        return hit[2]
-    copy = w
+        return w if hit[2] is None else hit[2]
+    copy = None      # not w itself: the cache holds no strong reference to the model's tensors
     with torch.no_grad():
         for dtype in (torch.float16, torch.bfloat16):
             c = w.to(dtype)
@@ -154,7 +154,7 @@ def _exact16(model, w: torch.Tensor) -> torch.Tensor:
                 copy = c
                 break
     cache[id(w)] = (weakref.ref(w), (w.data_ptr(), w._version), copy)
-    return copy
+    return w if copy is None else copy
 
 
 def weights_read(model) -> str:
