@@ -282,6 +282,33 @@ def test_exact16_copy_follows_a_weight_changed_in_place():
     assert (got - want).abs().max().item() <= 1e-4
 
 
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_quantized_plan_runs_regrouped_blocks(kind):
+    """Where the build has the grouped kernels, a q4_1 / q8_0 model's plan reads regrouped copies
+    (gen.h T_Q4_1R / T_Q8_0R; tests/test_quant.py holds them to linear_q8) and decodes the same
+    greedy tokens as the per-block kernels."""
+    import engine.steps.native as nat
+    model = tiny_model(num_key_value_heads=2, hidden_size=160, intermediate_size=288)   # 5 and 9 blocks a row
+    quantize_model(model, kind)
+    ids, types = {}, {}
+    for flag in (True, False):
+        nat.REGROUP = flag
+        try:
+            step = Stepper(model, "native", threads=2)
+            state = model.init_state(2, 40)
+            logits = step(torch.tensor([[1, 5, 9, 2], [7, 3, 3, 8]]), state)[:, -1]
+            ids[flag] = [logits.argmax(-1)]
+            for _ in range(12):
+                ids[flag].append(step(ids[flag][-1][:, None], state)[:, -1].argmax(-1))
+            plan = step.forms[0].plans[state]
+            types[flag] = {plan.tables[n][0].type for n in ("qkv", "wo", "gu", "wd")}
+        finally:
+            nat.REGROUP = True
+    grouped = {"q4_1": 6, "q8_0": 7}[kind] if step.forms[0].library.gen_has_q4_1r() else {"q4_1": 5, "q8_0": 3}[kind]
+    assert types == {True: {grouped}, False: {{"q4_1": 5, "q8_0": 3}[kind]}}
+    assert torch.equal(torch.stack(ids[True]), torch.stack(ids[False]))
+
+
 def test_bench_records_weights_batch_and_form(small_model_dir):
     from engine.bench.sweep import BenchSettings, run_in_process
     from engine.loader import load_model

@@ -112,6 +112,37 @@ def test_native_qmatmul_equals_linear_q8(native, kind, B):
     assert rel_deq <= 2e-2          # activation rounding: <= 1/254 of a block's largest |x| per element
 
 
+@pytest.mark.parametrize("kind", ["q8_0", "q4_1"])
+@pytest.mark.parametrize("cols", [128, 160, 288])      # 4 blocks; 1 group + 1 more; 2 groups + 1 more
+@pytest.mark.parametrize("B", [1, 3, 6])
+def test_native_regrouped_qmatmul_equals_linear_q8(native, kind, cols, B):
+    """The grouped kernels (4 blocks per load: q4_1's pairs then nibbles, q8_0's scales then weights
+    + 128) give linear_q8's exact integer dots within fp32 summation order, as the per-block kernel."""
+    from engine.steps.native import _regrouped
+    lib, Mat = native
+    lib.gen_has_q4_1r.restype = ctypes.c_int
+    if not lib.gen_has_q4_1r():
+        pytest.skip("this build has no grouped q4_1 / q8_0 kernels (they need AVX-512 VNNI)")
+    w = weights(seed=4, rows=40, cols=cols)
+    blocks = quantize(w, kind)
+    x = torch.randn(B, cols, generator=torch.Generator().manual_seed(B)) * 2
+    x[-1, 40] = 50.0
+    grouped = _regrouped(torch.nn.Module(), blocks, 40, kind == "q4_1")
+    assert grouped.numel() == blocks.numel() and not torch.equal(grouped.flatten(), blocks.flatten())
+    rs = lib.qx_row_bytes(cols)
+    got = torch.empty(B, 40)
+    m = Mat(grouped.data_ptr(), {"q8_0": 7, "q4_1": 6}[kind], 40, cols)      # gen.h T_Q8_0R, T_Q4_1R
+    qx = torch.zeros(B, rs, dtype=torch.uint8)
+    lib.gen_qmatmul(ctypes.byref(m), x.contiguous().data_ptr(), B, got.data_ptr(), qx.data_ptr())
+    want = linear_q8(x, blocks, kind, w.shape)
+    rel = ((got - want).abs().max() / want.abs().max()).item()
+    print(f"{kind} cols {cols} B{B}: grouped relative to linear_q8 {rel:.1e}")
+    assert rel <= 1e-6
+    one, last = torch.empty(1, 40), x[-1:].contiguous()       # a row's result does not depend on its batch
+    lib.gen_qmatmul(ctypes.byref(m), last.data_ptr(), 1, one.data_ptr(), qx.data_ptr())
+    assert torch.equal(one[0], got[-1])
+
+
 # ------------------------------------------------------------------ the native quantized step
 def decode(model, step_model, backend, kind_attention, batch=2, follow=16):
     """Prefill on `model` (PyTorch, dequantized weights), then `follow` steps of `step_model` on `backend`."""

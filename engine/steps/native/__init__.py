@@ -85,6 +85,8 @@ def _bind(lib):
         lib.gen_pool_adapt.restype = None
         lib.gen_pool_stats.argtypes = [ctypes.POINTER(ctypes.c_longlong), ctypes.c_int]
         lib.gen_pool_stats.restype = None
+        lib.gen_has_q4_1r.argtypes = []
+        lib.gen_has_q4_1r.restype = ctypes.c_int
         lib._gen_bound = True
     return lib
 
@@ -130,6 +132,23 @@ def _matrix(module) -> tuple[torch.Tensor, int, int, int]:
 
 
 EXACT16 = True   # fp32 weights that are exactly 16-bit values run from a 16-bit copy (tests turn it off)
+REGROUP = True        # q4_1 / q8_0 blocks run regrouped where the build has those kernels (tests turn it off)
+T_Q4_1R, T_Q8_0R = 6, 7   # gen.h
+
+
+def _derived(model, w: torch.Tensor, tag: str, make) -> torch.Tensor | None:
+    """make(w) (a tensor, or None: nothing to derive), made once per (tensor, storage, version) and
+    kept on the model; the cache holds no strong reference to `w`. A tensor changed in place moves
+    its version, which the plan checks before every step."""
+    cache = model.__dict__.setdefault("_native_derived", {})
+    key = (tag, id(w))
+    hit = cache.get(key)
+    if hit is not None and hit[0]() is w and hit[1] == (w.data_ptr(), w._version):
+        return hit[2]
+    with torch.no_grad():
+        out = make(w)
+    cache[key] = (weakref.ref(w), (w.data_ptr(), w._version), out)
+    return out
 
 
 def _exact16(model, w: torch.Tensor) -> torch.Tensor:
@@ -137,24 +156,35 @@ def _exact16(model, w: torch.Tensor) -> torch.Tensor:
 
     Widening f16 or bf16 to fp32 is exact, so the C step computes the same fp32 products from half
     the bytes: a checkpoint stored in 16 bits and loaded in fp32 (tiny: f16; most Hugging Face
-    checkpoints: bf16) decodes bit-identically, reading half the memory per token. Made once per
-    (tensor, storage, version) and kept on the model; a tensor changed in place moves its
-    version, which the plan checks before every step."""
+    checkpoints: bf16) decodes bit-identically, reading half the memory per token."""
     if not EXACT16 or w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous():
         return w
-    cache = model.__dict__.setdefault("_native_exact16", {})
-    hit = cache.get(id(w))
-    if hit is not None and hit[0]() is w and hit[1] == (w.data_ptr(), w._version):
-        return w if hit[2] is None else hit[2]
-    copy = None      # not w itself: the cache holds no strong reference to the model's tensors
-    with torch.no_grad():
+
+    def narrow(w):
         for dtype in (torch.float16, torch.bfloat16):
             c = w.to(dtype)
             if torch.equal(c.float(), w):
-                copy = c
-                break
-    cache[id(w)] = (weakref.ref(w), (w.data_ptr(), w._version), copy)
+                return c
+        return None
+    copy = _derived(model, w, "exact16", narrow)
     return w if copy is None else copy
+
+
+def _regrouped(model, blocks: torch.Tensor, rows: int, q4_1: bool) -> torch.Tensor:
+    """Blocks regrouped per row for the C step's grouped kernels (gen.h T_Q4_1R / T_Q8_0R): q4_1
+    (20 bytes: f16 d, f16 m, 16 nibble bytes) as every (d, m) pair, then every nibble block; q8_0
+    (34 bytes: f16 d, 32 int8) as every d, then every block's weights + 128 as u8. The kernels
+    read 4 blocks' weights in one or two loads."""
+    def regroup(b):
+        if q4_1:
+            per_row = b.reshape(rows, -1, 20)
+            head, body = per_row[:, :, :4], per_row[:, :, 4:]
+        else:
+            per_row = b.reshape(rows, -1, 34)
+            head = per_row[:, :, :2]
+            body = (per_row[:, :, 2:].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+        return torch.cat([head.reshape(rows, -1), body.reshape(rows, -1)], 1).contiguous()
+    return _derived(model, blocks, "regrouped", regroup)
 
 
 def weights_read(model) -> str:
@@ -388,8 +418,12 @@ class NativeDecoder:
         state.commit(span)
         return logits
 
-    @staticmethod
-    def _narrow(model, m: tuple) -> tuple:
+    def _narrow(self, model, m: tuple) -> tuple:
+        """The tensor the C step reads for matrix m: a 16-bit copy of exactly-16-bit fp32 weights,
+        q4_1 blocks regrouped where this build has the grouped kernel, else m's own."""
+        if m[1] in (TYPES["q4_1"], TYPES["q8_0"]) and REGROUP and self.library.gen_has_q4_1r():
+            q41 = m[1] == TYPES["q4_1"]
+            return _regrouped(model, m[0], m[2], q41), T_Q4_1R if q41 else T_Q8_0R, m[2], m[3]
         w = _exact16(model, m[0])
         return m if w is m[0] else (w, TYPES[w.dtype], m[2], m[3])
 

@@ -60,7 +60,7 @@ static void matmul(const Plan *p, const Mat *m, const float *x, int xs, float *o
     const void *qx = NULL;
     if (m->type >= T_Q8_0) {   /* quantized weights: x rounded to q8 blocks once, integer dots (qdot.c) */
         void *buf = p->tscratch + p->tscratch_floats * p->nthreads;
-        quantize_x(x, xs, p->B, m->cols, buf);
+        quantize_x(x, xs, p->B, m->cols, buf, m->type);
         qx = buf;
     }
     if (p->nthreads <= 1 || macs < gen_par_min_macs) {

@@ -23,7 +23,9 @@
  * weights along a row: Q8_0 = fp16 d + 32 int8 (w = d*q); Q4_0 = fp16 d + 16 bytes, weight j
  * in the low nibble of byte j and weight j+16 in the high nibble (w = d*(q-8)); Q4_1 = fp16 d,
  * fp16 m + 16 bytes (w = d*q + m). */
-enum { T_F32 = 0, T_F16 = 1, T_BF16 = 2, T_Q8_0 = 3, T_Q4_0 = 4, T_Q4_1 = 5 };
+enum { T_F32 = 0, T_F16 = 1, T_BF16 = 2, T_Q8_0 = 3, T_Q4_0 = 4, T_Q4_1 = 5,
+       T_Q4_1R = 6, /* q4_1 blocks regrouped per row: every (d, m) pair, then every 16-byte nibble block (qdot.c) */
+       T_Q8_0R = 7  /* q8_0 blocks regrouped per row: every d, then every block's 32 weights + 128 as u8 (qdot.c) */ };
 #define QK 32
 
 typedef struct {
@@ -85,7 +87,9 @@ void store_row(void *base, int type, size_t at, int n, const float *src);
 
 /* ---- qdot.c: quantized weights (type >= T_Q8_0) times activations rounded to q8 blocks */
 size_t qx_row_bytes(int K);                                   /* one row of K inputs as q8 blocks */
-void quantize_x(const float *x, int xs, int B, int K, void *qx);   /* B rows, qx_row_bytes(K) apart */
+/* B rows, qx_row_bytes(K) apart; for T_Q4_1R matrices (`type`) the q bytes of every full group of 4
+ * blocks are stored low halves first (qdot.c) */
+void quantize_x(const float *x, int xs, int B, int K, void *qx, int type);
 void qmat_rows(const Mat *m, int r0, int r1, const void *qx, int B, float *out, int os, int add);
 
 /* ---- pool.c */

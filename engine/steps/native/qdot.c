@@ -27,7 +27,22 @@ size_t qx_row_bytes(int K) {
     return (n + 63) & ~(size_t)63;
 }
 
-void quantize_x(const float *x, int xs, int B, int K, void *qx) {
+/* For T_Q4_1R matrices, block k's 32 bytes sit at byte 32 * k as always, but inside every full group
+ * of 4 blocks the 16 low halves (x[0:16] of each block) come first, then the 16 high halves: the
+ * order of a 64-byte run of 4 blocks' nibbles split into low and high nibbles (q41r_rows). */
+static void group_halves(signed char *q, int nb) {
+    signed char t[4 * QK];
+    for (int g = 0; g + 4 <= nb; g += 4) {
+        signed char *run = q + (size_t)g * QK;
+        for (int b = 0; b < 4; b++) {
+            memcpy(t + 16 * b, run + QK * b, 16);
+            memcpy(t + 64 + 16 * b, run + QK * b + 16, 16);
+        }
+        memcpy(run, t, sizeof t);
+    }
+}
+
+void quantize_x(const float *x, int xs, int B, int K, void *qx, int type) {
     const int nb = K / QK;
     const size_t rs = qx_row_bytes(K);
     for (int b = 0; b < B; b++) {
@@ -64,6 +79,7 @@ void quantize_x(const float *x, int xs, int B, int K, void *qx) {
             ds[2 * k + 1] = dk * (float)s;
 #endif
         }
+        if (type == T_Q4_1R) group_halves(q, nb);
     }
 }
 
@@ -213,6 +229,185 @@ static inline __attribute__((always_inline)) void qtile(const Mat *m, int r0, in
     }
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define GEN_Q41R 1
+/* q4_1 regrouped (T_Q4_1R): a row of nb blocks is every block's (d, m) f16 pair (4 * nb bytes), then
+ * every block's 16 nibble bytes (16 * nb): the same 20 bytes a block. A group of 4 blocks is one
+ * 64-byte load whose low nibbles are the 4 blocks' weights 0..15 and high nibbles their weights
+ * 16..31, against x's grouped halves (quantize_x): two vpdpbusd give 16 int32 lanes, 4 per block;
+ * the 4 blocks' (d * dx) spread to their lanes by one permute, one FMA, and the 4 pairs' m * dx *
+ * sum(qx) in the odd lanes of one multiply. About a quarter of the instructions of qblock per
+ * block. Blocks past the last full group go one at a time in 128-bit lanes (their x halves are in
+ * natural order). Exact int32 dots; the fp32 sums per (row, input) do not depend on the batch. */
+static inline __attribute__((always_inline)) void q41r_tile(const Mat *m, int r0, int r1, const unsigned char *qx,
+                                                           size_t rs, const int n, float *out, int os, int add) {
+    const int K = m->cols, nb = K / QK, ng = nb / 4;
+    const size_t stride = (size_t)nb * 20;
+    const __m512i lo4 = _mm512_set1_epi8(0x0f);
+    const __m128i lo4x = _mm_set1_epi8(0x0f);
+    const __m512i spread = _mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0);
+    const signed char *xq[4];
+    const float *xds[4];
+    for (int j = 0; j < n; j++) {
+        xq[j] = (const signed char *)(qx + j * rs);
+        xds[j] = (const float *)(qx + j * rs + K);
+    }
+    for (int r = r0; r < r1; r++) {
+        const unsigned char *row = (const unsigned char *)m->data + (size_t)r * stride;
+        const unsigned char *dm = row, *qs = row + 4 * (size_t)nb;
+        __m512 acc[4];
+        __m256 macc[4];
+        __m128 tacc[4], tm[4];
+        for (int j = 0; j < 4; j++) {
+            acc[j] = _mm512_setzero_ps();
+            macc[j] = _mm256_setzero_ps();
+            tacc[j] = tm[j] = _mm_setzero_ps();
+        }
+        for (int g = 0; g < ng; g++) {
+            const __m512i z = _mm512_loadu_si512(qs + 64 * (size_t)g);
+            const __m512i lo = _mm512_and_si512(z, lo4), hi = _mm512_and_si512(_mm512_srli_epi16(z, 4), lo4);
+            const __m256 dmf = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dm + 16 * (size_t)g)));
+            for (int j = 0; j < n; j++) {
+                const signed char *xg = xq[j] + 128 * (size_t)g;
+                __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xg));
+                s = _mm512_dpbusd_epi32(s, hi, _mm512_loadu_si512(xg + 64));
+                const __m256 p = _mm256_mul_ps(dmf, _mm256_loadu_ps(xds[j] + 8 * g));   /* (d dx, m dx sum) x 4 */
+                macc[j] = _mm256_add_ps(macc[j], p);
+                acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s),
+                                         _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(p)), acc[j]);
+            }
+        }
+        for (int k = 4 * ng; k < nb; k++) {
+            const __m128i q = _mm_loadu_si128((const __m128i *)(qs + 16 * (size_t)k));
+            const __m128i lo = _mm_and_si128(q, lo4x), hi = _mm_and_si128(_mm_srli_epi16(q, 4), lo4x);
+            uint32_t pair;
+            memcpy(&pair, dm + 4 * (size_t)k, 4);
+            const __m128 dmf = _mm_cvtph_ps(_mm_cvtsi32_si128((int)pair));
+            for (int j = 0; j < n; j++) {
+                const signed char *xb = xq[j] + (size_t)k * QK;
+                __m128i s = _mm_dpbusd_epi32(_mm_setzero_si128(), lo, _mm_loadu_si128((const __m128i *)xb));
+                s = _mm_dpbusd_epi32(s, hi, _mm_loadu_si128((const __m128i *)(xb + 16)));
+                const __m128 p = _mm_mul_ps(dmf, _mm_castpd_ps(_mm_load_sd((const double *)(xds[j] + 2 * k))));
+                tm[j] = _mm_add_ps(tm[j], p);
+                tacc[j] = _mm_fmadd_ps(_mm_cvtepi32_ps(s), _mm_broadcastss_ps(p), tacc[j]);
+            }
+        }
+        for (int j = 0; j < n; j++) {
+            float mo[8], to[4], tmo[4];
+            _mm256_storeu_ps(mo, macc[j]);
+            _mm_storeu_ps(to, tacc[j]);
+            _mm_storeu_ps(tmo, tm[j]);
+            const float mt = ((mo[1] + mo[3]) + (mo[5] + mo[7])) + tmo[1];
+            const float s = hsum16(acc[j]) + ((to[0] + to[1]) + (to[2] + to[3])) + mt;
+            float *o = out + (size_t)j * os + (r - r0);
+            *o = add ? *o + s : s;
+        }
+    }
+}
+
+/* q8_0 regrouped (T_Q8_0R): a row of nb blocks is every block's f16 d (2 * nb bytes), then every
+ * block's 32 weights stored as w + 128 (u8: vpdpbusd's unsigned side, no sign trick). Two 64-byte
+ * loads hold 4 blocks; d * dx spreads to each block's 8 lanes, and the offset comes back as
+ * -128 * d * (dx * sum(qx)), one multiply per 4 blocks (odd lanes of p). Blocks past the last full
+ * group of 4 go one at a time in 256-bit lanes. x in natural order. */
+static inline __attribute__((always_inline)) void q80r_tile(const Mat *m, int r0, int r1, const unsigned char *qx,
+                                                           size_t rs, const int n, float *out, int os, int add) {
+    const int K = m->cols, nb = K / QK, ng = nb / 4;
+    const size_t stride = (size_t)nb * 34;
+    const __m256i dup = _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i spread0 = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i spread1 = _mm512_set_epi32(6, 6, 6, 6, 6, 6, 6, 6, 4, 4, 4, 4, 4, 4, 4, 4);
+    const signed char *xq[4];
+    const float *xds[4];
+    for (int j = 0; j < n; j++) {
+        xq[j] = (const signed char *)(qx + j * rs);
+        xds[j] = (const float *)(qx + j * rs + K);
+    }
+    for (int r = r0; r < r1; r++) {
+        const unsigned char *row = (const unsigned char *)m->data + (size_t)r * stride;
+        const unsigned char *ds = row, *qs = row + 2 * (size_t)nb;
+        __m512 acc[4];
+        __m256 macc[4], tacc[4], tm[4];
+        for (int j = 0; j < 4; j++) {
+            acc[j] = _mm512_setzero_ps();
+            macc[j] = tacc[j] = tm[j] = _mm256_setzero_ps();
+        }
+        for (int g = 0; g < ng; g++) {
+            const __m512i w0 = _mm512_loadu_si512(qs + 128 * (size_t)g), w1 = _mm512_loadu_si512(qs + 128 * (size_t)g + 64);
+            const __m256 d = _mm256_permutevar8x32_ps(
+                _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(ds + 8 * (size_t)g)))), dup);
+            for (int j = 0; j < n; j++) {
+                const signed char *xg = xq[j] + 128 * (size_t)g;
+                const __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, _mm512_loadu_si512(xg));
+                const __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w1, _mm512_loadu_si512(xg + 64));
+                const __m256 p = _mm256_mul_ps(d, _mm256_loadu_ps(xds[j] + 8 * g));   /* (d dx, d dx sum) x 4 */
+                macc[j] = _mm256_add_ps(macc[j], p);
+                const __m512 p5 = _mm512_castps256_ps512(p);
+                acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_permutexvar_ps(spread0, p5), acc[j]);
+                acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_permutexvar_ps(spread1, p5), acc[j]);
+            }
+        }
+        for (int k = 4 * ng; k < nb; k++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(qs + 32 * (size_t)k));
+            uint16_t dh;
+            memcpy(&dh, ds + 2 * (size_t)k, 2);
+            const __m128 d = _mm_cvtph_ps(_mm_cvtsi32_si128(dh));
+            for (int j = 0; j < n; j++) {
+                const __m256i s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w,
+                                                      _mm256_loadu_si256((const __m256i *)(xq[j] + (size_t)k * QK)));
+                const __m128 p = _mm_mul_ps(_mm_shuffle_ps(d, d, 0), _mm_castpd_ps(_mm_load_sd((const double *)(xds[j] + 2 * k))));
+                tm[j] = _mm256_add_ps(tm[j], _mm256_zextps128_ps256(p));
+                tacc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_broadcastss_ps(p), tacc[j]);
+            }
+        }
+        for (int j = 0; j < n; j++) {
+            float mo[8], tmo[8];
+            _mm256_storeu_ps(mo, macc[j]);
+            _mm256_storeu_ps(tmo, tm[j]);
+            const float offset = -128.0f * (((mo[1] + mo[3]) + (mo[5] + mo[7])) + tmo[1]);
+            const float s = hsum16(acc[j]) + hsum8(tacc[j]) + offset;
+            float *o = out + (size_t)j * os + (r - r0);
+            *o = add ? *o + s : s;
+        }
+    }
+}
+
+static void qrows_q80r(const Mat *m, int r0, int r1, const void *qx, int B, float *out, int os, int add) {
+    const size_t rs = qx_row_bytes(m->cols);
+    const unsigned char *q = qx;
+    int b = 0;
+    for (; b + 4 <= B; b += 4) q80r_tile(m, r0, r1, q + b * rs, rs, 4, out + (size_t)b * os, os, add);
+    switch (B - b) {
+    case 3: q80r_tile(m, r0, r1, q + b * rs, rs, 3, out + (size_t)b * os, os, add); break;
+    case 2: q80r_tile(m, r0, r1, q + b * rs, rs, 2, out + (size_t)b * os, os, add); break;
+    case 1: q80r_tile(m, r0, r1, q + b * rs, rs, 1, out + (size_t)b * os, os, add); break;
+    default: break;
+    }
+}
+
+static void qrows_q41r(const Mat *m, int r0, int r1, const void *qx, int B, float *out, int os, int add) {
+    const size_t rs = qx_row_bytes(m->cols);
+    const unsigned char *q = qx;
+    int b = 0;
+    for (; b + 4 <= B; b += 4) q41r_tile(m, r0, r1, q + b * rs, rs, 4, out + (size_t)b * os, os, add);
+    switch (B - b) {
+    case 3: q41r_tile(m, r0, r1, q + b * rs, rs, 3, out + (size_t)b * os, os, add); break;
+    case 2: q41r_tile(m, r0, r1, q + b * rs, rs, 2, out + (size_t)b * os, os, add); break;
+    case 1: q41r_tile(m, r0, r1, q + b * rs, rs, 1, out + (size_t)b * os, os, add); break;
+    default: break;
+    }
+}
+#endif
+
+/* 1 where this build runs T_Q4_1R and T_Q8_0R matrices (AVX-512 VNNI): the Python side regroups only then. */
+int gen_has_q4_1r(void) {
+#ifdef GEN_Q41R
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 static inline __attribute__((always_inline)) void qrows_typed(const Mat *m, int r0, int r1, const void *qx, int B,
                                                              float *out, int os, int add, const int type) {
     const size_t rs = qx_row_bytes(m->cols);
@@ -235,12 +430,16 @@ void qmat_rows(const Mat *m, int r0, int r1, const void *qx, int B, float *out, 
     switch (m->type) {
     case T_Q8_0: qrows_T_Q8_0(m, r0, r1, qx, B, out, os, add); break;
     case T_Q4_0: qrows_T_Q4_0(m, r0, r1, qx, B, out, os, add); break;
+#ifdef GEN_Q41R
+    case T_Q4_1R: qrows_q41r(m, r0, r1, qx, B, out, os, add); break;
+    case T_Q8_0R: qrows_q80r(m, r0, r1, qx, B, out, os, add); break;
+#endif
     default: qrows_T_Q4_1(m, r0, r1, qx, B, out, os, add); break;
     }
 }
 
 /* For tests: out (B, rows) = m . x (B, cols), x rounded to q8 blocks into qx (B * qx_row_bytes(cols) bytes). */
 void gen_qmatmul(const Mat *m, const float *x, int B, float *out, void *qx) {
-    quantize_x(x, m->cols, B, m->cols, qx);
+    quantize_x(x, m->cols, B, m->cols, qx, m->type);
     qmat_rows(m, 0, m->rows, qx, B, out, m->rows, 0);
 }
