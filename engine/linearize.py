@@ -333,10 +333,13 @@ def linearize(a: LinearizeArgs, log=print, on_step=None) -> dict:
     relative = [r["relative"] for r in state["losses"]]
     layer_attention = layer_attention_for(L, highest_loss_layers(relative, a.hybrid))
     # ----------------------------------------------------------------- finetune
+    finetune_rows = train_rows[:a.finetune_tokens // a.seq_len] if a.finetune_tokens else transfer_rows
     if a.finetune_steps and state["finetune_done"] < a.finetune_steps:
-        finetune_rows = train_rows[:a.finetune_tokens // a.seq_len] if a.finetune_tokens else transfer_rows
         finetune(model, a, state, progress, saved, finetune_rows, layer_attention, deadline, log, on_step)
-    summary = write_output(model, a, state, used, layer_attention if a.hybrid else None, t0)
+    rows_used = {"transfer_rows": transfer_rows.shape[0], "finetune_rows": finetune_rows.shape[0],
+                 "eval_rows": eval_rows.shape[0],
+                 "finetune_tokens_seen": state["finetune_done"] * a.finetune_batch * a.seq_len}
+    summary = write_output(model, a, state, used, layer_attention if a.hybrid else None, t0, rows_used)
     shutil.rmtree(progress.dir, ignore_errors=True)
     return summary
 
@@ -392,7 +395,7 @@ def finetune(model, a, state, progress, saved, rows, layer_attention, deadline, 
     model.config = cfg
 
 
-def write_output(model, a, state, used, layer_attention, t0) -> dict:
+def write_output(model, a, state, used, layer_attention, t0, rows_used) -> dict:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     L = model.config.num_hidden_layers
@@ -407,9 +410,12 @@ def write_output(model, a, state, used, layer_attention, t0) -> dict:
         "loss": "MSE of the o_proj output of linear vs softmax attention, on a fixed batch of "
                 f"{a.eval_rows} rows x {a.seq_len} tokens; relative = loss / the target's mean square",
         "layers": state["losses"]})
-    write_json(out / "data.json", {"files": used, "seq_len": a.seq_len, "seed": a.seed,
+    write_json(out / "data.json", {"files": used, "seq_len": a.seq_len, "seed": a.seed, **rows_used,
                                    "format": "per file: documents shuffled by the seed, BOS + text + EOS, "
-                                             "packed into rows"})
+                                             "packed into rows, the files' rows interleaved; the last "
+                                             "eval_rows are the fixed transfer-loss batch, the transfer "
+                                             "uses the first transfer_rows of the others, the finetune "
+                                             "draws from the first finetune_rows"})
     summary = {"command": a.command, "args": asdict(a), "layers": L,
                "finetune_steps_done": state["finetune_done"], "finetune_loss": a.finetune_loss,
                "finetune_log": state["finetune_log"],
