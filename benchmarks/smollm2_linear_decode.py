@@ -35,6 +35,10 @@ ROWS = [
     ("window W=256", ["--model", "smollm2-linear", "--attention", "window", "--window", "256"]),
     ("hybrid K=8 + window 64", ["--model", "smollm2-linear", "--attention", "hybrid", "--softmax-layers", "auto:8",
                                 "--window", "64"]),
+    ("hybrid K=8 + window 128", ["--model", "smollm2-linear", "--attention", "hybrid", "--softmax-layers", "auto:8",
+                                 "--window", "128"]),
+    ("hybrid K=4 + window 256", ["--model", "smollm2-linear", "--attention", "hybrid", "--softmax-layers", "auto:4",
+                                 "--window", "256"]),
     ("default (hybrid K=8 + window 256)", ["--model", "smollm2-linear", "--attention", "default"]),
 ]
 
