@@ -231,6 +231,18 @@ static inline __attribute__((always_inline)) void qtile(const Mat *m, int r0, in
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define GEN_Q41R 1
+/* Up to 4 inputs as q8 blocks, for the grouped kernels: input j's integers and (d, d * sum) pairs. */
+typedef struct { const signed char *q[4]; const float *ds[4]; } Q8In;
+
+static inline __attribute__((always_inline)) Q8In q8_inputs(const unsigned char *qx, size_t rs, int n, int K) {
+    Q8In in;
+    for (int j = 0; j < n; j++) {
+        in.q[j] = (const signed char *)(qx + j * rs);
+        in.ds[j] = (const float *)(qx + j * rs + K);
+    }
+    return in;
+}
+
 /* q4_1 regrouped (T_Q4_1R): a row of nb blocks is every block's (d, m) f16 pair (4 * nb bytes), then
  * every block's 16 nibble bytes (16 * nb): the same 20 bytes a block. A group of 4 blocks is one
  * 64-byte load whose low nibbles are the 4 blocks' weights 0..15 and high nibbles their weights
@@ -243,21 +255,16 @@ static inline __attribute__((always_inline)) void q41r_tile(const Mat *m, int r0
                                                            size_t rs, const int n, float *out, int os, int add) {
     const int K = m->cols, nb = K / QK, ng = nb / 4;
     const size_t stride = (size_t)nb * 20;
+    const Q8In in = q8_inputs(qx, rs, n, K);
     const __m512i lo4 = _mm512_set1_epi8(0x0f);
     const __m128i lo4x = _mm_set1_epi8(0x0f);
     const __m512i spread = _mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0);
-    const signed char *xq[4];
-    const float *xds[4];
-    for (int j = 0; j < n; j++) {
-        xq[j] = (const signed char *)(qx + j * rs);
-        xds[j] = (const float *)(qx + j * rs + K);
-    }
     for (int r = r0; r < r1; r++) {
         const unsigned char *row = (const unsigned char *)m->data + (size_t)r * stride;
         const unsigned char *dm = row, *qs = row + 4 * (size_t)nb;
-        __m512 acc[4];
-        __m256 macc[4];
-        __m128 tacc[4], tm[4];
+        __m512 acc[4];                /* per input: the groups' sums, 16 lanes */
+        __m256 macc[4];               /* odd lanes: the groups' m * dx * sum(qx) */
+        __m128 tacc[4], tm[4];        /* the blocks past the last group: sums, m terms (lane 1) */
         for (int j = 0; j < 4; j++) {
             acc[j] = _mm512_setzero_ps();
             macc[j] = _mm256_setzero_ps();
@@ -268,10 +275,10 @@ static inline __attribute__((always_inline)) void q41r_tile(const Mat *m, int r0
             const __m512i lo = _mm512_and_si512(z, lo4), hi = _mm512_and_si512(_mm512_srli_epi16(z, 4), lo4);
             const __m256 dmf = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dm + 16 * (size_t)g)));
             for (int j = 0; j < n; j++) {
-                const signed char *xg = xq[j] + 128 * (size_t)g;
+                const signed char *xg = in.q[j] + 128 * (size_t)g;
                 __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xg));
                 s = _mm512_dpbusd_epi32(s, hi, _mm512_loadu_si512(xg + 64));
-                const __m256 p = _mm256_mul_ps(dmf, _mm256_loadu_ps(xds[j] + 8 * g));   /* (d dx, m dx sum) x 4 */
+                const __m256 p = _mm256_mul_ps(dmf, _mm256_loadu_ps(in.ds[j] + 8 * g));   /* (d dx, m dx sum) x 4 */
                 macc[j] = _mm256_add_ps(macc[j], p);
                 acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s),
                                          _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(p)), acc[j]);
@@ -284,10 +291,10 @@ static inline __attribute__((always_inline)) void q41r_tile(const Mat *m, int r0
             memcpy(&pair, dm + 4 * (size_t)k, 4);
             const __m128 dmf = _mm_cvtph_ps(_mm_cvtsi32_si128((int)pair));
             for (int j = 0; j < n; j++) {
-                const signed char *xb = xq[j] + (size_t)k * QK;
+                const signed char *xb = in.q[j] + (size_t)k * QK;
                 __m128i s = _mm_dpbusd_epi32(_mm_setzero_si128(), lo, _mm_loadu_si128((const __m128i *)xb));
                 s = _mm_dpbusd_epi32(s, hi, _mm_loadu_si128((const __m128i *)(xb + 16)));
-                const __m128 p = _mm_mul_ps(dmf, _mm_castpd_ps(_mm_load_sd((const double *)(xds[j] + 2 * k))));
+                const __m128 p = _mm_mul_ps(dmf, _mm_castpd_ps(_mm_load_sd((const double *)(in.ds[j] + 2 * k))));
                 tm[j] = _mm_add_ps(tm[j], p);
                 tacc[j] = _mm_fmadd_ps(_mm_cvtepi32_ps(s), _mm_broadcastss_ps(p), tacc[j]);
             }
@@ -317,12 +324,7 @@ static inline __attribute__((always_inline)) void q80r_tile(const Mat *m, int r0
     const __m256i dup = _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0);
     const __m512i spread0 = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
     const __m512i spread1 = _mm512_set_epi32(6, 6, 6, 6, 6, 6, 6, 6, 4, 4, 4, 4, 4, 4, 4, 4);
-    const signed char *xq[4];
-    const float *xds[4];
-    for (int j = 0; j < n; j++) {
-        xq[j] = (const signed char *)(qx + j * rs);
-        xds[j] = (const float *)(qx + j * rs + K);
-    }
+    const Q8In in = q8_inputs(qx, rs, n, K);
     for (int r = r0; r < r1; r++) {
         const unsigned char *row = (const unsigned char *)m->data + (size_t)r * stride;
         const unsigned char *ds = row, *qs = row + 2 * (size_t)nb;
@@ -337,10 +339,10 @@ static inline __attribute__((always_inline)) void q80r_tile(const Mat *m, int r0
             const __m256 d = _mm256_permutevar8x32_ps(
                 _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(ds + 8 * (size_t)g)))), dup);
             for (int j = 0; j < n; j++) {
-                const signed char *xg = xq[j] + 128 * (size_t)g;
+                const signed char *xg = in.q[j] + 128 * (size_t)g;
                 const __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, _mm512_loadu_si512(xg));
                 const __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w1, _mm512_loadu_si512(xg + 64));
-                const __m256 p = _mm256_mul_ps(d, _mm256_loadu_ps(xds[j] + 8 * g));   /* (d dx, d dx sum) x 4 */
+                const __m256 p = _mm256_mul_ps(d, _mm256_loadu_ps(in.ds[j] + 8 * g));   /* (d dx, d dx sum) x 4 */
                 macc[j] = _mm256_add_ps(macc[j], p);
                 const __m512 p5 = _mm512_castps256_ps512(p);
                 acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_permutexvar_ps(spread0, p5), acc[j]);
@@ -354,8 +356,8 @@ static inline __attribute__((always_inline)) void q80r_tile(const Mat *m, int r0
             const __m128 d = _mm_cvtph_ps(_mm_cvtsi32_si128(dh));
             for (int j = 0; j < n; j++) {
                 const __m256i s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w,
-                                                      _mm256_loadu_si256((const __m256i *)(xq[j] + (size_t)k * QK)));
-                const __m128 p = _mm_mul_ps(_mm_shuffle_ps(d, d, 0), _mm_castpd_ps(_mm_load_sd((const double *)(xds[j] + 2 * k))));
+                                                      _mm256_loadu_si256((const __m256i *)(in.q[j] + (size_t)k * QK)));
+                const __m128 p = _mm_mul_ps(_mm_shuffle_ps(d, d, 0), _mm_castpd_ps(_mm_load_sd((const double *)(in.ds[j] + 2 * k))));
                 tm[j] = _mm256_add_ps(tm[j], _mm256_zextps128_ps256(p));
                 tacc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_broadcastss_ps(p), tacc[j]);
             }
@@ -372,31 +374,22 @@ static inline __attribute__((always_inline)) void q80r_tile(const Mat *m, int r0
     }
 }
 
-static void qrows_q80r(const Mat *m, int r0, int r1, const void *qx, int B, float *out, int os, int add) {
-    const size_t rs = qx_row_bytes(m->cols);
-    const unsigned char *q = qx;
-    int b = 0;
-    for (; b + 4 <= B; b += 4) q80r_tile(m, r0, r1, q + b * rs, rs, 4, out + (size_t)b * os, os, add);
-    switch (B - b) {
-    case 3: q80r_tile(m, r0, r1, q + b * rs, rs, 3, out + (size_t)b * os, os, add); break;
-    case 2: q80r_tile(m, r0, r1, q + b * rs, rs, 2, out + (size_t)b * os, os, add); break;
-    case 1: q80r_tile(m, r0, r1, q + b * rs, rs, 1, out + (size_t)b * os, os, add); break;
-    default: break;
+/* Inputs in tiles of 4 (the last tile 1-3) through TILE: the grouped kernels' batch loop. */
+#define QROWS_GROUPED(NAME, TILE)                                                                      \
+    static void NAME(const Mat *m, int r0, int r1, const void *qx, int B, float *out, int os, int add) { \
+        const size_t rs = qx_row_bytes(m->cols);                                                   \
+        const unsigned char *q = qx;                                                               \
+        int b = 0;                                                                                 \
+        for (; b + 4 <= B; b += 4) TILE(m, r0, r1, q + b * rs, rs, 4, out + (size_t)b * os, os, add); \
+        switch (B - b) {                                                                           \
+        case 3: TILE(m, r0, r1, q + b * rs, rs, 3, out + (size_t)b * os, os, add); break;          \
+        case 2: TILE(m, r0, r1, q + b * rs, rs, 2, out + (size_t)b * os, os, add); break;          \
+        case 1: TILE(m, r0, r1, q + b * rs, rs, 1, out + (size_t)b * os, os, add); break;          \
+        default: break;                                                                            \
+        }                                                                                          \
     }
-}
-
-static void qrows_q41r(const Mat *m, int r0, int r1, const void *qx, int B, float *out, int os, int add) {
-    const size_t rs = qx_row_bytes(m->cols);
-    const unsigned char *q = qx;
-    int b = 0;
-    for (; b + 4 <= B; b += 4) q41r_tile(m, r0, r1, q + b * rs, rs, 4, out + (size_t)b * os, os, add);
-    switch (B - b) {
-    case 3: q41r_tile(m, r0, r1, q + b * rs, rs, 3, out + (size_t)b * os, os, add); break;
-    case 2: q41r_tile(m, r0, r1, q + b * rs, rs, 2, out + (size_t)b * os, os, add); break;
-    case 1: q41r_tile(m, r0, r1, q + b * rs, rs, 1, out + (size_t)b * os, os, add); break;
-    default: break;
-    }
-}
+QROWS_GROUPED(qrows_q80r, q80r_tile)
+QROWS_GROUPED(qrows_q41r, q41r_tile)
 #endif
 
 /* 1 where this build runs T_Q4_1R and T_Q8_0R matrices (AVX-512 VNNI): the Python side regroups only then. */
