@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from cli.common import check_output_path, run_guarded
+from cli.common import KV_DTYPE_HELP, check_output_path, run_guarded
 from engine.bench import DEFAULT_CONTEXTS, BenchSettings, run_bench, write_json
 from engine.bench.configs import parse_attentions
 from engine.errors import InvalidArgumentError
@@ -52,6 +52,7 @@ def parse_attention(ctx, param, value):
 @click.option("--warmup", default=8, show_default=True, help="untimed decode steps before them")
 @click.option("--threads", type=int, help="CPU threads (default: engine.threads.default_threads(), see README 'Threads')")
 @click.option("--dtype", default="float32", show_default=True)
+@click.option("--kv-dtype", help=KV_DTYPE_HELP)
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write the report as JSON here")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="write the two-panel plot (PNG) here")
@@ -68,7 +69,7 @@ def parse_attention(ctx, param, value):
 @click.option("--batch", default=1, show_default=True, help="sequences decoded together (tokens/s: aggregate)")
 @click.option("--quiet", is_flag=True, help="no progress bar")
 def bench_cmd(model_name, contexts, attention, softmax_layers, window, prefill_tokens, feature_map, steps, warmup,
-              threads, dtype, device, json_path, plot_path, compare_hf, hf_new_tokens, hf_repeats, isolate, backend,
+              threads, dtype, kv_dtype, device, json_path, plot_path, compare_hf, hf_new_tokens, hf_repeats, isolate, backend,
               native, weights, batch, quiet):
     """Prefill to each depth, then time decode steps, for each attention path, on one checkpoint.
 
@@ -82,7 +83,7 @@ def bench_cmd(model_name, contexts, attention, softmax_layers, window, prefill_t
                                  attentions=attention, softmax_layers=softmax_layers, window=window,
                                  prefill_tokens=prefill_tokens,
                                  feature_map=feature_map, steps=steps, warmup=warmup, threads=threads,
-                                 dtype=dtype, device=device, isolate=isolate,
+                                 dtype=dtype, kv_dtype=kv_dtype, device=device, isolate=isolate,
                                  backend="native" if native else backend, weights=weights, batch=batch)
         report = run_bench(settings, compare_hf=compare_hf, hf_new_tokens=hf_new_tokens,
                            hf_repeats=hf_repeats, progress=not quiet)

@@ -14,7 +14,7 @@ import sys
 
 import click
 
-from cli.common import FEATURE_MAP_HELP, run_guarded
+from cli.common import FEATURE_MAP_HELP, KV_DTYPE_HELP, run_guarded
 from cli.generate import load_quietly, summary
 from engine.api import make_config
 from engine.errors import EngineError
@@ -39,13 +39,14 @@ HELP_LINE = "/reset starts over, /exit or Ctrl-D leaves, Ctrl-C stops a reply"
 @click.option("--seed", type=int, help="default: a fresh seed per reply")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", help="float32 (default), bfloat16, float16")
+@click.option("--kv-dtype", help=KV_DTYPE_HELP)
 @click.option("--max-context", type=int, help="softmax KV cache capacity in tokens for the whole conversation "
                                                 "(default: the model's context)")
 @click.option("--backend", type=click.Choice(["auto", "torch", "native", "module"]), default="auto", show_default=True)
 @click.option("--threads", type=int, help="CPU threads")
 @click.option("-v", "--verbose", is_flag=True, help="a summary line (tokens, speed) after each reply")
 def chat_cmd(model_name, attention, softmax_layers, window, feature_map, system, max_new_tokens, temperature, top_k, top_p, min_p,
-             repetition_penalty, seed, device, dtype, max_context, backend, threads, verbose):
+             repetition_penalty, seed, device, dtype, kv_dtype, max_context, backend, threads, verbose):
     """Chat with a model that has a chat template: one line per message (see the module doc)."""
     settings = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                     min_p=min_p, repetition_penalty=repetition_penalty, seed=seed)
@@ -53,7 +54,7 @@ def chat_cmd(model_name, attention, softmax_layers, window, feature_map, system,
     def run():
         make_config(**settings)                      # bad settings fail before the model loads
         llm = load_quietly(model_name, attention, feature_map, device, dtype, backend, threads,
-                           softmax_layers=softmax_layers, window=window)
+                           softmax_layers=softmax_layers, window=window, kv_dtype=kv_dtype)
         session = llm.chat_session(system=system, max_context=max_context)
         tty = sys.stdin.isatty()
         if tty:

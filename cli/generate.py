@@ -8,7 +8,7 @@ import warnings
 
 import click
 
-from cli.common import FEATURE_MAP_HELP, fail, run_guarded
+from cli.common import FEATURE_MAP_HELP, KV_DTYPE_HELP, fail, run_guarded
 from engine.api import check_text, load, make_config
 from engine.errors import InvalidArgumentError
 
@@ -35,6 +35,7 @@ from engine.errors import InvalidArgumentError
 @click.option("--stop", multiple=True, help="stop before this string (repeatable)")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", help="float32 (default), bfloat16, float16")
+@click.option("--kv-dtype", help=KV_DTYPE_HELP)
 @click.option("--max-context", type=int, help="softmax context in tokens, prompt included "
                                                 "(default: the model's max_position_embeddings)")
 @click.option("--echo", is_flag=True, help="print the prompt before the streamed continuation (not with --json)")
@@ -48,7 +49,7 @@ from engine.errors import InvalidArgumentError
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object (text, ids, finish_reason, stats)")
 def generate_cmd(prompt, prompt_opt, ids, chat_message, model_name, attention, softmax_layers, window, feature_map, max_new_tokens,
                  temperature,
-                 top_k, top_p, min_p, repetition_penalty, seed, stop, device, dtype, max_context, echo, backend, native,
+                 top_k, top_p, min_p, repetition_penalty, seed, stop, device, dtype, kv_dtype, max_context, echo, backend, native,
                  threads, quantize, verbose, as_json):
     """Generate a continuation of PROMPT ('-' reads it from stdin) and stream it to stdout.
 
@@ -65,7 +66,7 @@ def generate_cmd(prompt, prompt_opt, ids, chat_message, model_name, attention, s
         the_prompt = read_prompt(prompt, prompt_opt, ids) if chat_message is None else chat_message
         make_config(**settings)                      # bad settings fail before the model loads
         llm = load_quietly(model_name, attention, feature_map, device, dtype, "native" if native else backend,
-                          threads, quantize, softmax_layers=softmax_layers, window=window)
+                          threads, quantize, softmax_layers=softmax_layers, window=window, kv_dtype=kv_dtype)
         if chat_message is not None:   # keep the stream: dropping it would close its generation
             chat_stream = llm.chat([{"role": "user", "content": chat_message}], **settings)
             generation = chat_stream.generation
@@ -128,13 +129,13 @@ def read_prompt(prompt, prompt_opt, ids):
 
 
 def load_quietly(model_name, attention, feature_map, device, dtype, backend="auto", threads=None, quantize=None,
-                 softmax_layers=None, window=None):
+                 softmax_layers=None, window=None, kv_dtype=None):
     """Load; a warning (weights not trained for this attention path) becomes one stderr line."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         llm = load(model_name, attention=attention, feature_map=feature_map, device=device, dtype=dtype,
                    backend=backend, threads=threads, quantize=quantize, softmax_layers=softmax_layers,
-                   window=window)
+                   window=window, kv_dtype=kv_dtype)
     for w in caught:
         click.echo(f"gen: warning: {w.message}", err=True)
     return llm

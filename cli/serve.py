@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from cli.common import FEATURE_MAP_HELP, fail, run_guarded
+from cli.common import FEATURE_MAP_HELP, KV_DTYPE_HELP, fail, run_guarded
 from engine.serve import open_server, run
 
 
@@ -23,11 +23,12 @@ from engine.serve import open_server, run
 @click.option("--max-context", type=int, help="softmax tokens per sequence, prompt included "
                                                "(default: the model's max_position_embeddings)")
 @click.option("--dtype", help="float32 (default), bfloat16, float16")
+@click.option("--kv-dtype", help=KV_DTYPE_HELP)
 @click.option("--backend", type=click.Choice(["auto", "torch", "native", "module"]), default="auto",
               show_default=True, help="decode step form: auto = the C step where it applies, else PyTorch")
 @click.option("--threads", type=int, help="CPU threads (default: 1)")
 def serve_cmd(model_name, attention, softmax_layers, window, feature_map, host, port, max_batch, max_queue,
-              max_context, dtype, backend, threads):
+              max_context, dtype, kv_dtype, backend, threads):
     """Serve MODEL over HTTP: /v1/models, /v1/completions, /v1/chat/completions (OpenAI format, SSE streams)."""
     if max_batch < 1:
         fail(f"--max-batch must be >= 1, got {max_batch}")
@@ -36,5 +37,6 @@ def serve_cmd(model_name, attention, softmax_layers, window, feature_map, host, 
     if not 0 < port < 65536:
         fail(f"--port must be in 1..65535, got {port}")
     server = run_guarded(lambda: open_server(model_name, attention, feature_map, dtype, backend, threads,
-                                             max_batch, max_context, max_queue, softmax_layers, window))
+                                             max_batch, max_context, max_queue, softmax_layers, window,
+                                             kv_dtype))
     run_guarded(lambda: run(server, host=host, port=port))

@@ -26,7 +26,7 @@ from engine.attention import check_path, get_feature_map
 from engine.errors import InvalidArgumentError
 from engine.chat import ChatSession
 from engine.generate import Closing, Generation, GenerationConfig, Result, eos_set
-from engine.loader import load_parts
+from engine.loader import load_parts, parse_dtype
 from engine.sampling import SamplingParams
 from engine.state_io import SavedState, load as load_state_file, save as save_state_file
 from engine.attention.hybrid import runtime_config
@@ -45,7 +45,8 @@ class UntrainedPathWarning(UserWarning):
 def load(model: str = "tiny", attention: str | None = None, feature_map: str | None = None,
          device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
          backend: str = "auto", threads: int | None = None, native: bool = False,
-         quantize: str | None = None, softmax_layers=None, window: int | None = None) -> "LLM":
+         quantize: str | None = None, softmax_layers=None, window: int | None = None,
+         kv_dtype: str | torch.dtype | None = None) -> "LLM":
     """Load a registered model name (`tiny`) or a checkpoint path; attention None = the model's own.
 
     backend: which form runs one-token decode steps (engine.steps): "auto" (default: the C step
@@ -55,6 +56,8 @@ def load(model: str = "tiny", attention: str | None = None, feature_map: str | N
     attention="hybrid", softmax_layers=[2, 9, 11] (or "auto:K"): those layers keep a KV cache, the
     rest run linear; window=W: linear layers also attend exactly to the last W keys
     (engine.attention.hybrid.runtime_config says what each combination means).
+    kv_dtype: the KV cache's dtype (default: the model's), e.g. "float16" under fp32 weights, as
+    llama.cpp keeps its cache: half the cache's bytes, keys and values rounded to 16 bits.
 
     Warns (UntrainedPathWarning) when `attention` is a path the weights were not trained for.
     """
@@ -65,8 +68,10 @@ def load(model: str = "tiny", attention: str | None = None, feature_map: str | N
     backend = "native" if native else check_backend(backend)
     if quantize is not None:
         check_kind(quantize)
+    kv = parse_dtype(kv_dtype)
     set_threads(threads)
     net, tokenizer, template = load_parts(model, device=device, dtype=dtype)
+    net.kv_dtype = kv
     net.config = runtime_config(net.config, attention, softmax_layers, window)
     if quantize is not None:
         quantize_model(net, quantize)

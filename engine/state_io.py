@@ -91,10 +91,14 @@ def load(path: str | os.PathLike, model, max_len: int | None = None, device=None
                                  f"{mine['vocab_size']} here); load it with the model it was saved from")
     state_meta = json.loads(meta["state"])
     here = str(model.dtype).removeprefix("torch.")
-    for dtype in cache_dtypes(state_meta):
-        if dtype != here:
-            raise StateMismatchError(f"{path}: a {dtype} KV cache, but the model computes in {here}; load the "
-                                     f"model with dtype={dtype}")
+    kv_here = str(model.kv_dtype or model.dtype).removeprefix("torch.")
+    for part_path, dtype in cache_dtypes(state_meta):
+        want = kv_here if part_path == "softmax" else here
+        if dtype != want:
+            what = "KV cache" if part_path == "softmax" else "window of keys"
+            fix = f"kv_dtype={dtype}" if part_path == "softmax" else f"dtype={dtype}"
+            raise StateMismatchError(f"{path}: a {dtype} {what}, but this model keeps it in {want}; load the "
+                                     f"model with {fix}")
     sd = {"meta": state_meta,
           "tensors": {k.removeprefix("state."): v for k, v in tensors.items() if k.startswith("state.")}}
     device = device or model.device
@@ -106,12 +110,13 @@ def load(path: str | os.PathLike, model, max_len: int | None = None, device=None
     return SavedState(state, json.loads(meta["ids"]), json.loads(meta["next_ids"]))
 
 
-def cache_dtypes(state_meta: dict) -> list[str]:
-    """The dtypes of a saved state's tensors kept in the model's dtype (KV caches, windows of keys)."""
+def cache_dtypes(state_meta: dict) -> list[tuple[str, str]]:
+    """(part path, dtype) of a saved state's tensors kept in a model-chosen dtype: KV caches (the
+    model's kv_dtype, default its dtype) and windows of keys (the model's dtype)."""
     out = []
     for part in state_meta.get("parts", [state_meta]):
         if part["path"] == "softmax":
-            out.append(part["dtype"])
+            out.append(("softmax", part["dtype"]))
         elif part["path"] == "window":
-            out.append(part["window_dtype"])
+            out.append(("window", part["window_dtype"]))
     return out

@@ -167,6 +167,7 @@ class Transformer(nn.Module):
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta) if cfg.position_encoding == "rope" else None
         # learned feature maps (gen linearize), present when the config names them
         self.hedgehog = Hedgehog.for_config(cfg) if cfg.feature_map == "hedgehog" else None
+        self.kv_dtype = None     # the KV cache's dtype when not the model's (load(kv_dtype=...), --kv-dtype)
         self.weights_epoch = 0   # moves whenever the weights may have moved: step forms rebuild their plans
 
     def _apply(self, fn, *args, **kwargs):   # .to(), .half(), .float(), .cuda(): new storage
@@ -214,7 +215,7 @@ class Transformer(nn.Module):
 
     # ------------------------------------------------------------------ decoding
     def init_state(self, batch: int = 1, max_len: int | None = None, attention: str | None = None,
-                   feature_map: str | None = None, device=None, dtype=None) -> State:
+                   feature_map: str | None = None, device=None, dtype=None, kv_dtype=None) -> State:
         """Allocate a decoding state once. `attention` picks the path (default: the config's).
 
         max_len: the KV cache's capacity in slots (softmax; default max_position_embeddings);
@@ -227,7 +228,8 @@ class Transformer(nn.Module):
         return allocate_state(self.config, path, batch, max_len or self.config.max_position_embeddings,
                               device or self.device, dtype or self.dtype, feature_map=fmap,
                               layer_attention=self.layer_paths(path) if path == "hybrid" else None,
-                              window=self.config.window)
+                              window=self.config.window,
+                              kv_dtype=kv_dtype or (self.kv_dtype if dtype is None else None))
 
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor, state: State, valid: torch.Tensor | None = None,

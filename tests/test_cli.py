@@ -187,6 +187,7 @@ BAD = {
     "unknown-attention": (["--attention", "fast", "hi"], "--attention"),
     "unknown-feature-map": (["--attention", "linear", "--feature-map", "tanh", "hi"], "feature map"),
     "unknown-dtype": (["--dtype", "int8", "hi"], "dtype"),
+    "unknown-kv-dtype": (["--kv-dtype", "f8", "hi"], "unknown dtype 'f8'"),
     "unknown-device": (["--device", "gpu0", "hi"], "unknown device"),
     "unknown-option": (["--frobnicate", "hi"], "--frobnicate"),
 }

@@ -34,14 +34,14 @@ class HybridState(State):
 
     @classmethod
     def allocate(cls, cfg, batch: int, max_len, device, dtype, feature_map=None, layer_attention=None,
-                 window: int = 0) -> "HybridState":
+                 window: int = 0, kv_dtype=None) -> "HybridState":
         soft = [i for i, p in enumerate(layer_attention) if p == "softmax"]
         lin = [i for i, p in enumerate(layer_attention) if p != "softmax"]
         parts, where = [], [None] * len(layer_attention)
         if soft:
             sub = cfg.replace(num_hidden_layers=len(soft), attention="softmax", layer_attention=None,
                               transfer_loss=None)
-            parts.append(KVState.allocate(sub, batch, max_len, device, dtype))
+            parts.append(KVState.allocate(sub, batch, max_len, device, kv_dtype or dtype))
             for j, i in enumerate(soft):
                 where[i] = (0, j)
         if lin:
@@ -146,10 +146,11 @@ class HybridState(State):
 
 
 def allocate_state(cfg, path: str, batch: int, max_len, device, dtype, feature_map=None,
-                   layer_attention=None, window: int = 0) -> State:
-    """The state for `path` ("softmax", "linear", "hybrid"); a window turns linear layers into WindowState."""
+                   layer_attention=None, window: int = 0, kv_dtype=None) -> State:
+    """The state for `path` ("softmax", "linear", "hybrid"); a window turns linear layers into WindowState.
+    kv_dtype: the KV cache's dtype (default `dtype`), e.g. float16 under fp32 weights as llama.cpp keeps it."""
     if path == "softmax":
-        return KVState.allocate(cfg, batch, max_len, device, dtype)
+        return KVState.allocate(cfg, batch, max_len, device, kv_dtype or dtype)
     if path == "linear":
         if window:
             return WindowState.allocate(cfg, batch, max_len, device, dtype, feature_map=feature_map, window=window)
@@ -159,7 +160,7 @@ def allocate_state(cfg, path: str, batch: int, max_len, device, dtype, feature_m
             raise InvalidArgumentError("hybrid attention needs the softmax layers: pass softmax_layers=[...] "
                                        "(--softmax-layers 2,9,11 or auto:K) or set layer_attention in config.json")
         return HybridState.allocate(cfg, batch, max_len, device, dtype, feature_map=feature_map,
-                                    layer_attention=layer_attention, window=window)
+                                    layer_attention=layer_attention, window=window, kv_dtype=kv_dtype)
     raise InvalidArgumentError(f"unknown attention {path!r}; valid: softmax, linear, hybrid")
 
 
@@ -200,15 +201,16 @@ def parse_softmax_layers(spec, cfg) -> tuple[str, ...]:
 
 
 def state_bytes(cfg, layer_attention, context: int, batch: int = 1, dtype_bytes: int = 4,
-                feature_dim: int | None = None, window: int = 0) -> int:
+                feature_dim: int | None = None, window: int = 0, kv_bytes: int | None = None) -> int:
     """The per-layer formula of a (hybrid) state's bytes at `context` tokens (what `nbytes` reports).
 
-    softmax layer: 2 * Hkv * context * D * dtype_bytes (KV cache at capacity `context`);
-    linear layer: Hkv * (F * D + F) * 4 (fp32 S and z) + 2 * Hkv * W * D * dtype_bytes (the window).
+    softmax layer: 2 * Hkv * context * D * kv_bytes (KV cache at capacity `context`; kv_bytes
+    defaults to dtype_bytes); linear layer: Hkv * (F * D + F) * 4 (fp32 S and z) + 2 * Hkv * W * D *
+    dtype_bytes (the window).
     """
     D, Hkv = cfg.head_dim, cfg.num_key_value_heads
     F_ = feature_dim if feature_dim is not None else D
-    per = {"softmax": 2 * Hkv * context * D * dtype_bytes,
+    per = {"softmax": 2 * Hkv * context * D * (kv_bytes or dtype_bytes),
            "linear": Hkv * (F_ * D + F_) * 4 + 2 * Hkv * window * D * dtype_bytes}
     return batch * sum(per[p] for p in layer_attention)
 

@@ -149,6 +149,8 @@ class KVState(State):
         cache_k.narrow(2, start, T).copy_(k)
         cache_v.narrow(2, start, T).copy_(v)
         keys, values = cache_k.narrow(2, 0, start + T), cache_v.narrow(2, 0, start + T)
+        if keys.dtype != q.dtype:      # a 16-bit cache under fp32 weights (kv_dtype): read widened
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
         if T == 1 and span.attn_mask is None and start >= ONE_QUERY_MATMUL_FROM:
             return one_query_attention(q, keys, values, self._scale)
         causal = span.attn_mask is None and T > 1   # prefill from empty, no pads

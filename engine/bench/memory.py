@@ -49,13 +49,16 @@ def state_bytes_formula(cfg, attention: str, slots: int, dtype: torch.dtype, fea
     return linear_state_bytes(cfg, feature_map, dtype, batch)
 
 
-def config_state_bytes(rt, slots: int, dtype: torch.dtype, feature_map: str | None = None, batch: int = 1) -> int:
-    """State bytes of a runtime config `rt` (any attention, window or not) with a KV cache of `slots`."""
+def config_state_bytes(rt, slots: int, dtype: torch.dtype, feature_map: str | None = None, batch: int = 1,
+                       kv_dtype: torch.dtype | None = None) -> int:
+    """State bytes of a runtime config `rt` (any attention, window or not) with a KV cache of `slots`
+    (in `kv_dtype`, default `dtype`)."""
     if rt.attention in ("softmax", "linear") and not rt.window:
-        return state_bytes_formula(rt, rt.attention, slots, dtype, feature_map, batch)
+        return state_bytes_formula(rt, rt.attention, slots, kv_dtype or dtype if rt.attention == "softmax" else dtype,
+                                   feature_map, batch)
     F_ = get_feature_map(feature_map or rt.feature_map).out_dim(rt.head_dim)
     return per_layer_state_bytes(rt, layer_paths(rt), slots, batch, dtype_bytes(dtype), F_,
-                                 rt.window if rt.attention != "softmax" else 0)
+                                 rt.window if rt.attention != "softmax" else 0, dtype_bytes(kv_dtype or dtype))
 
 
 def prefill_work_bytes(cfg, attention: str, tokens: int, dtype: torch.dtype, feature_map: str | None = None) -> int:

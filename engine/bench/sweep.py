@@ -30,6 +30,7 @@ from engine.bench.configs import check_entries, configure, entry_window, layer_p
 from engine.bench.depth import extend_to_depth
 from engine.bench.memory import config_state_bytes, peak_rss_bytes
 from engine.errors import EngineError, InvalidArgumentError
+from engine.loader import parse_dtype
 from engine.quant import weights_label
 from engine.steps import Stepper, check_backend
 from engine.steps.native import weights_read
@@ -54,6 +55,7 @@ class BenchSettings:
     warmup: int = 8                     # untimed decode steps before them
     threads: int | None = None          # CPU threads; None: engine.threads.default_threads()
     dtype: str = "float32"
+    kv_dtype: str | None = None         # the KV cache's dtype; None: the model's
     device: str = "cpu"
     isolate: bool = True                # a fresh subprocess per configuration
     backend: str = "auto"               # the decode step form (engine.steps): auto, torch, native, module
@@ -91,6 +93,7 @@ class BenchSettings:
             object.__setattr__(self, "dtype", WEIGHTS[self.weights][0])
         if self.batch < 1:
             raise InvalidArgumentError(f"batch must be >= 1, got {self.batch}")
+        parse_dtype(self.kv_dtype)
         object.__setattr__(self, "contexts", ctx)
         object.__setattr__(self, "contexts_sorted", tuple(sorted(set(ctx))))
 
@@ -204,7 +207,8 @@ def measure(model, attention: str, context: int, steps: int, warmup: int,
         "decode_ms_per_token": median * 1e3, "decode_ms_per_token_p90": percentile(times, 90) * 1e3,
         "decode_ms_per_token_min": times[0] * 1e3, "decode_tokens_per_s": batch / median,
         "state_bytes": state.nbytes,
-        "state_bytes_formula": config_state_bytes(rt, slots, model.dtype, fmap, batch),
+        "state_bytes_formula": config_state_bytes(rt, slots, model.dtype, fmap, batch, model.kv_dtype),
+        "kv_dtype": str(model.kv_dtype or model.dtype).removeprefix("torch."),
         "beyond_trained_positions": slots > cfg.max_position_embeddings,
         "steps": steps, "warmup": warmup,
         "step_form": step.last_form, "fallback": step.fallback,
@@ -245,7 +249,8 @@ def run_in_process(model, settings: BenchSettings, attention: str, context: int)
 
 def run_isolated(model_path: str, settings: BenchSettings, attention: str, context: int) -> dict:
     """Run one configuration in a fresh `python -m engine.bench.worker`; returns its record."""
-    job = {"model": model_path, "dtype": settings.dtype, "device": settings.device, "threads": settings.threads,
+    job = {"model": model_path, "dtype": settings.dtype, "kv_dtype": settings.kv_dtype, "device": settings.device,
+           "threads": settings.threads,
            "attention": attention, "context": context, "steps": settings.steps, "warmup": settings.warmup,
            "feature_map": settings.feature_map, "seed": settings.seed, "backend": settings.backend,
            "quantize": settings.quantize, "batch": settings.batch, "prefill_tokens": settings.prefill_tokens,

@@ -8,7 +8,7 @@ import sys
 from engine.bench.memory import peak_rss_bytes, rss_bytes
 from engine.bench.sweep import measure_entry
 from engine.errors import EngineError
-from engine.loader import load_model
+from engine.loader import load_model, parse_dtype
 from engine.quant import quantize_model
 from engine.threads import set_threads
 
@@ -18,6 +18,7 @@ def main() -> int:
     set_threads(job.get("threads"))
     try:
         model, _ = load_model(job["model"], device=job["device"], dtype=job["dtype"])
+        model.kv_dtype = parse_dtype(job.get("kv_dtype"))
         if job.get("quantize"):
             quantize_model(model, job["quantize"])
         after_load = rss_bytes()

@@ -20,7 +20,7 @@ from engine.serve.server import Server
 def open_server(model: str, attention: str | None = None, feature_map: str | None = None, dtype=None,
                 backend: str = "auto", threads: int | None = None, max_batch: int = 16,
                 max_context: int | None = None, max_queue: int | None = None, softmax_layers=None,
-                window: int | None = None) -> Server:
+                window: int | None = None, kv_dtype=None) -> Server:
     """Load `model` (a registered name or a path) and wrap it in a Server named `model` (chat through
     the model's own chat template, when it has one: see `LLM.chat`).
 
@@ -30,7 +30,7 @@ def open_server(model: str, attention: str | None = None, feature_map: str | Non
     window and learned maps batch like the plain paths: their states regroup rows the same way).
     """
     llm = load(model, attention=attention, feature_map=feature_map, dtype=dtype, backend=backend, threads=threads,
-               softmax_layers=softmax_layers, window=window)
+               softmax_layers=softmax_layers, window=window, kv_dtype=kv_dtype)
     return Server(llm, name=str(model), max_batch=max_batch, max_context=max_context, max_queue=max_queue)
 
 
