@@ -26,7 +26,7 @@ from engine.attention import check_path, get_feature_map
 from engine.errors import InvalidArgumentError
 from engine.chat import ChatSession
 from engine.generate import Closing, Generation, GenerationConfig, Result, eos_set
-from engine.loader import load_parts, parse_dtype
+from engine.loader import load_parts
 from engine.sampling import SamplingParams
 from engine.state_io import SavedState, load as load_state_file, save as save_state_file
 from engine.attention.hybrid import runtime_config
@@ -68,10 +68,8 @@ def load(model: str = "tiny", attention: str | None = None, feature_map: str | N
     backend = "native" if native else check_backend(backend)
     if quantize is not None:
         check_kind(quantize)
-    kv = parse_dtype(kv_dtype)
     set_threads(threads)
-    net, tokenizer, template = load_parts(model, device=device, dtype=dtype)
-    net.kv_dtype = kv
+    net, tokenizer, template = load_parts(model, device=device, dtype=dtype, kv_dtype=kv_dtype)
     net.config = runtime_config(net.config, attention, softmax_layers, window)
     if quantize is not None:
         quantize_model(net, quantize)

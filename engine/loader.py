@@ -56,25 +56,27 @@ def parse_device(device: str | torch.device) -> torch.device:
 
 
 def load_model(model: str | os.PathLike, device: str | torch.device = "cpu",
-               dtype: str | torch.dtype | None = None):
+               dtype: str | torch.dtype | None = None, kv_dtype: str | torch.dtype | None = None):
     """Load weights (+ tokenizer when one ships) onto `device` in `dtype` (default: fp32).
 
     Returns (Transformer, tokenizer or None). The model computes in `dtype` whatever dtype the
-    checkpoint stores.
+    checkpoint stores; its states keep the KV cache in `kv_dtype` (default: `dtype`).
     """
-    net, tokenizer, _ = load_parts(model, device, dtype)
+    net, tokenizer, _ = load_parts(model, device, dtype, kv_dtype)
     return net, tokenizer
 
 
 def load_parts(model: str | os.PathLike, device: str | torch.device = "cpu",
-               dtype: str | torch.dtype | None = None):
+               dtype: str | torch.dtype | None = None, kv_dtype: str | torch.dtype | None = None):
     """`load_model` plus the checkpoint's chat template: (Transformer, tokenizer or None, template or None)."""
     path = resolve(model)
     dtype = parse_dtype(dtype) or torch.float32
+    kv_dtype = parse_dtype(kv_dtype)
     device = parse_device(device)
     ckpt = read_checkpoint(path)
-    return build(ckpt.config, ckpt.tensors, device, dtype, interleaved_rotary=ckpt.interleaved_rotary,
-                 maps=ckpt.maps), ckpt.tokenizer, ckpt.chat_template
+    net = build(ckpt.config, ckpt.tensors, device, dtype, interleaved_rotary=ckpt.interleaved_rotary, maps=ckpt.maps)
+    net.kv_dtype = kv_dtype
+    return net, ckpt.tokenizer, ckpt.chat_template
 
 
 def build(cfg: ModelConfig, hf_tensors, device, dtype, interleaved_rotary: bool = False,

@@ -21,7 +21,7 @@ from engine.bench.hf_compare import compare_hf as run_compare
 from engine.bench.configs import layer_paths
 from engine.bench.memory import available_bytes, check_fits, run_bytes
 from engine.bench.report import decode_crossover, machine_info, memory_crossover, relative_to_softmax
-from engine.loader import load_model, parse_dtype
+from engine.loader import load_model
 from engine.quant import quantize_model
 from engine.threads import current_threads, set_threads
 from models.registry import resolve
@@ -60,8 +60,7 @@ def run_bench(settings: BenchSettings, compare_hf: bool = False, hf_new_tokens: 
     """
     set_threads(settings.threads)
     path = resolve(settings.model)
-    model, tokenizer = load_model(path, device=settings.device, dtype=settings.dtype)
-    model.kv_dtype = parse_dtype(settings.kv_dtype)
+    model, tokenizer = load_model(path, device=settings.device, dtype=settings.dtype, kv_dtype=settings.kv_dtype)
     if settings.quantize:
         quantize_model(model, settings.quantize)
     info = model_info(model)

@@ -54,8 +54,8 @@ def config_state_bytes(rt, slots: int, dtype: torch.dtype, feature_map: str | No
     """State bytes of a runtime config `rt` (any attention, window or not) with a KV cache of `slots`
     (in `kv_dtype`, default `dtype`)."""
     if rt.attention in ("softmax", "linear") and not rt.window:
-        return state_bytes_formula(rt, rt.attention, slots, kv_dtype or dtype if rt.attention == "softmax" else dtype,
-                                   feature_map, batch)
+        cache = (kv_dtype or dtype) if rt.attention == "softmax" else dtype
+        return state_bytes_formula(rt, rt.attention, slots, cache, feature_map, batch)
     F_ = get_feature_map(feature_map or rt.feature_map).out_dim(rt.head_dim)
     return per_layer_state_bytes(rt, layer_paths(rt), slots, batch, dtype_bytes(dtype), F_,
                                  rt.window if rt.attention != "softmax" else 0, dtype_bytes(kv_dtype or dtype))

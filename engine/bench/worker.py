@@ -8,7 +8,7 @@ import sys
 from engine.bench.memory import peak_rss_bytes, rss_bytes
 from engine.bench.sweep import measure_entry
 from engine.errors import EngineError
-from engine.loader import load_model, parse_dtype
+from engine.loader import load_model
 from engine.quant import quantize_model
 from engine.threads import set_threads
 
@@ -17,8 +17,7 @@ def main() -> int:
     job = json.loads(sys.stdin.read())
     set_threads(job.get("threads"))
     try:
-        model, _ = load_model(job["model"], device=job["device"], dtype=job["dtype"])
-        model.kv_dtype = parse_dtype(job.get("kv_dtype"))
+        model, _ = load_model(job["model"], device=job["device"], dtype=job["dtype"], kv_dtype=job.get("kv_dtype"))
         if job.get("quantize"):
             quantize_model(model, job["quantize"])
         after_load = rss_bytes()

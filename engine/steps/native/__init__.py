@@ -302,11 +302,15 @@ class NativeDecoder:
         layers = _layer_modules(model)
         mats = {n: [_matrix(layer[i]) for layer in layers] for i, n in ((1, "qkv"), (2, "wo"), (4, "gu"), (5, "wd"))}
         embed, head = _matrix(model.embed_tokens), _matrix(model.lm_head)
-        # fp32 weights holding only 16-bit values: read from their 16-bit copies (the same products)
-        self.sources = [m[0] for ms in mats.values() for m in ms] + [embed[0], head[0]]
+        # fp32 weights holding only 16-bit values, q4_1 / q8_0 blocks: read from copies made once;
+        # the weights behind a copy (only those) are checked for in-place edits before every step
+        grouped = REGROUP and bool(self.library.gen_has_q4_1r())
+        originals = [m for ms in mats.values() for m in ms] + [embed, head]
+        mats = {n: [self._narrow(model, m, grouped) for m in ms] for n, ms in mats.items()}
+        embed, head = self._narrow(model, embed, grouped), self._narrow(model, head, grouped)
+        used = [m[0] for ms in mats.values() for m in ms] + [embed[0], head[0]]
+        self.sources = [o[0] for o, u in zip(originals, used) if u is not o[0]]
         self.source_versions = self._versions()
-        mats = {n: [self._narrow(model, m) for m in ms] for n, ms in mats.items()}
-        embed, head = self._narrow(model, embed), self._narrow(model, head)
         norms = [layer[i] for layer in layers for i in (0, 3)] + [model.norm.weight]
         flat = [m[0] for ms in mats.values() for m in ms] + [embed[0], head[0]] + norms
         if any(t.device.type != "cpu" or not t.is_contiguous() for t in flat) or \
@@ -418,10 +422,11 @@ class NativeDecoder:
         state.commit(span)
         return logits
 
-    def _narrow(self, model, m: tuple) -> tuple:
+    @staticmethod
+    def _narrow(model, m: tuple, grouped: bool) -> tuple:
         """The tensor the C step reads for matrix m: a 16-bit copy of exactly-16-bit fp32 weights,
-        q4_1 blocks regrouped where this build has the grouped kernel, else m's own."""
-        if m[1] in (TYPES["q4_1"], TYPES["q8_0"]) and REGROUP and self.library.gen_has_q4_1r():
+        q4_1 / q8_0 blocks regrouped where `grouped` (this build has those kernels), else m's own."""
+        if m[1] in (TYPES["q4_1"], TYPES["q8_0"]) and grouped:
             q41 = m[1] == TYPES["q4_1"]
             return _regrouped(model, m[0], m[2], q41), T_Q4_1R if q41 else T_Q8_0R, m[2], m[3]
         w = _exact16(model, m[0])
