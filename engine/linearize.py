@@ -18,7 +18,9 @@ softmax model (attention transfer, Hedgehog / LoLCATs), then finetune them end t
    the target's mean square), before and after.
 3. Finetune (`finetune_steps`): all maps at once through the whole model run linear (or hybrid:
    the `hybrid` layers with the highest relative loss stay softmax), loss = the LM loss
-   (`finetune_loss="lm"`) or KL(softmax model || this model) on the logits ("kl").
+   (`finetune_loss="lm"`) or KL(softmax model || this model) on the logits ("kl"). With
+   `lora_rank` R > 0, low-rank adapters on the linear layers' q/k/v and o projections
+   (`engine.adapters`, LoLCATs) train beside the maps and ship as DIR/adapters.safetensors.
 
 Resumable: progress (maps, Adam state, counters) is saved after every layer and every
 `save_every` finetune steps under OUT/.linearize; `resume=True` continues from there. Batches
@@ -42,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from engine.adapters import LoRA, attach, detach
 from engine.attention.feature_maps import FeatureMap, hedgehog_phi
 from engine.attention.hybrid import highest_loss_layers, layer_attention_for
 from engine.attention.linear import linear_attention
@@ -51,7 +54,7 @@ from engine.errors import InvalidArgumentError
 from engine.loader import build
 from engine.transformer import apply_rotary
 from models.corpus import read_documents
-from models.linearized import write_json, write_maps
+from models.linearized import write_adapters, write_json, write_maps
 from models.registry import read_checkpoint, resolve
 
 WORK = ".linearize"
@@ -73,6 +76,7 @@ class LinearizeArgs:
     finetune_batch: int = 4
     finetune_lr: float = 1e-3
     finetune_loss: str = "lm"      # "lm" or "kl"
+    lora_rank: int = 0             # low-rank adapters on the linear layers' q/k/v/o, trained in the finetune (0: none)
     hybrid: int = 0                # softmax layers kept during the finetune (highest relative loss)
     window: int = 0                # sliding window + linear during transfer and finetune (0: off)
     budget: float | None = None    # minutes
@@ -109,7 +113,8 @@ def check_args(a: LinearizeArgs) -> None:
                     ("finetune_batch", a.finetune_batch), ("save_every", a.save_every)):
         if v < 1:
             raise InvalidArgumentError(f"--{name.replace('_', '-')} must be at least 1, got {v}")
-    for name, v in (("layer_steps", a.layer_steps), ("finetune_steps", a.finetune_steps), ("hybrid", a.hybrid)):
+    for name, v in (("layer_steps", a.layer_steps), ("finetune_steps", a.finetune_steps), ("hybrid", a.hybrid),
+                    ("lora_rank", a.lora_rank)):
         if v < 0:
             raise InvalidArgumentError(f"--{name.replace('_', '-')} must be 0 or more, got {v}")
     if a.window < 0:
@@ -334,23 +339,28 @@ def linearize(a: LinearizeArgs, log=print, on_step=None) -> dict:
     layer_attention = layer_attention_for(L, highest_loss_layers(relative, a.hybrid))
     # ----------------------------------------------------------------- finetune
     finetune_rows = train_rows[:a.finetune_tokens // a.seq_len] if a.finetune_tokens else transfer_rows
+    lora = LoRA.for_config(cfg, a.lora_rank, a.seed) if a.lora_rank and a.finetune_steps else None
+    if lora is not None and saved is not None and "lora" in saved:
+        lora.load_state_dict(saved["lora"])
     if a.finetune_steps and state["finetune_done"] < a.finetune_steps:
-        finetune(model, a, state, progress, saved, finetune_rows, layer_attention, deadline, log, on_step)
+        finetune(model, a, state, progress, saved, finetune_rows, layer_attention, deadline, log, on_step, lora)
     rows_used = {"transfer_rows": transfer_rows.shape[0], "finetune_rows": finetune_rows.shape[0],
                  "eval_rows": eval_rows.shape[0],
                  "finetune_tokens_seen": state["finetune_done"] * a.finetune_batch * a.seq_len}
-    summary = write_output(model, a, state, used, layer_attention if a.hybrid else None, t0, rows_used)
+    summary = write_output(model, a, state, used, layer_attention if a.hybrid else None, t0, rows_used, lora)
     shutil.rmtree(progress.dir, ignore_errors=True)
     return summary
 
 
-def finetune(model, a, state, progress, saved, rows, layer_attention, deadline, log, on_step):
+def finetune(model, a, state, progress, saved, rows, layer_attention, deadline, log, on_step, lora):
     cfg = model.config
     model.config = cfg.replace(attention="hybrid" if a.hybrid else "linear",
                                layer_attention=layer_attention if a.hybrid else None)
-    params = list(model.hedgehog.parameters())
+    params = list(model.hedgehog.parameters()) + (list(lora.parameters()) if lora is not None else [])
     for p in params:
         p.requires_grad_(True)
+    if lora is not None:
+        attach(model, lora)
     opt = torch.optim.Adam(params, lr=a.finetune_lr)
     if saved is not None and "opt" in saved:
         opt.load_state_dict(saved["opt"])
@@ -385,27 +395,34 @@ def finetune(model, a, state, progress, saved, rows, layer_attention, deadline, 
             now = time.monotonic()
             state["seconds"] += now - t_last
             t_last = now
-            progress.save(state, {"maps": model.hedgehog.state_dict(), "opt": opt.state_dict()})
+            progress.save(state, {"maps": model.hedgehog.state_dict(), "opt": opt.state_dict(),
+                                  **({"lora": lora.state_dict()} if lora is not None else {})})
         if out_of_time:
             log(f"budget reached after {step} finetune steps")
             break
     bar.close()
     for p in params:
         p.requires_grad_(False)
+    if lora is not None:
+        detach(model)
     model.config = cfg
 
 
-def write_output(model, a, state, used, layer_attention, t0, rows_used) -> dict:
+def write_output(model, a, state, used, layer_attention, t0, rows_used, lora=None) -> dict:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     L = model.config.num_hidden_layers
     relative = [round(r["relative"], 6) for r in state["losses"]]
     write_maps(out / "maps.safetensors", {f"hedgehog.{k}": v for k, v in model.hedgehog.state_dict().items()})
+    if lora is not None:
+        write_adapters(out / "adapters.safetensors", lora.export())
     config = {"base_model": a.model, "feature_map": "hedgehog",
               "attention": "hybrid" if layer_attention else "linear", "window": a.window,
               "transfer_loss": relative}
     if layer_attention:
         config["layer_attention"] = list(layer_attention)
+    if lora is not None:
+        config["lora_rank"] = a.lora_rank
     write_json(out / "transfer_losses.json", {
         "loss": "MSE of the o_proj output of linear vs softmax attention, on a fixed batch of "
                 f"{a.eval_rows} rows x {a.seq_len} tokens; relative = loss / the target's mean square",

@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from engine.adapters import merge
 from engine.attention.feature_maps import Hedgehog
 from engine.quant import QuantLinear
 from engine.transformer import Transformer
@@ -74,18 +75,21 @@ def load_parts(model: str | os.PathLike, device: str | torch.device = "cpu",
     kv_dtype = parse_dtype(kv_dtype)
     device = parse_device(device)
     ckpt = read_checkpoint(path)
-    net = build(ckpt.config, ckpt.tensors, device, dtype, interleaved_rotary=ckpt.interleaved_rotary, maps=ckpt.maps)
+    net = build(ckpt.config, ckpt.tensors, device, dtype, interleaved_rotary=ckpt.interleaved_rotary, maps=ckpt.maps,
+                adapters=ckpt.adapters)
     net.kv_dtype = kv_dtype
     return net, ckpt.tokenizer, ckpt.chat_template
 
 
 def build(cfg: ModelConfig, hf_tensors, device, dtype, interleaved_rotary: bool = False,
-          maps: dict | None = None) -> Transformer:
+          maps: dict | None = None, adapters: dict | None = None) -> Transformer:
     """Instantiate the runtime model from Hugging Face-named tensors, without a random init.
 
     interleaved_rotary: q/k rows in Meta's layout (llama2.c); permuted once, while fusing.
     maps: learned feature maps under runtime names (`models.linearized`); a config naming the
     hedgehog map without them gets fresh (identity) maps.
+    adapters: low-rank adapters of the linear layers (`engine.adapters`), merged into the layers'
+    adapted projections.
     """
     with torch.device("meta"):
         model = Transformer(cfg)
@@ -105,6 +109,8 @@ def build(cfg: ModelConfig, hf_tensors, device, dtype, interleaved_rotary: bool 
     model.load_state_dict(runtime, assign=True, strict=True)
     if tied:
         model.lm_head.weight = model.embed_tokens.weight
+    if adapters is not None:
+        merge(model, adapters)
     return model.eval()
 
 

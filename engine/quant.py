@@ -169,11 +169,16 @@ def q8_reference(model):
     """A deep copy of `model` whose QuantLinear layers round their activations to q8 blocks and take
     integer dot products, as the native step (tests run its module path as the reference)."""
     ref = copy.deepcopy(model)
+
+    def q8(m):
+        return QuantLinearQ8(m.blocks, m.kind, m.in_features, m.out_features) if type(m) is QuantLinear else m
+
     for name, module in list(ref.named_modules()):
         for child_name, child in list(module.named_children()):
             if type(child) is QuantLinear:
-                setattr(module, child_name, QuantLinearQ8(child.blocks, child.kind, child.in_features,
-                                                          child.out_features))
+                setattr(module, child_name, q8(child))
+        if getattr(module, "adapted", None) is not None:   # a linear layer's adapted projections
+            module.adapted = tuple(q8(m) for m in module.adapted)
     return ref
 
 
@@ -194,16 +199,22 @@ def quantize_model(model, kind: str) -> list[str]:
     targets += [(f"layers.{i}.mlp", layer.mlp, n) for i, layer in enumerate(model.layers)
                 for n in ("gate_up", "down_proj")]
     targets.append(("", model, "lm_head"))
+
+    def quantized(module):
+        if quantizable(module):
+            return QuantLinear.from_linear(module, kind)
+        if isinstance(module, QuantLinear) and module.kind != kind:
+            return QuantLinear(quantize(module.weight, kind), kind, module.in_features, module.out_features)
+        return module
+
     with torch.no_grad():
         for prefix, parent, name in targets:
             module = getattr(parent, name)
-            if quantizable(module):
-                setattr(parent, name, QuantLinear.from_linear(module, kind))
-            elif isinstance(module, QuantLinear) and module.kind != kind:
-                setattr(parent, name, QuantLinear(quantize(module.weight, kind), kind, module.in_features,
-                                                  module.out_features))
-            elif not isinstance(module, QuantLinear):
+            new = quantized(module)
+            setattr(parent, name, new)
+            if not isinstance(new, QuantLinear):
                 kept.append(f"{prefix}.{name}".lstrip("."))
+        _convert_adapted(model, quantized)
     model.weights_epoch += 1
     model.quantization = kind
     return kept
@@ -229,11 +240,23 @@ def weights_label(model, view=None) -> str:
 def dequantize_model(model) -> None:
     """Replace every QuantLinear (e.g. a GGUF file's blocks) by a bias-free nn.Linear holding its
     dequantized weight in the model's dtype, in place: the float form of the same weights."""
+    def floats(child):
+        if not isinstance(child, QuantLinear):
+            return child
+        lin = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
+        lin.weight = nn.Parameter(child.weight.to(model.dtype), requires_grad=False)
+        return lin
+
     with torch.no_grad():
         for module in list(model.modules()):
             for name, child in list(module.named_children()):
-                if isinstance(child, QuantLinear):
-                    lin = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
-                    lin.weight = nn.Parameter(child.weight.to(model.dtype), requires_grad=False)
-                    setattr(module, name, lin)
+                setattr(module, name, floats(child))
+        _convert_adapted(model, floats)
     model.weights_epoch += 1
+
+
+def _convert_adapted(model, fn) -> None:
+    """Apply fn to the linear layers' adapted projections (engine.adapters; not submodules)."""
+    for layer in getattr(model, "layers", ()):
+        if getattr(layer.self_attn, "adapted", None) is not None:
+            layer.self_attn.adapted = tuple(fn(m) for m in layer.self_attn.adapted)

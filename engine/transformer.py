@@ -40,11 +40,15 @@ def rms_norm(x, weight, eps, n):
     return weight * (x32 * r if x.dtype == torch.float32 else (x32 * r).to(x.dtype))
 
 
-def layer_weights(model) -> list[tuple]:
-    """Per layer, the weights one decode step reads: (ln1, qkv, o, ln2, gate_up, down)."""
-    return [(b.input_layernorm.weight, b.self_attn.qkv.weight, b.self_attn.o_proj.weight,
+def layer_weights(model, paths=None) -> list[tuple]:
+    """Per layer, the weights one decode step reads: (ln1, qkv, o, ln2, gate_up, down).
+
+    paths: per layer "softmax" or "linear" (default: all softmax); a linear layer reads its
+    adapted projections where the model carries them (`Attention.projections`)."""
+    paths = paths or ("softmax",) * len(model.layers)
+    return [(b.input_layernorm.weight, *(m.weight for m in b.self_attn.projections(p != "softmax")),
              b.post_attention_layernorm.weight, b.mlp.gate_up.weight, b.mlp.down_proj.weight)
-            for b in model.layers]
+            for b, p in zip(model.layers, paths)]
 
 
 class RMSNorm(nn.Module):
@@ -111,22 +115,31 @@ def apply_rotary(x, cos, sin):  # x (B, H, T, D)
 
 
 class Attention(nn.Module):
+    """qkv and o_proj; `adapted` = (qkv, o) modules a linear layer runs instead, when the model
+    carries low-rank adapters trained with its linear attention (`engine.adapters`), else None."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.H, self.Hkv, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.qkv = nn.Linear(cfg.hidden_size, (self.H + 2 * self.Hkv) * self.D, bias=False)
         self.o_proj = nn.Linear(self.H * self.D, cfg.hidden_size, bias=False)
+        self.adapted = None
 
-    def forward(self, x, rope, attend):
+    def projections(self, linear: bool = False) -> tuple:
+        """(qkv, o_proj) modules of this layer run as softmax (linear=False) or linear attention."""
+        return self.adapted if linear and self.adapted is not None else (self.qkv, self.o_proj)
+
+    def forward(self, x, rope, attend, linear: bool = False):
         B, T, _ = x.shape
-        q, k, v = self.qkv(x).split([self.H * self.D, self.Hkv * self.D, self.Hkv * self.D], dim=-1)
+        qkv, o_proj = self.projections(linear)
+        q, k, v = qkv(x).split([self.H * self.D, self.Hkv * self.D, self.Hkv * self.D], dim=-1)
         q = q.view(B, T, self.H, self.D).transpose(1, 2)       # (B, H, T, D)
         k = k.view(B, T, self.Hkv, self.D).transpose(1, 2)     # (B, Hkv, T, D)
         v = v.view(B, T, self.Hkv, self.D).transpose(1, 2)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = attend(q, k, v)                                   # (B, H, T, D)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.H * self.D))
+        return o_proj(out.transpose(1, 2).reshape(B, T, self.H * self.D))
 
 
 class MLP(nn.Module):
@@ -149,8 +162,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, rope, attend):
-        x = x + self.self_attn(self.input_layernorm(x), rope, attend)
+    def forward(self, x, rope, attend, linear: bool = False):
+        x = x + self.self_attn(self.input_layernorm(x), rope, attend, linear)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -172,6 +185,9 @@ class Transformer(nn.Module):
 
     def _apply(self, fn, *args, **kwargs):   # .to(), .half(), .float(), .cuda(): new storage
         out = super()._apply(fn, *args, **kwargs)
+        for layer in self.layers:             # adapted projections are not submodules (not in state_dict)
+            if layer.self_attn.adapted is not None:
+                layer.self_attn.adapted = tuple(m._apply(fn, *args, **kwargs) for m in layer.self_attn.adapted)
         self.weights_epoch += 1
         return out
 
@@ -213,6 +229,13 @@ class Transformer(nn.Module):
             return self.config.layer_attention
         return (path,) * self.config.num_hidden_layers
 
+    def paths_of(self, state) -> tuple[str, ...]:
+        """Per layer "softmax" or "linear" as `state` runs them (window layers are linear)."""
+        mixed = getattr(state, "layer_paths", None)
+        if mixed is not None:
+            return tuple(mixed)
+        return ("softmax" if state.path == "softmax" else "linear",) * self.config.num_hidden_layers
+
     # ------------------------------------------------------------------ decoding
     def init_state(self, batch: int = 1, max_len: int | None = None, attention: str | None = None,
                    feature_map: str | None = None, device=None, dtype=None, kv_dtype=None) -> State:
@@ -249,8 +272,9 @@ class Transformer(nn.Module):
                 rope = self.rotary.for_range(span.start, span.length, x.device, x.dtype)
         mixed = getattr(state, "layer_paths", None)    # a hybrid state: rotary per layer
         for i, layer in enumerate(self.layers):
+            path = state.path if mixed is None else mixed[i]
             layer_rope = rope if mixed is None or self.uses_rope(mixed[i]) else None
-            x = layer(x, layer_rope, lambda q, k, v, i=i: state.attend(i, q, k, v, span))
+            x = layer(x, layer_rope, lambda q, k, v, i=i: state.attend(i, q, k, v, span), path != "softmax")
         state.commit(span)
         if last_only:
             x = x[:, -1:]
@@ -287,5 +311,5 @@ class Transformer(nn.Module):
                 attend_fn = lambda q, k, v: softmax(q, k, v, valid)  # noqa: E731
             else:
                 attend_fn = lambda q, k, v, i=i: linear(q, k, v, i)  # noqa: E731
-            x = layer(x, rope if self.uses_rope(path) else None, attend_fn)
+            x = layer(x, rope if self.uses_rope(path) else None, attend_fn, path != "softmax")
         return self.lm_head(self.norm(x))

@@ -3,6 +3,8 @@
     DIR/config.json          {"base_model": "smollm2", "feature_map": "hedgehog", "attention": "linear",
                               "layer_attention": [...] (optional), "window": 0, "transfer_loss": [...]}
     DIR/maps.safetensors     the learned maps (fp16), names below
+    DIR/adapters.safetensors low-rank adapters of the linear layers' q/k/v and o projections (fp16,
+                             optional: `gen linearize --lora-rank R`; engine.adapters), names below
     DIR/transfer_losses.json per layer: absolute and relative transfer loss (written by gen linearize)
     DIR/data.json            the training data used
 
@@ -12,6 +14,11 @@ Checkpoint names <-> runtime names of the maps, in one place (runtime: `Transfor
     feature_map.q.bias    (L, H, D)        hedgehog.q_bias
     feature_map.k.weight  (L, Hkv, D, D)   hedgehog.k_weight
     feature_map.k.bias    (L, Hkv, D)      hedgehog.k_bias
+
+    adapter.qkv.a         (L, R, C)              qkv_a
+    adapter.qkv.b         (L, (H + 2 Hkv) D, R)  qkv_b   (B holds the scale: delta W = B A)
+    adapter.o.a           (L, R, H D)            o_a
+    adapter.o.b           (L, C, R)              o_b
 """
 from __future__ import annotations
 
@@ -25,7 +32,8 @@ from safetensors.torch import load_file, save_file
 from models.config import LAYER_PATHS, ModelConfig
 from models.errors import CheckpointError
 
-CONFIG, MAPS = "config.json", "maps.safetensors"
+CONFIG, MAPS, ADAPTERS = "config.json", "maps.safetensors", "adapters.safetensors"
+ADAPTER_NAMES = {"adapter.qkv.a": "qkv_a", "adapter.qkv.b": "qkv_b", "adapter.o.a": "o_a", "adapter.o.b": "o_b"}
 MAP_NAMES = {"feature_map.q.weight": "hedgehog.q_weight", "feature_map.q.bias": "hedgehog.q_bias",
              "feature_map.k.weight": "hedgehog.k_weight", "feature_map.k.bias": "hedgehog.k_bias"}
 # the keys of DIR/config.json that override the base model's config
@@ -36,6 +44,13 @@ def map_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     L, H, Hkv, D = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     return {"feature_map.q.weight": (L, H, D, D), "feature_map.q.bias": (L, H, D),
             "feature_map.k.weight": (L, Hkv, D, D), "feature_map.k.bias": (L, Hkv, D)}
+
+
+def adapter_shapes(cfg: ModelConfig, rank: int) -> dict[str, tuple[int, ...]]:
+    L, H, Hkv, D, C = (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                       cfg.hidden_size)
+    return {"adapter.qkv.a": (L, rank, C), "adapter.qkv.b": (L, (H + 2 * Hkv) * D, rank),
+            "adapter.o.a": (L, rank, H * D), "adapter.o.b": (L, C, rank)}
 
 
 def is_linearized(path: str | os.PathLike) -> bool:
@@ -56,13 +71,50 @@ def read_linearized_config(path: str | os.PathLike) -> dict:
     return raw
 
 
-def apply_linearized(base_cfg: ModelConfig, raw: dict, path: str | os.PathLike) -> tuple[ModelConfig, dict]:
-    """The base config with the linearized dir's overrides, and the maps under runtime names (checked)."""
+def apply_linearized(base_cfg: ModelConfig, raw: dict, path: str | os.PathLike) -> tuple[ModelConfig, dict, dict | None]:
+    """The base config with the linearized dir's overrides, the maps and the adapters (None: the
+    directory has none) under runtime names, checked."""
     where = Path(path) / CONFIG
     changes = {k: raw[k] for k in OVERRIDES if k in raw}
     trained = tuple(dict.fromkeys(base_cfg.trained_for + ("linear", "hybrid")))
     cfg = ModelConfig.from_dict({**base_cfg.to_dict(), **changes, "trained_for": list(trained)}, where=str(where))
-    return cfg, read_maps(Path(path) / MAPS, cfg)
+    adapters = Path(path) / ADAPTERS
+    return cfg, read_maps(Path(path) / MAPS, cfg), read_adapters(adapters, cfg) if adapters.is_file() else None
+
+
+def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(file))
+    except Exception as e:  # noqa: BLE001 - safetensors raises several types for a damaged file
+        raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
+
+
+def read_adapters(file: str | os.PathLike, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Low-rank adapters of `file` under runtime names, each checked against `cfg` (one-line CheckpointError)."""
+    file = Path(file)
+    tensors = _read_safetensors(file)
+    a = tensors.get("adapter.qkv.a")
+    rank = a.shape[1] if a is not None and a.dim() == 3 else 0
+    out = {}
+    for name, shape in adapter_shapes(cfg, rank).items():
+        if name not in tensors:
+            raise CheckpointError(f"{file}: missing tensor {name}")
+        found = tuple(tensors[name].shape)
+        if found != shape or rank < 1:
+            raise CheckpointError(f"{file}: tensor {name} has shape {list(found)}, but the base model needs "
+                                  f"{list(shape)} ({cfg.num_hidden_layers} layers, rank {rank}): these adapters "
+                                  f"belong to another model")
+        out[ADAPTER_NAMES[name]] = tensors[name].float()
+    return out
+
+
+def write_adapters(file: str | os.PathLike, runtime: dict[str, torch.Tensor], dtype=torch.float16) -> None:
+    """Save runtime-named adapters (`qkv_a`, ...) under checkpoint names, atomically."""
+    inverse = {v: k for k, v in ADAPTER_NAMES.items()}
+    tensors = {inverse[k]: v.detach().to("cpu", dtype).contiguous() for k, v in runtime.items()}
+    tmp = f"{os.fspath(file)}.tmp"
+    save_file(tensors, tmp)
+    os.replace(tmp, file)
 
 
 def read_maps(file: str | os.PathLike, cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -70,10 +122,7 @@ def read_maps(file: str | os.PathLike, cfg: ModelConfig) -> dict[str, torch.Tens
     file = Path(file)
     if not file.is_file():
         raise CheckpointError(f"{file}: no such file; a linearized model directory needs its maps")
-    try:
-        tensors = load_file(str(file))
-    except Exception as e:  # noqa: BLE001 - safetensors raises several types for a damaged file
-        raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
+    tensors = _read_safetensors(file)
     out = {}
     for name, shape in map_shapes(cfg).items():
         if name not in tensors:
@@ -104,5 +153,6 @@ def write_json(file: str | os.PathLike, obj) -> None:
     os.replace(tmp, file)
 
 
-__all__ = ["CONFIG", "MAPS", "MAP_NAMES", "LAYER_PATHS", "map_shapes", "is_linearized", "read_linearized_config",
+__all__ = ["CONFIG", "MAPS", "ADAPTERS", "MAP_NAMES", "ADAPTER_NAMES", "adapter_shapes", "read_adapters",
+           "write_adapters", "LAYER_PATHS", "map_shapes", "is_linearized", "read_linearized_config",
            "apply_linearized", "read_maps", "write_maps", "write_json"]

@@ -43,6 +43,7 @@ class Checkpoint:
     interleaved_rotary: bool = False     # q/k rows in Meta's interleaved layout (llama2.c, GGUF)
     path: Path | None = None
     maps: dict[str, torch.Tensor] | None = None   # learned feature maps, runtime names (models.linearized)
+    adapters: dict[str, torch.Tensor] | None = None   # low-rank adapters of the linear layers (models.linearized)
     chat_template: ChatTemplate | None = None   # GGUF / tokenizer_config.json / chat_template.jinja
 
 
@@ -68,9 +69,9 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
     if path.is_dir() and is_linearized(path):    # learned maps + a pointer to the base model
         raw = read_linearized_config(path)
         base = read_checkpoint(resolve(raw["base_model"]))
-        cfg, maps = apply_linearized(base.config, raw, path)
+        cfg, maps, adapters = apply_linearized(base.config, raw, path)
         return Checkpoint(cfg, base.tensors, base.tokenizer, base.interleaved_rotary, path, maps=maps,
-                          chat_template=base.chat_template)
+                          adapters=adapters, chat_template=base.chat_template)
     if path.is_dir():
         cfg, tensors = read_hf_dir(path)
         tok_path = path / "tokenizer.model"

@@ -5,11 +5,13 @@ separated by `<|endoftext|>` lines (the format `gen eval`, `gen train` and `gen 
     apt-get install -y python3.11-doc fortunes
     python scripts/text_corpus.py html /usr/share/doc/python3.11/html > python-docs.txt
     python scripts/text_corpus.py fortunes /usr/share/games/fortunes/{literature,people,...} > fortunes.txt
+    python scripts/text_corpus.py fortunes FILE... --exclude FILE...    # minus every fortune of the --exclude files
 
 html: one document per page, the text of the page's main body (the standard library's
 html.parser; scripts, styles, navigation, headers and footers dropped), pages in sorted path
-order. fortunes: one document per fortune (the files' '%' lines separate them), short ones
-(< 200 characters) joined with their neighbours into paragraphs of about 1,000 characters.
+order. fortunes: fortunes (the files' '%' lines separate them) joined into documents of about
+1,000 characters; `--exclude` drops every fortune that also occurs (ignoring case, spacing and
+punctuation) in the files after it: a training text held apart from an evaluation text.
 """
 from __future__ import annotations
 
@@ -78,12 +80,23 @@ def html_docs(root: Path):
             yield text
 
 
-def fortune_docs(files):
+def fortunes(f):
+    for item in Path(f).read_text(encoding="utf-8", errors="replace").split("\n%\n"):
+        item = item.strip().strip("%").strip()
+        if item:
+            yield item
+
+
+def _key(text: str) -> str:   # a fortune compared without case, spacing or punctuation
+    return re.sub(r"[^a-z0-9]+", "", text.lower())
+
+
+def fortune_docs(files, exclude=()):
     buf = ""
+    held_out = {_key(item) for f in exclude for item in fortunes(f)}
     for f in files:
-        for item in Path(f).read_text(encoding="utf-8", errors="replace").split("\n%\n"):
-            item = item.strip().strip("%").strip()
-            if not item:
+        for item in fortunes(f):
+            if _key(item) in held_out:
                 continue
             buf = f"{buf}\n\n{item}" if buf else item
             if len(buf) >= 1000:
@@ -96,7 +109,12 @@ def fortune_docs(files):
 def main(argv):
     if len(argv) < 2 or argv[0] not in ("html", "fortunes"):
         sys.exit("usage: text_corpus.py html DIR | fortunes FILE...")
-    docs = html_docs(Path(argv[1])) if argv[0] == "html" else fortune_docs(argv[1:])
+    if argv[0] == "html":
+        docs = html_docs(Path(argv[1]))
+    else:
+        files = argv[1:]
+        cut = files.index("--exclude") if "--exclude" in files else len(files)
+        docs = fortune_docs(files[:cut], files[cut + 1:])
     out = sys.stdout
     for doc in docs:
         out.write(doc.replace(SEP, "") + f"\n{SEP}\n")

@@ -35,7 +35,8 @@ class DecodePlan:
         self.H, self.Hkv, self.D, self.inter = (cfg.num_attention_heads, cfg.num_key_value_heads,
                                                 cfg.head_dim, cfg.intermediate_size)
         self.halves = [self.inter, self.inter]
-        self.layers = layer_weights(model)
+        self.model = model
+        self.by_paths: dict[tuple, list] = {}   # per layer paths -> layer_weights (adapted linear layers)
         self.embed, self.norm, self.head = model.embed_tokens.weight, model.norm.weight, model.lm_head.weight
         const = dict(device=device, dtype=torch.float32)
         self.eps = torch.tensor(cfg.rms_norm_eps, **const)
@@ -44,6 +45,12 @@ class DecodePlan:
         self.perm = torch.cat([torch.arange(half, self.D), torch.arange(half)]).to(device)  # rotate_half gather
         self.rope_paths = {p for p in ("softmax", "linear", "window", "hybrid") if model.uses_rope(p)}
         self.rotary = model.rotary
+
+    def layers(self, state) -> list[tuple]:
+        paths = self.model.paths_of(state)
+        if paths not in self.by_paths:
+            self.by_paths[paths] = layer_weights(self.model, paths)
+        return self.by_paths[paths]
 
     def valid_for(self, model, device, dtype) -> bool:
         return self.epoch == model.weights_epoch and self.device == device and self.dtype == dtype
@@ -69,7 +76,7 @@ def decode_one(plan: DecodePlan, tokens: torch.Tensor, state) -> torch.Tensor:
             cos, sin = cos[state.lengths][:, None, None], sin[state.lengths][:, None, None]  # (B, 1, 1, D)
         else:
             cos, sin = cos[span.start], sin[span.start]               # (D,)
-    for i, (ln1, wqkv, wo, ln2, wgu, wd) in enumerate(plan.layers):
+    for i, (ln1, wqkv, wo, ln2, wgu, wd) in enumerate(plan.layers(state)):
         qkv = F.linear(rms_norm(x, ln1, eps, width), wqkv).view(B, H + 2 * Hkv, 1, D)
         qk, v = qkv.split_with_sizes([H + Hkv, Hkv], 1)                            # (B, H+Hkv, 1, D), (B, Hkv, 1, D)
         if rope and (mixed is None or mixed[i] in plan.rope_paths):

@@ -117,10 +117,11 @@ def pool_stats(reset: bool = False) -> dict:
     return dict(zip(keys, out))
 
 
-def _layer_modules(model) -> list[tuple]:
-    """Per layer: (ln1 weight, qkv, o_proj, ln2 weight, gate_up, down_proj) -- Linear or QuantLinear."""
-    return [(b.input_layernorm.weight, b.self_attn.qkv, b.self_attn.o_proj, b.post_attention_layernorm.weight,
-             b.mlp.gate_up, b.mlp.down_proj) for b in model.layers]
+def _layer_modules(model, paths) -> list[tuple]:
+    """Per layer: (ln1 weight, qkv, o_proj, ln2 weight, gate_up, down_proj) -- Linear or QuantLinear;
+    a linear layer's adapted projections where the model carries them."""
+    return [(b.input_layernorm.weight, *b.self_attn.projections(p != "softmax"), b.post_attention_layernorm.weight,
+             b.mlp.gate_up, b.mlp.down_proj) for b, p in zip(model.layers, paths)]
 
 
 def _matrix(module) -> tuple[torch.Tensor, int, int, int]:
@@ -299,7 +300,7 @@ class NativeDecoder:
         self.library = _bind(library())
         cfg = model.config
         self.model, self.epoch, self.threads = model, model.weights_epoch, threads
-        layers = _layer_modules(model)
+        layers = _layer_modules(model, model.paths_of(state))
         mats = {n: [_matrix(layer[i]) for layer in layers] for i, n in ((1, "qkv"), (2, "wo"), (4, "gu"), (5, "wd"))}
         embed, head = _matrix(model.embed_tokens), _matrix(model.lm_head)
         # fp32 weights holding only 16-bit values, q4_1 / q8_0 blocks: read from copies made once;
