@@ -339,6 +339,12 @@ def linearize(a: LinearizeArgs, log=print, on_step=None) -> dict:
     layer_attention = layer_attention_for(L, highest_loss_layers(relative, a.hybrid))
     # ----------------------------------------------------------------- finetune
     finetune_rows = train_rows[:a.finetune_tokens // a.seq_len] if a.finetune_tokens else transfer_rows
+    if state["finetune_done"] and state["args"].get("lora_rank", 0) != a.lora_rank:
+        raise InvalidArgumentError(f"--resume with --lora-rank {a.lora_rank}, but the interrupted finetune used "
+                                   f"{state['args'].get('lora_rank', 0)}; resume with the same value")
+    state["args"]["lora_rank"] = a.lora_rank   # what the finetune's saved progress holds from here on
+    if a.lora_rank and not a.finetune_steps:
+        log(f"--lora-rank {a.lora_rank} ignored: the adapters train in the finetune, and --finetune-steps is 0")
     lora = LoRA.for_config(cfg, a.lora_rank, a.seed) if a.lora_rank and a.finetune_steps else None
     if lora is not None and saved is not None and "lora" in saved:
         lora.load_state_dict(saved["lora"])

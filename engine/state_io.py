@@ -44,7 +44,13 @@ def model_identity(model) -> dict:
     fields = {k: v for k, v in model.config.to_dict().items() if k not in ("attention", "feature_map")}
     cfg = json.dumps(fields, sort_keys=True, default=str)
     h = hashlib.sha256()
-    for t in (model.norm.weight, model.embed_tokens.weight[:4], model.layers[-1].mlp.down_proj.weight[:4]):
+    parts = [model.norm.weight, model.embed_tokens.weight[:4], model.layers[-1].mlp.down_proj.weight[:4]]
+    if model.hedgehog is not None:                      # learned maps (gen linearize)
+        parts.append(model.hedgehog.k_weight[:, :1, :1])
+    adapted = model.layers[0].self_attn.adapted         # adapters of the linear layers (engine.adapters)
+    if adapted is not None:
+        parts += [m.weight[:4] for m in adapted]
+    for t in parts:
         h.update(t.detach().float().cpu().numpy().tobytes())
     return {"config_sha256": hashlib.sha256(cfg.encode()).hexdigest(), "weights_sha256": h.hexdigest(),
             "layers": model.config.num_hidden_layers, "vocab_size": model.config.vocab_size}

@@ -78,8 +78,14 @@ def apply_linearized(base_cfg: ModelConfig, raw: dict, path: str | os.PathLike) 
     changes = {k: raw[k] for k in OVERRIDES if k in raw}
     trained = tuple(dict.fromkeys(base_cfg.trained_for + ("linear", "hybrid")))
     cfg = ModelConfig.from_dict({**base_cfg.to_dict(), **changes, "trained_for": list(trained)}, where=str(where))
-    adapters = Path(path) / ADAPTERS
-    return cfg, read_maps(Path(path) / MAPS, cfg), read_adapters(adapters, cfg) if adapters.is_file() else None
+    adapters, rank = Path(path) / ADAPTERS, raw.get("lora_rank")
+    if rank and not adapters.is_file():
+        raise CheckpointError(f"{where}: names rank-{rank} adapters, but {adapters} is missing; copy it beside "
+                              f"config.json (or remove lora_rank to run the maps alone)")
+    found = read_adapters(adapters, cfg) if adapters.is_file() else None
+    if found is not None and rank is not None and found["qkv_a"].shape[1] != rank:
+        raise CheckpointError(f"{adapters}: rank {found['qkv_a'].shape[1]} adapters, but {where} names rank {rank}")
+    return cfg, read_maps(Path(path) / MAPS, cfg), found
 
 
 def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:

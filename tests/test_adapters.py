@@ -205,3 +205,33 @@ def test_bad_lora_rank_is_one_line_and_writes_nothing(small_model_dir, corpus, t
                                   "--out", str(out), "--lora-rank", "-1"])
     assert r.exit_code == 2 and "--lora-rank" in r.output and "Traceback" not in r.output
     assert not out.exists()
+
+
+def test_resume_with_another_lora_rank_is_one_line(small_model_dir, corpus, tmp_path):  # noqa: F811
+    from engine.errors import InvalidArgumentError
+    out = tmp_path / "lin"
+
+    def interrupt(phase, layer, step):
+        if phase == "finetune" and step == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        linearize(args(small_model_dir, corpus, out, lora_rank=2), log=lambda m: None, on_step=interrupt)
+    for rank in (0, 3):
+        with pytest.raises(InvalidArgumentError, match="same value") as e:
+            linearize(args(small_model_dir, corpus, out, lora_rank=rank, resume=True), log=lambda m: None)
+        assert "\n" not in str(e.value)
+
+
+def test_a_directory_naming_adapters_it_lacks_is_refused(small_model_dir, corpus, tmp_path):  # noqa: F811
+    out = tmp_path / "lin"
+    linearize(args(small_model_dir, corpus, out, lora_rank=2, layer_steps=1, finetune_steps=1), log=lambda m: None)
+    (out / "adapters.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="missing"):
+        load_model(out)
+
+
+def test_saved_states_know_the_adapters():
+    from engine.state_io import model_identity
+    plain = tiny_model(feature_map="hedgehog")
+    assert model_identity(adapted_model()) != model_identity(plain)
