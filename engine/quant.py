@@ -223,9 +223,11 @@ def quantize_model(model, kind: str) -> list[str]:
 def weights_label(model, view=None) -> str:
     """What the step's matrices (projections and lm_head; not the embedding lookup) hold, most bytes
     first: "float32", "float16", or block kinds such as "q4_1+q8_0" (a GGUF file's Q4_1 matrices
-    with a Q8_0 lm_head). view(weight): the tensor a step form reads instead of a float weight."""
+    with a Q8_0 lm_head; smollm2-linear's adapted q8_0 copies count too). view(weight): the tensor a
+    step form reads instead of a float weight."""
     sizes: dict[str, int] = {}
-    for module in model.modules():
+    adapted = [m for layer in getattr(model, "layers", ()) for m in (layer.self_attn.adapted or ())]
+    for module in [*model.modules(), *adapted]:   # with the linear layers' adapted copies (engine.adapters)
         if isinstance(module, QuantLinear):
             name, size = module.kind, module.blocks.numel()
         elif isinstance(module, nn.Linear):

@@ -235,3 +235,12 @@ def test_saved_states_know_the_adapters():
     from engine.state_io import model_identity
     plain = tiny_model(feature_map="hedgehog")
     assert model_identity(adapted_model()) != model_identity(plain)
+
+
+def test_weights_label_counts_the_adapted_copies():
+    from engine.quant import weights_label
+    model = tiny_model(feature_map="hedgehog", tie_word_embeddings=False)
+    quantize_model(model, "q4_1")
+    assert weights_label(model) == "q4_1"
+    merge(model, random_adapters(model).export())
+    assert weights_label(model) == "q4_1+q8_0"
