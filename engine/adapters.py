@@ -28,13 +28,12 @@ MERGED_KIND = "q8_0"   # what adapters over quantized blocks are merged into
 class LoRA(nn.Module):
     """The trainable adapters of every layer (fresh: A small random from `seed`, B zero, so the
     adapted model starts as the base)."""
-    TENSORS = ("qkv_a", "qkv_b", "o_a", "o_b")
 
     def __init__(self, layers: int, hidden: int, qkv_out: int, attn_width: int, rank: int, seed: int = 0,
                  scale: float = 2.0):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
-        self.rank, self.scale = rank, scale
+        self.scale = scale
         self.qkv_a = nn.Parameter(torch.randn(layers, rank, hidden, generator=g) / hidden ** 0.5)
         self.qkv_b = nn.Parameter(torch.zeros(layers, qkv_out, rank))
         self.o_a = nn.Parameter(torch.randn(layers, rank, attn_width, generator=g) / attn_width ** 0.5)
@@ -94,9 +93,8 @@ def _merged(base: nn.Module, a: torch.Tensor, b: torch.Tensor) -> nn.Module:
     merged = w.float() + b.float() @ a.float()
     if isinstance(base, QuantLinear) and base.in_features % QK == 0:
         return QuantLinear(quantize(merged, MERGED_KIND), MERGED_KIND, base.in_features, base.out_features)
-    out = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=torch.float32)
-    out.weight = nn.Parameter(merged.to(w.dtype if w.is_floating_point() else torch.float32),
-                              requires_grad=False)
+    out = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+    out.weight = nn.Parameter(merged.to(w.dtype), requires_grad=False)
     return out.eval()
 
 
@@ -105,8 +103,7 @@ def merge(model, tensors: dict[str, torch.Tensor]) -> None:
     """Give every layer adapted projections: its own plus B A of `tensors` (runtime names, scale in B)."""
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
-        dev = attn.o_proj.weight.device if not isinstance(attn.o_proj, QuantLinear) else attn.o_proj.blocks.device
-        t = {k: v[i].to(dev) for k, v in tensors.items()}
+        t = {k: v[i].to(model.device) for k, v in tensors.items()}
         attn.adapted = (_merged(attn.qkv, t["qkv_a"], t["qkv_b"]), _merged(attn.o_proj, t["o_a"], t["o_b"]))
     model.weights_epoch += 1
 

@@ -177,8 +177,7 @@ def q8_reference(model):
         for child_name, child in list(module.named_children()):
             if type(child) is QuantLinear:
                 setattr(module, child_name, q8(child))
-        if getattr(module, "adapted", None) is not None:   # a linear layer's adapted projections
-            module.adapted = tuple(q8(m) for m in module.adapted)
+    ref.map_adapted(q8)                                     # the linear layers' adapted projections
     return ref
 
 
@@ -214,7 +213,7 @@ def quantize_model(model, kind: str) -> list[str]:
             setattr(parent, name, new)
             if not isinstance(new, QuantLinear):
                 kept.append(f"{prefix}.{name}".lstrip("."))
-        _convert_adapted(model, quantized)
+        model.map_adapted(quantized)
     model.weights_epoch += 1
     model.quantization = kind
     return kept
@@ -226,8 +225,7 @@ def weights_label(model, view=None) -> str:
     with a Q8_0 lm_head; smollm2-linear's adapted q8_0 copies count too). view(weight): the tensor a
     step form reads instead of a float weight."""
     sizes: dict[str, int] = {}
-    adapted = [m for layer in getattr(model, "layers", ()) for m in (layer.self_attn.adapted or ())]
-    for module in [*model.modules(), *adapted]:   # with the linear layers' adapted copies (engine.adapters)
+    for module in [*model.modules(), *model.adapted_modules()]:   # with the linear layers' adapted copies
         if isinstance(module, QuantLinear):
             name, size = module.kind, module.blocks.numel()
         elif isinstance(module, nn.Linear):
@@ -253,12 +251,6 @@ def dequantize_model(model) -> None:
         for module in list(model.modules()):
             for name, child in list(module.named_children()):
                 setattr(module, name, floats(child))
-        _convert_adapted(model, floats)
+        model.map_adapted(floats)
     model.weights_epoch += 1
 
-
-def _convert_adapted(model, fn) -> None:
-    """Apply fn to the linear layers' adapted projections (engine.adapters; not submodules)."""
-    for layer in getattr(model, "layers", ()):
-        if getattr(layer.self_attn, "adapted", None) is not None:
-            layer.self_attn.adapted = tuple(fn(m) for m in layer.self_attn.adapted)

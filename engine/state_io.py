@@ -47,9 +47,7 @@ def model_identity(model) -> dict:
     parts = [model.norm.weight, model.embed_tokens.weight[:4], model.layers[-1].mlp.down_proj.weight[:4]]
     if model.hedgehog is not None:                      # learned maps (gen linearize)
         parts.append(model.hedgehog.k_weight[:, :1, :1])
-    adapted = model.layers[0].self_attn.adapted         # adapters of the linear layers (engine.adapters)
-    if adapted is not None:
-        parts += [m.weight[:4] for m in adapted]
+    parts += [m.weight[:4] for m in model.adapted_modules()[:2]]   # layer 0's adapters (engine.adapters)
     for t in parts:
         h.update(t.detach().float().cpu().numpy().tobytes())
     return {"config_sha256": hashlib.sha256(cfg.encode()).hexdigest(), "weights_sha256": h.hexdigest(),

@@ -185,9 +185,7 @@ class Transformer(nn.Module):
 
     def _apply(self, fn, *args, **kwargs):   # .to(), .half(), .float(), .cuda(): new storage
         out = super()._apply(fn, *args, **kwargs)
-        for layer in self.layers:             # adapted projections are not submodules (not in state_dict)
-            if layer.self_attn.adapted is not None:
-                layer.self_attn.adapted = tuple(m._apply(fn, *args, **kwargs) for m in layer.self_attn.adapted)
+        self.map_adapted(lambda m: m._apply(fn, *args, **kwargs))
         self.weights_epoch += 1
         return out
 
@@ -195,6 +193,17 @@ class Transformer(nn.Module):
         out = super().load_state_dict(*args, **kwargs)
         self.weights_epoch += 1
         return out
+
+    def adapted_modules(self) -> list[nn.Module]:
+        """Every layer's adapted projections (`engine.adapters`): not submodules, so neither in
+        `modules()` nor in `state_dict()`; whatever walks or converts the matrices walks these too."""
+        return [m for layer in self.layers for m in (layer.self_attn.adapted or ())]
+
+    def map_adapted(self, fn) -> None:
+        """Replace every adapted projection m by fn(m) (.to(), quantize, dequantize, reference twins)."""
+        for layer in self.layers:
+            if layer.self_attn.adapted is not None:
+                layer.self_attn.adapted = tuple(fn(m) for m in layer.self_attn.adapted)
 
     @property
     def device(self):
@@ -271,8 +280,7 @@ class Transformer(nn.Module):
             else:              # every sequence at start..start+T-1: slice, no gather, no sync
                 rope = self.rotary.for_range(span.start, span.length, x.device, x.dtype)
         mixed = getattr(state, "layer_paths", None)    # a hybrid state: rotary per layer
-        for i, layer in enumerate(self.layers):
-            path = state.path if mixed is None else mixed[i]
+        for i, (layer, path) in enumerate(zip(self.layers, self.paths_of(state))):
             layer_rope = rope if mixed is None or self.uses_rope(mixed[i]) else None
             x = layer(x, layer_rope, lambda q, k, v, i=i: state.attend(i, q, k, v, span), path != "softmax")
         state.commit(span)

@@ -95,32 +95,44 @@ def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
 
 
+def _checked(file: Path, tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]],
+             names: dict[str, str], what: str, detail: str) -> dict[str, torch.Tensor]:
+    """`file`'s tensors under runtime `names`, each of its shape in `shapes` (one-line CheckpointError)."""
+    out = {}
+    for name, shape in shapes.items():
+        if name not in tensors:
+            raise CheckpointError(f"{file}: missing tensor {name}")
+        found = tuple(tensors[name].shape)
+        if found != shape:
+            raise CheckpointError(f"{file}: tensor {name} has shape {list(found)}, but the base model needs "
+                                  f"{list(shape)} ({detail}): these {what} belong to another model")
+        out[names[name]] = tensors[name]
+    return out
+
+
+def _write_named(file: str | os.PathLike, runtime: dict[str, torch.Tensor], names: dict[str, str], dtype) -> None:
+    """Save the runtime-named tensors that `names` maps, under checkpoint names, atomically."""
+    inverse = {v: k for k, v in names.items()}
+    tensors = {inverse[k]: v.detach().to("cpu", dtype).contiguous() for k, v in runtime.items() if k in inverse}
+    tmp = f"{os.fspath(file)}.tmp"
+    save_file(tensors, tmp)
+    os.replace(tmp, file)
+
+
 def read_adapters(file: str | os.PathLike, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Low-rank adapters of `file` under runtime names, each checked against `cfg` (one-line CheckpointError)."""
     file = Path(file)
     tensors = _read_safetensors(file)
     a = tensors.get("adapter.qkv.a")
-    rank = a.shape[1] if a is not None and a.dim() == 3 else 0
-    out = {}
-    for name, shape in adapter_shapes(cfg, rank).items():
-        if name not in tensors:
-            raise CheckpointError(f"{file}: missing tensor {name}")
-        found = tuple(tensors[name].shape)
-        if found != shape or rank < 1:
-            raise CheckpointError(f"{file}: tensor {name} has shape {list(found)}, but the base model needs "
-                                  f"{list(shape)} ({cfg.num_hidden_layers} layers, rank {rank}): these adapters "
-                                  f"belong to another model")
-        out[ADAPTER_NAMES[name]] = tensors[name].float()
-    return out
+    rank = a.shape[1] if a is not None and a.dim() == 3 and a.shape[1] > 0 else 1
+    out = _checked(file, tensors, adapter_shapes(cfg, rank), ADAPTER_NAMES, "adapters",
+                   f"{cfg.num_hidden_layers} layers, rank {rank}")
+    return {k: v.float() for k, v in out.items()}
 
 
 def write_adapters(file: str | os.PathLike, runtime: dict[str, torch.Tensor], dtype=torch.float16) -> None:
     """Save runtime-named adapters (`qkv_a`, ...) under checkpoint names, atomically."""
-    inverse = {v: k for k, v in ADAPTER_NAMES.items()}
-    tensors = {inverse[k]: v.detach().to("cpu", dtype).contiguous() for k, v in runtime.items()}
-    tmp = f"{os.fspath(file)}.tmp"
-    save_file(tensors, tmp)
-    os.replace(tmp, file)
+    _write_named(file, runtime, ADAPTER_NAMES, dtype)
 
 
 def read_maps(file: str | os.PathLike, cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -128,27 +140,13 @@ def read_maps(file: str | os.PathLike, cfg: ModelConfig) -> dict[str, torch.Tens
     file = Path(file)
     if not file.is_file():
         raise CheckpointError(f"{file}: no such file; a linearized model directory needs its maps")
-    tensors = _read_safetensors(file)
-    out = {}
-    for name, shape in map_shapes(cfg).items():
-        if name not in tensors:
-            raise CheckpointError(f"{file}: missing tensor {name}")
-        found = tuple(tensors[name].shape)
-        if found != shape:
-            raise CheckpointError(f"{file}: tensor {name} has shape {list(found)}, but the base model needs "
-                                  f"{list(shape)} ({cfg.num_hidden_layers} layers): these maps belong to "
-                                  f"another model")
-        out[MAP_NAMES[name]] = tensors[name]
-    return out
+    return _checked(file, _read_safetensors(file), map_shapes(cfg), MAP_NAMES, "maps",
+                    f"{cfg.num_hidden_layers} layers")
 
 
 def write_maps(file: str | os.PathLike, runtime: dict[str, torch.Tensor], dtype=torch.float16) -> None:
     """Save runtime-named maps (`hedgehog.q_weight`, ...) under checkpoint names, atomically."""
-    inverse = {v: k for k, v in MAP_NAMES.items()}
-    tensors = {inverse[k]: v.detach().to("cpu", dtype).contiguous() for k, v in runtime.items() if k in inverse}
-    tmp = f"{os.fspath(file)}.tmp"
-    save_file(tensors, tmp)
-    os.replace(tmp, file)
+    _write_named(file, runtime, MAP_NAMES, dtype)
 
 
 def write_json(file: str | os.PathLike, obj) -> None:

@@ -36,6 +36,8 @@ class DecodePlan:
                                                 cfg.head_dim, cfg.intermediate_size)
         self.halves = [self.inter, self.inter]
         self.model = model
+        self.base = layer_weights(model)         # what every state reads when the model has no adapters
+        self.adapted = bool(model.adapted_modules())   # (merge/attach move the epoch: the plan rebuilds)
         self.by_paths: dict[tuple, list] = {}   # per layer paths -> layer_weights (adapted linear layers)
         self.embed, self.norm, self.head = model.embed_tokens.weight, model.norm.weight, model.lm_head.weight
         const = dict(device=device, dtype=torch.float32)
@@ -47,6 +49,8 @@ class DecodePlan:
         self.rotary = model.rotary
 
     def layers(self, state) -> list[tuple]:
+        if not self.adapted:
+            return self.base
         paths = self.model.paths_of(state)
         if paths not in self.by_paths:
             self.by_paths[paths] = layer_weights(self.model, paths)
