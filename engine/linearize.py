@@ -22,6 +22,10 @@ softmax model (attention transfer, Hedgehog / LoLCATs), then finetune them end t
    `lora_rank` R > 0, low-rank adapters on the linear layers' q/k/v and o projections
    (`engine.adapters`, LoLCATs) train beside the maps and ship as DIR/adapters.safetensors.
 
+The model's quantized blocks (a GGUF's) are dequantized once at the start: the same fp32 math the
+PyTorch forms compute, without widening every block on every call (SmolLM2's Q4_1, batch 2 x 256,
+2 threads: 2.62 s a finetune step instead of 3.07).
+
 Resumable: progress (maps, Adam state, counters) is saved after every layer and every
 `save_every` finetune steps under OUT/.linearize; `resume=True` continues from there. Batches
 are a function of (seed, layer, step), so a resumed run equals an uninterrupted one. `budget`
@@ -52,6 +56,7 @@ from engine.attention.softmax import softmax_attention
 from engine.attention.window import window_attention
 from engine.errors import InvalidArgumentError
 from engine.loader import build
+from engine.quant import dequantize_model
 from engine.transformer import apply_rotary
 from models.corpus import read_documents
 from models.linearized import write_adapters, write_json, write_maps
@@ -253,6 +258,7 @@ def linearize(a: LinearizeArgs, log=print, on_step=None) -> dict:
     if a.hybrid > cfg.num_hidden_layers:
         raise InvalidArgumentError(f"--hybrid {a.hybrid}: the model has only {cfg.num_hidden_layers} layers")
     model = build(cfg, ckpt.tensors, torch.device("cpu"), torch.float32, interleaved_rotary=ckpt.interleaved_rotary)
+    dequantize_model(model)   # the same fp32 math, without widening every block on every call
     for p in model.parameters():
         p.requires_grad_(False)
     maps = model.hedgehog

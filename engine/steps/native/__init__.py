@@ -26,6 +26,7 @@ Built on first use (engine.steps.native.build); tests/test_native.py holds it to
 from __future__ import annotations
 
 import ctypes
+import operator
 import weakref
 
 import torch
@@ -110,10 +111,13 @@ def pool_adapt(window: int = POOL_ADAPT[0], min_speedup_pct: int = POOL_ADAPT[1]
 
 def pool_stats(reset: bool = False) -> dict:
     """The pool's counters since the last reset: phases run parallel and solo, verdicts, failed
-    verdicts, and the scored phases' estimated time alone and wall time (ns)."""
-    out = (ctypes.c_longlong * 6)()
+    verdicts, and the scored phases' estimated time alone and wall time (ns); the parallel phases'
+    chunks, those the caller ran (its own and stolen), those it stole from a late worker, its time
+    waiting for the workers after its last own chunk, and the phases' wall time (ns)."""
+    out = (ctypes.c_longlong * 11)()
     _bind(library()).gen_pool_stats(out, int(reset))
-    keys = ("parallel_phases", "solo_phases", "verdicts", "solo_verdicts", "alone_ns", "wall_ns")
+    keys = ("parallel_phases", "solo_phases", "verdicts", "solo_verdicts", "alone_ns", "wall_ns",
+            "chunks", "caller_chunks", "stolen_chunks", "caller_wait_ns", "phase_ns")
     return dict(zip(keys, out))
 
 
@@ -289,6 +293,9 @@ def _learned_maps(fmap) -> list[torch.Tensor]:
     return [fmap.q_weight, fmap.q_bias, fmap.k_weight, fmap.k_bias]
 
 
+_DATA_PTR, _DTYPE, _VERSION = torch.Tensor.data_ptr, operator.attrgetter("dtype"), operator.attrgetter("_version")
+
+
 def _ptr(t: torch.Tensor):
     return ctypes.cast(t.data_ptr(), _P)
 
@@ -338,6 +345,7 @@ class NativeDecoder:
         self.norm_tables = {n: (_V * cfg.num_hidden_layers)(*[layer[i].data_ptr() for layer in layers])
                             for i, n in ((0, "ln1"), (3, "ln2"))}
         self.flat, self.tensors = flat, tensors
+        self.checked = flat + tensors
         # The storages themselves: memory the plan points into is never freed while it lives, even
         # if a Parameter's storage is swapped in a way nothing reports (then the checks rebuild it).
         self.storages = [t.untyped_storage() for t in flat + tensors]
@@ -433,13 +441,13 @@ class NativeDecoder:
         w = _exact16(model, m[0])
         return m if w is m[0] else (w, TYPES[w.dtype], m[2], m[3])
 
-    def _versions(self) -> list:
-        return [(t.data_ptr(), t._version) for t in self.sources]
+    def _versions(self) -> tuple:
+        return list(map(_DATA_PTR, self.sources)), list(map(_VERSION, self.sources))
 
-    def _pointers(self) -> list:
-        """(data pointer, dtype) of every weight and state tensor the plan points into. (A device
+    def _pointers(self) -> tuple:
+        """(data pointers, dtypes) of every weight and state tensor the plan points into. (A device
         change always comes with new storage, so a new pointer, and moves the model's epoch.)"""
-        return [(t.data_ptr(), t.dtype) for t in self.flat + self.tensors]
+        return list(map(_DATA_PTR, self.checked)), list(map(_DTYPE, self.checked))
 
     def still_valid(self, state, threads: int) -> bool:
         """The plan's pointers are still the tensors' own (checked before every step)."""

@@ -97,7 +97,8 @@ static struct {
     long long solo_min, solo_until, solo_ns;   /* the first solo stretch; run solo until; the next one */
     long long alone_ns, wall_ns;          /* this window: estimated cost alone, wall time */
     int phases, skip;
-    long long stats[6];                   /* parallel phases, solo phases, windows, failed windows, alone ns, wall ns */
+    long long stats[11];                  /* parallel phases, solo phases, windows, failed windows, alone ns, wall ns,
+                                             chunks, chunks the caller ran, chunks it stole, ns it waited, ns of phases */
 } A = {.window = ADAPT_WINDOW, .min_speedup = ADAPT_MIN_SPEEDUP, .solo_min = ADAPT_SOLO_NS, .solo_ns = ADAPT_SOLO_NS};
 
 static inline long long now_ns(void) {
@@ -323,7 +324,10 @@ void pool_run(int nthreads, UnitsFn fn, const void *ctx, size_t ctx_bytes, int u
         if (fastest < 0 || took < fastest) fastest = took;   /* the fastest: blind to our own preemption */
         if (per_unit < 0 || pu < per_unit) per_unit = pu;
         atomic_store_explicit(&P.state[c], g << 3 | DONE, memory_order_release);
+        A.stats[7]++;
     }
+    long long waited = now_ns();
+    int stolen = 0;
     /* Wait for the workers' chunks; steal one that is late. */
     long long steal_after = 2 * fastest;
     if (steal_after < STEAL_MIN_NS) steal_after = STEAL_MIN_NS;
@@ -342,6 +346,7 @@ void pool_run(int nthreads, UnitsFn fn, const void *ctx, size_t ctx_bytes, int u
                         chunk_range(j, c, &u0, &u1);
                         fn(j->ctx, u0, u1, out + (size_t)u0 * width, os, add, scratch);
                         atomic_store_explicit(&P.state[c], g << 3 | DONE, memory_order_release);
+                        stolen++;
                         break;
                     }
                 }
@@ -349,6 +354,12 @@ void pool_run(int nthreads, UnitsFn fn, const void *ctx, size_t ctx_bytes, int u
             relax();
         }
     }
+    long long end = now_ns();
+    A.stats[6] += chunks;
+    A.stats[7] += stolen;
+    A.stats[8] += stolen;
+    A.stats[9] += end - waited;
+    A.stats[10] += end - start;
     score(start, per_unit, units);
     pthread_mutex_unlock(&P.run);
 }
