@@ -66,14 +66,17 @@ def read_bandwidth(threads: int, reads: int = 8, mib: int = 256) -> float:
 
 
 def bytes_per_token(model) -> int:
-    """What one decode step at depth ~0 streams: matrices as stored, norms, one embedding row."""
+    """What one decode step at depth ~0 streams: matrices as stored, norms, one embedding row. A layer
+    that the model's default state runs linear reads its adapted projections where it has them
+    (smollm2-linear: merged q8_0 copies beside the base Q4_1)."""
+    paths = model.paths_of(model.init_state(1, 8))
     def size(module) -> int:
         if isinstance(module, QuantLinear):
             return module.blocks.numel()
         return module.weight.numel() * module.weight.element_size()
     total = size(model.lm_head) + model.norm.weight.numel() * model.norm.weight.element_size()
-    for b in model.layers:
-        total += sum(size(m) for m in (b.self_attn.qkv, b.self_attn.o_proj, b.mlp.gate_up, b.mlp.down_proj))
+    for b, path in zip(model.layers, paths):
+        total += sum(size(m) for m in (*b.self_attn.projections(path != "softmax"), b.mlp.gate_up, b.mlp.down_proj))
         total += 2 * b.input_layernorm.weight.numel() * b.input_layernorm.weight.element_size()
     emb = model.embed_tokens.weight
     return total + emb.shape[1] * emb.element_size()
