@@ -113,12 +113,18 @@ def load(name: str, weights: str):
     return model, "+".join(kinds) if kinds else str(model.dtype).removeprefix("torch.")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def model_args(doc: str, weights: str, rounds: int) -> argparse.ArgumentParser:
+    """The arguments this script and pool_phases.py share: model, weights, thread counts, rounds."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("model", nargs="?", default="smollm2")
-    ap.add_argument("--weights", default="gguf,q8_0,q4_1,f16,f32")
+    ap.add_argument("--weights", default=weights)
     ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=rounds)
+    return ap
+
+
+def main() -> None:
+    ap = model_args(__doc__, "gguf,q8_0,q4_1,f16,f32", 5)
     ap.add_argument("--copies", type=int, default=8)
     ap.add_argument("--no-measure", action="store_true", help="only the floor, no decode runs")
     args = ap.parse_args()

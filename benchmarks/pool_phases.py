@@ -10,23 +10,18 @@ plus the Python call.
 """
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 
-from bandwidth_floor import load
+from bandwidth_floor import load, model_args
 from engine.steps import Stepper
 from engine.steps.native import pool_stats
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("model", nargs="?", default="smollm2")
-    ap.add_argument("--weights", default="gguf")
-    ap.add_argument("--threads", default="1,2")
+    ap = model_args(__doc__, "gguf", 2)
     ap.add_argument("--steps", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     model, kind = load(args.model, args.weights)
     V, n = model.config.vocab_size, args.steps
