@@ -28,6 +28,10 @@ from engine.threads import set_threads
 @click.option("--finetune-lr", default=1e-3, show_default=True)
 @click.option("--finetune-loss", type=click.Choice(["lm", "kl"]), default="lm", show_default=True,
               help="lm: next-token cross-entropy; kl: KL(softmax model || linear model) on the logits")
+@click.option("--finetune-dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+              help="the finetune's forward: float32, or bfloat16 under autocast (maps and adapters stay fp32; "
+                   "faster where the CPU has bf16 instructions)")
+@click.option("--finetune-clip", default=0.0, show_default=True, help="clip the finetune's gradient norm (0: off)")
 @click.option("--lora-rank", default=0, show_default=True,
               help="low-rank adapters of this rank on the linear layers' q/k/v/o, trained with the finetune (0: none)")
 @click.option("--hybrid", default=0, show_default=True,
@@ -38,13 +42,14 @@ from engine.threads import set_threads
 @click.option("--resume", is_flag=True, help="continue an interrupted run in the same --out")
 @click.option("--threads", type=int, help="CPU threads (default: engine.threads)")
 def linearize_cmd(model_name, data, out, tokens, finetune_tokens, seq_len, layer_steps, batch_size, lr, finetune_steps,
-                  finetune_batch, finetune_lr, finetune_loss, lora_rank, hybrid, window, budget, seed, resume, threads):
+                  finetune_batch, finetune_lr, finetune_loss, finetune_dtype, finetune_clip, lora_rank, hybrid, window, budget, seed, resume, threads):
     """With the model frozen, train per-layer hedgehog maps (transfer), then finetune them end to end."""
     def run():
         set_threads(threads)
         args = LinearizeArgs(model=model_name, data=list(data), out=out, seq_len=seq_len, tokens=tokens,
                              finetune_tokens=finetune_tokens, layer_steps=layer_steps, batch_size=batch_size, lr=lr, finetune_steps=finetune_steps,
-                             finetune_batch=finetune_batch, finetune_lr=finetune_lr, finetune_loss=finetune_loss,
+                             finetune_batch=finetune_batch, finetune_lr=finetune_lr, finetune_loss=finetune_loss, finetune_dtype=finetune_dtype,
+                             finetune_clip=finetune_clip,
                              lora_rank=lora_rank,
                              hybrid=hybrid, window=window, budget=budget, seed=seed, resume=resume,
                              command="gen " + shlex.join(sys.argv[1:]))

@@ -63,6 +63,7 @@ from models.linearized import write_adapters, write_json, write_maps
 from models.registry import read_checkpoint, resolve
 
 WORK = ".linearize"
+FINETUNE_DTYPES = ("float32", "bfloat16")
 
 
 @dataclass
@@ -81,6 +82,8 @@ class LinearizeArgs:
     finetune_batch: int = 4
     finetune_lr: float = 1e-3
     finetune_loss: str = "lm"      # "lm" or "kl"
+    finetune_dtype: str = "float32"   # the finetune's forward: "float32", or "bfloat16" under autocast
+    finetune_clip: float = 0.0     # clip the finetune's gradient norm to this (0: off)
     lora_rank: int = 0             # low-rank adapters on the linear layers' q/k/v/o, trained in the finetune (0: none)
     hybrid: int = 0                # softmax layers kept during the finetune (highest relative loss)
     window: int = 0                # sliding window + linear during transfer and finetune (0: off)
@@ -126,6 +129,11 @@ def check_args(a: LinearizeArgs) -> None:
         raise InvalidArgumentError(f"--window must be at least 1, got {a.window}")
     if a.finetune_loss not in ("lm", "kl"):
         raise InvalidArgumentError(f"--finetune-loss must be lm or kl, got {a.finetune_loss!r}")
+    if a.finetune_dtype not in FINETUNE_DTYPES:
+        raise InvalidArgumentError(f"--finetune-dtype must be one of {', '.join(FINETUNE_DTYPES)}, "
+                                   f"got {a.finetune_dtype!r}")
+    if a.finetune_clip < 0:
+        raise InvalidArgumentError(f"--finetune-clip must be 0 (off) or more, got {a.finetune_clip}")
     if a.budget is not None and a.budget <= 0:
         raise InvalidArgumentError(f"--budget must be a positive number of minutes, got {a.budget}")
     out = Path(a.out)
@@ -377,24 +385,28 @@ def finetune(model, a, state, progress, saved, rows, layer_attention, deadline, 
     if saved is not None and "opt" in saved:
         opt.load_state_dict(saved["opt"])
     teacher = cfg.replace(attention="softmax", layer_attention=None)
+    bf16 = a.finetune_dtype == "bfloat16"
     bar = tqdm(total=a.finetune_steps, initial=state["finetune_done"], desc="finetune", unit="step",
                dynamic_ncols=True)
     t_last = time.monotonic()
     for step in range(state["finetune_done"] + 1, a.finetune_steps + 1):
         g = torch.Generator().manual_seed(a.seed * 1_000_003 + 7_777_777 + step)
         batch = rows[torch.randint(0, rows.shape[0], (a.finetune_batch,), generator=g)]
-        logits = model(batch[:, :-1])
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits = model(batch[:, :-1]).float()
         if a.finetune_loss == "lm":
             loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
         else:
-            with torch.no_grad():
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 model.config = teacher
-                target = F.log_softmax(model(batch[:, :-1]), -1)
+                target = F.log_softmax(model(batch[:, :-1]).float(), -1)
                 model.config = cfg.replace(attention="hybrid" if a.hybrid else "linear",
                                            layer_attention=layer_attention if a.hybrid else None)
             loss = F.kl_div(F.log_softmax(logits, -1), target, log_target=True, reduction="batchmean") / logits.shape[1]
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if a.finetune_clip:
+            torch.nn.utils.clip_grad_norm_(params, a.finetune_clip)
         opt.step()
         state["finetune_done"] = step
         state["finetune_log"].append([step, round(loss.item(), 5)])
@@ -447,6 +459,7 @@ def write_output(model, a, state, used, layer_attention, t0, rows_used, lora=Non
                                              "draws from the first finetune_rows"})
     summary = {"command": a.command, "args": asdict(a), "layers": L,
                "finetune_steps_done": state["finetune_done"], "finetune_loss": a.finetune_loss,
+               "finetune_dtype": a.finetune_dtype, "finetune_clip": a.finetune_clip,
                "finetune_log": state["finetune_log"],
                "compute_seconds": round(state["seconds"], 1),
                "wall_seconds_this_run": round(time.monotonic() - t0, 1),

@@ -130,3 +130,25 @@ def test_registry_map_without_a_model_says_what_to_do():
 def test_fresh_maps_are_identity_initialised():
     hh = Hedgehog(2, 3, 1, 4)
     assert torch.equal(hh.q_weight[1, 2], torch.eye(4)) and not hh.k_bias.any()
+
+
+@pytest.mark.parametrize("window", [0, 8])
+def test_attention_math_stays_fp32_under_bf16_autocast(window):
+    """`gen linearize --finetune-dtype bfloat16` runs the model under autocast: the stateless linear
+    and window forms must still compute the maps, sums and division in fp32 (in bf16 the finetune
+    blew up), i.e. equal the fp32 form on the same bf16 inputs, rounded once at the end."""
+    from engine.attention.linear import linear_attention
+    from engine.attention.window import window_attention
+    g = torch.Generator().manual_seed(0)
+    fmap = Hedgehog(layers=1, heads=4, kv_heads=2, head_dim=16)
+    with torch.no_grad():
+        for t in (fmap.q_weight, fmap.k_weight):
+            t.add_(torch.randn(t.shape, generator=g) * 0.3)
+    q, k, v = (torch.randn(2, h, 40, 16, generator=g).bfloat16() for h in (4, 2, 2))
+    run = (lambda q, k, v: window_attention(q, k, v, fmap, window, layer=0)) if window else \
+        (lambda q, k, v: linear_attention(q, k, v, fmap, layer=0))
+    want = run(q.float(), k.float(), v.float()).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = run(q, k, v)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, want)

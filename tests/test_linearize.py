@@ -139,3 +139,30 @@ def test_shipped_smollm2_linear_config():
     linear = runtime_config(cfg, "linear")
     assert linear.attention == "linear" and linear.window == 0 and linear.layer_attention is None
     assert runtime_config(cfg, "softmax").attention == "softmax"
+
+
+def test_bf16_clipped_finetune_trains_deterministically_and_differs_from_fp32(small_model_dir, corpus, tmp_path):
+    """--finetune-dtype bfloat16 (--finetune-clip): the finetune's forward under bf16 autocast (maps
+    stay fp32, written fp16): it trains, repeats exactly with the same seed, and is not the fp32 finetune."""
+    maps = {}
+    for name, dtype, clip in (("a", "bfloat16", 1e-3), ("b", "bfloat16", 1e-3), ("f32", "float32", 1e-3),
+                              ("noclip", "bfloat16", 0.0)):
+        out = tmp_path / name
+        linearize(args(small_model_dir, corpus, out, finetune_dtype=dtype, finetune_clip=clip, lr=0.0,
+                       finetune_lr=0.05), log=lambda m: None)
+        maps[name] = load_file(out / "maps.safetensors")
+        summary = json.loads((out / "linearize.json").read_text())
+        assert (summary["finetune_dtype"], summary["finetune_clip"]) == (dtype, clip)
+    q = "feature_map.q.weight"
+    eye = torch.eye(maps["a"][q].shape[-1], dtype=torch.float16)
+    assert not torch.equal(maps["a"][q][0, 0], eye)   # lr 0 in the transfer: only the finetune moved it
+    assert all(torch.equal(maps["a"][n], maps["b"][n]) for n in maps["a"])
+    assert any(not torch.equal(maps["a"][n], maps["f32"][n]) for n in maps["a"])
+    assert any(not torch.equal(maps["a"][n], maps["noclip"][n]) for n in maps["a"])
+    for flag, value in (("--finetune-dtype", "float16"), ("--finetune-clip", "-1")):
+        r = cli("linearize", "--model", small_model_dir, "--data", corpus, "--out", tmp_path / "bad", flag, value)
+        assert r.exit_code == 2 and not (tmp_path / "bad").exists()
+        assert len(r.output.strip().splitlines()) <= 3   # click's usage line + the one-line error
+    with pytest.raises(Exception, match="--finetune-dtype must be one of float32, bfloat16"):
+        linearize(args(small_model_dir, corpus, tmp_path / "bad2", finetune_dtype="half"), log=lambda m: None)
+    assert not (tmp_path / "bad2").exists()

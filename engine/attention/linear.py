@@ -12,6 +12,7 @@ z untouched.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -176,6 +177,21 @@ def linear_attention_chunked(phi_q, phi_k, v, S=None, z=None, chunk: int = CHUNK
     return torch.cat(outs, dim=3), S, z
 
 
+def fp32_under_autocast(fn):
+    """Run a stateless attention form in fp32 when called under autocast (`gen linearize
+    --finetune-dtype bfloat16`): the feature maps, the running sums and the normaliser's division
+    stay fp32 (with them in bf16 the finetune's loss blew up after ~350 steps); the projections
+    around it keep autocast's dtype. Outside autocast: fn itself, untouched."""
+    @functools.wraps(fn)
+    def wrapper(q, k, v, *args, **kwargs):
+        if not torch.is_autocast_enabled(q.device.type):
+            return fn(q, k, v, *args, **kwargs)
+        with torch.autocast(q.device.type, enabled=False):
+            return fn(q.float(), k.float(), v.float(), *args, **kwargs).to(q.dtype)
+    return wrapper
+
+
+@fp32_under_autocast
 def linear_attention(q, k, v, feature_map: str | FeatureMap, valid=None, layer: int | None = None):
     """Stateless causal linear attention over a whole sequence (training and full forward)."""
     phi_q, phi_k, v32 = featurize(as_feature_map(feature_map), q, k, v, valid, layer)

@@ -26,7 +26,7 @@ import torch
 
 from engine.attention.base import State
 from engine.attention.feature_maps import FeatureMap, get_feature_map, state_dtype
-from engine.attention.linear import CHUNK, EPS, as_feature_map
+from engine.attention.linear import CHUNK, EPS, as_feature_map, fp32_under_autocast
 
 NEG = float("-inf")
 
@@ -211,6 +211,7 @@ def window_linear_reference(q, k, v, fmap, window: int, valid=None, layer: int |
     return out.to(q.dtype)
 
 
+@fp32_under_autocast
 def window_attention(q, k, v, fmap, window: int, valid=None, layer: int | None = None):
     """Stateless full-sequence form (training, evaluation): the block form from an empty state."""
     B, H, T, D = q.shape
