@@ -35,34 +35,31 @@ from engine.steps import Stepper
 DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
 
 
-def copy_bandwidth(threads: int, copies: int = 8, mib: int = 256) -> float:
-    """Bytes copied per second, best of `copies` (torch's parallel copy on `threads` threads)."""
+def _best_seconds(threads: int, repeats: int, fn) -> float:
+    """The fastest of `repeats` calls of fn() with torch on `threads` threads."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
-    a = torch.ones(mib << 20, dtype=torch.uint8)
-    b = torch.zeros_like(a)   # touched: no page faults in the timing
     best = float("inf")
-    for _ in range(copies):
+    for _ in range(repeats):
         t = time.perf_counter()
-        b.copy_(a)
+        fn()
         best = min(best, time.perf_counter() - t)
     torch.set_num_threads(before)
-    return a.numel() / best
+    return best
+
+
+def copy_bandwidth(threads: int, copies: int = 8, mib: int = 256) -> float:
+    """Bytes copied per second, best of `copies` (torch's parallel copy on `threads` threads)."""
+    a = torch.ones(mib << 20, dtype=torch.uint8)
+    b = torch.zeros_like(a)   # touched: no page faults in the timing
+    return a.numel() / _best_seconds(threads, copies, lambda: b.copy_(a))
 
 
 def read_bandwidth(threads: int, reads: int = 8, mib: int = 256) -> float:
     """Bytes read per second, best of `reads` sums of a 256 MiB fp32 buffer on `threads` threads: a
     stream that only reads, as a decode step's weights are only read (no write traffic to count)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
     a = torch.ones(mib << 18)
-    best = float("inf")
-    for _ in range(reads):
-        t = time.perf_counter()
-        a.sum()
-        best = min(best, time.perf_counter() - t)
-    torch.set_num_threads(before)
-    return a.numel() * 4 / best
+    return a.numel() * 4 / _best_seconds(threads, reads, a.sum)
 
 
 def bytes_per_token(model) -> int:

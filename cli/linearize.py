@@ -7,7 +7,7 @@ import sys
 import click
 
 from cli.common import run_guarded
-from engine.linearize import LinearizeArgs, linearize
+from engine.linearize import FINETUNE_DTYPES, LinearizeArgs, linearize
 from engine.threads import set_threads
 
 
@@ -28,7 +28,7 @@ from engine.threads import set_threads
 @click.option("--finetune-lr", default=1e-3, show_default=True)
 @click.option("--finetune-loss", type=click.Choice(["lm", "kl"]), default="lm", show_default=True,
               help="lm: next-token cross-entropy; kl: KL(softmax model || linear model) on the logits")
-@click.option("--finetune-dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+@click.option("--finetune-dtype", type=click.Choice(FINETUNE_DTYPES), default="float32", show_default=True,
               help="the finetune's forward: float32, or bfloat16 under autocast (maps and adapters stay fp32; "
                    "faster where the CPU has bf16 instructions)")
 @click.option("--finetune-clip", default=0.0, show_default=True, help="clip the finetune's gradient norm (0: off)")

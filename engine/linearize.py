@@ -34,6 +34,7 @@ the finetune; a run cut by the budget records the steps it made.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -385,19 +386,19 @@ def finetune(model, a, state, progress, saved, rows, layer_attention, deadline, 
     if saved is not None and "opt" in saved:
         opt.load_state_dict(saved["opt"])
     teacher = cfg.replace(attention="softmax", layer_attention=None)
-    bf16 = a.finetune_dtype == "bfloat16"
+    precision = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16, enabled=a.finetune_dtype == "bfloat16")
     bar = tqdm(total=a.finetune_steps, initial=state["finetune_done"], desc="finetune", unit="step",
                dynamic_ncols=True)
     t_last = time.monotonic()
     for step in range(state["finetune_done"] + 1, a.finetune_steps + 1):
         g = torch.Generator().manual_seed(a.seed * 1_000_003 + 7_777_777 + step)
         batch = rows[torch.randint(0, rows.shape[0], (a.finetune_batch,), generator=g)]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with precision():
             logits = model(batch[:, :-1]).float()
         if a.finetune_loss == "lm":
             loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
         else:
-            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            with torch.no_grad(), precision():
                 model.config = teacher
                 target = F.log_softmax(model(batch[:, :-1]).float(), -1)
                 model.config = cfg.replace(attention="hybrid" if a.hybrid else "linear",

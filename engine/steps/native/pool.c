@@ -230,8 +230,7 @@ static void run_serial(UnitsFn fn, const void *ctx, int units, float *out, int o
 
 /* After a parallel phase: add it to the window; at the window's end, go solo if the workers did
  * not pay (see the header). per_unit: the caller's fastest ns per unit x 1024 (< 0: it ran none). */
-static void score(long long start, long long per_unit, int units) {
-    long long end = now_ns();
+static void score(long long start, long long end, long long per_unit, int units) {
     A.stats[0]++;
     if (A.window <= 0 || per_unit < 0) return;
     if (A.skip > 0) { A.skip--; return; }
@@ -360,7 +359,7 @@ void pool_run(int nthreads, UnitsFn fn, const void *ctx, size_t ctx_bytes, int u
     A.stats[8] += stolen;
     A.stats[9] += end - waited;
     A.stats[10] += end - start;
-    score(start, per_unit, units);
+    score(start, end, per_unit, units);
     pthread_mutex_unlock(&P.run);
 }
 
