@@ -107,6 +107,30 @@ static void softmax_scores(float *sc, int n, float scale, const uint8_t *real, i
     const __m512 vs = _mm512_set1_ps(sum);
     for (t = 0; t + 16 <= n; t += 16) _mm512_storeu_ps(sc + t, _mm512_div_ps(_mm512_loadu_ps(sc + t), vs));
     for (; t < n; t++) sc[t] /= sum;
+#elif defined(GEN_EXP8)
+    const __m256 s = _mm256_set1_ps(scale);
+    __m256 m = _mm256_set1_ps(-INFINITY);
+    for (; t + 8 <= n; t += 8) {
+        __m256 v = _mm256_mul_ps(_mm256_loadu_ps(sc + t), s);
+        _mm256_storeu_ps(sc + t, v);
+        m = _mm256_max_ps(m, v);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, m);
+    for (int i = 0; i < 8; i++) if (lanes[i] > mx) mx = lanes[i];
+    for (int u = t; u < n; u++) { sc[u] *= scale; if (sc[u] > mx) mx = sc[u]; }
+    const __m256 vmx = _mm256_set1_ps(mx);
+    for (t = 0; t + 8 <= n; t += 8) _mm256_storeu_ps(sc + t, exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + t), vmx)));
+    if (t < n) {   /* the tail through the same exp: every weight computed alike */
+        float tail[8];
+        for (int i = 0; i < 8; i++) tail[i] = t + i < n ? sc[t + i] : -INFINITY;
+        _mm256_storeu_ps(tail, exp8(_mm256_sub_ps(_mm256_loadu_ps(tail), vmx)));
+        for (int i = 0; t + i < n; i++) sc[t + i] = tail[i];
+    }
+    for (t = 0; t < n; t++) sum += sc[t];   /* in order, as the scalar form and PyTorch's short rows */
+    const __m256 vs = _mm256_set1_ps(sum);
+    for (t = 0; t + 8 <= n; t += 8) _mm256_storeu_ps(sc + t, _mm256_div_ps(_mm256_loadu_ps(sc + t), vs));
+    for (; t < n; t++) sc[t] /= sum;
 #else
     for (; t < n; t++) { sc[t] *= scale; if (sc[t] > mx) mx = sc[t]; }
     for (t = 0; t < n; t++) { sc[t] = expf(sc[t] - mx); sum += sc[t]; }

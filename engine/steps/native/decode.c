@@ -85,6 +85,12 @@ static void silu_mul(const float *gu, float *hb, int I) {
         __m512 sg = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
         _mm512_storeu_ps(hb + i, _mm512_mul_ps(sg, _mm512_loadu_ps(gu + I + i)));
     }
+#elif defined(GEN_EXP8)
+    for (; i + 8 <= I; i += 8) {
+        __m256 g = _mm256_loadu_ps(gu + i), e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        __m256 sg = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+        _mm256_storeu_ps(hb + i, _mm256_mul_ps(sg, _mm256_loadu_ps(gu + I + i)));
+    }
 #endif
     for (; i < I; i++) hb[i] = gu[i] / (1.0f + expf(-gu[i])) * gu[I + i];
 }

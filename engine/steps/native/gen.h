@@ -188,6 +188,34 @@ static inline __m512 exp16(__m512 x) {
 }
 #endif
 
+#if defined(GEN_X86) && defined(__FMA__) && !defined(__AVX512F__)
+#define GEN_EXP8 1
+/* exp8d's AVX2 twin for CPUs without AVX-512: the same reduction and series in 4 double lanes, and
+ * 2^n (|n| <= 160) put together from its exponent bits instead of scalef: the same products, so the
+ * same values as exp16. */
+static inline __m256d exp4d(__m256d x) {
+    __m256d n = _mm256_round_pd(_mm256_mul_pd(x, _mm256_set1_pd(1.4426950408889634)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256d r = _mm256_fnmadd_pd(n, _mm256_set1_pd(6.93147180369123816490e-01), x);
+    r = _mm256_fnmadd_pd(n, _mm256_set1_pd(1.90821492927058770002e-10), r);
+    static const double c[] = {1.0 / 479001600, 1.0 / 39916800, 1.0 / 3628800, 1.0 / 362880, 1.0 / 40320,
+                               1.0 / 5040, 1.0 / 720, 1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0};
+    __m256d p = _mm256_set1_pd(c[0]);
+    for (int i = 1; i < 13; i++) p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(c[i]));
+    __m256i e = _mm256_slli_epi64(_mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_cvtpd_epi32(n)),
+                                                   _mm256_set1_epi64x(1023)), 52);
+    return _mm256_mul_pd(p, _mm256_castsi256_pd(e));
+}
+
+/* e^x in 8 float lanes, as exp16 (computed in double, rounded once; x clamped to [-110, 88.7]). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.7f)), _mm256_set1_ps(-110.0f));
+    __m128 lo = _mm256_cvtpd_ps(exp4d(_mm256_cvtps_pd(_mm256_castps256_ps128(x))));
+    __m128 hi = _mm256_cvtpd_ps(exp4d(_mm256_cvtps_pd(_mm256_extractf128_ps(x, 1))));
+    return _mm256_set_m128(hi, lo);
+}
+#endif
+
 static inline void axpy_f32(float *restrict y, float a, const float *restrict x, int n) {
     for (int i = 0; i < n; i++) y[i] += a * x[i];
 }
