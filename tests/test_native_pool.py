@@ -60,3 +60,18 @@ def test_the_default_never_runs_solo():
     st = pool_stats(reset=True)
     assert st["parallel_phases"] > 0 and st["verdicts"] == 0 and st["solo_phases"] == 0
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("env, want", [({}, "10000"), ({"GOMP_SPINCOUNT": "5"}, "5"),
+                                       ({"OMP_WAIT_POLICY": "ACTIVE"}, None)])
+def test_importing_the_engine_shortens_openmp_spinning_unless_the_user_chose(env, want):
+    """PyTorch's OpenMP threads spin long after each kernel and take the cores the native pool needs
+    next (engine/__init__.py): importing the engine before torch sets GOMP_SPINCOUNT, but never over a
+    setting of the user's own (GOMP_SPINCOUNT or OMP_WAIT_POLICY)."""
+    import os
+    import subprocess
+    import sys
+    clean = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    out = subprocess.run([sys.executable, "-c", "import engine, os; print(os.environ.get('GOMP_SPINCOUNT'))"],
+                         env={**clean, **env}, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(want)
