@@ -51,15 +51,19 @@ def free_port() -> int:
 
 class ServerProcess:
     def __init__(self, model: str, max_batch: int, max_context: int | None, threads: int | None, max_queue: int,
-                 backend: str = "auto"):
+                 backend: str = "auto", cmd: list[str] | None = None):
+        """`gen serve` on a free port; or, given `cmd`, that server (its port: {port} in cmd)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "cli.main", "serve", "--model", model, "--port", str(self.port),
-               "--max-batch", str(max_batch), "--max-queue", str(max_queue), "--backend", backend]
-        if max_context:
-            cmd += ["--max-context", str(max_context)]
-        if threads:
-            cmd += ["--threads", str(threads)]
+        if cmd is not None:
+            cmd = [c.replace("{port}", str(self.port)) for c in cmd]
+        else:
+            cmd = [sys.executable, "-m", "cli.main", "serve", "--model", model, "--port", str(self.port),
+                   "--max-batch", str(max_batch), "--max-queue", str(max_queue), "--backend", backend]
+            if max_context:
+                cmd += ["--max-context", str(max_context)]
+            if threads:
+                cmd += ["--threads", str(threads)]
         self.cmd = cmd
         # the server's log goes to a file: an unread pipe fills up and blocks the server's event loop
         self.log = tempfile.NamedTemporaryFile("w+", prefix="gen-serve-", suffix=".log", delete=False)
@@ -67,7 +71,7 @@ class ServerProcess:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"gen serve exited: {Path(self.log.name).read_text()[-2000:]}")
+                raise RuntimeError(f"{cmd[0]} exited: {Path(self.log.name).read_text()[-2000:]}")
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
                     return
@@ -75,7 +79,7 @@ class ServerProcess:
                 pass
             time.sleep(0.2)
         self.stop()
-        raise RuntimeError("gen serve did not start within 300 s")
+        raise RuntimeError(f"{cmd[0]} did not start within 300 s")
 
     def cpu_s(self) -> float:
         """The server process's CPU seconds so far (user + system)."""
@@ -161,8 +165,10 @@ async def stream_one(client, url: str, body: dict, disconnect_after: int | None 
         if not obj["choices"]:
             continue
         ch = obj["choices"][0]
-        times.append(t)
-        tokens += (ch.get("logprobs") or {}).get("tokens", [])
+        got = (ch.get("logprobs") or {}).get("tokens", [])
+        if got or ch["text"]:   # a token (llama-server ends with an empty chunk that only says why)
+            times.append(t)
+        tokens += got
         text += ch["text"]
         reason = ch["finish_reason"] or reason
     return {"status": 200, "t0": t0, "times": times, "tokens": tokens, "text": text, "finish_reason": reason}
@@ -215,13 +221,23 @@ class RawClient:
             return await self._read(httpx.URL(url), body, disconnect_after, events)
 
     async def _read(self, url, body, disconnect_after, events):
-        if self.conn is None:
-            self.conn = await asyncio.open_connection(url.host, url.port)
-        reader, writer = self.conn
         payload = json.dumps(body).encode()
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (url.host.encode(), len(payload), payload))
-        head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+        request = (b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: %d\r\n\r\n%s" % (url.host.encode(), len(payload), payload))
+        for attempt in (0, 1):
+            fresh = self.conn is None
+            if fresh:
+                self.conn = await asyncio.open_connection(url.host, url.port)
+            reader, writer = self.conn
+            writer.write(request)
+            try:
+                head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+                break
+            except (asyncio.IncompleteReadError, ConnectionError):
+                # a kept connection the server had closed (llama-server closes after each stream): once more
+                self.close()
+                if fresh or attempt:
+                    raise
         status = int(head[0].split(" ", 2)[1])
         headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in head[1:] if ":" in line)}
         if "content-length" in headers:   # an error answer (400, 429, ...)
@@ -358,6 +374,32 @@ def measure(server: ServerProcess, path: str, n: int, a) -> dict:
     return run
 
 
+def llama_server_cmd(binary: str, gguf: str, clients: int, tokens: int, threads: int | None) -> list[str]:
+    """llama.cpp's OpenAI-compatible server set as close to `gen serve` as its flags go: a slot per
+    client (continuous batching is its default), one KV buffer the slots share, the same threads."""
+    threads = threads or os.cpu_count()
+    return [binary, "-m", gguf, "--host", "127.0.0.1", "--port", "{port}", "-np", str(clients), "-kvu",
+            "-c", str(clients * (tokens + 64)), "-fa", "off", "--no-webui", "-t", str(threads), "-tb", str(threads)]
+
+
+def measure_peer(server: ServerProcess, n: int, a) -> dict:
+    """One load run of `n` clients against the peer server: the same clients and requests as measure()."""
+    cpu0, client0 = server.cpu_s(), time.process_time()
+    with RssSampler(server) as rss:
+        run = asyncio.run(load_run(server.url, "softmax", n, a.requests, a.tokens, a.model))
+    run.update(engine="llama-server", server_peak_rss_mib=rss.peak / 2 ** 20, server_cpu_s=server.cpu_s() - cpu0,
+               client_cpu_s=time.process_time() - client0, load_average=os.getloadavg()[0])
+    return run
+
+
+def describe_peer(run: dict) -> str:
+    return (f"llama-server {run['clients']:3d} clients: {run['tokens_per_s']:8.1f} tok/s  "
+            f"TTFT p50 {run['ttft_p50_ms']:7.1f} p99 {run['ttft_p99_ms']:7.1f} ms  "
+            f"ITL p50 {run['itl_p50_ms']:6.1f} p99 {run['itl_p99_ms']:7.1f} ms  RSS {run['server_peak_rss_mib']:.0f} MiB  "
+            f"failed {run['failed']}  server CPU ms/token {1e3 * run['server_cpu_s'] / max(run['tokens'], 1):.3f}  "
+            f"load {run['load_average']:.1f}")
+
+
 def describe(model: str, run: dict) -> str:
     n, c = max(run["tokens"], 1), run["cpu_s"]
     ms = {k: 1e3 * v / n for k, v in c.items()}
@@ -401,11 +443,21 @@ def main():
     ap.add_argument("--soak-workers", type=int, default=16)
     ap.add_argument("--repeat", type=int, default=1,
                     help="measure every client count this many times, interleaved (1, 16, 1, 16, ...)")
+    ap.add_argument("--llama-server", default=None, metavar="BIN",
+                    help="also measure llama.cpp's llama-server (this binary) on --gguf, softmax only, each client "
+                         "count right after gen's (the same clients and requests)")
+    ap.add_argument("--gguf", default=None, help="the model as a GGUF file, for --llama-server")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     a = ap.parse_args()
     paths, clients = a.paths.split(","), [int(c) for c in a.clients.split(",")]
+    if a.llama_server and not (a.gguf and Path(a.gguf).is_file()):
+        ap.error("--llama-server needs --gguf FILE: the same weights as a GGUF file")
     server = ServerProcess(a.model, max(clients + [a.soak_workers]), a.max_context, a.threads, 4 * max(clients),
                            a.backend)
+    peer = None
+    if a.llama_server:
+        peer = ServerProcess(a.model, 0, None, None, 0, cmd=llama_server_cmd(a.llama_server, a.gguf, max(clients),
+                                                                              a.tokens, a.threads))
     results = {"settings": vars(a), "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
                "server_command": " ".join(server.cmd[1:]), "machine": {
                    "cpu_count": os.cpu_count(), "platform": platform.platform(),
@@ -419,16 +471,29 @@ def main():
                     run["repeat"] = rep
                     results["runs"].append(run)
                     print(describe(a.model, run), flush=True)
+                    if peer is not None and path == "softmax":
+                        run = measure_peer(peer, n, a)
+                        run["repeat"] = rep
+                        results.setdefault("peer_runs", []).append(run)
+                        print(describe_peer(run), flush=True)
                 pair = [r for r in results["runs"] if r["path"] == path and r["repeat"] == rep]
                 ratio, steps = ratio_16_to_1(pair), step_ratio_16_to_1(pair)
                 if ratio is not None:
                     print(f"  {path}: 16 clients / 1 client = {ratio:.2f}x (repeat {rep + 1} of {a.repeat}; the decode "
                           f"steps alone: {steps or float('nan'):.2f}x)", flush=True)
+                peer_ratio = ratio_16_to_1([r for r in results.get("peer_runs", []) if r["repeat"] == rep])
+                if peer_ratio is not None and path == "softmax":
+                    print(f"  llama-server: 16 clients / 1 client = {peer_ratio:.2f}x (repeat {rep + 1})", flush=True)
             ratios = [ratio_16_to_1([r for r in results["runs"] if r["path"] == path and r["repeat"] == rep])
                       for rep in range(a.repeat)]
             if ratios and None not in ratios:
                 print(f"  {path}: 16 clients / 1 client: median {statistics.median(ratios):.2f}x over {len(ratios)} "
                       f"interleaved pairs ({', '.join(f'{x:.2f}' for x in ratios)}); target >= 6x", flush=True)
+            peer_ratios = [ratio_16_to_1([r for r in results.get("peer_runs", []) if r["repeat"] == rep])
+                           for rep in range(a.repeat)]
+            if path == "softmax" and peer_ratios and None not in peer_ratios:
+                print(f"  llama-server: 16 clients / 1 client: median {statistics.median(peer_ratios):.2f}x "
+                      f"({', '.join(f'{x:.2f}' for x in peer_ratios)})", flush=True)
         if a.soak > 0:
             s = asyncio.run(soak(server.url, a.model, a.soak, a.soak_workers, paths))
             results["soak"] = s
@@ -440,6 +505,9 @@ def main():
         results["prefix_cache"] = httpx.get(server.url + "/stats").json()["prefix_cache"]
     finally:
         tail = server.stop()
+        if peer is not None:
+            results["peer_command"] = " ".join(peer.cmd)
+            peer.stop()
     print(f"server log ({server.log.name}) ends: {tail}")
     budget = int(a.budget_gib * 2 ** 30)
     results["fit_2k"] = fit_2k(a.model, paths, budget)

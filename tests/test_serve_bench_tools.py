@@ -46,6 +46,16 @@ def test_stream_reader_parses_events_split_anywhere(cut):
     assert len(got["times"]) == 3
 
 
+def test_stream_reader_counts_tokens_not_the_closing_chunk():
+    """llama-server (the peer --llama-server measures) sends no logprobs and ends with an empty chunk
+    that only carries finish_reason: 3 tokens, not 4."""
+    chunks = [{"text": t, "logprobs": None, "finish_reason": None} for t in ["Once", " upon", " a"]]
+    chunks.append({"text": "", "logprobs": None, "finish_reason": "length"})
+    body = b"".join(b"data: " + json.dumps({"choices": [c]}).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+    got = read(body, 11)
+    assert got["text"] == "Once upon a" and got["finish_reason"] == "length" and len(got["times"]) == 3
+
+
 def test_stream_reader_reports_a_client_that_left_and_an_error_event():
     assert read(sse_bytes(["a", "b", "c", "d"]), 5, disconnect_after=2) == {"status": 200, "disconnected": True}
     err = b'data: {"choices": [{"text": "a", "finish_reason": null}]}\r\n\r\ndata: {"error": {"message": "boom"}}\r\n\r\n'
