@@ -26,6 +26,7 @@ import argparse
 import os
 import time
 
+import engine  # noqa: F401  (before torch: its OpenMP setting, engine/__init__.py, applies)
 import torch
 
 from engine.loader import load_model

@@ -13,6 +13,7 @@ less (memory-bandwidth contention still inflates it). For quiet-machine wall-clo
 import sys
 import time
 
+import engine  # noqa: F401  (before torch: its OpenMP setting, engine/__init__.py, applies)
 import torch
 
 from engine.loader import load_model

@@ -40,6 +40,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = {"tiny": "tiny", "stories260K": os.path.join(ROOT, "..", "shared", "checkpoints", "stories260K", "hf")}
 
 ROW = r"""
+import engine  # before torch: its OpenMP setting (engine/__init__.py) applies
 import json, os, statistics, subprocess, sys, time, torch
 from engine.loader import load_model
 from engine.quant import quantize_model

@@ -8,7 +8,8 @@
 # Peers (third-party code: built and kept in the cache, never in this repository):
 #   llama.cpp  the vendor/llama.cpp of the `llama-cpp-python` source package on PyPI
 #              (pip download --no-deps --no-binary :all: llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION),
-#              cmake Release, CPU only, -DGGML_NATIVE=ON, targets llama-bench and llama-quantize,
+#              cmake Release, CPU only, -DGGML_NATIVE=ON, targets llama-bench and llama-quantize (and
+#              llama-batched-bench, llama-server for batch_peers.py and serve_bench.py --llama-server),
 #              $BUILD_JOBS jobs. Decode: `llama-bench -p 0 -n $STEPS -d D -fa off -t N -r $REPS` for
 #              D in 0, 2048; prompt: `llama-bench -p 512 -n 0 -fa off -t N -r $REPS` (pp512); one run
 #              per cell. Its KV cache is f16 (its default; gen's is fp32).
@@ -110,11 +111,14 @@ build_llamacpp() {
     local gen=(); if command -v ninja > /dev/null; then gen=(-G Ninja); fi
     cmake -S "$LCPP_SRC" -B "$LCPP_BUILD" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
         -DBUILD_SHARED_LIBS=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-        -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DGGML_CUDA=OFF > "$LCPP_BUILD.log" 2>&1 &&
-    cmake --build "$LCPP_BUILD" -j "$BUILD_JOBS" --target llama-bench llama-quantize >> "$LCPP_BUILD.log" 2>&1
+        -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_APP=OFF -DGGML_CUDA=OFF > "$LCPP_BUILD.log" 2>&1 &&
+    cmake --build "$LCPP_BUILD" -j "$BUILD_JOBS" --target llama-bench llama-quantize >> "$LCPP_BUILD.log" 2>&1 || return 1
+    # for benchmarks/batch_peers.py and serve_bench.py --llama-server; this table does without them
+    cmake --build "$LCPP_BUILD" -j "$BUILD_JOBS" --target llama-batched-bench llama-server >> "$LCPP_BUILD.log" 2>&1 ||
+        note "llama.cpp: llama-batched-bench / llama-server did not build (log: $LCPP_BUILD.log); this table does not need them"
 }
 HAVE_LCPP=1
-if [ ! -x "$LLAMA_BENCH" ] || [ ! -x "$LLAMA_QUANTIZE" ]; then
+if [ ! -x "$LLAMA_BENCH" ] || [ ! -x "$LLAMA_QUANTIZE" ] || [ ! -x "$LCPP_BUILD/bin/llama-server" ]; then
     build_llamacpp || { HAVE_LCPP=0; note "llama.cpp: build failed (log: $LCPP_BUILD.log); its columns are n/a"; }
 fi
 if [ "$HAVE_LCPP" = 1 ]; then log "llama.cpp: $("$LLAMA_BENCH" --version 2>&1 | head -1)"; fi

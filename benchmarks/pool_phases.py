@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 
+import engine  # noqa: F401  (before torch: its OpenMP setting, engine/__init__.py, applies)
 import torch
 
 from bandwidth_floor import load, model_args
