@@ -129,8 +129,13 @@ static inline __attribute__((always_inline)) void decode_block(const unsigned ch
         for (int q = 0; q < 4; q++) w[q] = ld8((const float *)blk + 8 * q);
         return;
     case T_F16:
+#ifdef GEN_X86   /* widened in registers (not through f[]: 4 stores and 4 reloads a block) */
+        for (int q = 0; q < 4; q++) w[q] = (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * q)));
+        return;
+#else
         for (int q = 0; q < 4; q++) widen8_f16((const uint16_t *)blk + 8 * q, f + 8 * q);
         break;
+#endif
     case T_BF16: {
 #ifdef GEN_X86
         for (int q = 0; q < 4; q++) {
@@ -211,15 +216,15 @@ static inline float tail_elem(const unsigned char *row, int type, int i) {
     return type == T_F16 ? load_f16(h) : load_bf16(h);
 }
 
-/* Rows [r0, r1) against n (1..4) inputs; n and type are constants after inlining. */
+/* Rows [r0, r1) against n (1..3) inputs; n and type are constants after inlining. */
 static inline __attribute__((always_inline)) void rows_tile(const Mat *m, int r0, int r1, const float *x, int xs,
                                                            const int n, float *out, int os, int add, const int type) {
     const int K = m->cols, nb = K / QK;
     const size_t stride = row_bytes(m);
     for (int r = r0; r < r1; r++) {
         const unsigned char *row = (const unsigned char *)m->data + (size_t)r * stride;
-        v8 acc[4][4];
-        for (int j = 0; j < 4; j++)
+        v8 acc[3][4];
+        for (int j = 0; j < n; j++)
             for (int q = 0; q < 4; q++) acc[j][q] = (v8){0};
         for (int k = 0; k < nb; k++) {
             v8 w[4];
@@ -238,57 +243,21 @@ static inline __attribute__((always_inline)) void rows_tile(const Mat *m, int r0
     }
 }
 
-/* Rows [r0, r1) against 8 inputs: each block is decoded once for all 8 (two accumulators each). */
-static inline __attribute__((always_inline)) void rows_tile8(const Mat *m, int r0, int r1, const float *x, int xs,
-                                                            float *out, int os, int add, const int type) {
-    const int K = m->cols, nb = K / QK;
-    const size_t stride = row_bytes(m);
-    for (int r = r0; r < r1; r++) {
-        const unsigned char *row = (const unsigned char *)m->data + (size_t)r * stride;
-        v8 acc[8][2];
-        for (int j = 0; j < 8; j++) acc[j][0] = acc[j][1] = (v8){0};
-        for (int k = 0; k < nb; k++) {
-            v8 w[4];
-            const unsigned char *ahead = row + 2 * stride + (size_t)k * block_bytes(type);   /* two rows on */
-            __builtin_prefetch(ahead);
-            __builtin_prefetch(ahead + 64);
-            decode_block(row, type, k, w);
-            for (int j = 0; j < 8; j++) {
-                const float *xp = x + (size_t)j * xs + k * QK;
-                acc[j][0] += w[0] * ld8(xp);
-                acc[j][1] += w[1] * ld8(xp + 8);
-                acc[j][0] += w[2] * ld8(xp + 16);
-                acc[j][1] += w[3] * ld8(xp + 24);
-            }
-        }
-        for (int j = 0; j < 8; j++) {
-            float s = hsum(acc[j][0] + acc[j][1]);
-            for (int i = nb * QK; i < K; i++) s += tail_elem(row, type, i) * x[(size_t)j * xs + i];
-            float *o = out + (size_t)j * os + (r - r0);
-            *o = add ? *o + s : s;
-        }
-    }
-}
-
+/* Rows [r0, r1) against B inputs, one row against up to 3 inputs at a time: 4 chains per input are
+ * 12 accumulators, which fit (with the weight vector) in AVX2's 16 registers; a wider tile spilled
+ * them (8 inputs: 20 live vectors). Batches go per 16-row block, so the block stays in L1 while the
+ * batch passes over it. Every (row, input) sums in the same 4 chains and the same final adds
+ * whatever B and its place in the batch: a sequence stepped alone and inside a batch gets the same
+ * bits (as tile.c's AVX-512 tiles; tested). */
 static inline __attribute__((always_inline)) void rows_typed(const Mat *m, int r0, int r1, const float *x, int xs,
                                                             int B, float *out, int os, int add, const int type) {
-    if (B > 8 && r1 - r0 > 16) {   /* many inputs (a prompt block): 16 rows at a time, re-read from L1 per 8 inputs */
-        for (int r = r0; r < r1; r += 16) {
-            int e = r + 16 < r1 ? r + 16 : r1, b = 0;
-            float *o = out + (r - r0);
-            for (; b + 8 <= B; b += 8) rows_tile8(m, r, e, x + (size_t)b * xs, xs, o + (size_t)b * os, os, add, type);
-            for (; b < B; b++) rows_tile(m, r, e, x + (size_t)b * xs, xs, 1, o + (size_t)b * os, os, add, type);
-        }
-        return;
-    }
-    int b = 0;
-    for (; b + 8 <= B; b += 8) rows_tile8(m, r0, r1, x + (size_t)b * xs, xs, out + (size_t)b * os, os, add, type);
-    for (; b + 4 <= B; b += 4) rows_tile(m, r0, r1, x + (size_t)b * xs, xs, 4, out + (size_t)b * os, os, add, type);
-    switch (B - b) {
-    case 3: rows_tile(m, r0, r1, x + (size_t)b * xs, xs, 3, out + (size_t)b * os, os, add, type); break;
-    case 2: rows_tile(m, r0, r1, x + (size_t)b * xs, xs, 2, out + (size_t)b * os, os, add, type); break;
-    case 1: rows_tile(m, r0, r1, x + (size_t)b * xs, xs, 1, out + (size_t)b * os, os, add, type); break;
-    default: break;
+    for (int r = r0; r < r1; r += 16) {
+        const int e = r + 16 < r1 ? r + 16 : r1;
+        float *o = out + (r - r0);
+        int b = 0;
+        for (; b + 3 <= B; b += 3) rows_tile(m, r, e, x + (size_t)b * xs, xs, 3, o + (size_t)b * os, os, add, type);
+        if (B - b == 2) rows_tile(m, r, e, x + (size_t)b * xs, xs, 2, o + (size_t)b * os, os, add, type);
+        else if (B - b == 1) rows_tile(m, r, e, x + (size_t)b * xs, xs, 1, o + (size_t)b * os, os, add, type);
     }
 }
 
