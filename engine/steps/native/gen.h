@@ -161,6 +161,12 @@ static inline float hsum16(__m512 a) {
 
 #endif
 
+#if defined(__AVX512F__) || (defined(GEN_X86) && defined(__FMA__))
+/* e^r's Taylor coefficients, highest power first (exp8d and exp4d: the same series) */
+static const double EXP_SERIES[13] = {1.0 / 479001600, 1.0 / 39916800, 1.0 / 3628800, 1.0 / 362880, 1.0 / 40320,
+                                      1.0 / 5040, 1.0 / 720, 1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0};
+#endif
+
 #if defined(__AVX512F__)
 /* e^x of 8 doubles, |x| <= 110: n = round(x log2 e), r = x - n ln 2 (ln 2 in two parts, n ln2_hi
  * exact), e^r by its Taylor series to r^12 (|r| <= 0.347: relative error < 1e-14), times 2^n. */
@@ -169,10 +175,8 @@ static inline __m512d exp8d(__m512d x) {
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512d r = _mm512_fnmadd_pd(n, _mm512_set1_pd(6.93147180369123816490e-01), x);
     r = _mm512_fnmadd_pd(n, _mm512_set1_pd(1.90821492927058770002e-10), r);
-    static const double c[] = {1.0 / 479001600, 1.0 / 39916800, 1.0 / 3628800, 1.0 / 362880, 1.0 / 40320,
-                               1.0 / 5040, 1.0 / 720, 1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0};
-    __m512d p = _mm512_set1_pd(c[0]);
-    for (int i = 1; i < 13; i++) p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(c[i]));
+    __m512d p = _mm512_set1_pd(EXP_SERIES[0]);
+    for (int i = 1; i < 13; i++) p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(EXP_SERIES[i]));
     return _mm512_scalef_pd(p, n);
 }
 
@@ -198,10 +202,8 @@ static inline __m256d exp4d(__m256d x) {
                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256d r = _mm256_fnmadd_pd(n, _mm256_set1_pd(6.93147180369123816490e-01), x);
     r = _mm256_fnmadd_pd(n, _mm256_set1_pd(1.90821492927058770002e-10), r);
-    static const double c[] = {1.0 / 479001600, 1.0 / 39916800, 1.0 / 3628800, 1.0 / 362880, 1.0 / 40320,
-                               1.0 / 5040, 1.0 / 720, 1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0};
-    __m256d p = _mm256_set1_pd(c[0]);
-    for (int i = 1; i < 13; i++) p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(c[i]));
+    __m256d p = _mm256_set1_pd(EXP_SERIES[0]);
+    for (int i = 1; i < 13; i++) p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(EXP_SERIES[i]));
     __m256i e = _mm256_slli_epi64(_mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_cvtpd_epi32(n)),
                                                    _mm256_set1_epi64x(1023)), 52);
     return _mm256_mul_pd(p, _mm256_castsi256_pd(e));
