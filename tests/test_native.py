@@ -386,3 +386,30 @@ def test_gqa_groups_read_once_equal_repeated_heads(cache, head_dim, kv_heads):
     if cache == torch.float32:
         ref, _, _ = run(model, prompt, follow, "module", batch=B, real=real)
         assert (ref - got).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("bad", [-1, 97])
+def test_a_token_outside_the_vocabulary_is_refused_before_the_step(native_built, bad):
+    """The native step checks ids itself (C would read outside the embedding): one IndexError naming
+    the id, and the state does not move."""
+    model = tiny_model()
+    step, state = Stepper(model, "native"), model.init_state(2, 16)
+    step(torch.tensor([[1, 2], [3, 4]]), state, last_only=True)
+    with pytest.raises(IndexError, match=f"token id {bad} outside the vocabulary \\(0..96\\)"):
+        step(torch.tensor([[5], [bad]]), state)
+    assert state.slots == 2
+
+
+def test_the_plan_keeps_its_rotary_rows_when_the_model_rebuilds_its_table(native_built):
+    """The native plan reads fp32 rotary rows it holds; the module path of an f16 model rebuilds the
+    model's table in f16 between native steps: the native logits still equal the module path's."""
+    model = tiny_model(dtype=torch.float16)
+    prompt, follow = tokens(3, prompt=5, follow=6)
+    want, _, _ = run(model, prompt, follow, "module")
+    step, state = Stepper(model, "native"), model.init_state(1, 64)
+    got = [step(prompt, state)[:, -1:]]
+    for t in follow.T:
+        model.rotary.table(8, torch.device("cpu"), torch.float16)   # the table swapped for an f16 one
+        got.append(step(t.reshape(1, 1), state))
+        assert step.last_form == "native"
+    assert (torch.cat(got, 1).float() - want.float()).abs().max().item() <= 1e-2

@@ -377,6 +377,7 @@ class NativeDecoder:
         if self.library.gen_plan_init(self.plan_ref) != 0:
             raise NativeUnavailableError("the native step could not allocate its thread scratch")
         self.rope = model.uses_rope(state.path)
+        self._rope_tables = None   # fp32 (cos, sin), kept here: fetched again only to grow
         self.V, self.D, self.B = cfg.vocab_size, D, B
         self.prefill_plan = self.prefill_ref = None   # made on the first prompt block
 
@@ -456,16 +457,24 @@ class NativeDecoder:
         return (self._pointers() == self.pointers and state.tensors()[0] is self.tensors[0]
                 and self._versions() == self.source_versions)
 
+    def _rope_rows(self, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fp32 rotary tables with at least n rows: the model's, asked for again only when they
+        must grow (holding them keeps the rows read alive whatever the model's table does next)."""
+        t = self._rope_tables
+        if t is None or t[0].shape[0] < n:
+            t = self._rope_tables = self.model.rotary.table(n, device, torch.float32)
+        return t
+
     def step(self, tokens: torch.Tensor, state) -> torch.Tensor:
         """tokens (B, 1) -> logits (B, 1, V); writes one cache slot per row and advances the state."""
         span = state.open(tokens)            # shape and capacity checks (ContextFullError), as PyTorch
         ids = tokens.reshape(self.B)
         if ids.dtype != torch.int64 or not ids.is_contiguous():
             ids = ids.to(torch.int64).contiguous()
-        lo, hi = ids.aminmax() if self.B > 1 else (ids[0], ids[0])
-        if int(lo) < 0 or int(hi) >= self.V:
-            raise IndexError(f"token id {int(lo) if int(lo) < 0 else int(hi)} outside the vocabulary "
-                             f"(0..{self.V - 1})")
+        vals = ids.tolist()   # one call (indexing and int() of a tensor cost ~7 us a step on small models)
+        lo, hi = min(vals), max(vals)
+        if lo < 0 or hi >= self.V:
+            raise IndexError(f"token id {lo if lo < 0 else hi} outside the vocabulary (0..{self.V - 1})")
         cos = sin = None
         stride = 0
         padded = state.padded
@@ -477,7 +486,7 @@ class NativeDecoder:
                 cos, sin, stride = rows_c.data_ptr(), rows_s.data_ptr(), self.D
             else:
                 pos = span.start
-                c, s = self.model.rotary.table(pos + 1, tokens.device, torch.float32)
+                c, s = self._rope_rows(pos + 1, tokens.device)
                 cos, sin = c.data_ptr() + pos * self.D * 4, s.data_ptr() + pos * self.D * 4
         real = None
         kv = _parts(state)[0] if padded else None
