@@ -9,7 +9,7 @@ import torch
 
 from models.config import ModelConfig
 from engine.steps import NativeUnavailableError
-from engine.steps.native import library, set_parallel_min
+from engine.steps.native import PARALLEL_MIN_MACS, library, set_parallel_min
 from engine.transformer import Transformer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -202,7 +202,7 @@ def native_built(tmp_path_factory):
     torch.set_num_threads(1)  # the references (module path) on one thread: no OpenMP barriers on a busy machine
     yield lib                 # the ctypes library, for tests that call its kernels directly
     torch.set_num_threads(torch_threads)
-    set_parallel_min(24576)
+    set_parallel_min(PARALLEL_MIN_MACS)
 
 
 def prompt_and_follow(seed: int, padded: bool, batch: int = 3, prompt: int = 7, follow: int = 12):

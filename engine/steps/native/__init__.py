@@ -37,7 +37,7 @@ from engine.steps.native.build import NativeUnavailableError, library
 from engine.threads import current_threads
 
 __all__ = ["NativeStep", "NativeDecoder", "NativeUnavailableError", "library", "pool_adapt", "pool_stats",
-           "set_parallel_min", "weights_read", "why_not"]
+           "set_parallel_min", "PARALLEL_MIN_MACS", "weights_read", "why_not"]
 
 _P = ctypes.POINTER(ctypes.c_float)
 _V = ctypes.c_void_p
@@ -92,9 +92,12 @@ def _bind(lib):
     return lib
 
 
+PARALLEL_MIN_MACS = 65536   # decode.c's gen_par_min_macs, the default
+
+
 def set_parallel_min(macs: int) -> None:
     """Phases below `macs` multiply-adds run on the calling thread alone (tests: 0 puts every phase
-    on the pool, so small models exercise it)."""
+    on the pool, so small models exercise it; PARALLEL_MIN_MACS is the default)."""
     _bind(library()).gen_set_parallel_min(macs)
 
 
