@@ -112,14 +112,20 @@ build_llamacpp() {
     cmake -S "$LCPP_SRC" -B "$LCPP_BUILD" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
         -DBUILD_SHARED_LIBS=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
         -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_APP=OFF -DGGML_CUDA=OFF > "$LCPP_BUILD.log" 2>&1 &&
-    cmake --build "$LCPP_BUILD" -j "$BUILD_JOBS" --target llama-bench llama-quantize >> "$LCPP_BUILD.log" 2>&1 || return 1
-    # for benchmarks/batch_peers.py and serve_bench.py --llama-server; this table does without them
-    cmake --build "$LCPP_BUILD" -j "$BUILD_JOBS" --target llama-batched-bench llama-server >> "$LCPP_BUILD.log" 2>&1 ||
-        note "llama.cpp: llama-batched-bench / llama-server did not build (log: $LCPP_BUILD.log); this table does not need them"
+    cmake --build "$LCPP_BUILD" -j "$BUILD_JOBS" --target llama-bench llama-quantize >> "$LCPP_BUILD.log" 2>&1
+}
+build_llamacpp_extra() {   # for benchmarks/batch_peers.py and serve_bench.py --llama-server; the table does without them
+    { cmake -S "$LCPP_SRC" -B "$LCPP_BUILD" -DLLAMA_BUILD_SERVER=ON &&   # an older build was configured without it
+      cmake --build "$LCPP_BUILD" -j "$BUILD_JOBS" --target llama-batched-bench llama-server; } >> "$LCPP_BUILD.log" 2>&1 ||
+        { touch "$LCPP_BUILD.extra-failed"   # tried once per build directory, not on every run
+          note "llama.cpp: llama-batched-bench / llama-server did not build (log: $LCPP_BUILD.log); this table does not need them"; }
 }
 HAVE_LCPP=1
-if [ ! -x "$LLAMA_BENCH" ] || [ ! -x "$LLAMA_QUANTIZE" ] || [ ! -x "$LCPP_BUILD/bin/llama-server" ]; then
+if [ ! -x "$LLAMA_BENCH" ] || [ ! -x "$LLAMA_QUANTIZE" ]; then
     build_llamacpp || { HAVE_LCPP=0; note "llama.cpp: build failed (log: $LCPP_BUILD.log); its columns are n/a"; }
+fi
+if [ "$HAVE_LCPP" = 1 ] && [ ! -x "$LCPP_BUILD/bin/llama-server" ] && [ ! -e "$LCPP_BUILD.extra-failed" ]; then
+    build_llamacpp_extra
 fi
 if [ "$HAVE_LCPP" = 1 ]; then log "llama.cpp: $("$LLAMA_BENCH" --version 2>&1 | head -1)"; fi
 

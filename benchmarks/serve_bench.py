@@ -49,21 +49,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def gen_serve_cmd(model: str, max_batch: int, max_context: int | None, threads: int | None, max_queue: int,
+                  backend: str = "auto") -> list[str]:
+    """`gen serve` as the load runs start it ({port}: filled in by ServerProcess)."""
+    cmd = [sys.executable, "-m", "cli.main", "serve", "--model", model, "--port", "{port}",
+           "--max-batch", str(max_batch), "--max-queue", str(max_queue), "--backend", backend]
+    if max_context:
+        cmd += ["--max-context", str(max_context)]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    return cmd
+
+
 class ServerProcess:
-    def __init__(self, model: str, max_batch: int, max_context: int | None, threads: int | None, max_queue: int,
-                 backend: str = "auto", cmd: list[str] | None = None):
-        """`gen serve` on a free port; or, given `cmd`, that server (its port: {port} in cmd)."""
+    def __init__(self, cmd: list[str]):
+        """The server `cmd` on a free port (written where cmd says {port}), once its /health answers."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        if cmd is not None:
-            cmd = [c.replace("{port}", str(self.port)) for c in cmd]
-        else:
-            cmd = [sys.executable, "-m", "cli.main", "serve", "--model", model, "--port", str(self.port),
-                   "--max-batch", str(max_batch), "--max-queue", str(max_queue), "--backend", backend]
-            if max_context:
-                cmd += ["--max-context", str(max_context)]
-            if threads:
-                cmd += ["--threads", str(threads)]
+        cmd = [c.replace("{port}", str(self.port)) for c in cmd]
         self.cmd = cmd
         # the server's log goes to a file: an unread pipe fills up and blocks the server's event loop
         self.log = tempfile.NamedTemporaryFile("w+", prefix="gen-serve-", suffix=".log", delete=False)
@@ -350,22 +353,29 @@ def fit_2k(model: str, paths: list[str], budget: int) -> dict:
     return out
 
 
+def load_with_rss(server: ServerProcess, path: str, n: int, a) -> dict:
+    """load_run with the server's peak RSS, the load generator's CPU and the load average after it."""
+    client0 = time.process_time()
+    with RssSampler(server) as rss:
+        run = asyncio.run(load_run(server.url, path, n, a.requests, a.tokens, a.model))
+    run.update(server_peak_rss_mib=rss.peak / 2 ** 20, client_cpu_s=time.process_time() - client0,
+               load_average=os.getloadavg()[0])   # the machine's cores are shared with the clients (and others)
+    return run
+
+
 def measure(server: ServerProcess, path: str, n: int, a) -> dict:
     """One load run of `n` clients, with the server's peak RSS and CPU: the whole process, its decode
     loop's thread (and, of that, inside decode steps, sampling, delivering tokens: the scheduler's own
     counts), its event loop's thread and the rest (the native pool's workers), and the load generator."""
-    stats0, threads0, client0 = httpx.get(server.url + "/stats").json(), server.thread_cpu_s(), time.process_time()
-    with RssSampler(server) as rss:
-        run = asyncio.run(load_run(server.url, path, n, a.requests, a.tokens, a.model))
-    client_cpu = time.process_time() - client0               # the machine's cores are shared with the
-    threads1, stats1 = server.thread_cpu_s(), httpx.get(server.url + "/stats").json()   # clients (and others)
+    stats0, threads0 = httpx.get(server.url + "/stats").json(), server.thread_cpu_s()
+    run = load_with_rss(server, path, n, a)
+    threads1, stats1 = server.thread_cpu_s(), httpx.get(server.url + "/stats").json()
     per = {tid: cpu - threads0.get(tid, 0.0) for tid, cpu in threads1.items()}
     loop_tid, main_tid = stats1.get("thread_id"), server.proc.pid   # (a server from before these counts: zeros)
     t0, t1 = stats0.get("timing", {}), stats1.get("timing", {})
     timing = {k: t1.get(k, 0.0) - t0.get(k, 0.0) for k in ("step_s", "step_cpu_s", "sample_cpu_s", "deliver_cpu_s",
                                                              "tokens")}
-    run.update(server_peak_rss_mib=rss.peak / 2 ** 20, server_cpu_s=sum(per.values()), client_cpu_s=client_cpu,
-               load_average=os.getloadavg()[0], cpu_s={
+    run.update(server_cpu_s=sum(per.values()), cpu_s={
                    "decode_thread": per.get(loop_tid, 0.0), "event_loop": per.get(main_tid, 0.0),
                    "other_threads": sum(c for t, c in per.items() if t not in (loop_tid, main_tid)),
                    "in_steps": timing["step_cpu_s"], "sampling": timing["sample_cpu_s"],
@@ -384,29 +394,29 @@ def llama_server_cmd(binary: str, gguf: str, clients: int, tokens: int, threads:
 
 def measure_peer(server: ServerProcess, n: int, a) -> dict:
     """One load run of `n` clients against the peer server: the same clients and requests as measure()."""
-    cpu0, client0 = server.cpu_s(), time.process_time()
-    with RssSampler(server) as rss:
-        run = asyncio.run(load_run(server.url, "softmax", n, a.requests, a.tokens, a.model))
-    run.update(engine="llama-server", server_peak_rss_mib=rss.peak / 2 ** 20, server_cpu_s=server.cpu_s() - cpu0,
-               client_cpu_s=time.process_time() - client0, load_average=os.getloadavg()[0])
+    cpu0 = server.cpu_s()
+    run = load_with_rss(server, "softmax", n, a)
+    run.update(engine="llama-server", server_cpu_s=server.cpu_s() - cpu0)
     return run
 
 
-def describe_peer(run: dict) -> str:
-    return (f"llama-server {run['clients']:3d} clients: {run['tokens_per_s']:8.1f} tok/s  "
+def headline(label: str, run: dict) -> str:
+    """A load run's one line: throughput, latencies, peak RSS, failures."""
+    return (f"{label} {run['clients']:3d} clients: {run['tokens_per_s']:8.1f} tok/s  "
             f"TTFT p50 {run['ttft_p50_ms']:7.1f} p99 {run['ttft_p99_ms']:7.1f} ms  "
-            f"ITL p50 {run['itl_p50_ms']:6.1f} p99 {run['itl_p99_ms']:7.1f} ms  RSS {run['server_peak_rss_mib']:.0f} MiB  "
-            f"failed {run['failed']}  server CPU ms/token {1e3 * run['server_cpu_s'] / max(run['tokens'], 1):.3f}  "
-            f"load {run['load_average']:.1f}")
+            f"ITL p50 {run['itl_p50_ms']:6.1f} p99 {run['itl_p99_ms']:7.1f} ms  "
+            f"RSS {run['server_peak_rss_mib']:.0f} MiB  failed {run['failed']}  load {run['load_average']:.1f}")
+
+
+def describe_peer(run: dict) -> str:
+    return (headline("llama-server", run) +
+            f"  server CPU ms/token {1e3 * run['server_cpu_s'] / max(run['tokens'], 1):.3f}")
 
 
 def describe(model: str, run: dict) -> str:
     n, c = max(run["tokens"], 1), run["cpu_s"]
     ms = {k: 1e3 * v / n for k, v in c.items()}
-    return (f"{model} {run['path']:7s} {run['clients']:3d} clients: {run['tokens_per_s']:8.1f} tok/s  "
-            f"TTFT p50 {run['ttft_p50_ms']:7.1f} p99 {run['ttft_p99_ms']:7.1f} ms  "
-            f"ITL p50 {run['itl_p50_ms']:6.1f} p99 {run['itl_p99_ms']:7.1f} ms  "
-            f"RSS {run['server_peak_rss_mib']:.0f} MiB  failed {run['failed']}  load {run['load_average']:.1f}\n"
+    return (headline(f"{model} {run['path']:7s}", run) + "\n"
             f"    CPU ms/token: server {1e3 * run['server_cpu_s'] / n:.3f} = decode thread {ms['decode_thread']:.3f} "
             f"(steps {ms['in_steps']:.3f}, sampling {ms['sampling']:.3f}, delivering {ms['delivering']:.3f}, "
             f"rest {ms['decode_thread'] - ms['in_steps'] - ms['sampling'] - ms['delivering']:.3f}) + event loop "
@@ -452,12 +462,11 @@ def main():
     paths, clients = a.paths.split(","), [int(c) for c in a.clients.split(",")]
     if a.llama_server and not (a.gguf and Path(a.gguf).is_file()):
         ap.error("--llama-server needs --gguf FILE: the same weights as a GGUF file")
-    server = ServerProcess(a.model, max(clients + [a.soak_workers]), a.max_context, a.threads, 4 * max(clients),
-                           a.backend)
+    server = ServerProcess(gen_serve_cmd(a.model, max(clients + [a.soak_workers]), a.max_context, a.threads,
+                                         4 * max(clients), a.backend))
     peer = None
     if a.llama_server:
-        peer = ServerProcess(a.model, 0, None, None, 0, cmd=llama_server_cmd(a.llama_server, a.gguf, max(clients),
-                                                                              a.tokens, a.threads))
+        peer = ServerProcess(llama_server_cmd(a.llama_server, a.gguf, max(clients), a.tokens, a.threads))
     results = {"settings": vars(a), "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
                "server_command": " ".join(server.cmd[1:]), "machine": {
                    "cpu_count": os.cpu_count(), "platform": platform.platform(),
