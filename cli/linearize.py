@@ -40,9 +40,12 @@ from engine.threads import set_threads
 @click.option("--budget", type=float, help="wall-time budget in minutes (half transfer, half finetune)")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--resume", is_flag=True, help="continue an interrupted run in the same --out")
+@click.option("--init", "init", type=click.Path(file_okay=False),
+              help="a `gen linearize` output to start from: its maps and adapters, its transfer losses (for "
+                   "--hybrid); no transfer, only the finetune")
 @click.option("--threads", type=int, help="CPU threads (default: engine.threads)")
 def linearize_cmd(model_name, data, out, tokens, finetune_tokens, seq_len, layer_steps, batch_size, lr, finetune_steps,
-                  finetune_batch, finetune_lr, finetune_loss, finetune_dtype, finetune_clip, lora_rank, hybrid, window, budget, seed, resume, threads):
+                  finetune_batch, finetune_lr, finetune_loss, finetune_dtype, finetune_clip, lora_rank, hybrid, window, budget, seed, resume, init, threads):
     """With the model frozen, train per-layer hedgehog maps (transfer), then finetune them end to end."""
     def run():
         set_threads(threads)
@@ -51,7 +54,7 @@ def linearize_cmd(model_name, data, out, tokens, finetune_tokens, seq_len, layer
                              finetune_batch=finetune_batch, finetune_lr=finetune_lr, finetune_loss=finetune_loss, finetune_dtype=finetune_dtype,
                              finetune_clip=finetune_clip,
                              lora_rank=lora_rank,
-                             hybrid=hybrid, window=window, budget=budget, seed=seed, resume=resume,
+                             hybrid=hybrid, window=window, budget=budget, seed=seed, resume=resume, init=init,
                              command="gen " + shlex.join(sys.argv[1:]))
         try:
             summary = linearize(args, log=lambda m: click.echo(m, err=True))

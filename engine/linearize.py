@@ -60,7 +60,7 @@ from engine.loader import build
 from engine.quant import dequantize_model
 from engine.transformer import apply_rotary
 from models.corpus import read_documents
-from models.linearized import write_adapters, write_json, write_maps
+from models.linearized import read_adapters, read_maps, write_adapters, write_json, write_maps
 from models.registry import read_checkpoint, resolve
 
 WORK = ".linearize"
@@ -92,6 +92,7 @@ class LinearizeArgs:
     seed: int = 0
     save_every: int = 10
     resume: bool = False
+    init: str | None = None        # a linearized model directory: finetune from its maps (and adapters), no transfer
     command: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -144,6 +145,24 @@ def check_args(a: LinearizeArgs) -> None:
         raise InvalidArgumentError(f"{out}: directory is not empty; give a new --out (or --resume an interrupted run)")
     if a.resume and not (out / WORK / "progress.json").is_file():
         raise InvalidArgumentError(f"{out}: nothing to resume (no {WORK}/progress.json); run without --resume")
+    if a.init is not None:
+        init_config(a)
+
+
+def init_config(a: LinearizeArgs) -> dict:
+    """--init DIR's config.json, checked against the run: made from the same base model, with the
+    files the finetune starts from, adapters of the run's --lora-rank (one line otherwise)."""
+    d = Path(a.init)
+    missing = [n for n in ("config.json", "maps.safetensors", "transfer_losses.json") if not (d / n).is_file()]
+    if missing:
+        raise InvalidArgumentError(f"--init {d}: not a `gen linearize` output (no {', '.join(missing)})")
+    cfg = json.loads((d / "config.json").read_text(encoding="utf-8"))
+    if cfg.get("base_model") != a.model:
+        raise InvalidArgumentError(f"--init {d}: made from {cfg.get('base_model')!r}, not --model {a.model!r}")
+    rank = cfg.get("lora_rank", 0) if (d / "adapters.safetensors").is_file() else 0
+    if rank != a.lora_rank:
+        raise InvalidArgumentError(f"--init {d}: its adapters have rank {rank}; give --lora-rank {rank}")
+    return cfg
 
 
 # ---------------------------------------------------------------------- data
@@ -284,6 +303,24 @@ def linearize(a: LinearizeArgs, log=print, on_step=None) -> dict:
         saved = progress.tensors()
         maps.load_state_dict(saved["maps"])
         log(f"resuming: {state['layers_done']} layers transferred, {state['finetune_done']} finetune steps done")
+    elif a.init is not None:   # the transfer is the init's: its maps, adapters and per-layer losses
+        d = Path(a.init)
+        maps.load_state_dict({k.removeprefix("hedgehog."): v.float()
+                              for k, v in read_maps(d / "maps.safetensors", cfg).items()})
+        saved = None
+        if a.lora_rank:
+            scale = LoRA.for_config(cfg, a.lora_rank).scale
+            ad = read_adapters(d / "adapters.safetensors", cfg)
+            saved = {"lora": {"qkv_a": ad["qkv_a"], "qkv_b": ad["qkv_b"] / scale,
+                              "o_a": ad["o_a"], "o_b": ad["o_b"] / scale}}
+        losses = json.loads((d / "transfer_losses.json").read_text(encoding="utf-8"))["layers"]
+        if len(losses) != L:
+            raise InvalidArgumentError(f"--init {d}: {len(losses)} layers of transfer losses, the model has {L}")
+        progress.dir.mkdir(parents=True, exist_ok=True)
+        state = {"layers_done": L, "finetune_done": 0, "losses": losses, "finetune_log": [], "seconds": 0.0,
+                 "args": asdict(a)}
+        progress.save(state, {"maps": maps.state_dict(), **(saved or {})})
+        log(f"starting from {d}: its maps{' and adapters' if a.lora_rank else ''}, no transfer")
     else:
         progress.dir.mkdir(parents=True, exist_ok=True)
         state = {"layers_done": 0, "finetune_done": 0, "losses": [], "finetune_log": [], "seconds": 0.0,

@@ -166,3 +166,37 @@ def test_bf16_clipped_finetune_trains_deterministically_and_differs_from_fp32(sm
     with pytest.raises(Exception, match="--finetune-dtype must be one of float32, bfloat16"):
         linearize(args(small_model_dir, corpus, tmp_path / "bad2", finetune_dtype="half"), log=lambda m: None)
     assert not (tmp_path / "bad2").exists()
+
+
+def test_init_finetunes_from_a_linearized_directory(small_model_dir, corpus, tmp_path):
+    """--init DIR: no transfer; the finetune starts from DIR's maps and adapters (a step at learning rate 0
+    writes them back unchanged), DIR's per-layer losses choose --hybrid's softmax layers; a wrong DIR is one
+    line, exit 2."""
+    first = tmp_path / "first"
+    linearize(args(small_model_dir, corpus, first, lora_rank=4, finetune_steps=3), log=lambda m: None)
+    same = tmp_path / "same"
+    linearize(args(small_model_dir, corpus, same, lora_rank=4, finetune_steps=1, finetune_lr=0.0, init=str(first)),
+              log=lambda m: None)
+    for name in ("maps.safetensors", "adapters.safetensors"):
+        a, b = load_file(first / name), load_file(same / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((same / "transfer_losses.json").read_text()) == json.loads((first / "transfer_losses.json").read_text())
+    # a finetune from DIR moves on from its maps and adapters: its first loss is DIR's model's, not a fresh start's
+    logs = {}
+    for name, kw in (("init", dict(init=str(first))), ("fresh", {})):
+        out = tmp_path / name
+        s = linearize(args(small_model_dir, corpus, out, lora_rank=4, finetune_steps=2, hybrid=1, seed=5, **kw),
+                      log=lambda m: None)
+        logs[name] = s["finetune_log"]
+        assert json.loads((out / "config.json").read_text())["layer_attention"].count("softmax") == 1
+    assert logs["init"][0][1] != logs["fresh"][0][1]
+    adapters = load_file(tmp_path / "init" / "adapters.safetensors")
+    assert any(v.abs().max() > 0 for k, v in adapters.items() if k.endswith("b"))
+    # bad input
+    for extra, says in ((["--init", tmp_path / "nowhere"], "not a `gen linearize` output"),
+                        (["--init", first], "give --lora-rank 4")):
+        out = tmp_path / "never"
+        r = cli("linearize", "--model", small_model_dir, "--data", corpus, "--out", out, *extra)
+        print(r.output)
+        assert r.exit_code == 2 and says in r.output and len(r.output.strip().splitlines()) == 1
+        assert not out.exists()
