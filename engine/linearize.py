@@ -485,10 +485,12 @@ def write_output(model, a, state, used, layer_attention, t0, rows_used, lora=Non
         config["layer_attention"] = list(layer_attention)
     if lora is not None:
         config["lora_rank"] = a.lora_rank
-    write_json(out / "transfer_losses.json", {
-        "loss": "MSE of the o_proj output of linear vs softmax attention, on a fixed batch of "
-                f"{a.eval_rows} rows x {a.seq_len} tokens; relative = loss / the target's mean square",
-        "layers": state["losses"]})
+    what = (f"MSE of the o_proj output of linear vs softmax attention, on a fixed batch of {a.eval_rows} rows x "
+            f"{a.seq_len} tokens; relative = loss / the target's mean square")
+    if a.init is not None:   # the losses are the init's transfer's, measured on its rows
+        what = json.loads((Path(a.init) / "transfer_losses.json").read_text(encoding="utf-8"))["loss"] + \
+            f" (the transfer of --init {a.init})"
+    write_json(out / "transfer_losses.json", {"loss": what, "layers": state["losses"]})
     write_json(out / "data.json", {"files": used, "seq_len": a.seq_len, "seed": a.seed, **rows_used,
                                    "format": "per file: documents shuffled by the seed, BOS + text + EOS, "
                                              "packed into rows, the files' rows interleaved; the last "
