@@ -25,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from engine.steps.native import Mat  # noqa: E402
-from engine.steps.native.build import FLAGS, HEADERS, SOURCES  # noqa: E402
+from engine.steps.native.build import FLAGS, HEADERS, SOURCES, compiler  # noqa: E402
 
 TYPES = {"f32": (torch.float32, 0), "f16": (torch.float16, 1), "bf16": (torch.bfloat16, 2)}
 SRC = "engine/steps/native"
@@ -36,7 +36,7 @@ def build(files: dict[str, bytes], out: Path) -> ctypes.CDLL:
     d.mkdir()
     for name, text in files.items():
         (d / name).write_bytes(text)
-    subprocess.run(["cc", *FLAGS, "-o", str(out), *[str(d / s) for s in SOURCES]], check=True)
+    subprocess.run([compiler() or "cc", *FLAGS, "-o", str(out), *[str(d / s) for s in SOURCES]], check=True)
     lib = ctypes.CDLL(str(out))
     lib.mat_rows.argtypes = [ctypes.POINTER(Mat), ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
                              ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]

@@ -54,6 +54,12 @@ class LoRA(nn.Module):
         return {"qkv_a": self.qkv_a.detach(), "qkv_b": self.qkv_b.detach() * self.scale,
                 "o_a": self.o_a.detach(), "o_b": self.o_b.detach() * self.scale}
 
+    def load_export(self, tensors: dict[str, torch.Tensor]) -> None:
+        """The inverse of `export`: take adapters as the file holds them (the scale folded into B)."""
+        with torch.no_grad():
+            for name, t in tensors.items():
+                getattr(self, name).copy_(t / self.scale if name.endswith("_b") else t)
+
 
 class LowRank(nn.Module):
     """base(x) + (x A^T) B^T with A, B read from `lora` at every call (training: gradients reach

@@ -149,9 +149,9 @@ def check_args(a: LinearizeArgs) -> None:
         init_config(a)
 
 
-def init_config(a: LinearizeArgs) -> dict:
-    """--init DIR's config.json, checked against the run: made from the same base model, with the
-    files the finetune starts from, adapters of the run's --lora-rank (one line otherwise)."""
+def init_config(a: LinearizeArgs) -> None:
+    """Checks --init DIR against the run: a linearize output (config.json, maps, losses) made from the
+    same base model, with adapters of the run's --lora-rank (one line otherwise)."""
     d = Path(a.init)
     missing = [n for n in ("config.json", "maps.safetensors", "transfer_losses.json") if not (d / n).is_file()]
     if missing:
@@ -162,7 +162,6 @@ def init_config(a: LinearizeArgs) -> dict:
     rank = cfg.get("lora_rank", 0) if (d / "adapters.safetensors").is_file() else 0
     if rank != a.lora_rank:
         raise InvalidArgumentError(f"--init {d}: its adapters have rank {rank}; give --lora-rank {rank}")
-    return cfg
 
 
 # ---------------------------------------------------------------------- data
@@ -309,16 +308,15 @@ def linearize(a: LinearizeArgs, log=print, on_step=None) -> dict:
                               for k, v in read_maps(d / "maps.safetensors", cfg).items()})
         saved = None
         if a.lora_rank:
-            scale = LoRA.for_config(cfg, a.lora_rank).scale
-            ad = read_adapters(d / "adapters.safetensors", cfg)
-            saved = {"lora": {"qkv_a": ad["qkv_a"], "qkv_b": ad["qkv_b"] / scale,
-                              "o_a": ad["o_a"], "o_b": ad["o_b"] / scale}}
-        losses = json.loads((d / "transfer_losses.json").read_text(encoding="utf-8"))["layers"]
-        if len(losses) != L:
-            raise InvalidArgumentError(f"--init {d}: {len(losses)} layers of transfer losses, the model has {L}")
+            init_lora = LoRA.for_config(cfg, a.lora_rank, a.seed)
+            init_lora.load_export(read_adapters(d / "adapters.safetensors", cfg))
+            saved = {"lora": init_lora.state_dict()}
+        losses = json.loads((d / "transfer_losses.json").read_text(encoding="utf-8"))
+        if len(losses["layers"]) != L:
+            raise InvalidArgumentError(f"--init {d}: {len(losses['layers'])} layers of transfer losses, the model has {L}")
         progress.dir.mkdir(parents=True, exist_ok=True)
-        state = {"layers_done": L, "finetune_done": 0, "losses": losses, "finetune_log": [], "seconds": 0.0,
-                 "args": asdict(a)}
+        state = {"layers_done": L, "finetune_done": 0, "losses": losses["layers"], "finetune_log": [], "seconds": 0.0,
+                 "args": asdict(a), "losses_measured": f"{losses['loss']} (the transfer of --init {d})"}
         progress.save(state, {"maps": maps.state_dict(), **(saved or {})})
         log(f"starting from {d}: its maps{' and adapters' if a.lora_rank else ''}, no transfer")
     else:
@@ -485,11 +483,9 @@ def write_output(model, a, state, used, layer_attention, t0, rows_used, lora=Non
         config["layer_attention"] = list(layer_attention)
     if lora is not None:
         config["lora_rank"] = a.lora_rank
-    what = (f"MSE of the o_proj output of linear vs softmax attention, on a fixed batch of {a.eval_rows} rows x "
-            f"{a.seq_len} tokens; relative = loss / the target's mean square")
-    if a.init is not None:   # the losses are the init's transfer's, measured on its rows
-        what = json.loads((Path(a.init) / "transfer_losses.json").read_text(encoding="utf-8"))["loss"] + \
-            f" (the transfer of --init {a.init})"
+    what = state.get("losses_measured",   # --init: the losses are its transfer's, measured on its rows
+                     f"MSE of the o_proj output of linear vs softmax attention, on a fixed batch of {a.eval_rows} "
+                     f"rows x {a.seq_len} tokens; relative = loss / the target's mean square")
     write_json(out / "transfer_losses.json", {"loss": what, "layers": state["losses"]})
     write_json(out / "data.json", {"files": used, "seq_len": a.seq_len, "seed": a.seed, **rows_used,
                                    "format": "per file: documents shuffled by the seed, BOS + text + EOS, "

@@ -50,12 +50,17 @@ def source_key(cc: str) -> str:
     return h.hexdigest()[:16]
 
 
+def compiler() -> str | None:
+    """The C compiler the step is built with: $CC, else cc, else gcc on PATH (None: none)."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 def library() -> ctypes.CDLL:
     """The compiled step, built once per source version (cached on disk, then per process)."""
     global _LIB
     if _LIB is not None:
         return _LIB
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = compiler()
     if cc is None:
         raise NativeUnavailableError("the native decode step needs a C compiler (cc or gcc) on PATH; "
                                      "install one or use --backend torch")

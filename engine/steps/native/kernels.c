@@ -89,20 +89,10 @@ void store_row(void *base, int type, size_t at, int n, const float *src) {
 /* ------------------------------------------------------------------ blocks */
 static size_t block_bytes(int type) {
     switch (type) {
-    case T_F32: return QK * 4;
-    case T_F16: case T_BF16: return QK * 2;
     case T_Q8_0: return 2 + QK;
     case T_Q4_0: return 2 + QK / 2;
     default: return 4 + QK / 2;          /* T_Q4_1 */
     }
-}
-
-static inline void widen8_f16(const uint16_t *h, float *out) {
-#ifdef GEN_X86
-    _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)));
-#else
-    for (int i = 0; i < 8; i++) out[i] = load_f16(h[i]);
-#endif
 }
 
 #ifdef GEN_X86
@@ -124,36 +114,12 @@ static inline float f16_at(const unsigned char *p) {
     return load_f16(h);
 }
 
-/* Block k of a row (32 consecutive weights from element 32k) as fp32 in w[4]. */
+/* Block k of a quantized row (32 consecutive weights from element 32k) as fp32 in w[4]. */
 static inline __attribute__((always_inline)) void decode_block(const unsigned char *row, const int type, int k,
                                                               v8 w[4]) {
     float f[QK] __attribute__((aligned(32)));
     const unsigned char *blk = row + (size_t)k * block_bytes(type);
     switch (type) {
-    case T_F32:
-        for (int q = 0; q < 4; q++) w[q] = ld8((const float *)blk + 8 * q);
-        return;
-    case T_F16:
-#ifdef GEN_X86   /* widened in registers (not through f[]: 4 stores and 4 reloads a block) */
-        for (int q = 0; q < 4; q++) w[q] = (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * q)));
-        return;
-#else
-        for (int q = 0; q < 4; q++) widen8_f16((const uint16_t *)blk + 8 * q, f + 8 * q);
-        break;
-#endif
-    case T_BF16: {
-#ifdef GEN_X86
-        for (int q = 0; q < 4; q++) {
-            __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(blk + 16 * q)));
-            w[q] = (v8)_mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
-        }
-        return;
-#else
-        const uint16_t *h = (const uint16_t *)blk;
-        for (int i = 0; i < QK; i++) { uint32_t u = (uint32_t)h[i] << 16; memcpy(f + i, &u, 4); }
-        break;
-#endif
-    }
     case T_Q8_0: {
         const float d = f16_at(blk);
         const signed char *qs = (const signed char *)(blk + 2);
@@ -224,7 +190,7 @@ static inline float tail_elem(const unsigned char *row, int type, int i) {
 /* Rows [r0, r1) against n (1..3) inputs; n and type are constants after inlining. */
 static inline __attribute__((always_inline)) void rows_tile(const Mat *m, int r0, int r1, const float *x, int xs,
                                                            const int n, float *out, int os, int add, const int type) {
-    const int K = m->cols, nb = K / QK;
+    const int nb = m->cols / QK;   /* quantized rows are whole blocks */
     const size_t stride = row_bytes(m);
     for (int r = r0; r < r1; r++) {
         const unsigned char *row = (const unsigned char *)m->data + (size_t)r * stride;
@@ -241,7 +207,6 @@ static inline __attribute__((always_inline)) void rows_tile(const Mat *m, int r0
         }
         for (int j = 0; j < n; j++) {
             float s = hsum((acc[j][0] + acc[j][1]) + (acc[j][2] + acc[j][3]));
-            for (int i = nb * QK; i < K; i++) s += tail_elem(row, type, i) * x[(size_t)j * xs + i];
             float *o = out + (size_t)j * os + (r - r0);
             *o = add ? *o + s : s;
         }
@@ -347,7 +312,7 @@ static inline __attribute__((always_inline)) void ftiles(const unsigned char *ba
 
 static inline __attribute__((always_inline)) void frows_typed(const Mat *m, int r0, int r1, const float *x, int xs,
                                                              int B, float *out, int os, int add, const int type) {
-    const size_t stride = (size_t)m->cols * (type == T_F32 ? 4 : 2);
+    const size_t stride = row_bytes(m);
     const unsigned char *base = (const unsigned char *)m->data;
     const int groups = (B + 5) / 6;   /* inputs in groups of at most 6, as even as they go (16: 6, 5, 5) */
     out -= r0;
