@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import os
 import random
 import shutil
@@ -65,6 +66,7 @@ from models.registry import read_checkpoint, resolve
 
 WORK = ".linearize"
 FINETUNE_DTYPES = ("float32", "bfloat16")
+FINETUNE_SCHEDULES = ("constant", "cosine")
 
 
 @dataclass
@@ -85,6 +87,7 @@ class LinearizeArgs:
     finetune_loss: str = "lm"      # "lm" or "kl"
     finetune_dtype: str = "float32"   # the finetune's forward: "float32", or "bfloat16" under autocast
     finetune_clip: float = 0.0     # clip the finetune's gradient norm to this (0: off)
+    finetune_schedule: str = "constant"   # "cosine": finetune_lr decays to 0 over finetune_steps
     lora_rank: int = 0             # low-rank adapters on the linear layers' q/k/v/o, trained in the finetune (0: none)
     hybrid: int = 0                # softmax layers kept during the finetune (highest relative loss)
     window: int = 0                # sliding window + linear during transfer and finetune (0: off)
@@ -134,6 +137,9 @@ def check_args(a: LinearizeArgs) -> None:
     if a.finetune_dtype not in FINETUNE_DTYPES:
         raise InvalidArgumentError(f"--finetune-dtype must be one of {', '.join(FINETUNE_DTYPES)}, "
                                    f"got {a.finetune_dtype!r}")
+    if a.finetune_schedule not in FINETUNE_SCHEDULES:
+        raise InvalidArgumentError(f"--finetune-schedule must be one of {', '.join(FINETUNE_SCHEDULES)}, "
+                                   f"got {a.finetune_schedule!r}")
     if a.finetune_clip < 0:
         raise InvalidArgumentError(f"--finetune-clip must be 0 (off) or more, got {a.finetune_clip}")
     if a.budget is not None and a.budget <= 0:
@@ -408,6 +414,15 @@ def linearize(a: LinearizeArgs, log=print, on_step=None) -> dict:
     return summary
 
 
+def finetune_lr(a: LinearizeArgs, step: int) -> float:
+    """The learning rate of finetune step `step` (1-based): constant, or a half cosine from finetune_lr
+    at step 1 towards 0 after step finetune_steps. A function of the step alone, so a resumed run and
+    an uninterrupted one take the same steps."""
+    if a.finetune_schedule == "constant":
+        return a.finetune_lr
+    return a.finetune_lr * 0.5 * (1.0 + math.cos(math.pi * (step - 1) / a.finetune_steps))
+
+
 def finetune(model, a, state, progress, saved, rows, layer_attention, deadline, log, on_step, lora):
     cfg = model.config
     model.config = cfg.replace(attention="hybrid" if a.hybrid else "linear",
@@ -441,6 +456,8 @@ def finetune(model, a, state, progress, saved, rows, layer_attention, deadline, 
             loss = F.kl_div(F.log_softmax(logits, -1), target, log_target=True, reduction="batchmean") / logits.shape[1]
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        for group in opt.param_groups:
+            group["lr"] = finetune_lr(a, step)
         if a.finetune_clip:
             torch.nn.utils.clip_grad_norm_(params, a.finetune_clip)
         opt.step()
@@ -496,6 +513,7 @@ def write_output(model, a, state, used, layer_attention, t0, rows_used, lora=Non
     summary = {"command": a.command, "args": asdict(a), "layers": L,
                "finetune_steps_done": state["finetune_done"], "finetune_loss": a.finetune_loss,
                "finetune_dtype": a.finetune_dtype, "finetune_clip": a.finetune_clip,
+               "finetune_schedule": a.finetune_schedule,
                "finetune_log": state["finetune_log"],
                "compute_seconds": round(state["seconds"], 1),
                "wall_seconds_this_run": round(time.monotonic() - t0, 1),

@@ -201,3 +201,28 @@ def test_init_finetunes_from_a_linearized_directory(small_model_dir, corpus, tmp
         print(r.output)
         assert r.exit_code == 2 and says in r.output and len(r.output.strip().splitlines()) == 1
         assert not out.exists()
+
+
+def test_cosine_schedule_decays_the_finetune_lr(small_model_dir, corpus, tmp_path):
+    """--finetune-schedule cosine: step 1 at --finetune-lr, then a half cosine towards 0 at the last step;
+    the run takes those rates (same first steps as constant, different maps after), and a bad name is
+    one line, exit 2."""
+    from engine.linearize import finetune_lr
+    a = args(small_model_dir, corpus, tmp_path / "x", finetune_schedule="cosine", finetune_lr=0.01, finetune_steps=4)
+    rates = [finetune_lr(a, s) for s in range(1, 5)]
+    assert rates[0] == 0.01 and rates[2] == pytest.approx(0.005) and rates == sorted(rates, reverse=True)
+    assert 0 < rates[-1] < 0.002
+    out = {}
+    for schedule in ("constant", "cosine"):
+        out[schedule] = tmp_path / schedule
+        s = linearize(args(small_model_dir, corpus, out[schedule], finetune_schedule=schedule, finetune_lr=0.05, lr=0.0),
+                      log=lambda m: None)
+        out[schedule + "_log"] = s["finetune_log"]
+        assert s["finetune_schedule"] == schedule
+    # step 2's loss follows step 1's update, at the full rate in both; later steps take smaller ones
+    assert out["constant_log"][:2] == out["cosine_log"][:2]
+    a_maps, b_maps = (load_file(out[k] / "maps.safetensors") for k in ("constant", "cosine"))
+    assert any(not torch.equal(a_maps[n], b_maps[n]) for n in a_maps)
+    r = cli("linearize", "--model", small_model_dir, "--data", corpus, "--out", tmp_path / "bad",
+            "--finetune-schedule", "linear")
+    assert r.exit_code == 2 and not (tmp_path / "bad").exists()
