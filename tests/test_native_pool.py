@@ -75,3 +75,30 @@ def test_importing_the_engine_shortens_openmp_spinning_unless_the_user_chose(env
     out = subprocess.run([sys.executable, "-c", "import engine, os; print(os.environ.get('GOMP_SPINCOUNT'))"],
                          env={**clean, **env}, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == str(want)
+
+
+def test_rest_puts_the_idle_workers_to_sleep_at_once():
+    """pool_rest (what the server calls after each step, before delivering its tokens): idle workers
+    sleep now instead of spinning for the next phase, and the next step wakes them and computes the
+    same bits. (With the spin stretched to a minute, only rest can put them to sleep.)"""
+    import time
+
+    from engine.steps.native import pool_rest, pool_spin, pool_workers
+    model = tiny_model(hidden_size=128, intermediate_size=256)
+    prompt, follow = tokens(7, batch=2, follow=8)
+    want = run(model, prompt, follow, "native", batch=2, threads=1)[0]
+    try:
+        pool_spin(60 * 10**9)
+        got = run(model, prompt, follow, "native", batch=2, threads=2)[0]   # the pool's worker is running now
+        time.sleep(0.2)
+        workers, asleep_before = pool_workers()
+        pool_rest()
+        deadline = time.monotonic() + 10
+        while pool_workers()[1] < workers and time.monotonic() < deadline:
+            time.sleep(0.001)
+        asleep = pool_workers()[1]
+        again = run(model, prompt, follow, "native", batch=2, threads=2)[0]
+    finally:
+        pool_spin()
+    assert workers >= 1 and asleep_before == 0 and asleep == workers
+    assert torch.equal(got, want) and torch.equal(again, want)

@@ -46,13 +46,15 @@ def test_mailbox_wakes_the_loop_once_per_flush_and_keeps_order():
     assert loop.wakeups == []
 
 
-def test_scheduler_flushes_after_every_iteration_and_counts_its_time(small_model_dir):
+def test_scheduler_flushes_after_every_iteration_rests_the_pool_and_counts_its_time(small_model_dir):
     from engine.api import load
     from engine.serve import PrefixCache
     llm = load(str(small_model_dir), backend="auto")
     sched = Scheduler(llm.model, llm.tokenizer, llm.step, max_batch=4, cache=PrefixCache(max_entries=0))
     events, flushed_at = [], []
     sched.flush_hooks.append(lambda: flushed_at.append(len(events)))
+    rests, rest = [], llm.step.rest
+    llm.step.rest = lambda: (rests.append(len(events)), rest())   # the step's pool sleeps before delivery
     done = threading.Event()
 
     def emit(ev):
@@ -70,6 +72,7 @@ def test_scheduler_flushes_after_every_iteration_and_counts_its_time(small_model
     # one flush per iteration, after its tokens (the first admits the job and steps once: 2 tokens),
     # and one when the scheduler stops
     assert flushed_at == [2, 3, 4, 5, 6, 6]
+    assert rests == [1, 2, 3, 4, 5]               # after every decode step, before its token goes out
     t = sched.stats()["timing"]
     assert t["tokens"] == 6 and t["iterations"] == 5
     assert 0 < t["step_cpu_s"] <= t["busy_cpu_s"] and 0 < t["step_s"] <= t["busy_s"]

@@ -316,6 +316,8 @@ class Scheduler:
         try:
             t0, c0 = time.perf_counter(), time.thread_time()
             logits = self.stepper(tokens, pool.state)[:, -1]                   # (B, V)
+            if hasattr(self.stepper, "rest"):   # the step's pool sleeps while the tokens go out
+                self.stepper.rest()
             self.timing["step_s"] += time.perf_counter() - t0
             self.timing["step_cpu_s"] += time.thread_time() - c0
             self.steps += 1

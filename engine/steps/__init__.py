@@ -26,7 +26,7 @@ from typing import Protocol
 import torch
 
 from engine.errors import InvalidArgumentError
-from engine.steps.native import NativeStep, NativeUnavailableError
+from engine.steps.native import NativeStep, NativeUnavailableError, pool_rest
 from engine.steps.torch_step import TorchStep
 
 BACKENDS = ("auto", "torch", "native", "module")
@@ -81,6 +81,13 @@ class Stepper:
             self.forms.append(TorchStep(model))
         self.last_form: str | None = None
         self.last_prefill_form: str | None = None   # the form that ran the last prompt block
+
+    def rest(self) -> None:
+        """The caller steps away for a while (a server delivering a step's tokens): after a native
+        step its pool's idle workers sleep now instead of spinning for the next phase
+        (engine.steps.native.pool_rest)."""
+        if self.last_form == "native":
+            pool_rest()
 
     @property
     def forms_available(self) -> list[str]:

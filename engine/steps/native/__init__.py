@@ -84,6 +84,12 @@ def _bind(lib):
         lib.gen_set_parallel_min.restype = None
         lib.gen_pool_adapt.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong]
         lib.gen_pool_adapt.restype = None
+        lib.gen_pool_rest.argtypes = []
+        lib.gen_pool_rest.restype = None
+        lib.gen_pool_spin.argtypes = [ctypes.c_longlong]
+        lib.gen_pool_spin.restype = None
+        lib.gen_pool_workers.argtypes = [ctypes.POINTER(ctypes.c_int)]
+        lib.gen_pool_workers.restype = None
         lib.gen_pool_stats.argtypes = [ctypes.POINTER(ctypes.c_longlong), ctypes.c_int]
         lib.gen_pool_stats.restype = None
         lib.gen_has_q4_1r.argtypes = []
@@ -110,6 +116,25 @@ def pool_adapt(window: int = POOL_ADAPT[0], min_speedup_pct: int = POOL_ADAPT[1]
     solo when the phases ran less than `min_speedup_pct`/100 times faster than the caller alone would,
     for `solo_ns` (doubling on each failed probe, up to 16x). No arguments: the defaults."""
     _bind(library()).gen_pool_adapt(window, min_speedup_pct, solo_ns)
+
+
+def pool_rest() -> None:
+    """Let the pool's idle workers sleep now rather than spin (~2 ms) waiting for the next phase:
+    for a caller about to spend a while outside the step, e.g. a server delivering a step's tokens
+    while other threads (its event loop, clients) need the cores. The next phase wakes them."""
+    _bind(library()).gen_pool_rest()
+
+
+def pool_spin(ns: int = -1) -> None:
+    """How long an idle worker spins before it sleeps, in ns (tests; -1: the default, 2 ms)."""
+    _bind(library()).gen_pool_spin(ns)
+
+
+def pool_workers() -> tuple[int, int]:
+    """(the pool's worker threads, how many of them sleep right now)."""
+    out = (ctypes.c_int * 2)()
+    _bind(library()).gen_pool_workers(out)
+    return out[0], out[1]
 
 
 def pool_stats(reset: bool = False) -> dict:

@@ -60,7 +60,7 @@
 #define MAX_THREADS 64
 #define MAX_CHUNKS 64
 #define MOVE_NS 1000000LL       /* a worker moves off the caller's core at most once a ms */
-#define SPIN_NS 2000000LL       /* an idle worker sleeps after 2 ms without work */
+#define SPIN_NS 2000000LL       /* an idle worker sleeps after 2 ms without work (the default of spin_ns) */
 #define STEAL_MIN_NS 5000LL     /* a claimed chunk is stolen after max(5 us, 2x the caller's fastest chunk), */
 #define STEAL_MAX_NS 200000LL   /* and never later than 200 us */
 #define ADAPT_WINDOW 0                /* phases per verdict (0: never solo, the default; 32 is about one decode step of a small model) */
@@ -112,6 +112,8 @@ static inline void relax(void) {
     __builtin_ia32_pause();
 #endif
 }
+
+static _Atomic long long spin_ns = SPIN_NS;   /* gen_pool_spin */
 
 /* pool_quiesce's wait: pause for the first iterations, then give the core away. (A worker waits
  * in worker(): it yields only on the caller's core. Neither the caller nor a worker yields on a
@@ -185,7 +187,7 @@ static void *worker(void *arg) {
         long long t0 = now_ns();
         for (int i = 0;; i++) {
             if ((g = atomic_load(&P.gen)) != seen) goto run;
-            if ((i & 63) == 63 && (atomic_load_explicit(&P.solo, memory_order_relaxed) || now_ns() - t0 > SPIN_NS)) break;
+            if ((i & 63) == 63 && (atomic_load_explicit(&P.solo, memory_order_relaxed) || now_ns() - t0 > atomic_load_explicit(&spin_ns, memory_order_relaxed))) break;
             if (i < 64) relax();
             else {
                 int cpu = sched_getcpu();
@@ -265,6 +267,25 @@ void gen_pool_adapt(int window, int min_speedup, long long solo_ns) {
     A.solo_min = A.solo_ns = solo_ns;
     atomic_store(&P.solo, 0);
     pthread_mutex_unlock(&P.run);
+}
+
+/* The caller will leave the pool idle for a while (a server sampling and delivering tokens between
+ * steps): idle workers go to sleep now instead of spinning for SPIN_NS, so their core serves the
+ * process's other threads meanwhile. The next parallel phase wakes them (a futex wake), as after
+ * any sleep. */
+void gen_pool_rest(void) {
+    atomic_store(&P.solo, 1);
+}
+
+/* Tests: how long an idle worker spins before it sleeps (ns; < 0: the default); how many workers
+ * there are and how many of them sleep now. */
+void gen_pool_spin(long long ns) {
+    atomic_store(&spin_ns, ns < 0 ? SPIN_NS : ns);
+}
+
+void gen_pool_workers(int *out) {
+    out[0] = atomic_load(&P.started);
+    out[1] = atomic_load(&P.sleepers);
 }
 
 void gen_pool_stats(long long *out, int reset) {
