@@ -34,6 +34,9 @@ from engine.threads import set_threads
 @click.option("--finetune-schedule", type=click.Choice(FINETUNE_SCHEDULES), default="constant", show_default=True,
               help="the finetune's learning rate: constant, or cosine (a half cosine from --finetune-lr to 0 "
                    "over --finetune-steps; set the steps to what the budget allows)")
+@click.option("--finetune-linear-every", default=0, show_default=True,
+              help="every N-th finetune step trains every layer as a pure linear RNN, no window (what "
+                   "--attention linear runs), the others the --hybrid/--window mix (0: never)")
 @click.option("--finetune-clip", default=0.0, show_default=True, help="clip the finetune's gradient norm (0: off)")
 @click.option("--lora-rank", default=0, show_default=True,
               help="low-rank adapters of this rank on the linear layers' q/k/v/o, trained with the finetune (0: none)")
@@ -48,7 +51,7 @@ from engine.threads import set_threads
                    "--hybrid); no transfer, only the finetune")
 @click.option("--threads", type=int, help="CPU threads (default: engine.threads)")
 def linearize_cmd(model_name, data, out, tokens, finetune_tokens, seq_len, layer_steps, batch_size, lr, finetune_steps,
-                  finetune_batch, finetune_lr, finetune_loss, finetune_dtype, finetune_schedule, finetune_clip, lora_rank, hybrid, window, budget, seed, resume, init, threads):
+                  finetune_batch, finetune_lr, finetune_loss, finetune_dtype, finetune_schedule, finetune_linear_every, finetune_clip, lora_rank, hybrid, window, budget, seed, resume, init, threads):
     """With the model frozen, train per-layer hedgehog maps (transfer), then finetune them end to end."""
     def run():
         set_threads(threads)
@@ -56,6 +59,7 @@ def linearize_cmd(model_name, data, out, tokens, finetune_tokens, seq_len, layer
                              finetune_tokens=finetune_tokens, layer_steps=layer_steps, batch_size=batch_size, lr=lr, finetune_steps=finetune_steps,
                              finetune_batch=finetune_batch, finetune_lr=finetune_lr, finetune_loss=finetune_loss, finetune_dtype=finetune_dtype,
                              finetune_clip=finetune_clip, finetune_schedule=finetune_schedule,
+                             finetune_linear_every=finetune_linear_every,
                              lora_rank=lora_rank,
                              hybrid=hybrid, window=window, budget=budget, seed=seed, resume=resume, init=init,
                              command="gen " + shlex.join(sys.argv[1:]))

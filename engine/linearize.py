@@ -88,6 +88,7 @@ class LinearizeArgs:
     finetune_dtype: str = "float32"   # the finetune's forward: "float32", or "bfloat16" under autocast
     finetune_clip: float = 0.0     # clip the finetune's gradient norm to this (0: off)
     finetune_schedule: str = "constant"   # "cosine": finetune_lr decays to 0 over finetune_steps
+    finetune_linear_every: int = 0  # every N-th finetune step runs all layers linear, no window (0: never)
     lora_rank: int = 0             # low-rank adapters on the linear layers' q/k/v/o, trained in the finetune (0: none)
     hybrid: int = 0                # softmax layers kept during the finetune (highest relative loss)
     window: int = 0                # sliding window + linear during transfer and finetune (0: off)
@@ -127,7 +128,7 @@ def check_args(a: LinearizeArgs) -> None:
         if v < 1:
             raise InvalidArgumentError(f"--{name.replace('_', '-')} must be at least 1, got {v}")
     for name, v in (("layer_steps", a.layer_steps), ("finetune_steps", a.finetune_steps), ("hybrid", a.hybrid),
-                    ("lora_rank", a.lora_rank)):
+                    ("lora_rank", a.lora_rank), ("finetune_linear_every", a.finetune_linear_every)):
         if v < 0:
             raise InvalidArgumentError(f"--{name.replace('_', '-')} must be 0 or more, got {v}")
     if a.window < 0:
@@ -423,10 +424,17 @@ def finetune_lr(a: LinearizeArgs, step: int) -> float:
     return a.finetune_lr * 0.5 * (1.0 + math.cos(math.pi * (step - 1) / a.finetune_steps))
 
 
+def step_config(cfg, a: LinearizeArgs, layer_attention, step: int):
+    """The configuration finetune step `step` trains: the run's mix (--hybrid's softmax layers,
+    --window), or, every --finetune-linear-every-th step, every layer a pure linear RNN (what
+    `--attention linear` runs), so one set of maps keeps serving both."""
+    if a.finetune_linear_every and step % a.finetune_linear_every == 0:
+        return cfg.replace(attention="linear", layer_attention=None, window=0)
+    return cfg.replace(attention="hybrid" if a.hybrid else "linear", layer_attention=layer_attention if a.hybrid else None)
+
+
 def finetune(model, a, state, progress, saved, rows, layer_attention, deadline, log, on_step, lora):
     cfg = model.config
-    model.config = cfg.replace(attention="hybrid" if a.hybrid else "linear",
-                               layer_attention=layer_attention if a.hybrid else None)
     params = list(model.hedgehog.parameters()) + (list(lora.parameters()) if lora is not None else [])
     for p in params:
         p.requires_grad_(True)
@@ -443,6 +451,7 @@ def finetune(model, a, state, progress, saved, rows, layer_attention, deadline, 
     for step in range(state["finetune_done"] + 1, a.finetune_steps + 1):
         g = torch.Generator().manual_seed(a.seed * 1_000_003 + 7_777_777 + step)
         batch = rows[torch.randint(0, rows.shape[0], (a.finetune_batch,), generator=g)]
+        model.config = student = step_config(cfg, a, layer_attention, step)
         with precision():
             logits = model(batch[:, :-1]).float()
         if a.finetune_loss == "lm":
@@ -451,8 +460,7 @@ def finetune(model, a, state, progress, saved, rows, layer_attention, deadline, 
             with torch.no_grad(), precision():
                 model.config = teacher
                 target = F.log_softmax(model(batch[:, :-1]).float(), -1)
-                model.config = cfg.replace(attention="hybrid" if a.hybrid else "linear",
-                                           layer_attention=layer_attention if a.hybrid else None)
+                model.config = student
             loss = F.kl_div(F.log_softmax(logits, -1), target, log_target=True, reduction="batchmean") / logits.shape[1]
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -513,7 +521,7 @@ def write_output(model, a, state, used, layer_attention, t0, rows_used, lora=Non
     summary = {"command": a.command, "args": asdict(a), "layers": L,
                "finetune_steps_done": state["finetune_done"], "finetune_loss": a.finetune_loss,
                "finetune_dtype": a.finetune_dtype, "finetune_clip": a.finetune_clip,
-               "finetune_schedule": a.finetune_schedule,
+               "finetune_schedule": a.finetune_schedule, "finetune_linear_every": a.finetune_linear_every,
                "finetune_log": state["finetune_log"],
                "compute_seconds": round(state["seconds"], 1),
                "wall_seconds_this_run": round(time.monotonic() - t0, 1),

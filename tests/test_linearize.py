@@ -226,3 +226,26 @@ def test_cosine_schedule_decays_the_finetune_lr(small_model_dir, corpus, tmp_pat
     r = cli("linearize", "--model", small_model_dir, "--data", corpus, "--out", tmp_path / "bad",
             "--finetune-schedule", "linear")
     assert r.exit_code == 2 and not (tmp_path / "bad").exists()
+
+
+def test_finetune_linear_every_trains_the_pure_linear_configuration_on_those_steps(small_model_dir, corpus, tmp_path):
+    """--finetune-linear-every N: every N-th finetune step runs every layer linear with no window. With
+    N = 1 a hybrid + window run trains exactly what a pure-linear run trains (same maps, adapters and
+    losses); with N = 2 its odd steps are the mix's own (step 1's loss equals the plain mix run's)."""
+    first = tmp_path / "first"
+    linearize(args(small_model_dir, corpus, first, lora_rank=4, finetune_steps=1), log=lambda m: None)
+    runs = {}
+    for name, kw in (("every1", dict(hybrid=1, window=8, finetune_linear_every=1)), ("linear", {}),
+                     ("mix", dict(hybrid=1, window=8)), ("every2", dict(hybrid=1, window=8, finetune_linear_every=2))):
+        out = tmp_path / name
+        s = linearize(args(small_model_dir, corpus, out, lora_rank=4, finetune_steps=3, init=str(first), **kw),
+                      log=lambda m: None)
+        runs[name] = (s["finetune_log"], load_file(out / "maps.safetensors"), load_file(out / "adapters.safetensors"))
+    (log1, maps1, ad1), (logl, mapsl, adl) = runs["every1"], runs["linear"]
+    assert log1 == logl
+    assert all(torch.equal(maps1[k], mapsl[k]) for k in maps1) and all(torch.equal(ad1[k], adl[k]) for k in ad1)
+    assert runs["mix"][0] != logl
+    assert runs["every2"][0][0] == runs["mix"][0][0] and runs["every2"][0] != runs["mix"][0]
+    r = cli("linearize", "--model", small_model_dir, "--data", corpus, "--out", tmp_path / "bad",
+            "--finetune-linear-every", "-1")
+    assert r.exit_code == 2 and not (tmp_path / "bad").exists()
