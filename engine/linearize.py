@@ -424,13 +424,13 @@ def finetune_lr(a: LinearizeArgs, step: int) -> float:
     return a.finetune_lr * 0.5 * (1.0 + math.cos(math.pi * (step - 1) / a.finetune_steps))
 
 
-def step_config(cfg, a: LinearizeArgs, layer_attention, step: int):
-    """The configuration finetune step `step` trains: the run's mix (--hybrid's softmax layers,
-    --window), or, every --finetune-linear-every-th step, every layer a pure linear RNN (what
-    `--attention linear` runs), so one set of maps keeps serving both."""
-    if a.finetune_linear_every and step % a.finetune_linear_every == 0:
-        return cfg.replace(attention="linear", layer_attention=None, window=0)
-    return cfg.replace(attention="hybrid" if a.hybrid else "linear", layer_attention=layer_attention if a.hybrid else None)
+def step_configs(cfg, a: LinearizeArgs, layer_attention):
+    """The configurations the finetune trains, as a function of the (1-based) step: the run's mix
+    (--hybrid's softmax layers, --window), or, every --finetune-linear-every-th step, every layer a
+    pure linear RNN (what `--attention linear` runs), so one set of maps keeps serving both."""
+    mix = cfg.replace(attention="hybrid" if a.hybrid else "linear", layer_attention=layer_attention if a.hybrid else None)
+    pure = cfg.replace(attention="linear", layer_attention=None, window=0)
+    return lambda step: pure if a.finetune_linear_every and step % a.finetune_linear_every == 0 else mix
 
 
 def finetune(model, a, state, progress, saved, rows, layer_attention, deadline, log, on_step, lora):
@@ -444,6 +444,7 @@ def finetune(model, a, state, progress, saved, rows, layer_attention, deadline, 
     if saved is not None and "opt" in saved:
         opt.load_state_dict(saved["opt"])
     teacher = cfg.replace(attention="softmax", layer_attention=None)
+    student_at = step_configs(cfg, a, layer_attention)
     precision = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16, enabled=a.finetune_dtype == "bfloat16")
     bar = tqdm(total=a.finetune_steps, initial=state["finetune_done"], desc="finetune", unit="step",
                dynamic_ncols=True)
@@ -451,7 +452,7 @@ def finetune(model, a, state, progress, saved, rows, layer_attention, deadline, 
     for step in range(state["finetune_done"] + 1, a.finetune_steps + 1):
         g = torch.Generator().manual_seed(a.seed * 1_000_003 + 7_777_777 + step)
         batch = rows[torch.randint(0, rows.shape[0], (a.finetune_batch,), generator=g)]
-        model.config = student = step_config(cfg, a, layer_attention, step)
+        model.config = student = student_at(step)
         with precision():
             logits = model(batch[:, :-1]).float()
         if a.finetune_loss == "lm":

@@ -87,6 +87,7 @@ static struct {
     cpu_set_t allowed;                    /* the process's cores when the first worker started */
     _Atomic int caller_cpu;               /* where the caller last ran: a worker sharing its core yields */
     _Atomic int solo;                     /* the caller runs alone for now: idle workers sleep at once */
+    _Atomic int resting;                  /* gen_pool_rest until the next phase: idle workers sleep at once */
     Job job;
     pthread_mutex_t run, spawn;
 } P = {.run = PTHREAD_MUTEX_INITIALIZER, .spawn = PTHREAD_MUTEX_INITIALIZER};
@@ -187,7 +188,8 @@ static void *worker(void *arg) {
         long long t0 = now_ns();
         for (int i = 0;; i++) {
             if ((g = atomic_load(&P.gen)) != seen) goto run;
-            if ((i & 63) == 63 && (atomic_load_explicit(&P.solo, memory_order_relaxed) || now_ns() - t0 > atomic_load_explicit(&spin_ns, memory_order_relaxed))) break;
+            if ((i & 63) == 63 && (atomic_load_explicit(&P.solo, memory_order_relaxed) ||
+                                  atomic_load_explicit(&P.resting, memory_order_relaxed) || now_ns() - t0 > atomic_load_explicit(&spin_ns, memory_order_relaxed))) break;
             if (i < 64) relax();
             else {
                 int cpu = sched_getcpu();
@@ -274,7 +276,7 @@ void gen_pool_adapt(int window, int min_speedup, long long solo_ns) {
  * process's other threads meanwhile. The next parallel phase wakes them (a futex wake), as after
  * any sleep. */
 void gen_pool_rest(void) {
-    atomic_store(&P.solo, 1);
+    atomic_store(&P.resting, 1);
 }
 
 /* Tests: how long an idle worker spins before it sleeps (ns; < 0: the default); how many workers
@@ -316,6 +318,7 @@ void pool_run(int nthreads, UnitsFn fn, const void *ctx, size_t ctx_bytes, int u
         atomic_store(&P.solo, 0);
         A.skip = ADAPT_SKIP;
     }
+    atomic_store(&P.resting, 0);   /* before the job is published: its workers spin again after it */
     spawn_workers(nthreads);
     atomic_store_explicit(&P.caller_cpu, sched_getcpu(), memory_order_relaxed);
     uint64_t g = atomic_load(&P.gen) + 1;
