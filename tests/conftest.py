@@ -187,6 +187,36 @@ def check_rows_join_and_leave(step, new_state) -> None:
     assert outs == solo
 
 
+def check_regrouping_copies_rows_exactly(step, new_state) -> None:
+    """Four rows prefilled alone (lengths 5, 2, 10, 3), joined (`concat`), stepped twice, then rows
+    [3, 0, 1] kept (`select_rows`: out of order, in two runs): every kept row's saved state equals the
+    same row kept alone, and no cache slot outside a row's real ones holds anything but zeros (pads
+    and the room after the last slot: what a regrouping did not copy it zeroed)."""
+    prompts = [[1, 5, 9, 20, 3], [1, 7], [4, 4, 4, 4, 4, 4, 4, 4, 4, 1], [2, 8, 6]]
+    parts = []
+    for ids in prompts:
+        s = new_state(32)
+        step(torch.tensor([ids]), s)
+        parts.append(s)
+    state = type(parts[0]).concat(parts, max_len=40)
+    for t in (3, 11):
+        step(torch.full((4, 1), t), state)
+    kept = state.select_rows([3, 0, 1])
+    for regrouped in (state, kept):
+        for part in getattr(regrouped, "parts", [regrouped]):
+            if hasattr(part, "slot_real"):
+                outside = ~part.slot_real.clone()
+                outside[:, part.slots:] = True
+                assert not part.k.permute(1, 3, 0, 2, 4)[outside].any()
+                assert not part.v.permute(1, 3, 0, 2, 4)[outside].any()
+    for j, i in enumerate([3, 0, 1]):
+        want, got = state.select_rows([i]).state_dict(), kept.select_rows([j]).state_dict()
+        assert want["meta"] == got["meta"]
+        assert want["tensors"].keys() == got["tensors"].keys()
+        for name, t in want["tensors"].items():
+            assert torch.equal(t, got["tensors"][name]), name
+
+
 @pytest.fixture(scope="module")
 def native_built(tmp_path_factory):
     """The native step built into a fresh cache (or the module skipped, saying why), every phase on

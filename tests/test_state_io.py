@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, check_rows_join_and_leave, greedy, tiny_model
+from conftest import ROOT, check_regrouping_copies_rows_exactly, check_rows_join_and_leave, greedy, tiny_model
 from engine.api import load
 from engine.errors import CheckpointError, StateMismatchError
 from engine.steps import Stepper
@@ -49,6 +49,12 @@ def test_concat_and_select_rows_keep_every_row_as_it_is_alone(path):
     model = tiny_model(seed=1)
     step = Stepper(model, "torch")
     check_rows_join_and_leave(step, lambda max_len: model.init_state(1, max_len, attention=path))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_select_rows_copies_scattered_rows_exactly(path):
+    model = tiny_model(seed=1)
+    check_regrouping_copies_rows_exactly(Stepper(model, "torch"), lambda max_len: model.init_state(1, max_len, attention=path))
 
 
 def test_concat_masks_the_pad_slots_of_a_shorter_row():

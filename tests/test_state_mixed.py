@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import check_rows_join_and_leave, greedy, tiny_model
+from conftest import check_regrouping_copies_rows_exactly, check_rows_join_and_leave, greedy, tiny_model
 from engine.api import LLM
 from engine.attention import HybridState, WindowState
 from engine.errors import StateMismatchError
@@ -72,6 +72,12 @@ def test_concat_and_select_rows_keep_every_row_as_it_is_alone(mix):
     model = mixed_model(mix)
     step = Stepper(model, "torch")
     check_rows_join_and_leave(step, lambda max_len: model.init_state(1, max_len))
+
+
+@pytest.mark.parametrize("mix", MIXES)
+def test_select_rows_copies_scattered_rows_exactly(mix):
+    model = mixed_model(mix)
+    check_regrouping_copies_rows_exactly(Stepper(model, "torch"), lambda max_len: model.init_state(1, max_len))
 
 
 @pytest.mark.parametrize("mix", ["window", "hybrid-window-hedgehog"])

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.base import State
+from engine.attention.base import State, take_rows
 from engine.attention.feature_maps import FeatureMap, get_feature_map, state_dtype
 
 EPS = 1e-6          # the denominator's eps: out = num / (phi(q)^T z + EPS)
@@ -71,9 +71,9 @@ class LinearState(State):
         self.z.copy_(tensors["z"])
 
     def select_rows(self, idx, max_len=None) -> "LinearState":
-        idx = torch.as_tensor(list(idx), dtype=torch.long, device=self.device)
-        out = LinearState(lengths=self.lengths[idx].clone(), slots=0, S=self.S[:, idx].clone(),
-                          z=self.z[:, idx].clone(), feature_map=self.feature_map, layer_ids=self.layer_ids)
+        idx = [int(i) for i in idx]
+        out = LinearState(lengths=take_rows(self.lengths, idx, 0), slots=0, S=take_rows(self.S, idx, 1),
+                          z=take_rows(self.z, idx, 1), feature_map=self.feature_map, layer_ids=self.layer_ids)
         out.slots = int(out.lengths.max()) if len(idx) else 0
         out._after_regroup()
         return out

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import Span, State
+from engine.attention.base import Span, State, row_runs, take_rows
 from engine.errors import ContextFullError
 
 # Decode (one query, no mask) from this many cached keys on uses two matmuls instead of SDPA:
@@ -90,16 +90,18 @@ class KVState(State):
         return torch.where(real.any(1), first, torch.full_like(first, self.slots))
 
     def select_rows(self, idx, max_len=None) -> "KVState":
-        idx = torch.as_tensor(list(idx), dtype=torch.long, device=self.device)
-        drop = int(self.first_real_slot()[idx].min()) if len(idx) and self.slots else 0
+        idx = [int(i) for i in idx]
+        drop = int(self.first_real_slot()[idx].min()) if idx and self.slots else 0
         n = self.slots - drop
         max_len = max(max_len or self.max_len - drop, n)
         L, _, Hkv, _, D = self.k.shape
-        out = KVState.allocate_shape(L, len(idx), Hkv, max_len, D, self.device, self.k.dtype)
-        out.k[:, :, :, :n] = self.k[:, idx, :, drop:self.slots]
-        out.v[:, :, :, :n] = self.v[:, idx, :, drop:self.slots]
-        out.slot_real[:, :n] = self.slot_real[idx, drop:self.slots]
-        out.lengths.copy_(self.lengths[idx])
+        out = KVState.allocate_shape(L, len(idx), Hkv, max_len, D, self.device, self.k.dtype, zero=False)
+        for mine, theirs in ((out.k, self.k), (out.v, self.v)):
+            for src, dst, rows in row_runs(idx):
+                mine[:, dst:dst + rows, :, :n] = theirs[:, src:src + rows, :, drop:self.slots]
+            mine[:, :, :, n:].zero_()
+        out.slot_real[:, :n] = take_rows(self.slot_real, idx, 0)[:, drop:self.slots]
+        out.lengths.copy_(take_rows(self.lengths, idx, 0))
         out.slots = n
         out._after_regroup()
         return out
@@ -111,26 +113,32 @@ class KVState(State):
         max_len = max(max_len or max(s.max_len for s in states), P)
         L, _, Hkv, _, D = states[0].k.shape
         out = cls.allocate_shape(L, sum(s.batch_size for s in states), Hkv, max_len, D,
-                                 states[0].device, states[0].k.dtype)
+                                 states[0].device, states[0].k.dtype, zero=False)
         b = 0
         for s in states:
             rows, lo = slice(b, b + s.batch_size), P - s.slots      # right-align: pads in [0, lo)
-            out.k[:, rows, :, lo:P] = s.k[:, :, :, :s.slots]
-            out.v[:, rows, :, lo:P] = s.v[:, :, :, :s.slots]
+            for mine, theirs in ((out.k, s.k), (out.v, s.v)):
+                mine[:, rows, :, :lo].zero_()
+                mine[:, rows, :, lo:P] = theirs[:, :, :, :s.slots]
             out.slot_real[rows, :lo] = False
             out.slot_real[rows, lo:P] = s.slot_real[:, :s.slots]
             out.lengths[rows] = s.lengths
             b += s.batch_size
+        out.k[:, :, :, P:].zero_()
+        out.v[:, :, :, P:].zero_()
         out.slots = P
         out._after_regroup()
         return out
 
     @classmethod
-    def allocate_shape(cls, layers, batch, kv_heads, max_len, head_dim, device, dtype) -> "KVState":
+    def allocate_shape(cls, layers, batch, kv_heads, max_len, head_dim, device, dtype, zero=True) -> "KVState":
+        """zero=False: k and v uninitialised, for a caller that writes every slot itself (regrouping:
+        zeroing a fresh cache first and then copying into it cost twice the copy alone)."""
         shape = (layers, batch, kv_heads, max_len, head_dim)
+        make = torch.zeros if zero else torch.empty
         return cls(lengths=torch.zeros(batch, dtype=torch.long, device=device), slots=0,
-                   k=torch.zeros(shape, device=device, dtype=dtype),
-                   v=torch.zeros(shape, device=device, dtype=dtype),
+                   k=make(shape, device=device, dtype=dtype),
+                   v=make(shape, device=device, dtype=dtype),
                    slot_real=torch.ones(batch, max_len, dtype=torch.bool, device=device))
 
     @classmethod

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.base import State
+from engine.attention.base import State, take_rows
 from engine.attention.feature_maps import FeatureMap, get_feature_map, state_dtype
 from engine.attention.linear import CHUNK, EPS, as_feature_map, fp32_under_autocast
 
@@ -92,9 +92,9 @@ class WindowState(State):
         return out
 
     def select_rows(self, idx, max_len=None) -> "WindowState":
-        idx = torch.as_tensor(list(idx), dtype=torch.long, device=self.device)
-        return self._rows(self.lengths[idx].clone(), self.S[:, idx].clone(), self.z[:, idx].clone(),
-                          self.wk[:, idx].clone(), self.wv[:, idx].clone(), self.wreal[idx].clone())
+        idx = [int(i) for i in idx]
+        return self._rows(take_rows(self.lengths, idx, 0), *(take_rows(getattr(self, n), idx, 1) for n in ("S", "z", "wk", "wv")),
+                          take_rows(self.wreal, idx, 0))
 
     @classmethod
     def concat(cls, states, max_len=None) -> "WindowState":
