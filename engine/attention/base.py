@@ -34,9 +34,9 @@ def row_runs(idx: list[int]) -> list[tuple[int, int, int]]:
 
 
 def take_rows(t: torch.Tensor, idx: list[int], dim: int) -> torch.Tensor:
-    """A copy of rows `idx` of `t` along `dim`, run by run: a server dropping one finished row of 16
-    copies two strided runs instead of gathering 15 rows into a temporary and copying that again
-    (benchmarks/regroup_ab.py: a SmolLM2-shaped 16-row KV cache at 200 slots, 182-200 -> 97-108 ms)."""
+    """A copy of rows `idx` of `t` along `dim`, run by run (`row_runs`): a server dropping one finished
+    row of 16 copies two strided runs instead of gathering 15 rows into a temporary and copying that
+    again, as advanced indexing does."""
     parts = [t.narrow(dim, src, n) for src, _, n in row_runs(idx)]
     if not parts:
         return t.narrow(dim, 0, 0).clone()

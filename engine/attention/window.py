@@ -93,7 +93,8 @@ class WindowState(State):
 
     def select_rows(self, idx, max_len=None) -> "WindowState":
         idx = [int(i) for i in idx]
-        return self._rows(take_rows(self.lengths, idx, 0), *(take_rows(getattr(self, n), idx, 1) for n in ("S", "z", "wk", "wv")),
+        return self._rows(take_rows(self.lengths, idx, 0),
+                          *(take_rows(getattr(self, n), idx, 1) for n in ("S", "z", "wk", "wv")),
                           take_rows(self.wreal, idx, 0))
 
     @classmethod
