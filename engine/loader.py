@@ -57,24 +57,34 @@ def parse_device(device: str | torch.device) -> torch.device:
 
 
 def load_model(model: str | os.PathLike, device: str | torch.device = "cpu",
-               dtype: str | torch.dtype | None = None, kv_dtype: str | torch.dtype | None = None):
+               dtype: str | torch.dtype | None = None, kv_dtype: str | torch.dtype | None = None,
+               attention: str | None = None, window: int | None = None):
     """Load weights (+ tokenizer when one ships) onto `device` in `dtype` (default: fp32).
 
     Returns (Transformer, tokenizer or None). The model computes in `dtype` whatever dtype the
     checkpoint stores; its states keep the KV cache in `kv_dtype` (default: `dtype`).
+    attention/window: the configuration the run will ask for, where it chooses which learned maps
+    load (`maps_variant`); the model's config is still the checkpoint's own.
     """
-    net, tokenizer, _ = load_parts(model, device, dtype, kv_dtype)
+    net, tokenizer, _ = load_parts(model, device, dtype, kv_dtype, attention, window)
     return net, tokenizer
 
 
+def maps_variant(attention: str | None, window: int | None) -> str | None:
+    """Which set of learned maps a run asks for (`models.linearized.VARIANTS`): "linear" when every
+    layer runs a pure linear RNN (`--attention linear` without `--window`), else the default set."""
+    return "linear" if attention == "linear" and not window else None
+
+
 def load_parts(model: str | os.PathLike, device: str | torch.device = "cpu",
-               dtype: str | torch.dtype | None = None, kv_dtype: str | torch.dtype | None = None):
+               dtype: str | torch.dtype | None = None, kv_dtype: str | torch.dtype | None = None,
+               attention: str | None = None, window: int | None = None):
     """`load_model` plus the checkpoint's chat template: (Transformer, tokenizer or None, template or None)."""
     path = resolve(model)
     dtype = parse_dtype(dtype) or torch.float32
     kv_dtype = parse_dtype(kv_dtype)
     device = parse_device(device)
-    ckpt = read_checkpoint(path)
+    ckpt = read_checkpoint(path, variant=maps_variant(attention, window))
     net = build(ckpt.config, ckpt.tensors, device, dtype, interleaved_rotary=ckpt.interleaved_rotary, maps=ckpt.maps,
                 adapters=ckpt.adapters)
     net.kv_dtype = kv_dtype

@@ -7,6 +7,9 @@
                              optional: `gen linearize --lora-rank R`; engine.adapters), names below
     DIR/transfer_losses.json per layer: absolute and relative transfer loss (written by gen linearize)
     DIR/data.json            the training data used
+    DIR/<sub>/               optional: maps (and adapters) trained for one other configuration, a whole
+                             `gen linearize` output of its own; config.json's "variants" names it,
+                             e.g. {"linear": "linear"}: what `--attention linear` (no window) loads
 
 Checkpoint names <-> runtime names of the maps, in one place (runtime: `Transformer.hedgehog`):
 
@@ -38,6 +41,9 @@ MAP_NAMES = {"feature_map.q.weight": "hedgehog.q_weight", "feature_map.q.bias": 
              "feature_map.k.weight": "hedgehog.k_weight", "feature_map.k.bias": "hedgehog.k_bias"}
 # the keys of DIR/config.json that override the base model's config
 OVERRIDES = ("feature_map", "attention", "layer_attention", "window", "transfer_loss")
+# configurations a directory may ship a second set of maps for (config.json "variants"):
+# "linear" = every layer a pure linear RNN, no window (`--attention linear`)
+VARIANTS = ("linear",)
 
 
 def map_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -71,13 +77,39 @@ def read_linearized_config(path: str | os.PathLike) -> dict:
     return raw
 
 
-def apply_linearized(base_cfg: ModelConfig, raw: dict, path: str | os.PathLike) -> tuple[ModelConfig, dict, dict | None]:
+def variant_dir(path: str | os.PathLike, raw: dict, variant: str | None) -> Path | None:
+    """The subdirectory whose maps serve configuration `variant` (config.json "variants"), or None
+    when the directory ships no set of its own for it; a bad entry is a one-line CheckpointError."""
+    where = Path(path) / CONFIG
+    variants = raw.get("variants", {})
+    if not isinstance(variants, dict) or any(k not in VARIANTS or not isinstance(v, str) for k, v in variants.items()):
+        raise CheckpointError(f"{where}: \"variants\" maps a configuration ({', '.join(VARIANTS)}) to a "
+                              f"subdirectory, got {variants!r}")
+    if variant is None or variant not in variants:
+        return None
+    sub = Path(path) / variants[variant]
+    if not (sub / CONFIG).is_file() or not (sub / MAPS).is_file():
+        raise CheckpointError(f"{where}: names {sub} for --attention {variant}, but it holds no {CONFIG} and "
+                              f"{MAPS}; copy that `gen linearize` output there (or drop the entry)")
+    return sub
+
+
+def apply_linearized(base_cfg: ModelConfig, raw: dict, path: str | os.PathLike,
+                     variant: str | None = None) -> tuple[ModelConfig, dict, dict | None]:
     """The base config with the linearized dir's overrides, the maps and the adapters (None: the
-    directory has none) under runtime names, checked."""
+    directory has none) under runtime names, checked. `variant` (one of VARIANTS, or None): the
+    configuration the run asks for; where the directory ships maps for it, those are read instead."""
     where = Path(path) / CONFIG
     changes = {k: raw[k] for k in OVERRIDES if k in raw}
     trained = tuple(dict.fromkeys(base_cfg.trained_for + ("linear", "hybrid")))
     cfg = ModelConfig.from_dict({**base_cfg.to_dict(), **changes, "trained_for": list(trained)}, where=str(where))
+    sub = variant_dir(path, raw, variant)
+    if sub is not None:     # the set trained for this configuration: its maps, adapters and rank
+        own = read_linearized_config(sub)
+        if own["base_model"] != raw["base_model"]:
+            raise CheckpointError(f"{sub / CONFIG}: made from {own['base_model']!r}, but {where} runs "
+                                  f"{raw['base_model']!r}: these maps belong to another model")
+        path, raw, where = sub, own, sub / CONFIG
     adapters, rank = Path(path) / ADAPTERS, raw.get("lora_rank")
     if rank and not adapters.is_file():
         raise CheckpointError(f"{where}: names rank-{rank} adapters, but {adapters} is missing; copy it beside "
@@ -157,6 +189,6 @@ def write_json(file: str | os.PathLike, obj) -> None:
     os.replace(tmp, file)
 
 
-__all__ = ["CONFIG", "MAPS", "ADAPTERS", "MAP_NAMES", "ADAPTER_NAMES", "adapter_shapes", "read_adapters",
+__all__ = ["CONFIG", "MAPS", "ADAPTERS", "VARIANTS", "variant_dir", "MAP_NAMES", "ADAPTER_NAMES", "adapter_shapes", "read_adapters",
            "write_adapters", "LAYER_PATHS", "map_shapes", "is_linearized", "read_linearized_config",
            "apply_linearized", "read_maps", "write_maps", "write_json"]

@@ -63,13 +63,17 @@ def resolve(model: str | os.PathLike) -> Path:
                                f"(or pass a path to a checkpoint directory or file)")
 
 
-def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
-    """Config, tensors (memory-mapped, checked for names and shapes) and tokenizer of a checkpoint."""
+def read_checkpoint(path: str | os.PathLike, variant: str | None = None) -> Checkpoint:
+    """Config, tensors (memory-mapped, checked for names and shapes) and tokenizer of a checkpoint.
+
+    variant: the configuration the run asks for (`models.linearized.VARIANTS`, e.g. "linear"); a
+    linearized directory that ships maps trained for it hands those out instead of its default set.
+    """
     path = Path(path)
     if path.is_dir() and is_linearized(path):    # learned maps + a pointer to the base model
         raw = read_linearized_config(path)
         base = read_checkpoint(resolve(raw["base_model"]))
-        cfg, maps, adapters = apply_linearized(base.config, raw, path)
+        cfg, maps, adapters = apply_linearized(base.config, raw, path, variant)
         return Checkpoint(cfg, base.tensors, base.tokenizer, base.interleaved_rotary, path, maps=maps,
                           adapters=adapters, chat_template=base.chat_template)
     if path.is_dir():

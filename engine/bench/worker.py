@@ -17,7 +17,8 @@ def main() -> int:
     job = json.loads(sys.stdin.read())
     set_threads(job.get("threads"))
     try:
-        model, _ = load_model(job["model"], device=job["device"], dtype=job["dtype"], kv_dtype=job.get("kv_dtype"))
+        model, _ = load_model(job["model"], device=job["device"], dtype=job["dtype"], kv_dtype=job.get("kv_dtype"),
+                              attention=job["attention"], window=job.get("window"))   # the maps the row runs
         if job.get("quantize"):
             quantize_model(model, job["quantize"])
         after_load = rss_bytes()

@@ -1,0 +1,116 @@
+"""A linearized directory may ship a second set of maps for one configuration (config.json
+"variants", models.linearized): `--attention linear` without a window loads the set trained for
+every layer linear; every other configuration the default set; a bad entry is one line."""
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from cli.main import main
+from engine.adapters import LoRA
+from engine.api import load
+from engine.attention.feature_maps import Hedgehog
+from engine.loader import load_model
+from models.errors import CheckpointError
+from models.linearized import read_maps, write_adapters, write_json, write_maps
+from tests.test_linearize import corpus  # noqa: F401 - the corpus fixture
+
+
+def random_maps(cfg, seed):
+    g = torch.Generator().manual_seed(seed)
+    return {f"hedgehog.{k}": v + torch.randn(v.shape, generator=g) * 0.3
+            for k, v in Hedgehog.for_config(cfg).state_dict().items()}
+
+
+def random_adapters(cfg, rank, seed):
+    lora = LoRA.for_config(cfg, rank, seed)
+    with torch.no_grad():
+        for p in (lora.qkv_b, lora.o_b):
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)) * 0.2)
+    return lora.export()
+
+
+@pytest.fixture
+def two_sets(small_model_dir, tmp_path):
+    """A linearized dir: a hybrid + window default with maps A and no adapters, and in linear/ a
+    whole `gen linearize` output for every layer linear (maps B, rank-2 adapters)."""
+    base, _ = load_model(small_model_dir)
+    cfg = base.config.replace(feature_map="hedgehog")
+    d, sub = tmp_path / "lin", tmp_path / "lin" / "linear"
+    sub.mkdir(parents=True)
+    layers = ["softmax"] + ["linear"] * (cfg.num_hidden_layers - 1)
+    write_json(d / "config.json", {"base_model": str(small_model_dir), "feature_map": "hedgehog",
+                                   "attention": "hybrid", "layer_attention": layers, "window": 4,
+                                   "variants": {"linear": "linear"}})
+    write_maps(d / "maps.safetensors", random_maps(cfg, 1))
+    write_json(sub / "config.json", {"base_model": str(small_model_dir), "feature_map": "hedgehog",
+                                     "attention": "linear", "lora_rank": 2})
+    write_maps(sub / "maps.safetensors", random_maps(cfg, 2))
+    write_adapters(sub / "adapters.safetensors", random_adapters(cfg, 2, 3))
+    return d, cfg
+
+
+def maps_of(model):
+    return {f"hedgehog.{k}": v for k, v in model.hedgehog.state_dict().items()}
+
+
+def same(a, b):
+    return set(a) == set(b) and all(torch.equal(a[k], b[k].to(a[k].dtype)) for k in a)
+
+
+def test_all_linear_loads_its_own_set_and_every_other_configuration_the_default(two_sets):
+    d, cfg = two_sets
+    default, linear = read_maps(d / "maps.safetensors", cfg), read_maps(d / "linear" / "maps.safetensors", cfg)
+    assert not same(default, linear)
+    model, _ = load_model(d, attention="linear")
+    assert same(maps_of(model), linear)
+    assert all(layer.self_attn.adapted is not None for layer in model.layers)   # the set's adapters came too
+    for kw in ({}, {"attention": "hybrid"}, {"attention": "linear", "window": 4}, {"attention": "softmax"}):
+        model, _ = load_model(d, **kw)
+        assert same(maps_of(model), default), kw
+        assert all(layer.self_attn.adapted is None for layer in model.layers), kw
+    assert same(maps_of(load(str(d), attention="linear").model), linear)
+    assert same(maps_of(load(str(d)).model), default)
+
+
+def test_eval_of_all_linear_scores_the_linear_set(two_sets, corpus):  # noqa: F811
+    d, _ = two_sets
+
+    def ppl(model, *flags):
+        r = CliRunner().invoke(main, ["eval", "--model", str(model), "--data", str(corpus), "--max-docs", "3",
+                                      "--json", *flags])
+        assert r.exit_code == 0, r.output
+        return json.loads(r.output.strip().splitlines()[-1])["perplexity"]
+
+    via_parent = ppl(d, "--attention", "linear")
+    assert via_parent == ppl(d / "linear", "--attention", "linear")   # the set itself, loaded alone
+    config = json.loads((d / "config.json").read_text())
+    del config["variants"]
+    write_json(d / "config.json", config)
+    assert ppl(d, "--attention", "linear") != via_parent              # without the entry: the default set
+
+
+@pytest.mark.parametrize("variants, match", [
+    ({"hybrid": "linear"}, "maps a configuration"),
+    ({"linear": 3}, "maps a configuration"),
+    ({"linear": "nowhere"}, "holds no config.json"),
+])
+def test_a_bad_variants_entry_is_one_line(two_sets, variants, match):
+    d, _ = two_sets
+    config = json.loads((d / "config.json").read_text())
+    write_json(d / "config.json", {**config, "variants": variants})
+    with pytest.raises(CheckpointError, match=match) as e:
+        load_model(d, attention="linear")
+    assert "\n" not in str(e.value)
+    r = CliRunner().invoke(main, ["--model", str(d), "--attention", "linear", "--max-new-tokens", "2", "hi"])
+    assert r.exit_code == 2 and match in r.output and "Traceback" not in r.output
+
+
+def test_a_set_made_from_another_base_model_is_refused(two_sets):
+    d, _ = two_sets
+    sub = d / "linear" / "config.json"
+    write_json(sub, {**json.loads(sub.read_text()), "base_model": "tiny"})
+    with pytest.raises(CheckpointError, match="another model"):
+        load_model(d, attention="linear")
+    load_model(d)      # the default set does not read it
