@@ -37,7 +37,8 @@ def eval_cmd(model_name, attention, softmax_layers, window, feature_map, data, c
     def run():
         if threads is not None:
             set_threads(threads)
-        model, tokenizer = load_model(model_name, device=device, dtype=dtype, attention=attention, window=window)
+        model, tokenizer = load_model(model_name, device=device, dtype=dtype, attention=attention,
+                                      softmax_layers=softmax_layers, window=window)
         if quantize:
             quantize_model(model, quantize)
         model.config = runtime_config(model.config, attention, softmax_layers, window)

@@ -70,7 +70,7 @@ def load(model: str = "tiny", attention: str | None = None, feature_map: str | N
         check_kind(quantize)
     set_threads(threads)
     net, tokenizer, template = load_parts(model, device=device, dtype=dtype, kv_dtype=kv_dtype, attention=attention,
-                                          window=window)
+                                          softmax_layers=softmax_layers, window=window)
     net.config = runtime_config(net.config, attention, softmax_layers, window)
     if quantize is not None:
         quantize_model(net, quantize)

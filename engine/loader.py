@@ -16,10 +16,12 @@ import torch
 
 from engine.adapters import merge
 from engine.attention.feature_maps import Hedgehog
+from engine.attention.hybrid import runtime_config
 from engine.quant import QuantLinear
 from engine.transformer import Transformer
 from models.config import ModelConfig
 from models.errors import InvalidArgumentError
+from models.linearized import read_set
 from models.registry import read_checkpoint, resolve
 from models.weights import FUSED, hf_shapes, hf_to_runtime, interleaved_to_half
 
@@ -58,35 +60,41 @@ def parse_device(device: str | torch.device) -> torch.device:
 
 def load_model(model: str | os.PathLike, device: str | torch.device = "cpu",
                dtype: str | torch.dtype | None = None, kv_dtype: str | torch.dtype | None = None,
-               attention: str | None = None, window: int | None = None):
+               attention: str | None = None, softmax_layers=None, window: int | None = None):
     """Load weights (+ tokenizer when one ships) onto `device` in `dtype` (default: fp32).
 
     Returns (Transformer, tokenizer or None). The model computes in `dtype` whatever dtype the
     checkpoint stores; its states keep the KV cache in `kv_dtype` (default: `dtype`).
-    attention/window: the configuration the run will ask for, where it chooses which learned maps
-    load (`maps_variant`); the model's config is still the checkpoint's own.
+    attention/softmax_layers/window: the configuration the run will ask for (as `runtime_config`),
+    where it chooses which of a linearized directory's sets of maps loads (`maps_variant`); the
+    model's config is still the checkpoint's own.
     """
-    net, tokenizer, _ = load_parts(model, device, dtype, kv_dtype, attention, window)
+    net, tokenizer, _ = load_parts(model, device, dtype, kv_dtype, attention, softmax_layers, window)
     return net, tokenizer
 
 
-def maps_variant(attention: str | None, window: int | None) -> str | None:
-    """Which set of learned maps a run asks for (`models.linearized.VARIANTS`): "linear" when every
-    layer runs a pure linear RNN (`--attention linear` without `--window`), else the default set."""
-    return "linear" if attention == "linear" and not window else None
+def maps_variant(cfg: ModelConfig) -> str | None:
+    """Which set of learned maps a run's config asks for (`models.linearized.VARIANTS`): "no_window"
+    when its linear layers run without a window (all linear, or a hybrid without one), else None
+    (the directory's default set)."""
+    return "no_window" if cfg.attention in ("linear", "hybrid") and not cfg.window else None
 
 
 def load_parts(model: str | os.PathLike, device: str | torch.device = "cpu",
                dtype: str | torch.dtype | None = None, kv_dtype: str | torch.dtype | None = None,
-               attention: str | None = None, window: int | None = None):
+               attention: str | None = None, softmax_layers=None, window: int | None = None):
     """`load_model` plus the checkpoint's chat template: (Transformer, tokenizer or None, template or None)."""
     path = resolve(model)
     dtype = parse_dtype(dtype) or torch.float32
     kv_dtype = parse_dtype(kv_dtype)
     device = parse_device(device)
-    ckpt = read_checkpoint(path, variant=maps_variant(attention, window))
-    net = build(ckpt.config, ckpt.tensors, device, dtype, interleaved_rotary=ckpt.interleaved_rotary, maps=ckpt.maps,
-                adapters=ckpt.adapters)
+    ckpt = read_checkpoint(path)
+    maps, adapters = ckpt.maps, ckpt.adapters
+    variant = maps_variant(runtime_config(ckpt.config, attention, softmax_layers, window))
+    if variant in ckpt.variants:     # the set trained for this kind of run
+        maps, adapters = read_set(ckpt.variants[variant], ckpt.config)
+    net = build(ckpt.config, ckpt.tensors, device, dtype, interleaved_rotary=ckpt.interleaved_rotary, maps=maps,
+                adapters=adapters)
     net.kv_dtype = kv_dtype
     return net, ckpt.tokenizer, ckpt.chat_template
 

@@ -9,7 +9,7 @@
     DIR/data.json            the training data used
     DIR/<sub>/               optional: maps (and adapters) trained for one other configuration, a whole
                              `gen linearize` output of its own; config.json's "variants" names it,
-                             e.g. {"linear": "linear"}: what `--attention linear` (no window) loads
+                             e.g. {"no_window": "linear"}: what runs without a window load
 
 Checkpoint names <-> runtime names of the maps, in one place (runtime: `Transformer.hedgehog`):
 
@@ -42,8 +42,9 @@ MAP_NAMES = {"feature_map.q.weight": "hedgehog.q_weight", "feature_map.q.bias": 
 # the keys of DIR/config.json that override the base model's config
 OVERRIDES = ("feature_map", "attention", "layer_attention", "window", "transfer_loss")
 # configurations a directory may ship a second set of maps for (config.json "variants"):
-# "linear" = every layer a pure linear RNN, no window (`--attention linear`)
-VARIANTS = ("linear",)
+# "no_window" = every run whose linear layers have no window (`--attention linear` without
+# `--window`, hybrids without it); which one a run takes is the engine's choice (engine.loader)
+VARIANTS = ("no_window",)
 
 
 def map_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -77,39 +78,43 @@ def read_linearized_config(path: str | os.PathLike) -> dict:
     return raw
 
 
-def variant_dir(path: str | os.PathLike, raw: dict, variant: str | None) -> Path | None:
-    """The subdirectory whose maps serve configuration `variant` (config.json "variants"), or None
-    when the directory ships no set of its own for it; a bad entry is a one-line CheckpointError."""
+def variant_sets(path: str | os.PathLike, raw: dict) -> dict[str, Path]:
+    """The other sets of maps the directory ships (config.json "variants": configuration -> a
+    subdirectory holding a whole `gen linearize` output made from the same base model), checked;
+    a bad entry is a one-line CheckpointError."""
     where = Path(path) / CONFIG
     variants = raw.get("variants", {})
     if not isinstance(variants, dict) or any(k not in VARIANTS or not isinstance(v, str) for k, v in variants.items()):
         raise CheckpointError(f"{where}: \"variants\" maps a configuration ({', '.join(VARIANTS)}) to a "
                               f"subdirectory, got {variants!r}")
-    if variant is None or variant not in variants:
-        return None
-    sub = Path(path) / variants[variant]
-    if not (sub / CONFIG).is_file() or not (sub / MAPS).is_file():
-        raise CheckpointError(f"{where}: names {sub} for --attention {variant}, but it holds no {CONFIG} and "
-                              f"{MAPS}; copy that `gen linearize` output there (or drop the entry)")
-    return sub
+    sets = {}
+    for name, sub in variants.items():
+        sub = Path(path) / sub
+        if not (sub / CONFIG).is_file() or not (sub / MAPS).is_file():
+            raise CheckpointError(f"{where}: names {sub} for {name}, but it holds no {CONFIG} and {MAPS}; copy "
+                                  f"that `gen linearize` output there (or drop the entry)")
+        if read_linearized_config(sub)["base_model"] != raw["base_model"]:
+            raise CheckpointError(f"{sub / CONFIG}: made from another base model than {where}'s "
+                                  f"{raw['base_model']!r}: these maps belong to another model")
+        sets[name] = sub
+    return sets
 
 
-def apply_linearized(base_cfg: ModelConfig, raw: dict, path: str | os.PathLike,
-                     variant: str | None = None) -> tuple[ModelConfig, dict, dict | None]:
+def apply_linearized(base_cfg: ModelConfig, raw: dict, path: str | os.PathLike) -> tuple[ModelConfig, dict, dict | None]:
     """The base config with the linearized dir's overrides, the maps and the adapters (None: the
-    directory has none) under runtime names, checked. `variant` (one of VARIANTS, or None): the
-    configuration the run asks for; where the directory ships maps for it, those are read instead."""
+    directory has none) under runtime names, checked."""
     where = Path(path) / CONFIG
     changes = {k: raw[k] for k in OVERRIDES if k in raw}
     trained = tuple(dict.fromkeys(base_cfg.trained_for + ("linear", "hybrid")))
     cfg = ModelConfig.from_dict({**base_cfg.to_dict(), **changes, "trained_for": list(trained)}, where=str(where))
-    sub = variant_dir(path, raw, variant)
-    if sub is not None:     # the set trained for this configuration: its maps, adapters and rank
-        own = read_linearized_config(sub)
-        if own["base_model"] != raw["base_model"]:
-            raise CheckpointError(f"{sub / CONFIG}: made from {own['base_model']!r}, but {where} runs "
-                                  f"{raw['base_model']!r}: these maps belong to another model")
-        path, raw, where = sub, own, sub / CONFIG
+    return (cfg, *read_set(path, cfg, raw))
+
+
+def read_set(path: str | os.PathLike, cfg: ModelConfig, raw: dict | None = None) -> tuple[dict, dict | None]:
+    """One set of learned maps and adapters (None: the set has none) of directory `path`, under
+    runtime names, checked against `cfg` (the model they run on)."""
+    raw = read_linearized_config(path) if raw is None else raw
+    where = Path(path) / CONFIG
     adapters, rank = Path(path) / ADAPTERS, raw.get("lora_rank")
     if rank and not adapters.is_file():
         raise CheckpointError(f"{where}: names rank-{rank} adapters, but {adapters} is missing; copy it beside "
@@ -117,7 +122,7 @@ def apply_linearized(base_cfg: ModelConfig, raw: dict, path: str | os.PathLike,
     found = read_adapters(adapters, cfg) if adapters.is_file() else None
     if found is not None and rank is not None and found["qkv_a"].shape[1] != rank:
         raise CheckpointError(f"{adapters}: rank {found['qkv_a'].shape[1]} adapters, but {where} names rank {rank}")
-    return cfg, read_maps(Path(path) / MAPS, cfg), found
+    return read_maps(Path(path) / MAPS, cfg), found
 
 
 def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
@@ -189,6 +194,6 @@ def write_json(file: str | os.PathLike, obj) -> None:
     os.replace(tmp, file)
 
 
-__all__ = ["CONFIG", "MAPS", "ADAPTERS", "VARIANTS", "variant_dir", "MAP_NAMES", "ADAPTER_NAMES", "adapter_shapes", "read_adapters",
+__all__ = ["CONFIG", "MAPS", "ADAPTERS", "VARIANTS", "MAP_NAMES", "ADAPTER_NAMES", "adapter_shapes", "read_adapters",
            "write_adapters", "LAYER_PATHS", "map_shapes", "is_linearized", "read_linearized_config",
-           "apply_linearized", "read_maps", "write_maps", "write_json"]
+           "apply_linearized", "variant_sets", "read_set", "read_maps", "write_maps", "write_json"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,7 +24,7 @@ from models.config import ModelConfig
 from models.errors import CheckpointError, InvalidArgumentError
 from models.gguf import read_gguf
 from models.hf_dir import read_hf_dir
-from models.linearized import apply_linearized, is_linearized, read_linearized_config
+from models.linearized import apply_linearized, is_linearized, read_linearized_config, variant_sets
 from models.llama2c import read_llama2c
 from models.tokenizer import Tokenizer
 
@@ -45,6 +45,7 @@ class Checkpoint:
     maps: dict[str, torch.Tensor] | None = None   # learned feature maps, runtime names (models.linearized)
     adapters: dict[str, torch.Tensor] | None = None   # low-rank adapters of the linear layers (models.linearized)
     chat_template: ChatTemplate | None = None   # GGUF / tokenizer_config.json / chat_template.jinja
+    variants: dict[str, Path] = field(default_factory=dict)   # other sets of maps: configuration -> dir
 
 
 def resolve(model: str | os.PathLike) -> Path:
@@ -63,19 +64,16 @@ def resolve(model: str | os.PathLike) -> Path:
                                f"(or pass a path to a checkpoint directory or file)")
 
 
-def read_checkpoint(path: str | os.PathLike, variant: str | None = None) -> Checkpoint:
-    """Config, tensors (memory-mapped, checked for names and shapes) and tokenizer of a checkpoint.
-
-    variant: the configuration the run asks for (`models.linearized.VARIANTS`, e.g. "linear"); a
-    linearized directory that ships maps trained for it hands those out instead of its default set.
-    """
+def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Config, tensors (memory-mapped, checked for names and shapes) and tokenizer of a checkpoint."""
     path = Path(path)
     if path.is_dir() and is_linearized(path):    # learned maps + a pointer to the base model
         raw = read_linearized_config(path)
+        sets = variant_sets(path, raw)
         base = read_checkpoint(resolve(raw["base_model"]))
-        cfg, maps, adapters = apply_linearized(base.config, raw, path, variant)
+        cfg, maps, adapters = apply_linearized(base.config, raw, path)
         return Checkpoint(cfg, base.tensors, base.tokenizer, base.interleaved_rotary, path, maps=maps,
-                          adapters=adapters, chat_template=base.chat_template)
+                          adapters=adapters, chat_template=base.chat_template, variants=sets)
     if path.is_dir():
         cfg, tensors = read_hf_dir(path)
         tok_path = path / "tokenizer.model"

@@ -1,6 +1,6 @@
-"""A linearized directory may ship a second set of maps for one configuration (config.json
-"variants", models.linearized): `--attention linear` without a window loads the set trained for
-every layer linear; every other configuration the default set; a bad entry is one line."""
+"""A linearized directory may ship a second set of maps (config.json "variants", models.linearized):
+every run whose linear layers have no window (all linear, hybrids without --window) loads the
+"no_window" set; every other configuration the default set; a bad entry is one line."""
 import json
 
 import pytest
@@ -42,7 +42,8 @@ def two_sets(small_model_dir, tmp_path):
     layers = ["softmax"] + ["linear"] * (cfg.num_hidden_layers - 1)
     write_json(d / "config.json", {"base_model": str(small_model_dir), "feature_map": "hedgehog",
                                    "attention": "hybrid", "layer_attention": layers, "window": 4,
-                                   "variants": {"linear": "linear"}})
+                                   "transfer_loss": [0.1 * (i + 1) for i in range(len(layers))],
+                                   "variants": {"no_window": "linear"}})
     write_maps(d / "maps.safetensors", random_maps(cfg, 1))
     write_json(sub / "config.json", {"base_model": str(small_model_dir), "feature_map": "hedgehog",
                                      "attention": "linear", "lora_rank": 2})
@@ -59,19 +60,27 @@ def same(a, b):
     return set(a) == set(b) and all(torch.equal(a[k], b[k].to(a[k].dtype)) for k in a)
 
 
-def test_all_linear_loads_its_own_set_and_every_other_configuration_the_default(two_sets):
+@pytest.mark.parametrize("kw", [{"attention": "linear"}, {"attention": "hybrid"},
+                                {"softmax_layers": [1]}, {"attention": "hybrid", "softmax_layers": "auto:1"}])
+def test_runs_without_a_window_load_the_no_window_set(two_sets, kw):
     d, cfg = two_sets
     default, linear = read_maps(d / "maps.safetensors", cfg), read_maps(d / "linear" / "maps.safetensors", cfg)
     assert not same(default, linear)
-    model, _ = load_model(d, attention="linear")
+    model, _ = load_model(d, **kw)
     assert same(maps_of(model), linear)
     assert all(layer.self_attn.adapted is not None for layer in model.layers)   # the set's adapters came too
-    for kw in ({}, {"attention": "hybrid"}, {"attention": "linear", "window": 4}, {"attention": "softmax"}):
-        model, _ = load_model(d, **kw)
-        assert same(maps_of(model), default), kw
-        assert all(layer.self_attn.adapted is None for layer in model.layers), kw
-    assert same(maps_of(load(str(d), attention="linear").model), linear)
-    assert same(maps_of(load(str(d)).model), default)
+    assert same(maps_of(load(str(d), **kw).model), linear)
+
+
+@pytest.mark.parametrize("kw", [{}, {"attention": "linear", "window": 4}, {"attention": "hybrid", "window": 2},
+                                {"attention": "softmax"}])
+def test_every_other_run_loads_the_default_set(two_sets, kw):
+    d, cfg = two_sets
+    default = read_maps(d / "maps.safetensors", cfg)
+    model, _ = load_model(d, **kw)
+    assert same(maps_of(model), default)
+    assert all(layer.self_attn.adapted is None for layer in model.layers)
+    assert same(maps_of(load(str(d), **kw).model), default)
 
 
 def test_eval_of_all_linear_scores_the_linear_set(two_sets, corpus):  # noqa: F811
@@ -92,16 +101,16 @@ def test_eval_of_all_linear_scores_the_linear_set(two_sets, corpus):  # noqa: F8
 
 
 @pytest.mark.parametrize("variants, match", [
-    ({"hybrid": "linear"}, "maps a configuration"),
-    ({"linear": 3}, "maps a configuration"),
-    ({"linear": "nowhere"}, "holds no config.json"),
+    ({"linear": "linear"}, "maps a configuration"),
+    ({"no_window": 3}, "maps a configuration"),
+    ({"no_window": "nowhere"}, "holds no config.json"),
 ])
 def test_a_bad_variants_entry_is_one_line(two_sets, variants, match):
     d, _ = two_sets
     config = json.loads((d / "config.json").read_text())
     write_json(d / "config.json", {**config, "variants": variants})
     with pytest.raises(CheckpointError, match=match) as e:
-        load_model(d, attention="linear")
+        load_model(d)
     assert "\n" not in str(e.value)
     r = CliRunner().invoke(main, ["--model", str(d), "--attention", "linear", "--max-new-tokens", "2", "hi"])
     assert r.exit_code == 2 and match in r.output and "Traceback" not in r.output
@@ -111,6 +120,6 @@ def test_a_set_made_from_another_base_model_is_refused(two_sets):
     d, _ = two_sets
     sub = d / "linear" / "config.json"
     write_json(sub, {**json.loads(sub.read_text()), "base_model": "tiny"})
-    with pytest.raises(CheckpointError, match="another model"):
-        load_model(d, attention="linear")
-    load_model(d)      # the default set does not read it
+    with pytest.raises(CheckpointError, match="another model") as e:
+        load_model(d)
+    assert "\n" not in str(e.value)

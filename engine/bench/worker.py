@@ -18,7 +18,8 @@ def main() -> int:
     set_threads(job.get("threads"))
     try:
         model, _ = load_model(job["model"], device=job["device"], dtype=job["dtype"], kv_dtype=job.get("kv_dtype"),
-                              attention=job["attention"], window=job.get("window"))   # the maps the row runs
+                              attention=job["attention"], softmax_layers=job.get("softmax_layers"),
+                              window=job.get("window"))   # the set of maps the row runs
         if job.get("quantize"):
             quantize_model(model, job["quantize"])
         after_load = rss_bytes()
