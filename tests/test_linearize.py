@@ -139,6 +139,11 @@ def test_shipped_smollm2_linear_config():
     linear = runtime_config(cfg, "linear")
     assert linear.attention == "linear" and linear.window == 0 and linear.layer_attention is None
     assert runtime_config(cfg, "softmax").attention == "softmax"
+    # runs without a window load the set trained for them (linear/), checked against the same model
+    from models.linearized import read_set
+    assert set(ckpt.variants) == {"no_window"}
+    maps, adapters = read_set(ckpt.variants["no_window"], cfg)
+    assert set(maps) == set(ckpt.maps) and set(adapters) == set(ckpt.adapters)
 
 
 def test_bf16_clipped_finetune_trains_deterministically_and_differs_from_fp32(small_model_dir, corpus, tmp_path):
