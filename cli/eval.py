@@ -37,11 +37,10 @@ def eval_cmd(model_name, attention, softmax_layers, window, feature_map, data, c
     def run():
         if threads is not None:
             set_threads(threads)
-        model, tokenizer = load_model(model_name, device=device, dtype=dtype, attention=attention,
-                                      softmax_layers=softmax_layers, window=window)
+        model, tokenizer = load_model(model_name, device=device, dtype=dtype,
+                                      configure=lambda cfg: runtime_config(cfg, attention, softmax_layers, window))
         if quantize:
             quantize_model(model, quantize)
-        model.config = runtime_config(model.config, attention, softmax_layers, window)
         res = evaluate_file(model, tokenizer, data, attention=model.config.attention, feature_map=feature_map,
                             context=context, batch_size=batch_size, progress=not as_json, max_docs=max_docs)
         if as_json:

@@ -69,9 +69,8 @@ def load(model: str = "tiny", attention: str | None = None, feature_map: str | N
     if quantize is not None:
         check_kind(quantize)
     set_threads(threads)
-    net, tokenizer, template = load_parts(model, device=device, dtype=dtype, kv_dtype=kv_dtype, attention=attention,
-                                          softmax_layers=softmax_layers, window=window)
-    net.config = runtime_config(net.config, attention, softmax_layers, window)
+    net, tokenizer, template = load_parts(model, device=device, dtype=dtype, kv_dtype=kv_dtype,
+                                          configure=lambda cfg: runtime_config(cfg, attention, softmax_layers, window))
     if quantize is not None:
         quantize_model(net, quantize)
     return LLM(net, tokenizer, attention=attention, feature_map=feature_map, name=str(model), backend=backend,

@@ -11,12 +11,12 @@ token); a tied lm_head keeps the embedding's blocks for its dot products.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
 from engine.adapters import merge
 from engine.attention.feature_maps import Hedgehog
-from engine.attention.hybrid import runtime_config
 from engine.quant import QuantLinear
 from engine.transformer import Transformer
 from models.config import ModelConfig
@@ -60,16 +60,16 @@ def parse_device(device: str | torch.device) -> torch.device:
 
 def load_model(model: str | os.PathLike, device: str | torch.device = "cpu",
                dtype: str | torch.dtype | None = None, kv_dtype: str | torch.dtype | None = None,
-               attention: str | None = None, softmax_layers=None, window: int | None = None):
+               configure: Callable[[ModelConfig], ModelConfig] | None = None):
     """Load weights (+ tokenizer when one ships) onto `device` in `dtype` (default: fp32).
 
     Returns (Transformer, tokenizer or None). The model computes in `dtype` whatever dtype the
     checkpoint stores; its states keep the KV cache in `kv_dtype` (default: `dtype`).
-    attention/softmax_layers/window: the configuration the run will ask for (as `runtime_config`),
-    where it chooses which of a linearized directory's sets of maps loads (`maps_variant`); the
-    model's config is still the checkpoint's own.
+    configure: the checkpoint's config -> the config the run asks for (e.g. `runtime_config` with
+    the run's attention, softmax layers and window); the model gets it, and it chooses which of a
+    linearized directory's sets of maps loads (`maps_variant`). None: the checkpoint's own.
     """
-    net, tokenizer, _ = load_parts(model, device, dtype, kv_dtype, attention, softmax_layers, window)
+    net, tokenizer, _ = load_parts(model, device, dtype, kv_dtype, configure)
     return net, tokenizer
 
 
@@ -82,19 +82,21 @@ def maps_variant(cfg: ModelConfig) -> str | None:
 
 def load_parts(model: str | os.PathLike, device: str | torch.device = "cpu",
                dtype: str | torch.dtype | None = None, kv_dtype: str | torch.dtype | None = None,
-               attention: str | None = None, softmax_layers=None, window: int | None = None):
+               configure: Callable[[ModelConfig], ModelConfig] | None = None):
     """`load_model` plus the checkpoint's chat template: (Transformer, tokenizer or None, template or None)."""
     path = resolve(model)
     dtype = parse_dtype(dtype) or torch.float32
     kv_dtype = parse_dtype(kv_dtype)
     device = parse_device(device)
     ckpt = read_checkpoint(path)
+    run_cfg = configure(ckpt.config) if configure is not None else ckpt.config
     maps, adapters = ckpt.maps, ckpt.adapters
-    variant = maps_variant(runtime_config(ckpt.config, attention, softmax_layers, window))
+    variant = maps_variant(run_cfg)
     if variant in ckpt.variants:     # the set trained for this kind of run
         maps, adapters = read_set(ckpt.variants[variant], ckpt.config)
     net = build(ckpt.config, ckpt.tensors, device, dtype, interleaved_rotary=ckpt.interleaved_rotary, maps=maps,
                 adapters=adapters)
+    net.config = run_cfg
     net.kv_dtype = kv_dtype
     return net, ckpt.tokenizer, ckpt.chat_template
 

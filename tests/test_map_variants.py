@@ -11,6 +11,7 @@ from cli.main import main
 from engine.adapters import LoRA
 from engine.api import load
 from engine.attention.feature_maps import Hedgehog
+from engine.attention.hybrid import runtime_config
 from engine.loader import load_model
 from models.errors import CheckpointError
 from models.linearized import read_maps, write_adapters, write_json, write_maps
@@ -52,6 +53,11 @@ def two_sets(small_model_dir, tmp_path):
     return d, cfg
 
 
+def load_as(d, **kw):
+    """load_model for the run `kw` asks for (attention, softmax_layers, window, as load())."""
+    return load_model(d, configure=lambda cfg: runtime_config(cfg, **kw))
+
+
 def maps_of(model):
     return {f"hedgehog.{k}": v for k, v in model.hedgehog.state_dict().items()}
 
@@ -66,7 +72,7 @@ def test_runs_without_a_window_load_the_no_window_set(two_sets, kw):
     d, cfg = two_sets
     default, linear = read_maps(d / "maps.safetensors", cfg), read_maps(d / "linear" / "maps.safetensors", cfg)
     assert not same(default, linear)
-    model, _ = load_model(d, **kw)
+    model, _ = load_as(d, **kw)
     assert same(maps_of(model), linear)
     assert all(layer.self_attn.adapted is not None for layer in model.layers)   # the set's adapters came too
     assert same(maps_of(load(str(d), **kw).model), linear)
@@ -77,7 +83,7 @@ def test_runs_without_a_window_load_the_no_window_set(two_sets, kw):
 def test_every_other_run_loads_the_default_set(two_sets, kw):
     d, cfg = two_sets
     default = read_maps(d / "maps.safetensors", cfg)
-    model, _ = load_model(d, **kw)
+    model, _ = load_as(d, **kw)
     assert same(maps_of(model), default)
     assert all(layer.self_attn.adapted is None for layer in model.layers)
     assert same(maps_of(load(str(d), **kw).model), default)
@@ -123,3 +129,13 @@ def test_a_set_made_from_another_base_model_is_refused(two_sets):
     with pytest.raises(CheckpointError, match="another model") as e:
         load_model(d)
     assert "\n" not in str(e.value)
+
+
+def test_isolated_bench_rows_load_their_set_for_every_entry(two_sets):
+    """Each isolated bench row resolves its entry (window and default too) before choosing the maps."""
+    from engine.bench import BenchSettings, run_bench
+    d, _ = two_sets
+    report = run_bench(BenchSettings(model=str(d), contexts=(8,), attentions=("linear", "window", "default"),
+                                     steps=1, warmup=0, threads=1), progress=False)
+    assert [r["entry"] for r in report["results"]] == ["linear", "window", "default"]
+    assert [r["window"] for r in report["results"]] == [0, 4, 4]

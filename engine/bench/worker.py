@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
+from engine.bench.configs import runtime_for
 from engine.bench.memory import peak_rss_bytes, rss_bytes
 from engine.bench.sweep import measure_entry
 from engine.errors import EngineError
@@ -18,8 +19,8 @@ def main() -> int:
     set_threads(job.get("threads"))
     try:
         model, _ = load_model(job["model"], device=job["device"], dtype=job["dtype"], kv_dtype=job.get("kv_dtype"),
-                              attention=job["attention"], softmax_layers=job.get("softmax_layers"),
-                              window=job.get("window"))   # the set of maps the row runs
+                              configure=lambda cfg: runtime_for(cfg, job["attention"], job.get("softmax_layers"),
+                                                                job.get("window")))   # the row's set of maps
         if job.get("quantize"):
             quantize_model(model, job["quantize"])
         after_load = rss_bytes()
