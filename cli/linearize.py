@@ -38,6 +38,11 @@ from engine.threads import set_threads
               help="every N-th finetune step trains every layer as a pure linear RNN, no window (what "
                    "--attention linear runs), the others the --hybrid/--window mix (0: never)")
 @click.option("--finetune-clip", default=0.0, show_default=True, help="clip the finetune's gradient norm (0: off)")
+@click.option("--decay", is_flag=True,
+              help="learn a decay per key/value head and feature in the finetune: S_i = diag(g) S_{i-1} + "
+                   "phi(k_i) v_i^T, still a constant-size state (the window form does not run it)")
+@click.option("--decay-lr", default=0.05, show_default=True,
+              help="the decay logits' learning rate (on --finetune-schedule like --finetune-lr)")
 @click.option("--lora-rank", default=0, show_default=True,
               help="low-rank adapters of this rank on the linear layers' q/k/v/o, trained with the finetune (0: none)")
 @click.option("--hybrid", default=0, show_default=True,
@@ -51,7 +56,7 @@ from engine.threads import set_threads
                    "--hybrid); no transfer, only the finetune")
 @click.option("--threads", type=int, help="CPU threads (default: engine.threads)")
 def linearize_cmd(model_name, data, out, tokens, finetune_tokens, seq_len, layer_steps, batch_size, lr, finetune_steps,
-                  finetune_batch, finetune_lr, finetune_loss, finetune_dtype, finetune_schedule, finetune_linear_every, finetune_clip, lora_rank, hybrid, window, budget, seed, resume, init, threads):
+                  finetune_batch, finetune_lr, finetune_loss, finetune_dtype, finetune_schedule, finetune_linear_every, finetune_clip, decay, decay_lr, lora_rank, hybrid, window, budget, seed, resume, init, threads):
     """With the model frozen, train per-layer hedgehog maps (transfer), then finetune them end to end."""
     def run():
         set_threads(threads)
@@ -60,7 +65,7 @@ def linearize_cmd(model_name, data, out, tokens, finetune_tokens, seq_len, layer
                              finetune_batch=finetune_batch, finetune_lr=finetune_lr, finetune_loss=finetune_loss, finetune_dtype=finetune_dtype,
                              finetune_clip=finetune_clip, finetune_schedule=finetune_schedule,
                              finetune_linear_every=finetune_linear_every,
-                             lora_rank=lora_rank,
+                             decay=decay, decay_lr=decay_lr, lora_rank=lora_rank,
                              hybrid=hybrid, window=window, budget=budget, seed=seed, resume=resume, init=init,
                              command="gen " + shlex.join(sys.argv[1:]))
         try:

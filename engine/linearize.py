@@ -89,6 +89,8 @@ class LinearizeArgs:
     finetune_clip: float = 0.0     # clip the finetune's gradient norm to this (0: off)
     finetune_schedule: str = "constant"   # "cosine": finetune_lr decays to 0 over finetune_steps
     finetune_linear_every: int = 0  # every N-th finetune step runs all layers linear, no window (0: never)
+    decay: bool = False            # learn a decay per key/value head and feature in the finetune
+    decay_lr: float = 0.05         # the decay logits' learning rate (the same schedule as finetune_lr)
     lora_rank: int = 0             # low-rank adapters on the linear layers' q/k/v/o, trained in the finetune (0: none)
     hybrid: int = 0                # softmax layers kept during the finetune (highest relative loss)
     window: int = 0                # sliding window + linear during transfer and finetune (0: off)
@@ -143,6 +145,11 @@ def check_args(a: LinearizeArgs) -> None:
                                    f"got {a.finetune_schedule!r}")
     if a.finetune_clip < 0:
         raise InvalidArgumentError(f"--finetune-clip must be 0 (off) or more, got {a.finetune_clip}")
+    if a.decay_lr <= 0:
+        raise InvalidArgumentError(f"--decay-lr must be positive, got {a.decay_lr}")
+    if a.decay and a.window:
+        raise InvalidArgumentError("--decay runs without a window: the sliding window + linear form has no decay; "
+                                   "drop one of --decay and --window")
     if a.budget is not None and a.budget <= 0:
         raise InvalidArgumentError(f"--budget must be a positive number of minutes, got {a.budget}")
     out = Path(a.out)
@@ -296,6 +303,13 @@ def linearize(a: LinearizeArgs, log=print, on_step=None) -> dict:
     for p in model.parameters():
         p.requires_grad_(False)
     maps = model.hedgehog
+    init_maps = None
+    if a.init is not None and not a.resume:
+        init_maps = read_maps(Path(a.init) / "maps.safetensors", cfg)
+    if a.decay or (init_maps is not None and "hedgehog.decay_logit" in init_maps) or \
+            (a.resume and state_has_decay(Path(a.out))):
+        maps.add_decay()
+        maps.decay_logit.requires_grad_(False)
     out = Path(a.out)
     progress = Progress(out)
     t0 = time.monotonic()
@@ -311,8 +325,8 @@ def linearize(a: LinearizeArgs, log=print, on_step=None) -> dict:
         log(f"resuming: {state['layers_done']} layers transferred, {state['finetune_done']} finetune steps done")
     elif a.init is not None:   # the transfer is the init's: its maps, adapters and per-layer losses
         d = Path(a.init)
-        maps.load_state_dict({k.removeprefix("hedgehog."): v.float()
-                              for k, v in read_maps(d / "maps.safetensors", cfg).items()})
+        fresh = maps.state_dict()   # a --decay on maps that have none starts from a fresh decay
+        maps.load_state_dict({**fresh, **{k.removeprefix("hedgehog."): v.float() for k, v in init_maps.items()}})
         saved = None
         if a.lora_rank:
             init_lora = LoRA.for_config(cfg, a.lora_rank, a.seed)
@@ -415,13 +429,20 @@ def linearize(a: LinearizeArgs, log=print, on_step=None) -> dict:
     return summary
 
 
-def finetune_lr(a: LinearizeArgs, step: int) -> float:
-    """The learning rate of finetune step `step` (1-based): constant, or a half cosine from finetune_lr
-    at step 1 towards 0 after step finetune_steps. A function of the step alone, so a resumed run and
-    an uninterrupted one take the same steps."""
+def state_has_decay(out: Path) -> bool:
+    """Whether an interrupted run's saved maps carry a decay (so --resume rebuilds it)."""
+    maps = Progress(out).tensors().get("maps", {})
+    return "decay_logit" in maps
+
+
+def finetune_lr(a: LinearizeArgs, step: int, base: float | None = None) -> float:
+    """The learning rate of finetune step `step` (1-based): constant, or a half cosine from `base`
+    (default: finetune_lr; the decay's group: decay_lr) at step 1 towards 0 after step finetune_steps.
+    A function of the step alone, so a resumed run and an uninterrupted one take the same steps."""
+    base = a.finetune_lr if base is None else base
     if a.finetune_schedule == "constant":
-        return a.finetune_lr
-    return a.finetune_lr * 0.5 * (1.0 + math.cos(math.pi * (step - 1) / a.finetune_steps))
+        return base
+    return base * 0.5 * (1.0 + math.cos(math.pi * (step - 1) / a.finetune_steps))
 
 
 def step_configs(cfg, a: LinearizeArgs, layer_attention):
@@ -435,12 +456,18 @@ def step_configs(cfg, a: LinearizeArgs, layer_attention):
 
 def finetune(model, a, state, progress, saved, rows, layer_attention, deadline, log, on_step, lora):
     cfg = model.config
-    params = list(model.hedgehog.parameters()) + (list(lora.parameters()) if lora is not None else [])
-    for p in params:
+    decay = [model.hedgehog.decay_logit] if model.hedgehog.decay_logit is not None else []
+    params = ([p for p in model.hedgehog.parameters() if p is not model.hedgehog.decay_logit]
+              + (list(lora.parameters()) if lora is not None else []))
+    for p in params + decay:
         p.requires_grad_(True)
     if lora is not None:
         attach(model, lora)
-    opt = torch.optim.Adam(params, lr=a.finetune_lr)
+    groups = [{"params": params, "base_lr": a.finetune_lr}]
+    if decay:   # its own learning rate: a logit that starts at -8 must travel several units
+        groups.append({"params": decay, "base_lr": a.decay_lr})
+    opt = torch.optim.Adam(groups, lr=a.finetune_lr)
+    params = params + decay
     if saved is not None and "opt" in saved:
         opt.load_state_dict(saved["opt"])
     teacher = cfg.replace(attention="softmax", layer_attention=None)
@@ -466,7 +493,7 @@ def finetune(model, a, state, progress, saved, rows, layer_attention, deadline, 
         opt.zero_grad(set_to_none=True)
         loss.backward()
         for group in opt.param_groups:
-            group["lr"] = finetune_lr(a, step)
+            group["lr"] = finetune_lr(a, step, group["base_lr"])
         if a.finetune_clip:
             torch.nn.utils.clip_grad_norm_(params, a.finetune_clip)
         opt.step()

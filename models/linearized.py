@@ -17,6 +17,8 @@ Checkpoint names <-> runtime names of the maps, in one place (runtime: `Transfor
     feature_map.q.bias    (L, H, D)        hedgehog.q_bias
     feature_map.k.weight  (L, Hkv, D, D)   hedgehog.k_weight
     feature_map.k.bias    (L, Hkv, D)      hedgehog.k_bias
+    feature_map.decay     (L, Hkv, 2D)     hedgehog.decay_logit  (optional, `gen linearize --decay`:
+                                           log decay = -sigmoid(this), per key/value head and feature)
 
     adapter.qkv.a         (L, R, C)              qkv_a
     adapter.qkv.b         (L, (H + 2 Hkv) D, R)  qkv_b   (B holds the scale: delta W = B A)
@@ -38,7 +40,9 @@ from models.errors import CheckpointError
 CONFIG, MAPS, ADAPTERS = "config.json", "maps.safetensors", "adapters.safetensors"
 ADAPTER_NAMES = {"adapter.qkv.a": "qkv_a", "adapter.qkv.b": "qkv_b", "adapter.o.a": "o_a", "adapter.o.b": "o_b"}
 MAP_NAMES = {"feature_map.q.weight": "hedgehog.q_weight", "feature_map.q.bias": "hedgehog.q_bias",
-             "feature_map.k.weight": "hedgehog.k_weight", "feature_map.k.bias": "hedgehog.k_bias"}
+             "feature_map.k.weight": "hedgehog.k_weight", "feature_map.k.bias": "hedgehog.k_bias",
+             "feature_map.decay": "hedgehog.decay_logit"}
+DECAY = "feature_map.decay"   # the one optional map tensor
 # the keys of DIR/config.json that override the base model's config
 OVERRIDES = ("feature_map", "attention", "layer_attention", "window", "transfer_loss")
 # configurations a directory may ship a second set of maps for (config.json "variants"):
@@ -177,8 +181,11 @@ def read_maps(file: str | os.PathLike, cfg: ModelConfig) -> dict[str, torch.Tens
     file = Path(file)
     if not file.is_file():
         raise CheckpointError(f"{file}: no such file; a linearized model directory needs its maps")
-    return _checked(file, _read_safetensors(file), map_shapes(cfg), MAP_NAMES, "maps",
-                    f"{cfg.num_hidden_layers} layers")
+    tensors = _read_safetensors(file)
+    shapes = map_shapes(cfg)
+    if DECAY in tensors:
+        shapes[DECAY] = (cfg.num_hidden_layers, cfg.num_key_value_heads, 2 * cfg.head_dim)
+    return _checked(file, tensors, shapes, MAP_NAMES, "maps", f"{cfg.num_hidden_layers} layers")
 
 
 def write_maps(file: str | os.PathLike, runtime: dict[str, torch.Tensor], dtype=torch.float16) -> None:

@@ -30,6 +30,12 @@ class FeatureMap:
     def out_dim(self, d: int) -> int:
         return d
 
+    def decay(self, layer: int | None = None) -> torch.Tensor | None:
+        """Layer `layer`'s log decay per key/value head and feature, (Hkv, F) fp32 <= 0, or None: the
+        plain recurrence S_i = S_{i-1} + phi(k_i) v_i^T. With one, S_i = diag(exp(decay)) S_{i-1} + ...
+        and the same on z (a learned map's option; the fixed maps have none)."""
+        return None
+
     def __call__(self, x: torch.Tensor, layer: int | None = None, role: str = "k") -> torch.Tensor:
         return self.apply(x if x.dtype in _WIDE else x.to(state_dtype(x.dtype)))   # fp32 or fp64
 
@@ -87,6 +93,9 @@ class Hedgehog(FeatureMap, nn.Module):
     with separate maps for queries (one per query head) and keys (one per key/value head),
     applied after rotary. Parameters (identity W, zero b when fresh; trained by `gen linearize`):
         q_weight (L, H, D, D), q_bias (L, H, D), k_weight (L, Hkv, D, D), k_bias (L, Hkv, D)
+    and optionally (`gen linearize --decay`) decay_logit (L, Hkv, 2D): a learned decay per key/value
+    head and feature, log decay = -sigmoid(decay_logit) in (-1, 0) (`decay()`; fresh: -sigmoid(-8),
+    a memory of ~3,000 tokens).
     The checkpoint names of these tensors are mapped in one place, `models.linearized`.
     The instance in FEATURE_MAPS has no layers: a model that carries learned maps supplies its own
     (`Transformer.feature_map`).
@@ -94,19 +103,34 @@ class Hedgehog(FeatureMap, nn.Module):
     name = "hedgehog"
     TENSORS = ("q_weight", "q_bias", "k_weight", "k_bias")
 
-    def __init__(self, layers: int = 0, heads: int = 1, kv_heads: int = 1, head_dim: int = 1):
+    def __init__(self, layers: int = 0, heads: int = 1, kv_heads: int = 1, head_dim: int = 1, decay: bool = False):
         nn.Module.__init__(self)
         for role, n in (("q", heads), ("k", kv_heads)):
             eye = torch.eye(head_dim).expand(layers, n, head_dim, head_dim).clone()
             self.register_parameter(f"{role}_weight", nn.Parameter(eye))
             self.register_parameter(f"{role}_bias", nn.Parameter(torch.zeros(layers, n, head_dim)))
+        self.register_parameter("decay_logit", None)
+        if decay:
+            self.add_decay()
 
     @classmethod
-    def for_config(cls, cfg) -> "Hedgehog":
-        return cls(cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+    def for_config(cls, cfg, decay: bool = False) -> "Hedgehog":
+        return cls(cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, decay)
+
+    def add_decay(self) -> None:
+        """Give the maps a fresh learned decay (no-op when they have one)."""
+        if self.decay_logit is None:
+            L, Hkv, D = self.k_bias.shape
+            self.decay_logit = nn.Parameter(torch.full((L, Hkv, 2 * D), DECAY_INIT, device=self.k_bias.device))
 
     def out_dim(self, d):
         return 2 * d
+
+    def decay(self, layer=None):
+        if self.decay_logit is None:
+            return None
+        logit = self.decay_logit[layer]
+        return -torch.sigmoid(logit if logit.dtype in _WIDE else logit.float())
 
     def __call__(self, x: torch.Tensor, layer: int | None = None, role: str = "k") -> torch.Tensor:
         """x (B, heads, T, D) with heads = H for role "q", Hkv for "k" -> (B, heads, T, 2D) fp32."""
@@ -122,6 +146,9 @@ class Hedgehog(FeatureMap, nn.Module):
         return hedgehog_phi(x, w, bias)
 
     __hash__ = nn.Module.__hash__
+
+
+DECAY_INIT = -8.0   # a fresh decay_logit: log decay -sigmoid(-8) = -3.4e-4 a token
 
 
 def hedgehog_phi(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,10 @@
     z_i = z_{i-1} + phi(k_i)              z: (B, Hkv, F)
     out_i = phi(q_i)^T S_i / (phi(q_i)^T z_i + EPS)
 
+A map may carry a learned decay (`FeatureMap.decay`, log decay ld (Hkv, F) <= 0): then
+S_i = diag(exp(ld)) S_{i-1} + phi(k_i) v_i^T and z_i = exp(ld) * z_{i-1} + phi(k_i), still a
+constant-size state; pads neither add nor decay.
+
 The state is kept in fp32 whatever the weights' dtype. With grouped-query attention the
 state is per key/value head and shared by the query heads of its group, exactly like the KV
 cache. No 1/sqrt(d) scale is applied: any scalar on phi(q) cancels between numerator and
@@ -105,19 +109,22 @@ class LinearState(State):
         """q (B, H, T, D); k, v (B, Hkv, T, D) -> (B, H, T, Dv) in q's dtype."""
         S, z = self._layers[layer]                          # (B, Hkv, F, Dv), (B, Hkv, F)
         model_layer = layer if self.layer_ids is None else self.layer_ids[layer]
+        ld = self.feature_map.decay(model_layer)
         if span.length == 1 and span.real is None:   # decode: featurize without the pad mask
             B, H, _, _ = q.shape
             fm = self.feature_map
             phi_k = fm(k, model_layer, "k")                                 # (B, Hkv, 1, F)
             phi_q = fm(q, model_layer, "q").view(B, k.shape[1], H // k.shape[1], 1, phi_k.shape[-1])
-            out = linear_attention_step(phi_q, phi_k, v if v.dtype == phi_k.dtype else v.to(phi_k.dtype), S, z)
+            out = linear_attention_step(phi_q, phi_k, v if v.dtype == phi_k.dtype else v.to(phi_k.dtype), S, z,
+                                        None if ld is None else ld.exp())
             out = out.view(B, H, 1, out.shape[-1])
             return out if out.dtype == q.dtype else out.to(q.dtype)
         phi_q, phi_k, v32 = featurize(self.feature_map, q, k, v, span.real, model_layer)
+        ld = token_decay(ld, span.real)
         if span.length == 1:
-            out = linear_attention_step(phi_q, phi_k, v32, S, z)
+            out = linear_attention_step(phi_q, phi_k, v32, S, z, None if ld is None else ld[:, :, 0].exp())
         else:
-            out, S_new, z_new = linear_attention_chunked(phi_q, phi_k, v32, S, z)
+            out, S_new, z_new = linear_attention_chunked(phi_q, phi_k, v32, S, z, log_decay=ld)
             S.copy_(S_new)
             z.copy_(z_new)
         return out.flatten(1, 2).to(q.dtype)
@@ -141,11 +148,23 @@ def featurize(fmap, q, k, v, valid=None, layer: int | None = None):
     return phi_q, phi_k, v.to(phi_k.dtype)
 
 
-def linear_attention_step(phi_q, phi_k, v, S, z):
+def token_decay(ld, valid=None):
+    """A map's log decay (Hkv, F) or None -> per token (1 or B, Hkv, 1 or T, F), 0 at pads; None stays None."""
+    if ld is None:
+        return None
+    ld = ld[None, :, None, :]
+    return ld if valid is None else ld * valid[:, None, :, None]
+
+
+def linear_attention_step(phi_q, phi_k, v, S, z, decay=None):
     """One token of the recurrence; updates S (B, Hkv, F, Dv) and z (B, Hkv, F) in place.
 
     phi_q (B, Hkv, G, 1, F), phi_k (B, Hkv, 1, F), v (B, Hkv, 1, Dv) -> (B, Hkv, G, 1, Dv).
+    decay: None, or the factors exp(log decay) (Hkv, F) or (B, Hkv, F) that S and z take first.
     """
+    if decay is not None:
+        S.mul_(decay.unsqueeze(-1))
+        z.mul_(decay)
     S.addcmul_(phi_k.transpose(-1, -2), v)                          # (B, Hkv, F, 1) * (B, Hkv, 1, Dv)
     z.add_(phi_k[:, :, 0])
     num = phi_q @ S.unsqueeze(2)                                    # (B, Hkv, G, 1, Dv)
@@ -153,17 +172,20 @@ def linear_attention_step(phi_q, phi_k, v, S, z):
     return num / (den + _EPS[den.dtype])
 
 
-def linear_attention_chunked(phi_q, phi_k, v, S=None, z=None, chunk: int = CHUNK):
+def linear_attention_chunked(phi_q, phi_k, v, S=None, z=None, chunk: int = CHUNK, log_decay=None):
     """Chunked parallel form: masked quadratic inside a chunk, the carried state across chunks.
 
     Cost is linear in T and the (T, F, Dv) cumulative sum is never built. Differentiable
     (used for training); returns (out (B, Hkv, G, T, Dv), S_new, z_new) without touching S, z.
+    log_decay: None, or per token (1 or B, Hkv, T, F) (`token_decay`).
     """
     B, Hkv, G, T, F_ = phi_q.shape
     Dv = v.shape[-1]
     if S is None:
         S = phi_q.new_zeros(B, Hkv, F_, Dv)
         z = phi_q.new_zeros(B, Hkv, F_)
+    if log_decay is not None:
+        return _chunked_decay(phi_q, phi_k, v, S, z, chunk, log_decay)
     outs = []
     for s in range(0, T, chunk):
         e = min(s + chunk, T)
@@ -174,6 +196,35 @@ def linear_attention_chunked(phi_q, phi_k, v, S=None, z=None, chunk: int = CHUNK
         outs.append(num / (den + EPS))
         S = S + kc.transpose(-1, -2) @ vc
         z = z + kc.sum(2)
+    return torch.cat(outs, dim=3), S, z
+
+
+def _chunked_decay(phi_q, phi_k, v, S, z, chunk, log_decay):
+    """`linear_attention_chunked` with a decay. In a chunk, with c_t the cumulative log decay
+    (inclusive) from its start: S_t = e^{c_t} S_prev + sum_{j<=t} e^{c_t - c_j} phi(k_j) v_j^T.
+    The intra-chunk weights e^{c_t - c_j} split around the chunk's middle m, (phi(q_t) e^{c_t - c_m}) .
+    (phi(k_j) e^{c_m - c_j}), so no factor exceeds e^{|log decay| C / 2} (<= e^32 for the
+    hedgehog's log decay > -1 and C = 64)."""
+    outs = []
+    T = phi_q.shape[3]
+    log_decay = log_decay.expand(-1, -1, T, -1)
+    for s in range(0, T, chunk):
+        e = min(s + chunk, T)
+        qc, kc, vc = phi_q[:, :, :, s:e], phi_k[:, :, s:e], v[:, :, s:e]
+        c = log_decay[:, :, s:e].cumsum(2)                             # (1|B, Hkv, C, F)
+        mid = c[:, :, (e - s) // 2:(e - s) // 2 + 1]
+        last = c[:, :, -1:]
+        qs = qc * (c - mid).exp().unsqueeze(2)
+        ks = kc * (mid - c).exp()
+        A = (qs @ ks.unsqueeze(2).transpose(-1, -2)).tril()           # (B, Hkv, G, C, C)
+        qd = qc * c.exp().unsqueeze(2)                                # phi(q_t) e^{c_t}: reads S_prev
+        num = qd @ S.unsqueeze(2) + A @ vc.unsqueeze(2)
+        den = qd @ z[:, :, None, :, None] + A.sum(-1, keepdim=True)
+        outs.append(num / (den + EPS))
+        kl = kc * (last - c).exp()                                    # phi(k_j) e^{c_last - c_j}
+        carry = last[:, :, 0].exp()                                   # (1|B, Hkv, F)
+        S = carry.unsqueeze(-1) * S + kl.transpose(-1, -2) @ vc
+        z = carry * z + kl.sum(2)
     return torch.cat(outs, dim=3), S, z
 
 
@@ -194,8 +245,9 @@ def fp32_under_autocast(fn):
 @fp32_under_autocast
 def linear_attention(q, k, v, feature_map: str | FeatureMap, valid=None, layer: int | None = None):
     """Stateless causal linear attention over a whole sequence (training and full forward)."""
-    phi_q, phi_k, v32 = featurize(as_feature_map(feature_map), q, k, v, valid, layer)
-    out, _, _ = linear_attention_chunked(phi_q, phi_k, v32)
+    fmap = as_feature_map(feature_map)
+    phi_q, phi_k, v32 = featurize(fmap, q, k, v, valid, layer)
+    out, _, _ = linear_attention_chunked(phi_q, phi_k, v32, log_decay=token_decay(fmap.decay(layer), valid))
     return out.flatten(1, 2).to(q.dtype)
 
 
@@ -213,8 +265,18 @@ def linear_attention_reference(q, k, v, feature_map: str | FeatureMap, valid=Non
         phi_k = phi_k * valid[:, None, :, None]
     v = v.to(phi_k.dtype)
     causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    A = (phi_q @ phi_k.repeat_interleave(groups, 1).transpose(-1, -2)) * causal    # (B, H, T, T)
+    ld = token_decay(fmap.decay(layer), valid)
+    if ld is None:
+        A = (phi_q @ phi_k.repeat_interleave(groups, 1).transpose(-1, -2)) * causal    # (B, H, T, T)
+        S = torch.einsum("bhtf,bhtd->bhfd", phi_k, v)
+        z = phi_k.sum(2)
+    else:   # weight e^{c_t - c_j} of key j at query t, c the cumulative log decay (T x T x F)
+        c = ld.expand(B, -1, T, -1).cumsum(2)                                          # (B, Hkv, T, F)
+        w = (c[:, :, :, None, :] - c[:, :, None, :, :]).masked_fill(~causal[..., None], float("-inf")).exp()
+        A = torch.einsum("bhtf,bhjf,bhtjf->bhtj", phi_q, phi_k.repeat_interleave(groups, 1),
+                         w.repeat_interleave(groups, 1))
+        kd = phi_k * (c[:, :, -1:] - c).exp()
+        S = torch.einsum("bhtf,bhtd->bhfd", kd, v)
+        z = kd.sum(2)
     out = (A @ v.repeat_interleave(groups, 1)) / (A.sum(-1, keepdim=True) + EPS)
-    S = torch.einsum("bhtf,bhtd->bhfd", phi_k, v)
-    z = phi_k.sum(2)
     return out.to(q.dtype), S, z

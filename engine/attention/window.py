@@ -27,6 +27,7 @@ import torch
 from engine.attention.base import State, take_rows
 from engine.attention.feature_maps import FeatureMap, get_feature_map, state_dtype
 from engine.attention.linear import CHUNK, EPS, as_feature_map, fp32_under_autocast
+from engine.errors import InvalidArgumentError
 
 NEG = float("-inf")
 
@@ -121,6 +122,9 @@ class WindowState(State):
     def attend(self, layer: int, q, k, v, span):
         """q (B, H, T, D); k, v (B, Hkv, T, D) -> (B, H, T, D) in q's dtype."""
         model_layer = layer if self.layer_ids is None else self.layer_ids[layer]
+        if self.feature_map.decay(model_layer) is not None:
+            raise InvalidArgumentError("these learned maps carry a decay, which the sliding window + linear form "
+                                       "does not run: run them without --window")
         B, T = q.shape[0], span.length
         real = span.real if span.real is not None else self.wreal.new_ones(B, T)
         keys = torch.cat([self.wk[layer], k], 2)                       # (B, Hkv, W+T, D)

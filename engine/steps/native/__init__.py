@@ -66,7 +66,8 @@ class Plan(ctypes.Structure):   # gen.h Plan, field for field
                 + [(n, _V) for n in ("hq_w", "hq_b", "hk_w", "hk_b")] + [("hh_type", ctypes.c_int)]
                 + [(n, ctypes.POINTER(ctypes.c_int)) for n in ("layer_mode", "layer_index")]
                 + [("linear_rope", ctypes.c_int)]
-                + [("wk", _V), ("wv", _V), ("wreal", _V), ("W", ctypes.c_int), ("w_type", ctypes.c_int)])
+                + [("wk", _V), ("wv", _V), ("wreal", _V), ("W", ctypes.c_int), ("w_type", ctypes.c_int)]
+                + [("hh_decay", _P)])
 
 
 def _bind(lib):
@@ -252,6 +253,8 @@ def why_not(model, state, tokens) -> str | None:
         if lin.feature_map.name not in MODES:
             return f"the native step has no feature map {lin.feature_map.name!r}"
         if lin.feature_map.name == "hedgehog":
+            if lin.feature_map.decay_logit is not None and lin.path == "window":
+                return "learned maps with a decay do not run with a window"
             maps = _learned_maps(lin.feature_map)
             if model.config.head_dim > HEDGEHOG_MAX_D:
                 return f"the native step's learned maps take heads of up to {HEDGEHOG_MAX_D}, not {model.config.head_dim}"
@@ -362,7 +365,13 @@ class NativeDecoder:
             tensors = tensors + [lin.wreal]   # (B, W) bool, shifted in place by commit: checked too
         learned = lin is not None and lin.feature_map.name == "hedgehog"
         maps = [t.detach() for t in _learned_maps(lin.feature_map)] if learned else []
-        flat += maps                # checked before every step as the weights are
+        decay = lin.feature_map.decay_logit if learned else None
+        flat += maps + ([decay.detach()] if decay is not None else [])   # checked before every step as the weights are
+        # a learned decay's factors exp(-sigmoid(logit)), as FeatureMap.decay: computed once per plan
+        self.decay = None if decay is None else torch.exp(-torch.sigmoid(decay.detach().float())).contiguous()
+        if decay is not None:   # the factors are a copy: the logits are checked for in-place edits too
+            self.sources.append(decay.detach())
+            self.source_versions = self._versions()
         H, Hkv, D, I, C, B = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                               cfg.intermediate_size, cfg.hidden_size, state.batch_size)
         F_ = lin.feature_map.out_dim(D) if lin is not None else 0
@@ -390,6 +399,8 @@ class NativeDecoder:
         if maps:
             fields.update({n: t.data_ptr() for n, t in zip(("hq_w", "hq_b", "hk_w", "hk_b"), maps)},
                           hh_type=TYPES[maps[0].dtype])
+        if self.decay is not None:
+            fields.update(hh_decay=_ptr(self.decay))
         if state.path == "hybrid":   # per model layer: its mode, and its layer inside its part
             self.layer_mode = (ctypes.c_int * len(state.where))(
                 *[0 if p == "softmax" else mode for p in state.layer_paths])

@@ -64,6 +64,9 @@ typedef struct {
     void *wk, *wv;
     const uint8_t *wreal;
     int W, w_type;
+    /* MODE_HEDGEHOG with a learned decay (NULL: none): per model layer, key/value head and feature the
+     * factor exp(log decay) (L, Hkv, F) fp32 that S and z take before each key (not with W > 0). */
+    const float *hh_decay;
 } Plan;
 
 enum { MODE_SOFTMAX = 0, MODE_ELU1 = 1, MODE_RELU = 2, MODE_SOFTMAX_MAP = 3, MODE_COS1 = 4, MODE_HEDGEHOG = 5 };

@@ -75,6 +75,16 @@ static inline void fold_key(float *S, float *z, const float *phi_k, const float 
     }
 }
 
+/* S = diag(g) S, z = g z: a learned decay's factors g (F), before the key is folded in. */
+static inline void decay_state(float *S, float *z, const float *g, int F, int D) {
+    for (int f = 0; f < F; f++) {
+        const float a = g[f];
+        #pragma omp simd
+        for (int d = 0; d < D; d++) S[f * D + d] *= a;
+        z[f] *= a;
+    }
+}
+
 /* out (D) = phi_q^T S; returns phi_q . z (the linear part of the denominator). */
 static inline float read_state(const float *S, const float *z, const float *phi_q, int F, int D, float *out) {
     float den = 0.0f;
@@ -88,7 +98,8 @@ static inline float read_state(const float *S, const float *z, const float *phi_
     return den;
 }
 
-/* One token per row: S += phi(k) v^T, z += phi(k); out_h = phi(q_h)^T S / (phi(q_h)^T z + eps).
+/* One token per row: S += phi(k) v^T, z += phi(k) (after S, z take a learned decay's factors, when
+ * the maps carry one); out_h = phi(q_h)^T S / (phi(q_h)^T z + eps).
  * l: the layer inside the linear state; ml: the model layer (learned maps are per model layer). */
 void linear_attention(const Plan *p, int l, int ml) {
     const int D = p->D, F = p->F, G = p->H / p->Hkv, QKV = (p->H + 2 * p->Hkv) * D;
@@ -100,6 +111,7 @@ void linear_attention(const Plan *p, int l, int ml) {
             float *S = p->S + sg * F * D, *z = p->z + sg * F;
             const float *vg = v + g * D;
             phi(p, ml, g, 0, k + g * D, phi_k);
+            if (p->hh_decay) decay_state(S, z, p->hh_decay + ((size_t)ml * p->Hkv + g) * F, F, D);
             fold_key(S, z, phi_k, vg, F, D);
             for (int j = 0; j < G; j++) {
                 int h = g * G + j;

@@ -1,0 +1,188 @@
+"""A learned decay on the hedgehog maps (`gen linearize --decay`): S_i = diag(g) S_{i-1} + phi(k_i) v_i^T,
+z_i = g z_{i-1} + phi(k_i). Recurrence == chunked prefill == naive form at every split, GQA, pads; the
+native step runs it as the module path does; the maps round-trip through safetensors and load; the window
+form refuses it in one line."""
+import copy
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+from cli.main import main
+from engine.attention.linear import CHUNK
+from engine.errors import InvalidArgumentError
+from engine.linearize import linearize
+from engine.loader import load_model
+from engine.steps import Stepper
+from models.linearized import read_maps, write_maps
+from tests.conftest import check_every_split, tiny_model
+from tests.test_linearize import args, corpus  # noqa: F401 - the module-scoped text fixture
+
+
+def max_diff(a, b):
+    d = (a.float() - b.float()).abs().max().item()
+    print(f"max |diff| = {d:.3e}")
+    return d
+
+
+def decay_model(seed=0, **cfg):
+    """A tiny hedgehog model whose decay is strong and different per layer, head and feature
+    (factors from ~0.4 to ~1), so that it changes every output."""
+    model = tiny_model(seed=seed, feature_map="hedgehog", **cfg)
+    model.hedgehog.add_decay()
+    g = torch.Generator().manual_seed(seed + 200)
+    with torch.no_grad():
+        model.hedgehog.decay_logit.copy_(torch.randn(model.hedgehog.decay_logit.shape, generator=g) * 2 - 1)
+    return model
+
+
+def without_decay(model):
+    plain = copy.deepcopy(model)
+    plain.hedgehog.decay_logit = None
+    return plain
+
+
+def test_decay_changes_the_output_and_costs_no_state():
+    model = decay_model(num_key_value_heads=2)
+    tokens = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert max_diff(model(tokens, "linear"), without_decay(model)(tokens, "linear")) > 1e-2
+    assert model.init_state(2, None, "linear").nbytes == without_decay(model).init_state(2, None, "linear").nbytes
+    ld = model.hedgehog.decay(0)
+    assert ld.shape == (2, 2 * model.config.head_dim) and (ld < 0).all() and (ld > -1).all()
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["MHA", "GQA"])
+def test_steps_equal_prefill_equal_naive_at_every_split(kv_heads):
+    """T spans two chunks, so the chunked form carries a decayed state across a chunk boundary."""
+    model = decay_model(num_hidden_layers=1, num_key_value_heads=kv_heads)
+    tokens = torch.randint(0, 97, (2, CHUNK + 6), generator=torch.Generator().manual_seed(3))
+    check_every_split(model, tokens)
+
+
+def test_padded_batch_equals_each_alone():
+    """Pads neither add to the state nor decay it: a left-padded row equals the row alone, in a
+    prompt block after a first one (so there is a state for the pads to wrongly decay)."""
+    model = decay_model(num_key_value_heads=2)
+    first = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    a, b = [11, 12, 13, 14, 15, 16], [17, 18]
+    batch = torch.tensor([a, [0] * 4 + b])
+    real = torch.tensor([[True] * 6, [False] * 4 + [True] * 2])
+    state = model.init_state(2, None, "linear")
+    model.step(first, state)
+    out = model.step(batch, state, valid=real)
+    nxt = model.step(torch.tensor([[20], [21]]), state)
+    for row, ids, tok in ((0, a, 20), (1, b, 21)):
+        alone = model.init_state(1, None, "linear")
+        model.step(first[row:row + 1], alone)
+        o = model.step(torch.tensor([ids]), alone)
+        n = model.step(torch.tensor([[tok]]), alone)
+        assert max_diff(out[row, -1], o[0, -1]) <= 1e-5
+        assert max_diff(nxt[row], n[0]) <= 1e-5
+
+
+@pytest.mark.usefixtures("native_built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["MHA", "GQA"])
+def test_native_steps_equal_module(kv_heads, dtype):
+    """One-token steps (and, in fp32, the prompt block) on the native step against the module path in
+    fp32 on the same values; a hybrid's linear layers too."""
+    model = decay_model(num_key_value_heads=kv_heads).to(dtype)
+    reference = copy.deepcopy(model).float()
+    tokens = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(7))
+    runs = [("linear", {}), ("hybrid", {"layer_attention": ("softmax", "linear")})]
+    for attention, extra in runs if dtype == torch.float32 else runs[:1]:   # (a 16-bit model's KV cache is 16-bit)
+        for m in (model, reference):
+            m.config = m.config.replace(**extra) if extra else m.config
+        ref, fast = reference.init_state(2, None, attention), model.init_state(2, None, attention)
+        step = Stepper(model, "native", threads=2)
+        a = [reference.step(tokens[:, :6], ref)[:, -1]]
+        if dtype == torch.float32:    # the prompt block natively too
+            b = [step(tokens[:, :6], fast)[:, -1]]
+        else:                         # (a 16-bit model's native prompt block rounds as the module's does not)
+            fast.load_state_dict(ref.state_dict())
+            b = [a[0]]
+        for t in tokens[:, 6:].T:
+            a.append(reference.step(t[:, None], ref)[:, -1])
+            b.append(step(t[:, None], fast)[:, -1])
+            assert step.last_form == "native", step.fallback
+        assert max_diff(torch.stack(a), torch.stack(b)) <= 1e-4
+        lin = fast if attention == "linear" else fast.parts[-1]
+        ref_lin = ref if attention == "linear" else ref.parts[-1]
+        assert max_diff(ref_lin.S, lin.S) <= 1e-5 * ref_lin.S.abs().max().item()
+
+
+@pytest.mark.usefixtures("native_built")
+def test_native_step_follows_an_edited_decay():
+    """The plan's decay factors are made once; an in-place edit of the logits rebuilds them."""
+    model = decay_model(num_key_value_heads=2)
+    tokens = torch.randint(0, 97, (1, 8), generator=torch.Generator().manual_seed(2))
+    step = Stepper(model, "native")
+    state = model.init_state(1, None, "linear")
+    step(tokens[:, :3], state)
+    step(tokens[:, 3:4], state)          # a one-token step: the plan is made
+    assert step.last_form == "native", step.fallback
+    with torch.no_grad():
+        model.hedgehog.decay_logit.add_(1.5)
+    ref = model.init_state(1, None, "linear")
+    ref.load_state_dict(state.state_dict())
+    for i in range(4, 8):
+        assert max_diff(step(tokens[:, i:i + 1], state), model.step(tokens[:, i:i + 1], ref)) <= 1e-5
+
+
+def test_maps_round_trip_through_safetensors_and_build(tmp_path):
+    model = decay_model(num_key_value_heads=2)
+    runtime = {f"hedgehog.{k}": v for k, v in model.hedgehog.state_dict().items()}
+    assert "hedgehog.decay_logit" in runtime
+    write_maps(tmp_path / "maps.safetensors", runtime, dtype=torch.float32)
+    back = read_maps(tmp_path / "maps.safetensors", model.config)
+    assert set(back) == set(runtime) and all(torch.equal(back[k], runtime[k]) for k in runtime)
+    with pytest.raises(Exception, match="belong to another model"):
+        read_maps(tmp_path / "maps.safetensors", model.config.replace(num_key_value_heads=4))
+
+
+def test_window_form_refuses_a_decay_in_one_line():
+    model = decay_model(num_key_value_heads=2)
+    model.config = model.config.replace(window=4)
+    with pytest.raises(InvalidArgumentError, match="without --window"):
+        model.step(torch.tensor([[1, 2, 3]]), model.init_state(1, None, "linear"))
+
+
+def test_linearize_decay_learns_writes_and_loads(small_model_dir, corpus, tmp_path):  # noqa: F811
+    """--decay: the finetune moves the decay logits (at --decay-lr), the maps file holds them, the output
+    loads with them, and --resume after an interrupt gives the same file; --decay --window is one line."""
+    out = tmp_path / "lin"
+    linearize(args(small_model_dir, corpus, out, decay=True, decay_lr=0.5), log=lambda m: None)
+    maps = load_file(out / "maps.safetensors")
+    cfg = load_model(small_model_dir)[0].config
+    assert maps["feature_map.decay"].shape == (cfg.num_hidden_layers, cfg.num_key_value_heads, 2 * cfg.head_dim)
+    assert (maps["feature_map.decay"].float() - -8.0).abs().max() > 0.5    # moved from the fresh -8
+    model, _ = load_model(out)
+    assert model.hedgehog.decay_logit is not None
+    assert torch.equal(model.hedgehog.decay_logit, maps["feature_map.decay"].float())
+    resumed = tmp_path / "resumed"
+    stops = [("finetune", None, 3)]
+
+    def interrupt(phase, layer, step):
+        if stops and (phase, layer, step) == stops[0]:
+            stops.pop(0)
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        linearize(args(small_model_dir, corpus, resumed, decay=True, decay_lr=0.5), log=lambda m: None,
+                  on_step=interrupt)
+    linearize(args(small_model_dir, corpus, resumed, decay=True, decay_lr=0.5, resume=True), log=lambda m: None)
+    again = load_file(resumed / "maps.safetensors")
+    assert set(again) == set(maps) and all(torch.equal(again[k], maps[k]) for k in maps)
+    # --init from a decayed output keeps (and trains) its decay without --decay
+    more = tmp_path / "more"
+    linearize(args(small_model_dir, corpus, more, init=str(out), finetune_steps=1, finetune_lr=0.0, decay_lr=1e-9),
+              log=lambda m: None)
+    assert torch.equal(load_file(more / "maps.safetensors")["feature_map.decay"], maps["feature_map.decay"])
+    r = CliRunner().invoke(main, ["linearize", "--model", str(small_model_dir), "--data", str(corpus),
+                                  "--out", str(tmp_path / "never"), "--decay", "--window", "8"])
+    print(r.output)
+    assert r.exit_code == 2 and "--decay" in r.output and len(r.output.strip().splitlines()) == 1
+    assert not (tmp_path / "never").exists()
+    assert json.loads((out / "linearize.json").read_text())["args"]["decay"] is True
