@@ -75,13 +75,14 @@ static inline void fold_key(float *S, float *z, const float *phi_k, const float 
     }
 }
 
-/* S = diag(g) S, z = g z: a learned decay's factors g (F), before the key is folded in. */
-static inline void decay_state(float *S, float *z, const float *g, int F, int D) {
+/* S = diag(g) S + phi_k v^T, z = g z + phi_k: a learned decay's factors g (F), in one pass over S. */
+static inline void fold_key_decayed(float *S, float *z, const float *phi_k, const float *v, const float *g,
+                                    int F, int D) {
     for (int f = 0; f < F; f++) {
-        const float a = g[f];
+        const float a = phi_k[f], gf = g[f];
         #pragma omp simd
-        for (int d = 0; d < D; d++) S[f * D + d] *= a;
-        z[f] *= a;
+        for (int d = 0; d < D; d++) S[f * D + d] = S[f * D + d] * gf + a * v[d];
+        z[f] = z[f] * gf + a;
     }
 }
 
@@ -111,8 +112,8 @@ void linear_attention(const Plan *p, int l, int ml) {
             float *S = p->S + sg * F * D, *z = p->z + sg * F;
             const float *vg = v + g * D;
             phi(p, ml, g, 0, k + g * D, phi_k);
-            if (p->hh_decay) decay_state(S, z, p->hh_decay + ((size_t)ml * p->Hkv + g) * F, F, D);
-            fold_key(S, z, phi_k, vg, F, D);
+            if (p->hh_decay) fold_key_decayed(S, z, phi_k, vg, p->hh_decay + ((size_t)ml * p->Hkv + g) * F, F, D);
+            else fold_key(S, z, phi_k, vg, F, D);
             for (int j = 0; j < G; j++) {
                 int h = g * G + j;
                 phi(p, ml, h, 1, q + h * D, phi_q);
