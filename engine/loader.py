@@ -94,6 +94,9 @@ def load_parts(model: str | os.PathLike, device: str | torch.device = "cpu",
     variant = maps_variant(run_cfg)
     if variant in ckpt.variants:     # the set trained for this kind of run
         maps, adapters = read_set(ckpt.variants[variant], ckpt.config)
+    if run_cfg.window and maps is not None and "hedgehog.decay_logit" in maps:
+        raise InvalidArgumentError(f"{model}: its learned maps carry a decay, which the sliding window + linear "
+                                   f"form does not run: run them without --window")
     net = build(ckpt.config, ckpt.tensors, device, dtype, interleaved_rotary=ckpt.interleaved_rotary, maps=maps,
                 adapters=adapters)
     net.config = run_cfg

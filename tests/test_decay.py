@@ -162,6 +162,10 @@ def test_linearize_decay_learns_writes_and_loads(small_model_dir, corpus, tmp_pa
     model, _ = load_model(out)
     assert model.hedgehog.decay_logit is not None
     assert torch.equal(model.hedgehog.decay_logit, maps["feature_map.decay"].float())
+    with pytest.raises(InvalidArgumentError, match="without --window"):      # refused at load, not mid-run
+        load_model(out, configure=lambda c: c.replace(window=8))
+    r = CliRunner().invoke(main, ["--model", str(out), "--window", "8", "--max-new-tokens", "2", "Hi"])
+    assert r.exit_code == 2 and "without --window" in r.output and len(r.output.strip().splitlines()) == 1, r.output
     resumed = tmp_path / "resumed"
     stops = [("finetune", None, 3)]
 

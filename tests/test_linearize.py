@@ -143,7 +143,8 @@ def test_shipped_smollm2_linear_config():
     from models.linearized import read_set
     assert set(ckpt.variants) == {"no_window"}
     maps, adapters = read_set(ckpt.variants["no_window"], cfg)
-    assert set(maps) == set(ckpt.maps) and set(adapters) == set(ckpt.adapters)
+    assert set(maps) == set(ckpt.maps) | {"hedgehog.decay_logit"} and set(adapters) == set(ckpt.adapters)
+    assert maps["hedgehog.decay_logit"].shape == (L, cfg.num_key_value_heads, 2 * cfg.head_dim)
 
 
 def test_bf16_clipped_finetune_trains_deterministically_and_differs_from_fp32(small_model_dir, corpus, tmp_path):
