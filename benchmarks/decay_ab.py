@@ -1,0 +1,58 @@
+"""What a learned decay costs a decode step: smollm2-linear all linear with its decay against the same model without it.
+
+    python benchmarks/decay_ab.py --rounds 6 --steps 80
+
+One process, one thread, the native step: the `linear/` set's maps with their decay, and the same
+model with the decay removed (`hedgehog.decay_logit = None`), alternating round by round so that a
+busy machine disturbs both alike; each round is the median ms/token of `--steps` one-token steps
+after a short prompt (the first 10 dropped). The linear state has the same size either way, so the
+context does not matter.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from common import load_average, options
+
+
+def main() -> None:
+    ap = options(__doc__, model="smollm2-linear")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=80)
+    a = ap.parse_args()
+    from engine.attention.hybrid import runtime_config
+    from engine.loader import load_model
+    from engine.steps import Stepper
+    torch.set_num_threads(1)
+    net, tok = load_model(a.model, configure=lambda c: runtime_config(c, "linear"))
+    logit = net.hedgehog.decay_logit
+    if logit is None:
+        raise SystemExit(f"{a.model}: its all-linear maps carry no decay")
+    prompt = torch.tensor([tok.encode("Once upon a time there was a little girl who", bos=True)])
+    res = {"decay": [], "none": []}
+    print(f"load average before: {load_average()}")
+    for _ in range(a.rounds):
+        for name in res:
+            net.hedgehog.decay_logit = logit if name == "decay" else None
+            step = Stepper(net, "native", threads=1)
+            state = net.init_state(1, None, "linear")
+            step(prompt, state)
+            token, times = torch.tensor([[42]]), []
+            for _ in range(a.steps):
+                t0 = time.perf_counter()
+                step(token, state)
+                times.append(time.perf_counter() - t0)
+                assert step.last_form == "native", step.fallback
+            res[name].append(statistics.median(times[10:]) * 1e3)
+    net.hedgehog.decay_logit = logit
+    for name, v in res.items():
+        print(f"{name:6s} ms/token by round: {' '.join(f'{x:.2f}' for x in v)}; "
+              f"median {statistics.median(v):.2f}, best {min(v):.2f}")
+    print(f"load average after: {load_average()}")
+
+
+if __name__ == "__main__":
+    main()
