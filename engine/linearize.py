@@ -61,7 +61,7 @@ from engine.loader import build
 from engine.quant import dequantize_model
 from engine.transformer import apply_rotary
 from models.corpus import read_documents
-from models.linearized import read_adapters, read_maps, write_adapters, write_json, write_maps
+from models.linearized import maps_have_decay, read_adapters, read_maps, write_adapters, write_json, write_maps
 from models.registry import read_checkpoint, resolve
 
 WORK = ".linearize"
@@ -176,6 +176,9 @@ def init_config(a: LinearizeArgs) -> None:
     rank = cfg.get("lora_rank", 0) if (d / "adapters.safetensors").is_file() else 0
     if rank != a.lora_rank:
         raise InvalidArgumentError(f"--init {d}: its adapters have rank {rank}; give --lora-rank {rank}")
+    if a.window and maps_have_decay(d / "maps.safetensors"):
+        raise InvalidArgumentError(f"--init {d}: its maps carry a decay, which the sliding window + linear form "
+                                   f"does not run; drop --window")
 
 
 # ---------------------------------------------------------------------- data

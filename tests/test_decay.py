@@ -144,10 +144,14 @@ def test_maps_round_trip_through_safetensors_and_build(tmp_path):
 
 
 def test_window_form_refuses_a_decay_in_one_line():
+    """Every window form (state, stateless, naive twin) refuses maps with a decay rather than run them without it."""
     model = decay_model(num_key_value_heads=2)
     model.config = model.config.replace(window=4)
-    with pytest.raises(InvalidArgumentError, match="without --window"):
-        model.step(torch.tensor([[1, 2, 3]]), model.init_state(1, None, "linear"))
+    tokens = torch.tensor([[1, 2, 3]])
+    for run in (lambda: model.step(tokens, model.init_state(1, None, "linear")), lambda: model(tokens, "linear"),
+                lambda: model(tokens, "linear", reference=True)):
+        with pytest.raises(InvalidArgumentError, match="without --window"):
+            run()
 
 
 def test_linearize_decay_learns_writes_and_loads(small_model_dir, corpus, tmp_path):  # noqa: F811
@@ -184,9 +188,10 @@ def test_linearize_decay_learns_writes_and_loads(small_model_dir, corpus, tmp_pa
     linearize(args(small_model_dir, corpus, more, init=str(out), finetune_steps=1, finetune_lr=0.0, decay_lr=1e-9),
               log=lambda m: None)
     assert torch.equal(load_file(more / "maps.safetensors")["feature_map.decay"], maps["feature_map.decay"])
-    r = CliRunner().invoke(main, ["linearize", "--model", str(small_model_dir), "--data", str(corpus),
-                                  "--out", str(tmp_path / "never"), "--decay", "--window", "8"])
-    print(r.output)
-    assert r.exit_code == 2 and "--decay" in r.output and len(r.output.strip().splitlines()) == 1
-    assert not (tmp_path / "never").exists()
+    for extra, says in ((["--decay", "--window", "8"], "--decay"), (["--init", out, "--window", "8"], "carry a decay")):
+        r = CliRunner().invoke(main, ["linearize", "--model", str(small_model_dir), "--data", str(corpus),
+                                      "--out", str(tmp_path / "never"), *map(str, extra)])
+        print(r.output)
+        assert r.exit_code == 2 and says in r.output and len(r.output.strip().splitlines()) == 1
+        assert not (tmp_path / "never").exists()
     assert json.loads((out / "linearize.json").read_text())["args"]["decay"] is True

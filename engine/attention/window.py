@@ -122,9 +122,6 @@ class WindowState(State):
     def attend(self, layer: int, q, k, v, span):
         """q (B, H, T, D); k, v (B, Hkv, T, D) -> (B, H, T, D) in q's dtype."""
         model_layer = layer if self.layer_ids is None else self.layer_ids[layer]
-        if self.feature_map.decay(model_layer) is not None:
-            raise InvalidArgumentError("these learned maps carry a decay, which the sliding window + linear form "
-                                       "does not run: run them without --window")
         B, T = q.shape[0], span.length
         real = span.real if span.real is not None else self.wreal.new_ones(B, T)
         keys = torch.cat([self.wk[layer], k], 2)                       # (B, Hkv, W+T, D)
@@ -144,6 +141,13 @@ class WindowState(State):
         super().commit(span)
 
 
+def refuse_decay(fmap: FeatureMap, layer) -> None:
+    """This form has no decay: maps that carry one are refused (one line), never run without it."""
+    if fmap.decay(layer) is not None:
+        raise InvalidArgumentError("these learned maps carry a decay, which the sliding window + linear form "
+                                   "does not run: run them without --window")
+
+
 def window_linear_attention(q, keys, values, key_real, fmap, layer, S, z, chunk: int = CHUNK):
     """The block form. q (B, H, T, D); keys, values (B, Hkv, W+T, D): the W buffered keys then the
     block's T; key_real (B, W+T) bool; S (B, Hkv, F, Dv), z (B, Hkv, F) fp32 of the keys before them.
@@ -155,6 +159,7 @@ def window_linear_attention(q, keys, values, key_real, fmap, layer, S, z, chunk:
     Hkv, W = keys.shape[1], keys.shape[2] - T
     G = H // Hkv
     fmap = as_feature_map(fmap)
+    refuse_decay(fmap, layer)
     sd = S.dtype
     phi_q = fmap(q, layer, "q").view(B, Hkv, G, T, -1)                        # (B, Hkv, G, T, F)
     k_lin = keys[:, :, :T]
@@ -198,6 +203,7 @@ def window_linear_reference(q, k, v, fmap, window: int, valid=None, layer: int |
     B, H, T, D = q.shape
     G = H // k.shape[1]
     fmap = as_feature_map(fmap)
+    refuse_decay(fmap, layer)
     sd = state_dtype(q.dtype)
     valid = valid if valid is not None else torch.ones(B, T, dtype=torch.bool, device=q.device)
     phi_q = fmap(q, layer, "q")
