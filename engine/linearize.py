@@ -306,13 +306,8 @@ def linearize(a: LinearizeArgs, log=print, on_step=None) -> dict:
     for p in model.parameters():
         p.requires_grad_(False)
     maps = model.hedgehog
-    init_maps = None
-    if a.init is not None and not a.resume:
-        init_maps = read_maps(Path(a.init) / "maps.safetensors", cfg)
-    if a.decay or (init_maps is not None and "hedgehog.decay_logit" in init_maps) or \
-            (a.resume and state_has_decay(Path(a.out))):
+    if a.decay:    # (a resumed or --init run also takes one below when its maps carry one)
         maps.add_decay()
-        maps.decay_logit.requires_grad_(False)
     out = Path(a.out)
     progress = Progress(out)
     t0 = time.monotonic()
@@ -324,12 +319,16 @@ def linearize(a: LinearizeArgs, log=print, on_step=None) -> dict:
     state = progress.load() if a.resume else {}
     if state:
         saved = progress.tensors()
+        if "decay_logit" in saved["maps"]:
+            maps.add_decay()
         maps.load_state_dict(saved["maps"])
         log(f"resuming: {state['layers_done']} layers transferred, {state['finetune_done']} finetune steps done")
     elif a.init is not None:   # the transfer is the init's: its maps, adapters and per-layer losses
         d = Path(a.init)
-        fresh = maps.state_dict()   # a --decay on maps that have none starts from a fresh decay
-        maps.load_state_dict({**fresh, **{k.removeprefix("hedgehog."): v.float() for k, v in init_maps.items()}})
+        init_maps = {k.removeprefix("hedgehog."): v.float() for k, v in read_maps(d / "maps.safetensors", cfg).items()}
+        if "decay_logit" in init_maps:
+            maps.add_decay()
+        maps.load_state_dict({**maps.state_dict(), **init_maps})   # a --decay on maps without one: a fresh decay
         saved = None
         if a.lora_rank:
             init_lora = LoRA.for_config(cfg, a.lora_rank, a.seed)
@@ -430,12 +429,6 @@ def linearize(a: LinearizeArgs, log=print, on_step=None) -> dict:
     summary = write_output(model, a, state, used, layer_attention if a.hybrid else None, t0, rows_used, lora)
     shutil.rmtree(progress.dir, ignore_errors=True)
     return summary
-
-
-def state_has_decay(out: Path) -> bool:
-    """Whether an interrupted run's saved maps carry a decay (so --resume rebuilds it)."""
-    maps = Progress(out).tensors().get("maps", {})
-    return "decay_logit" in maps
 
 
 def finetune_lr(a: LinearizeArgs, step: int, base: float | None = None) -> float:

@@ -30,10 +30,13 @@ class FeatureMap:
     def out_dim(self, d: int) -> int:
         return d
 
-    def decay(self, layer: int | None = None) -> torch.Tensor | None:
-        """Layer `layer`'s log decay per key/value head and feature, (Hkv, F) fp32 <= 0, or None: the
-        plain recurrence S_i = S_{i-1} + phi(k_i) v_i^T. With one, S_i = diag(exp(decay)) S_{i-1} + ...
-        and the same on z (a learned map's option; the fixed maps have none)."""
+    has_decay = False
+
+    def decay(self, layer=None) -> torch.Tensor | None:
+        """Layer `layer`'s log decay per key/value head and feature, (Hkv, F) fp32 <= 0 (a slice of
+        layers: (L, Hkv, F)), or None: the plain recurrence S_i = S_{i-1} + phi(k_i) v_i^T. With one,
+        S_i = diag(exp(decay)) S_{i-1} + ... and the same on z (a learned map's option; the fixed maps
+        have none)."""
         return None
 
     def __call__(self, x: torch.Tensor, layer: int | None = None, role: str = "k") -> torch.Tensor:
@@ -121,10 +124,15 @@ class Hedgehog(FeatureMap, nn.Module):
         """Give the maps a fresh learned decay (no-op when they have one)."""
         if self.decay_logit is None:
             L, Hkv, D = self.k_bias.shape
-            self.decay_logit = nn.Parameter(torch.full((L, Hkv, 2 * D), DECAY_INIT, device=self.k_bias.device))
+            self.decay_logit = nn.Parameter(torch.full((L, Hkv, 2 * D), DECAY_INIT, device=self.k_bias.device),
+                                            requires_grad=self.k_bias.requires_grad)   # as the other maps are
 
     def out_dim(self, d):
         return 2 * d
+
+    @property
+    def has_decay(self) -> bool:
+        return self.decay_logit is not None
 
     def decay(self, layer=None):
         if self.decay_logit is None:

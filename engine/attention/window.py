@@ -48,7 +48,7 @@ class WindowState(State):
     @classmethod
     def allocate(cls, cfg, batch: int, max_len, device, dtype, feature_map=None, layers=None,
                  window: int = 0) -> "WindowState":
-        fmap = as_feature_map(feature_map or cfg.feature_map)
+        fmap = refuse_decay(as_feature_map(feature_map or cfg.feature_map))
         F_, D, Hkv = fmap.out_dim(cfg.head_dim), cfg.head_dim, cfg.num_key_value_heads
         L = cfg.num_hidden_layers if layers is None else len(layers)
         sd = state_dtype(dtype)
@@ -141,11 +141,13 @@ class WindowState(State):
         super().commit(span)
 
 
-def refuse_decay(fmap: FeatureMap, layer) -> None:
-    """This form has no decay: maps that carry one are refused (one line), never run without it."""
-    if fmap.decay(layer) is not None:
+def refuse_decay(fmap: FeatureMap) -> FeatureMap:
+    """This form has no decay: maps that carry one are refused (one line), never run without it.
+    Checked where a window run starts (a state's allocation, the stateless forms), not per token."""
+    if fmap.has_decay:
         raise InvalidArgumentError("these learned maps carry a decay, which the sliding window + linear form "
                                    "does not run: run them without --window")
+    return fmap
 
 
 def window_linear_attention(q, keys, values, key_real, fmap, layer, S, z, chunk: int = CHUNK):
@@ -159,7 +161,6 @@ def window_linear_attention(q, keys, values, key_real, fmap, layer, S, z, chunk:
     Hkv, W = keys.shape[1], keys.shape[2] - T
     G = H // Hkv
     fmap = as_feature_map(fmap)
-    refuse_decay(fmap, layer)
     sd = S.dtype
     phi_q = fmap(q, layer, "q").view(B, Hkv, G, T, -1)                        # (B, Hkv, G, T, F)
     k_lin = keys[:, :, :T]
@@ -202,8 +203,7 @@ def window_linear_reference(q, k, v, fmap, window: int, valid=None, layer: int |
     """
     B, H, T, D = q.shape
     G = H // k.shape[1]
-    fmap = as_feature_map(fmap)
-    refuse_decay(fmap, layer)
+    fmap = refuse_decay(as_feature_map(fmap))
     sd = state_dtype(q.dtype)
     valid = valid if valid is not None else torch.ones(B, T, dtype=torch.bool, device=q.device)
     phi_q = fmap(q, layer, "q")
@@ -227,7 +227,7 @@ def window_attention(q, k, v, fmap, window: int, valid=None, layer: int | None =
     """Stateless full-sequence form (training, evaluation): the block form from an empty state."""
     B, H, T, D = q.shape
     Hkv = k.shape[1]
-    F_ = as_feature_map(fmap).out_dim(D)
+    F_ = refuse_decay(as_feature_map(fmap)).out_dim(D)
     sd = state_dtype(q.dtype)
     pad_k = k.new_zeros(B, Hkv, window, D)
     valid = valid if valid is not None else torch.ones(B, T, dtype=torch.bool, device=q.device)

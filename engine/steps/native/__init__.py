@@ -253,8 +253,6 @@ def why_not(model, state, tokens) -> str | None:
         if lin.feature_map.name not in MODES:
             return f"the native step has no feature map {lin.feature_map.name!r}"
         if lin.feature_map.name == "hedgehog":
-            if lin.feature_map.decay_logit is not None and lin.path == "window":
-                return "learned maps with a decay do not run with a window"
             maps = _learned_maps(lin.feature_map)
             if model.config.head_dim > HEDGEHOG_MAX_D:
                 return f"the native step's learned maps take heads of up to {HEDGEHOG_MAX_D}, not {model.config.head_dim}"
@@ -365,12 +363,13 @@ class NativeDecoder:
             tensors = tensors + [lin.wreal]   # (B, W) bool, shifted in place by commit: checked too
         learned = lin is not None and lin.feature_map.name == "hedgehog"
         maps = [t.detach() for t in _learned_maps(lin.feature_map)] if learned else []
-        decay = lin.feature_map.decay_logit if learned else None
-        flat += maps + ([decay.detach()] if decay is not None else [])   # checked before every step as the weights are
-        # a learned decay's factors exp(-sigmoid(logit)), as FeatureMap.decay: computed once per plan
-        self.decay = None if decay is None else torch.exp(-torch.sigmoid(decay.detach().float())).contiguous()
-        if decay is not None:   # the factors are a copy: the logits are checked for in-place edits too
-            self.sources.append(decay.detach())
+        flat += maps                # checked before every step as the weights are
+        # a learned decay's factors exp(FeatureMap.decay), every layer's, computed once per plan: a copy,
+        # so the logits behind it are checked for in-place edits as the other copied weights are
+        self.decay = None
+        if learned and lin.feature_map.has_decay:
+            self.decay = lin.feature_map.decay(slice(None)).detach().float().exp().contiguous()
+            self.sources.append(lin.feature_map.decay_logit.detach())
             self.source_versions = self._versions()
         H, Hkv, D, I, C, B = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                               cfg.intermediate_size, cfg.hidden_size, state.batch_size)
