@@ -43,6 +43,11 @@ from engine.threads import set_threads
                    "phi(k_i) v_i^T, still a constant-size state (the window form does not run it)")
 @click.option("--decay-lr", default=0.05, show_default=True,
               help="the decay logits' learning rate (on --finetune-schedule like --finetune-lr)")
+@click.option("--gate", is_flag=True,
+              help="make the decay depend on the token (gated linear attention: the factor read from the "
+                   "token's value by a learned gate, fresh at zero); implies --decay")
+@click.option("--gate-lr", default=3e-3, show_default=True,
+              help="the gate's learning rate (on --finetune-schedule like --finetune-lr)")
 @click.option("--lora-rank", default=0, show_default=True,
               help="low-rank adapters of this rank on the linear layers' q/k/v/o, trained with the finetune (0: none)")
 @click.option("--hybrid", default=0, show_default=True,
@@ -56,7 +61,7 @@ from engine.threads import set_threads
                    "--hybrid); no transfer, only the finetune")
 @click.option("--threads", type=int, help="CPU threads (default: engine.threads)")
 def linearize_cmd(model_name, data, out, tokens, finetune_tokens, seq_len, layer_steps, batch_size, lr, finetune_steps,
-                  finetune_batch, finetune_lr, finetune_loss, finetune_dtype, finetune_schedule, finetune_linear_every, finetune_clip, decay, decay_lr, lora_rank, hybrid, window, budget, seed, resume, init, threads):
+                  finetune_batch, finetune_lr, finetune_loss, finetune_dtype, finetune_schedule, finetune_linear_every, finetune_clip, decay, decay_lr, gate, gate_lr, lora_rank, hybrid, window, budget, seed, resume, init, threads):
     """With the model frozen, train per-layer hedgehog maps (transfer), then finetune them end to end."""
     def run():
         set_threads(threads)
@@ -65,7 +70,8 @@ def linearize_cmd(model_name, data, out, tokens, finetune_tokens, seq_len, layer
                              finetune_batch=finetune_batch, finetune_lr=finetune_lr, finetune_loss=finetune_loss, finetune_dtype=finetune_dtype,
                              finetune_clip=finetune_clip, finetune_schedule=finetune_schedule,
                              finetune_linear_every=finetune_linear_every,
-                             decay=decay, decay_lr=decay_lr, lora_rank=lora_rank,
+                             decay=decay or gate, decay_lr=decay_lr, gate=gate, gate_lr=gate_lr,
+                             lora_rank=lora_rank,
                              hybrid=hybrid, window=window, budget=budget, seed=seed, resume=resume, init=init,
                              command="gen " + shlex.join(sys.argv[1:]))
         try:

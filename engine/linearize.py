@@ -91,6 +91,8 @@ class LinearizeArgs:
     finetune_linear_every: int = 0  # every N-th finetune step runs all layers linear, no window (0: never)
     decay: bool = False            # learn a decay per key/value head and feature in the finetune
     decay_lr: float = 0.05         # the decay logits' learning rate (the same schedule as finetune_lr)
+    gate: bool = False             # the decay depends on the token (a learned gate on its value; implies decay)
+    gate_lr: float = 3e-3          # the gate's learning rate (the same schedule)
     lora_rank: int = 0             # low-rank adapters on the linear layers' q/k/v/o, trained in the finetune (0: none)
     hybrid: int = 0                # softmax layers kept during the finetune (highest relative loss)
     window: int = 0                # sliding window + linear during transfer and finetune (0: off)
@@ -147,9 +149,12 @@ def check_args(a: LinearizeArgs) -> None:
         raise InvalidArgumentError(f"--finetune-clip must be 0 (off) or more, got {a.finetune_clip}")
     if a.decay_lr <= 0:
         raise InvalidArgumentError(f"--decay-lr must be positive, got {a.decay_lr}")
-    if a.decay and a.window:
-        raise InvalidArgumentError("--decay runs without a window: the sliding window + linear form has no decay; "
-                                   "drop one of --decay and --window")
+    if a.gate_lr <= 0:
+        raise InvalidArgumentError(f"--gate-lr must be positive, got {a.gate_lr}")
+    if (a.decay or a.gate) and a.window:
+        flag = "--gate" if a.gate else "--decay"
+        raise InvalidArgumentError(f"{flag} runs without a window: the sliding window + linear form has no decay; "
+                                   f"drop one of {flag} and --window")
     if a.budget is not None and a.budget <= 0:
         raise InvalidArgumentError(f"--budget must be a positive number of minutes, got {a.budget}")
     out = Path(a.out)
@@ -306,8 +311,10 @@ def linearize(a: LinearizeArgs, log=print, on_step=None) -> dict:
     for p in model.parameters():
         p.requires_grad_(False)
     maps = model.hedgehog
-    if a.decay:    # (a resumed or --init run also takes one below when its maps carry one)
+    if a.decay or a.gate:    # (a resumed or --init run also takes one below when its maps carry one)
         maps.add_decay()
+    if a.gate:
+        maps.add_gate()
     out = Path(a.out)
     progress = Progress(out)
     t0 = time.monotonic()
@@ -321,6 +328,8 @@ def linearize(a: LinearizeArgs, log=print, on_step=None) -> dict:
         saved = progress.tensors()
         if "decay_logit" in saved["maps"]:
             maps.add_decay()
+        if "gate_weight" in saved["maps"]:
+            maps.add_gate()
         maps.load_state_dict(saved["maps"])
         log(f"resuming: {state['layers_done']} layers transferred, {state['finetune_done']} finetune steps done")
     elif a.init is not None:   # the transfer is the init's: its maps, adapters and per-layer losses
@@ -328,7 +337,9 @@ def linearize(a: LinearizeArgs, log=print, on_step=None) -> dict:
         init_maps = {k.removeprefix("hedgehog."): v.float() for k, v in read_maps(d / "maps.safetensors", cfg).items()}
         if "decay_logit" in init_maps:
             maps.add_decay()
-        maps.load_state_dict({**maps.state_dict(), **init_maps})   # a --decay on maps without one: a fresh decay
+        if "gate_weight" in init_maps:
+            maps.add_gate()
+        maps.load_state_dict({**maps.state_dict(), **init_maps})   # --decay / --gate on maps without: fresh
         saved = None
         if a.lora_rank:
             init_lora = LoRA.for_config(cfg, a.lora_rank, a.seed)
@@ -452,18 +463,22 @@ def step_configs(cfg, a: LinearizeArgs, layer_attention):
 
 def finetune(model, a, state, progress, saved, rows, layer_attention, deadline, log, on_step, lora):
     cfg = model.config
-    decay = [model.hedgehog.decay_logit] if model.hedgehog.decay_logit is not None else []
-    params = ([p for p in model.hedgehog.parameters() if p is not model.hedgehog.decay_logit]
+    hh = model.hedgehog
+    decay = [hh.decay_logit] if hh.decay_logit is not None else []
+    gate = [hh.gate_weight] if hh.gate_weight is not None else []
+    params = ([p for p in hh.parameters() if p is not hh.decay_logit and p is not hh.gate_weight]
               + (list(lora.parameters()) if lora is not None else []))
-    for p in params + decay:
+    for p in params + decay + gate:
         p.requires_grad_(True)
     if lora is not None:
         attach(model, lora)
     groups = [{"params": params, "base_lr": a.finetune_lr}]
     if decay:   # its own learning rate: a logit that starts at -8 must travel several units
         groups.append({"params": decay, "base_lr": a.decay_lr})
+    if gate:
+        groups.append({"params": gate, "base_lr": a.gate_lr})
     opt = torch.optim.Adam(groups, lr=a.finetune_lr)
-    params = params + decay
+    params = params + decay + gate
     if saved is not None and "opt" in saved:
         opt.load_state_dict(saved["opt"])
     teacher = cfg.replace(attention="softmax", layer_attention=None)

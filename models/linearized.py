@@ -19,6 +19,8 @@ Checkpoint names <-> runtime names of the maps, in one place (runtime: `Transfor
     feature_map.k.bias    (L, Hkv, D)      hedgehog.k_bias
     feature_map.decay     (L, Hkv, 2D)     hedgehog.decay_logit  (optional, `gen linearize --decay`:
                                            log decay = -sigmoid(this), per key/value head and feature)
+    feature_map.gate      (L, Hkv, D, 2D)  hedgehog.gate_weight  (optional, with the decay; `gen linearize
+                                           --gate`: the decay's dependence on the token's value)
 
     adapter.qkv.a         (L, R, C)              qkv_a
     adapter.qkv.b         (L, (H + 2 Hkv) D, R)  qkv_b   (B holds the scale: delta W = B A)
@@ -41,8 +43,8 @@ CONFIG, MAPS, ADAPTERS = "config.json", "maps.safetensors", "adapters.safetensor
 ADAPTER_NAMES = {"adapter.qkv.a": "qkv_a", "adapter.qkv.b": "qkv_b", "adapter.o.a": "o_a", "adapter.o.b": "o_b"}
 MAP_NAMES = {"feature_map.q.weight": "hedgehog.q_weight", "feature_map.q.bias": "hedgehog.q_bias",
              "feature_map.k.weight": "hedgehog.k_weight", "feature_map.k.bias": "hedgehog.k_bias",
-             "feature_map.decay": "hedgehog.decay_logit"}
-DECAY = "feature_map.decay"   # the one optional map tensor
+             "feature_map.decay": "hedgehog.decay_logit", "feature_map.gate": "hedgehog.gate_weight"}
+DECAY, GATE = "feature_map.decay", "feature_map.gate"   # the optional map tensors (a gate needs the decay)
 # the keys of DIR/config.json that override the base model's config
 OVERRIDES = ("feature_map", "attention", "layer_attention", "window", "transfer_loss")
 # configurations a directory may ship a second set of maps for (config.json "variants"):
@@ -183,8 +185,11 @@ def read_maps(file: str | os.PathLike, cfg: ModelConfig) -> dict[str, torch.Tens
         raise CheckpointError(f"{file}: no such file; a linearized model directory needs its maps")
     tensors = _read_safetensors(file)
     shapes = map_shapes(cfg)
-    if DECAY in tensors:
-        shapes[DECAY] = (cfg.num_hidden_layers, cfg.num_key_value_heads, 2 * cfg.head_dim)
+    L, Hkv, D = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    if DECAY in tensors or GATE in tensors:
+        shapes[DECAY] = (L, Hkv, 2 * D)
+    if GATE in tensors:
+        shapes[GATE] = (L, Hkv, D, 2 * D)
     return _checked(file, tensors, shapes, MAP_NAMES, "maps", f"{cfg.num_hidden_layers} layers")
 
 
@@ -209,4 +214,4 @@ def write_json(file: str | os.PathLike, obj) -> None:
 __all__ = ["CONFIG", "MAPS", "ADAPTERS", "VARIANTS", "MAP_NAMES", "ADAPTER_NAMES", "adapter_shapes", "read_adapters",
            "write_adapters", "LAYER_PATHS", "map_shapes", "is_linearized", "read_linearized_config",
            "apply_linearized", "variant_sets", "read_set", "read_maps", "maps_have_decay", "write_maps",
-           "write_json", "DECAY"]
+           "write_json", "DECAY", "GATE"]

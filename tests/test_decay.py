@@ -1,7 +1,8 @@
 """A learned decay on the hedgehog maps (`gen linearize --decay`): S_i = diag(g) S_{i-1} + phi(k_i) v_i^T,
-z_i = g z_{i-1} + phi(k_i). Recurrence == chunked prefill == naive form at every split, GQA, pads; the
-native step runs it as the module path does; the maps round-trip through safetensors and load; the window
-form refuses it in one line."""
+z_i = g z_{i-1} + phi(k_i), constant per key/value head and feature or gated (`--gate`: g_i read from the
+token's value). Recurrence == chunked prefill == naive form at every split, GQA, pads; the native step runs
+it as the module path does; the maps round-trip through safetensors and load; the window form refuses it in
+one line."""
 import copy
 import json
 
@@ -27,45 +28,72 @@ def max_diff(a, b):
     return d
 
 
-def decay_model(seed=0, **cfg):
+def decay_model(seed=0, gated=False, **cfg):
     """A tiny hedgehog model whose decay is strong and different per layer, head and feature
-    (factors from ~0.4 to ~1), so that it changes every output."""
+    (factors from ~0.4 to ~1), so that it changes every output; gated: and per token, by a gate
+    that moves the logits by ~1 from token to token."""
     model = tiny_model(seed=seed, feature_map="hedgehog", **cfg)
-    model.hedgehog.add_decay()
+    model.hedgehog.add_gate() if gated else model.hedgehog.add_decay()
     g = torch.Generator().manual_seed(seed + 200)
     with torch.no_grad():
         model.hedgehog.decay_logit.copy_(torch.randn(model.hedgehog.decay_logit.shape, generator=g) * 2 - 1)
+        if gated:
+            D = model.config.head_dim
+            model.hedgehog.gate_weight.copy_(torch.randn(model.hedgehog.gate_weight.shape, generator=g) / D ** 0.5)
     return model
 
 
 def without_decay(model):
     plain = copy.deepcopy(model)
-    plain.hedgehog.decay_logit = None
+    plain.hedgehog.decay_logit = plain.hedgehog.gate_weight = None
     return plain
 
 
-def test_decay_changes_the_output_and_costs_no_state():
-    model = decay_model(num_key_value_heads=2)
+GATED = pytest.mark.parametrize("gated", [False, True], ids=["constant", "gated"])
+
+
+@GATED
+def test_decay_changes_the_output_and_costs_no_state(gated):
+    model = decay_model(num_key_value_heads=2, gated=gated)
     tokens = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert max_diff(model(tokens, "linear"), without_decay(model)(tokens, "linear")) > 1e-2
     assert model.init_state(2, None, "linear").nbytes == without_decay(model).init_state(2, None, "linear").nbytes
-    ld = model.hedgehog.decay(0)
-    assert ld.shape == (2, 2 * model.config.head_dim) and (ld < 0).all() and (ld > -1).all()
+    F = 2 * model.config.head_dim
+    v = torch.randn(3, 2, 5, model.config.head_dim)
+    ld = model.hedgehog.decay(0, v)
+    assert ld.shape == ((3, 2, 5, F) if gated else (2, F)) and (ld < 0).all() and (ld > -1).all()
+    if gated:   # by token: each token's own factors, and no decay without the values it depends on
+        assert max_diff(ld[:, :, 0], ld[:, :, 1]) > 1e-2
+        with pytest.raises(ValueError, match="values"):
+            model.hedgehog.decay(0)
 
 
+def test_a_fresh_gate_is_the_constant_decay():
+    """`--gate` on maps with a decay starts where they are: a zero gate changes nothing."""
+    model = decay_model(num_key_value_heads=2)
+    gated = copy.deepcopy(model)
+    gated.hedgehog.add_gate()
+    assert gated.hedgehog.has_gate and not model.hedgehog.has_gate
+    tokens = torch.randint(0, 97, (2, 30), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert max_diff(model(tokens, "linear"), gated(tokens, "linear")) <= 1e-6
+
+
+@GATED
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["MHA", "GQA"])
-def test_steps_equal_prefill_equal_naive_at_every_split(kv_heads):
+def test_steps_equal_prefill_equal_naive_at_every_split(kv_heads, gated):
     """T spans two chunks, so the chunked form carries a decayed state across a chunk boundary."""
-    model = decay_model(num_hidden_layers=1, num_key_value_heads=kv_heads)
+    model = decay_model(num_hidden_layers=1, num_key_value_heads=kv_heads, gated=gated)
     tokens = torch.randint(0, 97, (2, CHUNK + 6), generator=torch.Generator().manual_seed(3))
     check_every_split(model, tokens)
 
 
-def test_padded_batch_equals_each_alone():
+@GATED
+def test_padded_batch_equals_each_alone(gated):
     """Pads neither add to the state nor decay it: a left-padded row equals the row alone, in a
     prompt block after a first one (so there is a state for the pads to wrongly decay)."""
-    model = decay_model(num_key_value_heads=2)
+    model = decay_model(num_key_value_heads=2, gated=gated)
     first = torch.tensor([[5, 6, 7], [8, 9, 10]])
     a, b = [11, 12, 13, 14, 15, 16], [17, 18]
     batch = torch.tensor([a, [0] * 4 + b])
@@ -84,12 +112,13 @@ def test_padded_batch_equals_each_alone():
 
 
 @pytest.mark.usefixtures("native_built")
+@GATED
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["MHA", "GQA"])
-def test_native_steps_equal_module(kv_heads, dtype):
+def test_native_steps_equal_module(kv_heads, dtype, gated):
     """One-token steps (and, in fp32, the prompt block) on the native step against the module path in
     fp32 on the same values; a hybrid's linear layers too."""
-    model = decay_model(num_key_value_heads=kv_heads).to(dtype)
+    model = decay_model(num_key_value_heads=kv_heads, gated=gated).to(dtype)
     reference = copy.deepcopy(model).float()
     tokens = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(7))
     runs = [("linear", {}), ("hybrid", {"layer_attention": ("softmax", "linear")})]
@@ -115,9 +144,13 @@ def test_native_steps_equal_module(kv_heads, dtype):
 
 
 @pytest.mark.usefixtures("native_built")
-def test_native_step_follows_an_edited_decay():
-    """The plan's decay factors are made once; an in-place edit of the logits rebuilds them."""
-    model = decay_model(num_key_value_heads=2)
+@pytest.mark.parametrize("edit", ["decay", "gate"])
+def test_native_step_follows_an_edited_decay(edit):
+    """The plan's decay factors (a gated decay's logits and gate, from 16-bit maps) are copied once; an
+    in-place edit of the logits (of the gate) rebuilds them."""
+    model = decay_model(num_key_value_heads=2, gated=edit == "gate")
+    if edit == "gate":
+        model.hedgehog.half()    # (fp32 maps are read in place: no copy to go stale)
     tokens = torch.randint(0, 97, (1, 8), generator=torch.Generator().manual_seed(2))
     step = Stepper(model, "native")
     state = model.init_state(1, None, "linear")
@@ -125,17 +158,18 @@ def test_native_step_follows_an_edited_decay():
     step(tokens[:, 3:4], state)          # a one-token step: the plan is made
     assert step.last_form == "native", step.fallback
     with torch.no_grad():
-        model.hedgehog.decay_logit.add_(1.5)
+        (model.hedgehog.gate_weight.mul_(-3) if edit == "gate" else model.hedgehog.decay_logit.add_(1.5))
     ref = model.init_state(1, None, "linear")
     ref.load_state_dict(state.state_dict())
     for i in range(4, 8):
         assert max_diff(step(tokens[:, i:i + 1], state), model.step(tokens[:, i:i + 1], ref)) <= 1e-5
 
 
-def test_maps_round_trip_through_safetensors_and_build(tmp_path):
-    model = decay_model(num_key_value_heads=2)
+@GATED
+def test_maps_round_trip_through_safetensors_and_build(tmp_path, gated):
+    model = decay_model(num_key_value_heads=2, gated=gated)
     runtime = {f"hedgehog.{k}": v for k, v in model.hedgehog.state_dict().items()}
-    assert "hedgehog.decay_logit" in runtime
+    assert "hedgehog.decay_logit" in runtime and ("hedgehog.gate_weight" in runtime) == gated
     write_maps(tmp_path / "maps.safetensors", runtime, dtype=torch.float32)
     back = read_maps(tmp_path / "maps.safetensors", model.config)
     assert set(back) == set(runtime) and all(torch.equal(back[k], runtime[k]) for k in runtime)
@@ -143,9 +177,10 @@ def test_maps_round_trip_through_safetensors_and_build(tmp_path):
         read_maps(tmp_path / "maps.safetensors", model.config.replace(num_key_value_heads=4))
 
 
-def test_window_form_refuses_a_decay_in_one_line():
+@GATED
+def test_window_form_refuses_a_decay_in_one_line(gated):
     """Every window form (state, stateless, naive twin) refuses maps with a decay rather than run them without it."""
-    model = decay_model(num_key_value_heads=2)
+    model = decay_model(num_key_value_heads=2, gated=gated)
     model.config = model.config.replace(window=4)
     tokens = torch.tensor([[1, 2, 3]])
     for run in (lambda: model.step(tokens, model.init_state(1, None, "linear")), lambda: model(tokens, "linear"),
@@ -195,3 +230,27 @@ def test_linearize_decay_learns_writes_and_loads(small_model_dir, corpus, tmp_pa
         assert r.exit_code == 2 and says in r.output and len(r.output.strip().splitlines()) == 1
         assert not (tmp_path / "never").exists()
     assert json.loads((out / "linearize.json").read_text())["args"]["decay"] is True
+
+
+def test_linearize_gate_learns_writes_and_loads(small_model_dir, corpus, tmp_path):  # noqa: F811
+    """--gate: the finetune moves the gate off zero (at --gate-lr) beside the decay, the maps file holds
+    both, the output loads gated, and --init from it keeps the gate; --gate --window is one line."""
+    out = tmp_path / "gated"
+    linearize(args(small_model_dir, corpus, out, gate=True, gate_lr=0.05, decay_lr=0.5), log=lambda m: None)
+    maps = load_file(out / "maps.safetensors")
+    cfg = load_model(small_model_dir)[0].config
+    L, Hkv, D = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    assert maps["feature_map.gate"].shape == (L, Hkv, D, 2 * D)
+    assert maps["feature_map.gate"].float().abs().max() > 0.05       # moved from the fresh zero
+    assert (maps["feature_map.decay"].float() - -8.0).abs().max() > 0.5
+    model, _ = load_model(out)
+    assert model.hedgehog.has_gate and torch.equal(model.hedgehog.gate_weight, maps["feature_map.gate"].float())
+    more = tmp_path / "more"
+    linearize(args(small_model_dir, corpus, more, init=str(out), finetune_steps=1, finetune_lr=0.0, decay_lr=1e-9,
+                   gate_lr=1e-9), log=lambda m: None)
+    assert torch.equal(load_file(more / "maps.safetensors")["feature_map.gate"], maps["feature_map.gate"])
+    r = CliRunner().invoke(main, ["linearize", "--model", str(small_model_dir), "--data", str(corpus),
+                                  "--out", str(tmp_path / "never"), "--gate", "--window", "8"])
+    assert r.exit_code == 2 and "--gate" in r.output and len(r.output.strip().splitlines()) == 1, r.output
+    assert not (tmp_path / "never").exists()
+    assert json.loads((out / "linearize.json").read_text())["args"]["gate"] is True

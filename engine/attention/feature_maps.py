@@ -31,12 +31,14 @@ class FeatureMap:
         return d
 
     has_decay = False
+    has_gate = False
 
-    def decay(self, layer=None) -> torch.Tensor | None:
+    def decay(self, layer=None, v: torch.Tensor | None = None) -> torch.Tensor | None:
         """Layer `layer`'s log decay per key/value head and feature, (Hkv, F) fp32 <= 0 (a slice of
         layers: (L, Hkv, F)), or None: the plain recurrence S_i = S_{i-1} + phi(k_i) v_i^T. With one,
         S_i = diag(exp(decay)) S_{i-1} + ... and the same on z (a learned map's option; the fixed maps
-        have none)."""
+        have none). A map with a gate (`has_gate`) decays by token: given the values v (B, Hkv, T, D)
+        it returns (B, Hkv, T, F)."""
         return None
 
     def __call__(self, x: torch.Tensor, layer: int | None = None, role: str = "k") -> torch.Tensor:
@@ -98,7 +100,11 @@ class Hedgehog(FeatureMap, nn.Module):
         q_weight (L, H, D, D), q_bias (L, H, D), k_weight (L, Hkv, D, D), k_bias (L, Hkv, D)
     and optionally (`gen linearize --decay`) decay_logit (L, Hkv, 2D): a learned decay per key/value
     head and feature, log decay = -sigmoid(decay_logit) in (-1, 0) (`decay()`; fresh: -sigmoid(-8),
-    a memory of ~3,000 tokens).
+    a memory of ~3,000 tokens); and on top of it optionally (`gen linearize --gate`) gate_weight
+    (L, Hkv, D, 2D), which makes the decay depend on the token (gated linear attention, as GLA's
+    data-dependent forget gate, read from the token's value):
+        log decay_t = -sigmoid(decay_logit + rms(v_t) gate_weight),  rms(v) = v / sqrt(mean(v^2) + 1e-6)
+    (fresh: zero, the constant decay unchanged).
     The checkpoint names of these tensors are mapped in one place, `models.linearized`.
     The instance in FEATURE_MAPS has no layers: a model that carries learned maps supplies its own
     (`Transformer.feature_map`).
@@ -113,6 +119,7 @@ class Hedgehog(FeatureMap, nn.Module):
             self.register_parameter(f"{role}_weight", nn.Parameter(eye))
             self.register_parameter(f"{role}_bias", nn.Parameter(torch.zeros(layers, n, head_dim)))
         self.register_parameter("decay_logit", None)
+        self.register_parameter("gate_weight", None)
         if decay:
             self.add_decay()
 
@@ -127,6 +134,15 @@ class Hedgehog(FeatureMap, nn.Module):
             self.decay_logit = nn.Parameter(torch.full((L, Hkv, 2 * D), DECAY_INIT, device=self.k_bias.device),
                                             requires_grad=self.k_bias.requires_grad)   # as the other maps are
 
+    def add_gate(self) -> None:
+        """Make the decay depend on the token: a fresh (zero) gate_weight, and a fresh decay if the
+        maps have none (no-op when they have a gate)."""
+        self.add_decay()
+        if self.gate_weight is None:
+            L, Hkv, D = self.k_bias.shape
+            self.gate_weight = nn.Parameter(torch.zeros(L, Hkv, D, 2 * D, device=self.k_bias.device),
+                                            requires_grad=self.k_bias.requires_grad)
+
     def out_dim(self, d):
         return 2 * d
 
@@ -134,11 +150,23 @@ class Hedgehog(FeatureMap, nn.Module):
     def has_decay(self) -> bool:
         return self.decay_logit is not None
 
-    def decay(self, layer=None):
+    @property
+    def has_gate(self) -> bool:
+        return self.gate_weight is not None
+
+    def decay(self, layer=None, v=None):
         if self.decay_logit is None:
             return None
         logit = self.decay_logit[layer]
-        return -torch.sigmoid(logit if logit.dtype in _WIDE else logit.float())
+        logit = logit if logit.dtype in _WIDE else logit.float()
+        if self.gate_weight is not None:
+            if v is None:
+                raise ValueError("a gated decay depends on the token: pass its values v")
+            v = v if v.dtype in _WIDE else v.to(logit.dtype)
+            u = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + GATE_EPS)
+            w = self.gate_weight[layer]
+            logit = logit[:, None, :] + torch.einsum("bhtd,hdf->bhtf", u, w.to(u.dtype))
+        return -torch.sigmoid(logit)
 
     def __call__(self, x: torch.Tensor, layer: int | None = None, role: str = "k") -> torch.Tensor:
         """x (B, heads, T, D) with heads = H for role "q", Hkv for "k" -> (B, heads, T, 2D) fp32."""
@@ -157,6 +185,7 @@ class Hedgehog(FeatureMap, nn.Module):
 
 
 DECAY_INIT = -8.0   # a fresh decay_logit: log decay -sigmoid(-8) = -3.4e-4 a token
+GATE_EPS = 1e-6     # rms(v) = v / sqrt(mean(v^2) + GATE_EPS), the gate's input
 
 
 def hedgehog_phi(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

@@ -4,9 +4,9 @@
     z_i = z_{i-1} + phi(k_i)              z: (B, Hkv, F)
     out_i = phi(q_i)^T S_i / (phi(q_i)^T z_i + EPS)
 
-A map may carry a learned decay (`FeatureMap.decay`, log decay ld (Hkv, F) <= 0): then
-S_i = diag(exp(ld)) S_{i-1} + phi(k_i) v_i^T and z_i = exp(ld) * z_{i-1} + phi(k_i), still a
-constant-size state; pads neither add nor decay.
+A map may carry a learned decay (`FeatureMap.decay`, log decay ld (Hkv, F) <= 0, or a gated one
+that depends on the token, ld_i (Hkv, F)): then S_i = diag(exp(ld_i)) S_{i-1} + phi(k_i) v_i^T and
+z_i = exp(ld_i) * z_{i-1} + phi(k_i), still a constant-size state; pads neither add nor decay.
 
 The state is kept in fp32 whatever the weights' dtype. With grouped-query attention the
 state is per key/value head and shared by the query heads of its group, exactly like the KV
@@ -109,18 +109,19 @@ class LinearState(State):
         """q (B, H, T, D); k, v (B, Hkv, T, D) -> (B, H, T, Dv) in q's dtype."""
         S, z = self._layers[layer]                          # (B, Hkv, F, Dv), (B, Hkv, F)
         model_layer = layer if self.layer_ids is None else self.layer_ids[layer]
-        ld = self.feature_map.decay(model_layer)
+        fm = self.feature_map
         if span.length == 1 and span.real is None:   # decode: featurize without the pad mask
             B, H, _, _ = q.shape
-            fm = self.feature_map
             phi_k = fm(k, model_layer, "k")                                 # (B, Hkv, 1, F)
             phi_q = fm(q, model_layer, "q").view(B, k.shape[1], H // k.shape[1], 1, phi_k.shape[-1])
-            out = linear_attention_step(phi_q, phi_k, v if v.dtype == phi_k.dtype else v.to(phi_k.dtype), S, z,
-                                        None if ld is None else ld.exp())
+            v = v if v.dtype == phi_k.dtype else v.to(phi_k.dtype)
+            ld = fm.decay(model_layer, v) if fm.has_decay else None         # (Hkv, F), gated (B, Hkv, 1, F)
+            out = linear_attention_step(phi_q, phi_k, v, S, z,
+                                        None if ld is None else (ld if ld.dim() == 2 else ld[:, :, 0]).exp())
             out = out.view(B, H, 1, out.shape[-1])
             return out if out.dtype == q.dtype else out.to(q.dtype)
-        phi_q, phi_k, v32 = featurize(self.feature_map, q, k, v, span.real, model_layer)
-        ld = token_decay(ld, span.real)
+        phi_q, phi_k, v32 = featurize(fm, q, k, v, span.real, model_layer)
+        ld = token_decay(fm.decay(model_layer, v32) if fm.has_decay else None, span.real)
         if span.length == 1:
             out = linear_attention_step(phi_q, phi_k, v32, S, z, None if ld is None else ld[:, :, 0].exp())
         else:
@@ -149,10 +150,11 @@ def featurize(fmap, q, k, v, valid=None, layer: int | None = None):
 
 
 def token_decay(ld, valid=None):
-    """A map's log decay (Hkv, F) or None -> per token (1 or B, Hkv, 1 or T, F), 0 at pads; None stays None."""
+    """A map's log decay (Hkv, F), or a gated one (B, Hkv, T, F), or None -> per token (1 or B, Hkv,
+    1 or T, F), 0 at pads; None stays None."""
     if ld is None:
         return None
-    ld = ld[None, :, None, :]
+    ld = ld[None, :, None, :] if ld.dim() == 2 else ld
     return ld if valid is None else ld * valid[:, None, :, None]
 
 
@@ -247,7 +249,8 @@ def linear_attention(q, k, v, feature_map: str | FeatureMap, valid=None, layer: 
     """Stateless causal linear attention over a whole sequence (training and full forward)."""
     fmap = as_feature_map(feature_map)
     phi_q, phi_k, v32 = featurize(fmap, q, k, v, valid, layer)
-    out, _, _ = linear_attention_chunked(phi_q, phi_k, v32, log_decay=token_decay(fmap.decay(layer), valid))
+    ld = token_decay(fmap.decay(layer, v32) if fmap.has_decay else None, valid)
+    out, _, _ = linear_attention_chunked(phi_q, phi_k, v32, log_decay=ld)
     return out.flatten(1, 2).to(q.dtype)
 
 
@@ -265,7 +268,7 @@ def linear_attention_reference(q, k, v, feature_map: str | FeatureMap, valid=Non
         phi_k = phi_k * valid[:, None, :, None]
     v = v.to(phi_k.dtype)
     causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    ld = token_decay(fmap.decay(layer), valid)
+    ld = token_decay(fmap.decay(layer, v) if fmap.has_decay else None, valid)
     if ld is None:
         A = (phi_q @ phi_k.repeat_interleave(groups, 1).transpose(-1, -2)) * causal    # (B, H, T, T)
         S = torch.einsum("bhtf,bhtd->bhfd", phi_k, v)

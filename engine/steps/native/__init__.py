@@ -67,7 +67,7 @@ class Plan(ctypes.Structure):   # gen.h Plan, field for field
                 + [(n, ctypes.POINTER(ctypes.c_int)) for n in ("layer_mode", "layer_index")]
                 + [("linear_rope", ctypes.c_int)]
                 + [("wk", _V), ("wv", _V), ("wreal", _V), ("W", ctypes.c_int), ("w_type", ctypes.c_int)]
-                + [("hh_decay", _P)])
+                + [("hh_decay", _P), ("hh_logit", _P), ("hh_gate", _P)])
 
 
 def _bind(lib):
@@ -366,8 +366,15 @@ class NativeDecoder:
         flat += maps                # checked before every step as the weights are
         # a learned decay's factors exp(FeatureMap.decay), every layer's, computed once per plan: a copy,
         # so the logits behind it are checked for in-place edits as the other copied weights are
-        self.decay = None
-        if learned and lin.feature_map.has_decay:
+        # (gated: copies of the logits and the gate, the factors computed per token in C)
+        self.decay = self.gate = None
+        if learned and lin.feature_map.has_gate:
+            fm = lin.feature_map
+            self.decay = fm.decay_logit.detach().float().contiguous()
+            self.gate = fm.gate_weight.detach().float().contiguous()
+            self.sources += [fm.decay_logit.detach(), fm.gate_weight.detach()]
+            self.source_versions = self._versions()
+        elif learned and lin.feature_map.has_decay:
             self.decay = lin.feature_map.decay(slice(None)).detach().float().exp().contiguous()
             self.sources.append(lin.feature_map.decay_logit.detach())
             self.source_versions = self._versions()
@@ -398,7 +405,9 @@ class NativeDecoder:
         if maps:
             fields.update({n: t.data_ptr() for n, t in zip(("hq_w", "hq_b", "hk_w", "hk_b"), maps)},
                           hh_type=TYPES[maps[0].dtype])
-        if self.decay is not None:
+        if self.gate is not None:
+            fields.update(hh_logit=_ptr(self.decay), hh_gate=_ptr(self.gate))
+        elif self.decay is not None:
             fields.update(hh_decay=_ptr(self.decay))
         if state.path == "hybrid":   # per model layer: its mode, and its layer inside its part
             self.layer_mode = (ctypes.c_int * len(state.where))(

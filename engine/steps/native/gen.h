@@ -67,6 +67,10 @@ typedef struct {
     /* MODE_HEDGEHOG with a learned decay (NULL: none): per model layer, key/value head and feature the
      * factor exp(log decay) (L, Hkv, F) fp32 that S and z take before each key (not with W > 0). */
     const float *hh_decay;
+    /* ... and a gated decay (NULL: none; then hh_decay is NULL): per token, key/value head and feature
+     * g = exp(-sigmoid(hh_logit + rms(v) hh_gate)), rms(v) = v / sqrt(mean(v^2) + 1e-6), from the
+     * decay logits hh_logit (L, Hkv, F) and the gate hh_gate (L, Hkv, D, F), fp32. */
+    const float *hh_logit, *hh_gate;
 } Plan;
 
 enum { MODE_SOFTMAX = 0, MODE_ELU1 = 1, MODE_RELU = 2, MODE_SOFTMAX_MAP = 3, MODE_COS1 = 4, MODE_HEDGEHOG = 5 };
@@ -240,14 +244,14 @@ static inline int row_slot(const Plan *p, int slot, int r) { return p->Bc > 0 ? 
 
 /* Per-thread scratch of the units functions: scores (G * S_max: a KV group's G heads), row (D),
  * acc (G * D), tmp (D), a block of KCH widened cache rows (KCH * D), then phi_k and phi_q (F + 1
- * each), window scores (W + 1) and two window rows (D each). */
+ * each), window scores (W + 1) and two window rows (D each), then a gated decay's factors (F + 1). */
 static inline size_t att_scratch(const Plan *p) {
     const size_t G = (size_t)(p->H / p->Hkv);
     return G * p->S_max + (2 + G + KCH) * (size_t)p->D;
 }
 
 static inline size_t fn_scratch(const Plan *p) {
-    return att_scratch(p) + 2 * (size_t)(p->F + 1) + (size_t)p->W + 1 + 2 * (size_t)p->D + 16;
+    return att_scratch(p) + 3 * (size_t)(p->F + 1) + (size_t)p->W + 1 + 2 * (size_t)p->D + 16;
 }
 
 void softmax_attention(const Plan *p, int l, int slot, const uint8_t *slot_real);   /* attention.c */

@@ -86,6 +86,21 @@ static inline void fold_key_decayed(float *S, float *z, const float *phi_k, cons
     }
 }
 
+/* A gated decay's factors for one token and key/value head: g (F) = exp(-sigmoid(logit + rms(v) gate)),
+ * logit (F), gate (D, F); as engine.attention.feature_maps.Hedgehog.decay. */
+static void gate_factors(const float *v, const float *logit, const float *gate, int F, int D, float *g) {
+    float ss = 0.0f;
+    for (int d = 0; d < D; d++) ss += v[d] * v[d];
+    const float r = 1.0f / sqrtf(ss / (float)D + 1e-6f);
+    for (int f = 0; f < F; f++) g[f] = logit[f];
+    for (int d = 0; d < D; d++) {
+        const float u = v[d] * r, *row = gate + (size_t)d * F;
+        #pragma omp simd
+        for (int f = 0; f < F; f++) g[f] += u * row[f];
+    }
+    for (int f = 0; f < F; f++) g[f] = expf(-1.0f / (1.0f + expf(-g[f])));
+}
+
 /* out (D) = phi_q^T S; returns phi_q . z (the linear part of the denominator). */
 static inline float read_state(const float *S, const float *z, const float *phi_q, int F, int D, float *out) {
     float den = 0.0f;
@@ -100,11 +115,12 @@ static inline float read_state(const float *S, const float *z, const float *phi_
 }
 
 /* One token per row: S += phi(k) v^T, z += phi(k) (after S, z take a learned decay's factors, when
- * the maps carry one); out_h = phi(q_h)^T S / (phi(q_h)^T z + eps).
+ * the maps carry one: a constant per feature, or a gated one computed from the token's value); out_h = phi(q_h)^T S / (phi(q_h)^T z + eps).
  * l: the layer inside the linear state; ml: the model layer (learned maps are per model layer). */
 void linear_attention(const Plan *p, int l, int ml) {
     const int D = p->D, F = p->F, G = p->H / p->Hkv, QKV = (p->H + 2 * p->Hkv) * D;
     float *phi_k = p->tscratch + att_scratch(p), *phi_q = phi_k + F + 1;
+    float *gt = phi_q + F + 1 + p->W + 1 + 2 * D;   /* a gated decay's factors (fn_scratch's last F + 1) */
     for (int b = 0; b < p->B; b++) {
         const float *q = p->qkv_out + (size_t)b * QKV, *k = q + p->H * D, *v = k + p->Hkv * D;
         for (int g = 0; g < p->Hkv; g++) {
@@ -112,7 +128,11 @@ void linear_attention(const Plan *p, int l, int ml) {
             float *S = p->S + sg * F * D, *z = p->z + sg * F;
             const float *vg = v + g * D;
             phi(p, ml, g, 0, k + g * D, phi_k);
-            if (p->hh_decay) fold_key_decayed(S, z, phi_k, vg, p->hh_decay + ((size_t)ml * p->Hkv + g) * F, F, D);
+            const size_t lg = (size_t)ml * p->Hkv + g;
+            if (p->hh_gate) {
+                gate_factors(vg, p->hh_logit + lg * F, p->hh_gate + lg * D * F, F, D, gt);
+                fold_key_decayed(S, z, phi_k, vg, gt, F, D);
+            } else if (p->hh_decay) fold_key_decayed(S, z, phi_k, vg, p->hh_decay + lg * F, F, D);
             else fold_key(S, z, phi_k, vg, F, D);
             for (int j = 0; j < G; j++) {
                 int h = g * G + j;
