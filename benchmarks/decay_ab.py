@@ -2,8 +2,8 @@
 
     python benchmarks/decay_ab.py --rounds 6 --steps 80
 
-One process, one thread, the native step: the `linear/` set's maps with their decay, and the same
-model with the decay removed (`hedgehog.decay_logit = None`), alternating round by round so that a
+One process, one thread, the native step: the `linear/` set's maps with their decay (constant or
+gated), and the same model with the decay removed (`hedgehog.decay_logit = gate_weight = None`), alternating round by round so that a
 busy machine disturbs both alike; each round is the median ms/token of `--steps` one-token steps
 after a short prompt (the first 10 dropped). The linear state has the same size either way, so the
 context does not matter.
@@ -28,7 +28,8 @@ def main() -> None:
     from engine.steps import Stepper
     torch.set_num_threads(1)
     net, tok = load_model(a.model, configure=lambda c: runtime_config(c, "linear"))
-    logit = net.hedgehog.decay_logit
+    hh = net.hedgehog
+    logit, gate = hh.decay_logit, hh.gate_weight
     if logit is None:
         raise SystemExit(f"{a.model}: its all-linear maps carry no decay")
     prompt = torch.tensor([tok.encode("Once upon a time there was a little girl who", bos=True)])
@@ -36,7 +37,7 @@ def main() -> None:
     print(f"load average before: {load_average()}")
     for _ in range(a.rounds):
         for name in res:
-            net.hedgehog.decay_logit = logit if name == "decay" else None
+            hh.decay_logit, hh.gate_weight = (logit, gate) if name == "decay" else (None, None)
             step = Stepper(net, "native", threads=1)
             state = net.init_state(1, None, "linear")
             step(prompt, state)
@@ -47,7 +48,8 @@ def main() -> None:
                 times.append(time.perf_counter() - t0)
                 assert step.last_form == "native", step.fallback
             res[name].append(statistics.median(times[10:]) * 1e3)
-    net.hedgehog.decay_logit = logit
+    hh.decay_logit, hh.gate_weight = logit, gate
+    print(f"decay: {'gated' if gate is not None else 'constant'}")
     for name, v in res.items():
         print(f"{name:6s} ms/token by round: {' '.join(f'{x:.2f}' for x in v)}; "
               f"median {statistics.median(v):.2f}, best {min(v):.2f}")

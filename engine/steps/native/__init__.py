@@ -366,12 +366,11 @@ class NativeDecoder:
         flat += maps                # checked before every step as the weights are
         # a learned decay's factors exp(FeatureMap.decay), every layer's, computed once per plan: a copy,
         # so the logits behind it are checked for in-place edits as the other copied weights are
-        # (gated: copies of the logits and the gate, the factors computed per token in C)
+        # (gated: fp32 copies of the logits and the gate, the factors computed per token in C)
         self.decay = self.gate = None
         if learned and lin.feature_map.has_gate:
             fm = lin.feature_map
-            self.decay = fm.decay_logit.detach().float().contiguous()
-            self.gate = fm.gate_weight.detach().float().contiguous()
+            self.gate = [fm.decay_logit.detach().float().contiguous(), fm.gate_weight.detach().float().contiguous()]
             self.sources += [fm.decay_logit.detach(), fm.gate_weight.detach()]
             self.source_versions = self._versions()
         elif learned and lin.feature_map.has_decay:
@@ -406,7 +405,7 @@ class NativeDecoder:
             fields.update({n: t.data_ptr() for n, t in zip(("hq_w", "hq_b", "hk_w", "hk_b"), maps)},
                           hh_type=TYPES[maps[0].dtype])
         if self.gate is not None:
-            fields.update(hh_logit=_ptr(self.decay), hh_gate=_ptr(self.gate))
+            fields.update(hh_logit=_ptr(self.gate[0]), hh_gate=_ptr(self.gate[1]))
         elif self.decay is not None:
             fields.update(hh_decay=_ptr(self.decay))
         if state.path == "hybrid":   # per model layer: its mode, and its layer inside its part
