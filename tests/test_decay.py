@@ -234,7 +234,8 @@ def test_linearize_decay_learns_writes_and_loads(small_model_dir, corpus, tmp_pa
 
 def test_linearize_gate_learns_writes_and_loads(small_model_dir, corpus, tmp_path):  # noqa: F811
     """--gate: the finetune moves the gate off zero (at --gate-lr) beside the decay, the maps file holds
-    both, the output loads gated, and --init from it keeps the gate; --gate --window is one line."""
+    both, the output loads gated, --init from it keeps (and trains) the gate without --gate, also across
+    an interrupt and --resume; --gate --window is one line."""
     out = tmp_path / "gated"
     linearize(args(small_model_dir, corpus, out, gate=True, gate_lr=0.05, decay_lr=0.5), log=lambda m: None)
     maps = load_file(out / "maps.safetensors")
@@ -245,6 +246,21 @@ def test_linearize_gate_learns_writes_and_loads(small_model_dir, corpus, tmp_pat
     assert (maps["feature_map.decay"].float() - -8.0).abs().max() > 0.5
     model, _ = load_model(out)
     assert model.hedgehog.has_gate and torch.equal(model.hedgehog.gate_weight, maps["feature_map.gate"].float())
+    # a run that takes its gate from --init (no --gate), interrupted and resumed = the same run straight
+    straight, resumed, stops = tmp_path / "straight", tmp_path / "resumed", [("finetune", None, 3)]
+    linearize(args(small_model_dir, corpus, straight, init=str(out), gate_lr=0.05), log=lambda m: None)
+
+    def interrupt(phase, layer, step):
+        if stops and (phase, layer, step) == stops[0]:
+            stops.pop(0)
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        linearize(args(small_model_dir, corpus, resumed, init=str(out), gate_lr=0.05), log=lambda m: None,
+                  on_step=interrupt)
+    linearize(args(small_model_dir, corpus, resumed, init=str(out), gate_lr=0.05, resume=True), log=lambda m: None)
+    want, got = load_file(straight / "maps.safetensors"), load_file(resumed / "maps.safetensors")
+    assert not torch.equal(want["feature_map.gate"], maps["feature_map.gate"])     # trained further
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
     more = tmp_path / "more"
     linearize(args(small_model_dir, corpus, more, init=str(out), finetune_steps=1, finetune_lr=0.0, decay_lr=1e-9,
                    gate_lr=1e-9), log=lambda m: None)
