@@ -143,8 +143,10 @@ def test_shipped_smollm2_linear_config():
     from models.linearized import read_set
     assert set(ckpt.variants) == {"no_window"}
     maps, adapters = read_set(ckpt.variants["no_window"], cfg)
-    assert set(maps) == set(ckpt.maps) | {"hedgehog.decay_logit"} and set(adapters) == set(ckpt.adapters)
-    assert maps["hedgehog.decay_logit"].shape == (L, cfg.num_key_value_heads, 2 * cfg.head_dim)
+    assert set(maps) == set(ckpt.maps) | {"hedgehog.decay_logit", "hedgehog.gate_weight"}
+    assert set(adapters) == set(ckpt.adapters)
+    Hkv, D = cfg.num_key_value_heads, cfg.head_dim
+    assert maps["hedgehog.decay_logit"].shape == (L, Hkv, 2 * D) and maps["hedgehog.gate_weight"].shape == (L, Hkv, D, 2 * D)
 
 
 def test_bf16_clipped_finetune_trains_deterministically_and_differs_from_fp32(small_model_dir, corpus, tmp_path):
