@@ -311,10 +311,10 @@ def linearize(a: LinearizeArgs, log=print, on_step=None) -> dict:
     for p in model.parameters():
         p.requires_grad_(False)
     maps = model.hedgehog
-    if a.decay or a.gate:    # (a resumed or --init run also takes one below when its maps carry one)
-        maps.add_decay()
-    if a.gate:
+    if a.gate:    # (a resumed or --init run also takes one below when its maps carry one)
         maps.add_gate()
+    elif a.decay:
+        maps.add_decay()
     out = Path(a.out)
     progress = Progress(out)
     t0 = time.monotonic()
@@ -326,19 +326,13 @@ def linearize(a: LinearizeArgs, log=print, on_step=None) -> dict:
     state = progress.load() if a.resume else {}
     if state:
         saved = progress.tensors()
-        if "decay_logit" in saved["maps"]:
-            maps.add_decay()
-        if "gate_weight" in saved["maps"]:
-            maps.add_gate()
+        maps.add_parts_of(saved["maps"])
         maps.load_state_dict(saved["maps"])
         log(f"resuming: {state['layers_done']} layers transferred, {state['finetune_done']} finetune steps done")
     elif a.init is not None:   # the transfer is the init's: its maps, adapters and per-layer losses
         d = Path(a.init)
         init_maps = {k.removeprefix("hedgehog."): v.float() for k, v in read_maps(d / "maps.safetensors", cfg).items()}
-        if "decay_logit" in init_maps:
-            maps.add_decay()
-        if "gate_weight" in init_maps:
-            maps.add_gate()
+        maps.add_parts_of(init_maps)
         maps.load_state_dict({**maps.state_dict(), **init_maps})   # --decay / --gate on maps without: fresh
         saved = None
         if a.lora_rank:

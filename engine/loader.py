@@ -116,10 +116,8 @@ def build(cfg: ModelConfig, hf_tensors, device, dtype, interleaved_rotary: bool 
     """
     with torch.device("meta"):
         model = Transformer(cfg)
-        if maps is not None and "hedgehog.decay_logit" in maps and model.hedgehog is not None:
-            model.hedgehog.add_decay()
-            if "hedgehog.gate_weight" in maps:
-                model.hedgehog.add_gate()
+        if maps is not None and model.hedgehog is not None:
+            model.hedgehog.add_parts_of(maps)
     quantized = quantized_matrices(hf_tensors, cfg, device, interleaved_rotary)
     runtime = hf_to_runtime(hf_tensors, cfg, device, dtype, interleaved_rotary=interleaved_rotary,
                             skip={f"{path}.weight" for path in quantized})

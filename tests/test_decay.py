@@ -189,6 +189,17 @@ def test_window_form_refuses_a_decay_in_one_line(gated):
             run()
 
 
+def interrupted_then_resumed(model_dir, corpus, out, **kw):  # noqa: F811
+    """`gen linearize` into `out` stopped by Ctrl-C at finetune step 3, then `--resume`d: its maps file."""
+    def interrupt(phase, layer, step):
+        if (phase, layer, step) == ("finetune", None, 3):
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        linearize(args(model_dir, corpus, out, **kw), log=lambda m: None, on_step=interrupt)
+    linearize(args(model_dir, corpus, out, resume=True, **kw), log=lambda m: None)
+    return load_file(out / "maps.safetensors")
+
+
 def test_linearize_decay_learns_writes_and_loads(small_model_dir, corpus, tmp_path):  # noqa: F811
     """--decay: the finetune moves the decay logits (at --decay-lr), the maps file holds them, the output
     loads with them, and --resume after an interrupt gives the same file; --decay --window is one line."""
@@ -205,18 +216,7 @@ def test_linearize_decay_learns_writes_and_loads(small_model_dir, corpus, tmp_pa
         load_model(out, configure=lambda c: c.replace(window=8))
     r = CliRunner().invoke(main, ["--model", str(out), "--window", "8", "--max-new-tokens", "2", "Hi"])
     assert r.exit_code == 2 and "without --window" in r.output and len(r.output.strip().splitlines()) == 1, r.output
-    resumed = tmp_path / "resumed"
-    stops = [("finetune", None, 3)]
-
-    def interrupt(phase, layer, step):
-        if stops and (phase, layer, step) == stops[0]:
-            stops.pop(0)
-            raise KeyboardInterrupt
-    with pytest.raises(KeyboardInterrupt):
-        linearize(args(small_model_dir, corpus, resumed, decay=True, decay_lr=0.5), log=lambda m: None,
-                  on_step=interrupt)
-    linearize(args(small_model_dir, corpus, resumed, decay=True, decay_lr=0.5, resume=True), log=lambda m: None)
-    again = load_file(resumed / "maps.safetensors")
+    again = interrupted_then_resumed(small_model_dir, corpus, tmp_path / "resumed", decay=True, decay_lr=0.5)
     assert set(again) == set(maps) and all(torch.equal(again[k], maps[k]) for k in maps)
     # --init from a decayed output keeps (and trains) its decay without --decay
     more = tmp_path / "more"
@@ -247,18 +247,10 @@ def test_linearize_gate_learns_writes_and_loads(small_model_dir, corpus, tmp_pat
     model, _ = load_model(out)
     assert model.hedgehog.has_gate and torch.equal(model.hedgehog.gate_weight, maps["feature_map.gate"].float())
     # a run that takes its gate from --init (no --gate), interrupted and resumed = the same run straight
-    straight, resumed, stops = tmp_path / "straight", tmp_path / "resumed", [("finetune", None, 3)]
+    straight = tmp_path / "straight"
     linearize(args(small_model_dir, corpus, straight, init=str(out), gate_lr=0.05), log=lambda m: None)
-
-    def interrupt(phase, layer, step):
-        if stops and (phase, layer, step) == stops[0]:
-            stops.pop(0)
-            raise KeyboardInterrupt
-    with pytest.raises(KeyboardInterrupt):
-        linearize(args(small_model_dir, corpus, resumed, init=str(out), gate_lr=0.05), log=lambda m: None,
-                  on_step=interrupt)
-    linearize(args(small_model_dir, corpus, resumed, init=str(out), gate_lr=0.05, resume=True), log=lambda m: None)
-    want, got = load_file(straight / "maps.safetensors"), load_file(resumed / "maps.safetensors")
+    got = interrupted_then_resumed(small_model_dir, corpus, tmp_path / "resumed", init=str(out), gate_lr=0.05)
+    want = load_file(straight / "maps.safetensors")
     assert not torch.equal(want["feature_map.gate"], maps["feature_map.gate"])     # trained further
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
     more = tmp_path / "more"

@@ -143,6 +143,15 @@ class Hedgehog(FeatureMap, nn.Module):
             self.gate_weight = nn.Parameter(torch.zeros(L, Hkv, D, 2 * D, device=self.k_bias.device),
                                             requires_grad=self.k_bias.requires_grad)
 
+    def add_parts_of(self, names) -> None:
+        """Give the maps the optional parts (decay, gate) whose tensors `names` hold: the keys of a
+        saved state dict, with or without the `hedgehog.` prefix; so that it then loads."""
+        names = {n.removeprefix("hedgehog.") for n in names}
+        if "gate_weight" in names:
+            self.add_gate()
+        elif "decay_logit" in names:
+            self.add_decay()
+
     def out_dim(self, d):
         return 2 * d
 

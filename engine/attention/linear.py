@@ -115,13 +115,13 @@ class LinearState(State):
             phi_k = fm(k, model_layer, "k")                                 # (B, Hkv, 1, F)
             phi_q = fm(q, model_layer, "q").view(B, k.shape[1], H // k.shape[1], 1, phi_k.shape[-1])
             v = v if v.dtype == phi_k.dtype else v.to(phi_k.dtype)
-            ld = fm.decay(model_layer, v) if fm.has_decay else None         # (Hkv, F), gated (B, Hkv, 1, F)
+            ld = fm.decay(model_layer, v)                                   # (Hkv, F), gated (B, Hkv, 1, F)
             out = linear_attention_step(phi_q, phi_k, v, S, z,
                                         None if ld is None else (ld if ld.dim() == 2 else ld[:, :, 0]).exp())
             out = out.view(B, H, 1, out.shape[-1])
             return out if out.dtype == q.dtype else out.to(q.dtype)
         phi_q, phi_k, v32 = featurize(fm, q, k, v, span.real, model_layer)
-        ld = token_decay(fm.decay(model_layer, v32) if fm.has_decay else None, span.real)
+        ld = token_decay(fm.decay(model_layer, v32), span.real)
         if span.length == 1:
             out = linear_attention_step(phi_q, phi_k, v32, S, z, None if ld is None else ld[:, :, 0].exp())
         else:
@@ -249,7 +249,7 @@ def linear_attention(q, k, v, feature_map: str | FeatureMap, valid=None, layer: 
     """Stateless causal linear attention over a whole sequence (training and full forward)."""
     fmap = as_feature_map(feature_map)
     phi_q, phi_k, v32 = featurize(fmap, q, k, v, valid, layer)
-    ld = token_decay(fmap.decay(layer, v32) if fmap.has_decay else None, valid)
+    ld = token_decay(fmap.decay(layer, v32), valid)
     out, _, _ = linear_attention_chunked(phi_q, phi_k, v32, log_decay=ld)
     return out.flatten(1, 2).to(q.dtype)
 
@@ -268,7 +268,7 @@ def linear_attention_reference(q, k, v, feature_map: str | FeatureMap, valid=Non
         phi_k = phi_k * valid[:, None, :, None]
     v = v.to(phi_k.dtype)
     causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    ld = token_decay(fmap.decay(layer, v) if fmap.has_decay else None, valid)
+    ld = token_decay(fmap.decay(layer, v), valid)
     if ld is None:
         A = (phi_q @ phi_k.repeat_interleave(groups, 1).transpose(-1, -2)) * causal    # (B, H, T, T)
         S = torch.einsum("bhtf,bhtd->bhfd", phi_k, v)
