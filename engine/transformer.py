@@ -11,6 +11,8 @@ are mapped onto these in one place, `models.weights`.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -67,16 +69,40 @@ def rotate_half(x):
 
 
 class Rotary(nn.Module):
-    """Rotary embeddings in the half-split layout of Hugging Face Llama checkpoints."""
+    """Rotary embeddings in the half-split layout of Hugging Face Llama checkpoints, with the config's
+    frequency scaling (Llama 3's `llama3`, `linear`, or llama.cpp's per-frequency `rope_freq_factors`)."""
 
-    def __init__(self, head_dim: int, theta: float):
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None = None,
+                 freq_factors: tuple[float, ...] | None = None):
         super().__init__()
         self.head_dim, self.theta = head_dim, theta
+        self.scaling, self.freq_factors = scaling, freq_factors
         self._cos = self._sin = self._sin_signed = None
+
+    @classmethod
+    def for_config(cls, cfg) -> "Rotary":
+        return cls(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.rope_freq_factors)
 
     def inv_freq(self, device) -> torch.Tensor:  # (D/2,) fp32, as Hugging Face computes it
         exponent = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim
-        return 1.0 / self.theta ** exponent
+        inv = 1.0 / self.theta ** exponent
+        if self.freq_factors is not None:   # llama.cpp: theta_i / factor_i
+            return inv / torch.tensor(self.freq_factors, dtype=torch.float32, device=device)
+        s = self.scaling
+        if s is None:
+            return inv
+        if s["rope_type"] == "linear":
+            return inv / s["factor"]
+        # llama3 (transformers' _compute_llama3_parameters, term for term): long wavelengths are divided
+        # by `factor`, short ones kept, the band between interpolated smoothly
+        factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / high) * ~(wavelen > old / low)
+        return torch.where(medium, smoothed, scaled)
 
     def table(self, n: int, device, dtype):
         """cos, sin tables (n, D) in `dtype`, grown on demand (positions may pass the trained range)."""
@@ -177,7 +203,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta) if cfg.position_encoding == "rope" else None
+        self.rotary = Rotary.for_config(cfg) if cfg.position_encoding == "rope" else None
         # learned feature maps (gen linearize), present when the config names them
         self.hedgehog = Hedgehog.for_config(cfg) if cfg.feature_map == "hedgehog" else None
         self.kv_dtype = None     # the KV cache's dtype when not the model's (load(kv_dtype=...), --kv-dtype)

@@ -19,6 +19,13 @@ LAYER_PATHS = ("softmax", "linear")
 POSITION_ENCODINGS = ("rope", "none")
 # Feature maps a config may name; engine.attention.feature_maps implements each (a test holds the two together).
 FEATURE_MAP_NAMES = ("elu1", "relu", "softmax", "cos1", "hedgehog")   # hedgehog: learned (gen linearize)
+# RoPE scalings this engine computes (engine.transformer.Rotary), with the keys each one needs. Hugging
+# Face spells the setting `rope_scaling` (older) or `rope_parameters` (transformers 5), the type as
+# `rope_type` or `type`; "dynamic" (NTK) rescales with the sequence length and is refused.
+ROPE_SCALINGS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
 
 # Keys without which no model can be built; everything else has the Hugging Face default.
 REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers",
@@ -51,6 +58,11 @@ class ModelConfig:
     layer_attention: tuple[str, ...] | None = None  # attention "hybrid": per layer "softmax" or "linear"
     window: int = 0                             # linear layers also attend exactly to the last W keys (0: off)
     transfer_loss: tuple[float, ...] | None = None  # per layer, relative transfer loss of learned maps (linearize)
+    # RoPE frequency scaling: {"rope_type": "llama3" | "linear", <its keys in ROPE_SCALINGS>} or None
+    rope_scaling: dict | None = None
+    # per-frequency divisors of the rotary inverse frequencies (D/2 numbers): llama.cpp's `rope_freqs`
+    # tensor, how its converter writes Llama 3.1+'s scaling into a GGUF file
+    rope_freq_factors: tuple[float, ...] | None = None
 
     def __post_init__(self):
         if self.num_key_value_heads is None:
@@ -63,7 +75,7 @@ class ModelConfig:
             object.__setattr__(self, "head_dim", width // heads if isinstance(heads, int) and heads > 0 else None)
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
-        for key in ("layer_attention", "transfer_loss"):
+        for key in ("layer_attention", "transfer_loss", "rope_freq_factors"):
             if isinstance(getattr(self, key), list):
                 object.__setattr__(self, key, tuple(getattr(self, key)))
         if isinstance(self.trained_for, (list, str)):
@@ -108,6 +120,27 @@ class ModelConfig:
         for path in self.trained_for:
             if path not in ATTENTION_PATHS:
                 bad(f"trained_for lists unknown path {path!r}; valid: {', '.join(ATTENTION_PATHS)}")
+        self._validate_rope_scaling(bad)
+
+    def _validate_rope_scaling(self, bad) -> None:
+        scaling, factors = self.rope_scaling, self.rope_freq_factors
+        if scaling is not None:
+            kind = scaling.get("rope_type") if isinstance(scaling, dict) else None
+            if kind not in ROPE_SCALINGS:
+                bad(f"unsupported rope scaling {scaling!r}; supported rope_type: {', '.join(ROPE_SCALINGS)}")
+            for key in ROPE_SCALINGS[kind]:
+                value = scaling.get(key)
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                    bad(f"rope scaling {kind} needs a positive number {key}, got {value!r}")
+            if kind == "llama3" and not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
+                bad(f"rope scaling llama3 needs high_freq_factor > low_freq_factor, got {scaling!r}")
+        if factors is not None:
+            if scaling is not None:
+                bad("give rope_scaling or rope_freq_factors, not both")
+            if self.position_encoding != "rope" or len(factors) != self.head_dim // 2:
+                bad(f"rope_freq_factors must list head_dim / 2 = {self.head_dim // 2} numbers, got {len(factors)}")
+            if not all(isinstance(f, (int, float)) and f > 0 and f != float("inf") for f in factors):
+                bad("rope_freq_factors must be positive finite numbers")
 
     # ------------------------------------------------------------------ derived
     @property
@@ -138,14 +171,11 @@ class ModelConfig:
         unsupported = {
             "attention_bias": lambda v: bool(v), "mlp_bias": lambda v: bool(v),
             "hidden_act": lambda v: v not in ("silu", "swish"),
-            "rope_scaling": lambda v: v not in (None, {}) and (v or {}).get("rope_type", "default") != "default",
         }
         for key, is_bad in unsupported.items():
             if key in raw and is_bad(raw[key]):
                 raise ConfigError(f"{where}: unsupported setting {key}={raw[key]!r}")
-        rope_params = raw.get("rope_parameters")
-        if isinstance(rope_params, dict) and rope_params.get("rope_type", "default") != "default":
-            raise ConfigError(f"{where}: unsupported rope_type {rope_params['rope_type']!r}; only 'default'")
+        raw["rope_scaling"] = rope_scaling_of(raw, where)
         if "torch_dtype" not in raw and isinstance(raw.get("dtype"), str):
             raw["torch_dtype"] = raw["dtype"]
         names = {f.name for f in dataclasses.fields(cls)}
@@ -175,10 +205,10 @@ class ModelConfig:
         d = dataclasses.asdict(self)
         d["eos_token_id"] = list(self.eos_ids) if len(self.eos_ids) > 1 else self.eos_ids[0]
         d["trained_for"] = list(self.trained_for)
-        for key in ("layer_attention", "transfer_loss"):
+        for key in ("layer_attention", "transfer_loss", "rope_scaling", "rope_freq_factors"):
             if d[key] is None:
                 del d[key]
-            else:
+            elif isinstance(d[key], tuple):
                 d[key] = list(d[key])
         d["architectures"] = ["LlamaForCausalLM"]
         d["hidden_act"] = "silu"
@@ -194,3 +224,28 @@ class ModelConfig:
             json.dump(self.to_dict(), f, indent=2, sort_keys=True)
             f.write("\n")
         os.replace(tmp, path)
+
+
+def rope_scaling_of(raw: dict, where: str) -> dict | None:
+    """The RoPE scaling a Hugging Face config names (`rope_scaling`, or transformers 5's
+    `rope_parameters`), normalized to {"rope_type": ..., <ROPE_SCALINGS keys>}; None for default RoPE."""
+    for key in ("rope_scaling", "rope_parameters"):
+        value = raw.get(key)
+        if value in (None, {}):
+            continue
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: {key} must be an object, got {value!r}")
+        kind = value.get("rope_type", value.get("type", "default"))
+        if kind == "default":
+            continue
+        if kind not in ROPE_SCALINGS:
+            raise ConfigError(f"{where}: unsupported rope_type {kind!r} in {key}; supported: default, "
+                              f"{', '.join(ROPE_SCALINGS)}")
+        scaling = {"rope_type": kind}
+        for name in ROPE_SCALINGS[kind]:
+            if name == "original_max_position_embeddings" and name not in value:
+                scaling[name] = raw.get("max_position_embeddings")   # transformers' fallback
+            else:
+                scaling[name] = value.get(name)
+        return scaling
+    return None

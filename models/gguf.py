@@ -12,7 +12,9 @@ Only `general.architecture == "llama"` (Llama, SmolLM, Mistral-7B-shaped models)
 in SUPPORTED_TYPES. llama.cpp's converter permutes the q and k rows of each head into Meta's
 interleaved rotary layout (pairs 2i, 2i+1); the loader undoes that once, while fusing q/k/v, as
 for llama2.c files (`Checkpoint.interleaved_rotary`, `models.weights.interleaved_to_half`).
-A file without `output.weight` ties the output projection to the token embeddings.
+A file without `output.weight` ties the output projection to the token embeddings. RoPE scaling: a
+`rope_freqs.weight` tensor (Llama 3.1+, as llama.cpp's converter writes it) becomes the config's
+`rope_freq_factors`; `rope.scaling.type` linear is read; yarn and other types are refused in one line.
 """
 from __future__ import annotations
 
@@ -53,8 +55,11 @@ GGUF_CONFIG = {
 # Settings of a Llama variant this engine does not run: key -> is the value one we cannot run?
 UNSUPPORTED = {
     "expert_count": lambda v: v > 0,
-    "rope.scaling.type": lambda v: v not in ("none", ""),
+    "rope.scaling.type": lambda v: v not in ("none", "", "linear"),
 }
+# llama.cpp writes Llama 3.1+'s RoPE scaling as this tensor of per-frequency divisors (no metadata key):
+# it becomes ModelConfig.rope_freq_factors; a loader that skipped it would run plain RoPE, silently wrong
+ROPE_FREQS = "rope_freqs.weight"
 # GGUF tensor names -> Hugging Face names ({i}: layer index)
 TENSOR_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -72,7 +77,7 @@ LAYER_TENSOR_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-IGNORED_TENSORS = ("rope_freqs.weight",)   # checked through the metadata (rope scaling) instead
+IGNORED_TENSORS = (ROPE_FREQS,)   # read into the config (gguf_config), not a weight
 # the metadata the rest of the engine reads (tokenizer, chat template); everything else stays in the file
 META_PREFIXES = ("tokenizer.", "general.name", "general.architecture")
 
@@ -250,6 +255,13 @@ def gguf_config(meta: dict, reader, path: Path) -> ModelConfig:
                           f"{head_dim}) is not supported")
     names = {t.name for t in reader.tensors}
     raw["tie_word_embeddings"] = "output.weight" not in names
+    if meta.get(f"{arch}.rope.scaling.type") == "linear":
+        raw["rope_scaling"] = {"rope_type": "linear", "factor": meta.get(f"{arch}.rope.scaling.factor")}
+    freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if freqs is not None:
+        if freqs.tensor_type.name not in ("F32", "F16"):
+            raise CheckpointError(f"{path}: tensor {ROPE_FREQS} has type {freqs.tensor_type.name}; expected F32")
+        raw["rope_freq_factors"] = [float(x) for x in np.asarray(freqs.data, dtype=np.float64).reshape(-1)]
     for field, key in (("bos_token_id", "tokenizer.ggml.bos_token_id"),
                        ("eos_token_id", "tokenizer.ggml.eos_token_id")):
         if meta.get(key) is not None:

@@ -63,10 +63,12 @@ def gguf_tokenizer_fields(tok_dir: Path) -> dict:
 
 
 def write_gguf(path: Path, model, tok_dir: Path | None, qtype_of=None, arch: str = "llama",
-               template: str | None = CHATML, pre: str = "gpt2", tie: bool | None = None) -> dict:
+               template: str | None = CHATML, pre: str = "gpt2", tie: bool | None = None,
+               extra_tensors: dict | None = None) -> dict:
     """Write `model` (a runtime Transformer) as a llama.cpp-style GGUF: q/k rows permuted to the
     interleaved rotary layout, tensors quantized with gguf.quants (qtype_of(gguf_name, shape) -> type,
-    default F32). Returns {gguf name: the dequantized tensor as stored, in Hugging Face row order}."""
+    default F32). `extra_tensors`: {gguf name: float32 array} written as they are (e.g. rope_freqs.weight).
+    Returns {gguf name: the dequantized tensor as stored, in Hugging Face row order}."""
     import gguf
     from gguf import GGMLQuantizationType as Q
     from models.weights import half_to_interleaved, runtime_to_hf
@@ -130,6 +132,8 @@ def write_gguf(path: Path, model, tok_dir: Path | None, qtype_of=None, arch: str
             from models.weights import interleaved_to_half
             back = interleaved_to_half(back, heads[gname.split(".", 2)[-1]]).reshape(back.shape)
         stored[name] = back
+    for gname, arr in (extra_tensors or {}).items():
+        w.add_tensor(gname, np.asarray(arr, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
