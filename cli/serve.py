@@ -4,7 +4,11 @@ from __future__ import annotations
 import click
 
 from cli.common import FEATURE_MAP_HELP, KV_DTYPE_HELP, fail, run_guarded
-from engine.serve import open_server, run
+from engine.serve import Policy, open_server, run
+from engine.serve.guard import DEFAULT_MAX_BODY, LOOPBACK
+from engine.serve.server import DEFAULT_QUEUE_TIMEOUT_S
+
+ANY_ADDRESS = ("0.0.0.0", "::", "")
 
 
 @click.command("serve")
@@ -27,16 +31,49 @@ from engine.serve import open_server, run
 @click.option("--backend", type=click.Choice(["auto", "torch", "native", "module"]), default="auto",
               show_default=True, help="decode step form: auto = the C step where it applies, else PyTorch")
 @click.option("--threads", type=int, help="CPU threads (default: 1)")
+@click.option("--max-prompt", type=int, help="prompt tokens per request on every path, else 400 "
+                                              "context_length_exceeded (default: --max-context; 0 = no limit)")
+@click.option("--queue-timeout", type=float, default=DEFAULT_QUEUE_TIMEOUT_S, show_default=True,
+              help="seconds a request may wait for a row, then 503 with Retry-After (0 = no limit)")
+@click.option("--max-body", type=int, default=DEFAULT_MAX_BODY, show_default=True,
+              help="bytes a request body may hold, else 413 (0 = no limit)")
+@click.option("--api-key", envvar="GEN_API_KEY", help="require `Authorization: Bearer KEY` on every route but "
+                                                       "/health (default: $GEN_API_KEY; none: no key asked)")
+@click.option("--allow-host", "allow_hosts", multiple=True, metavar="NAME",
+              help="also answer requests whose Host header names NAME (repeatable; '*' any; default: "
+                   "localhost, 127.0.0.1, [::1] and the --host address)")
+@click.option("--cors-origin", "cors_origins", multiple=True, metavar="ORIGIN",
+              help="let web pages from ORIGIN (e.g. http://localhost:3000; '*' any) call the server; repeatable "
+                   "(default: CORS off, foreign Origins refused)")
+@click.option("--docs", is_flag=True, help="serve /docs, /redoc and /openapi.json (off by default)")
 def serve_cmd(model_name, attention, softmax_layers, window, feature_map, host, port, max_batch, max_queue,
-              max_context, dtype, kv_dtype, backend, threads):
+              max_context, dtype, kv_dtype, backend, threads, max_prompt, queue_timeout, max_body, api_key,
+              allow_hosts, cors_origins, docs):
     """Serve MODEL over HTTP: /v1/models, /v1/completions, /v1/chat/completions (OpenAI format, SSE streams)."""
     if max_batch < 1:
         fail(f"--max-batch must be >= 1, got {max_batch}")
+    if max_queue is not None and max_queue < 0:
+        fail(f"--max-queue must be >= 0, got {max_queue}")
     if max_context is not None and max_context < 2:
         fail(f"--max-context must be >= 2, got {max_context}")
+    if max_prompt is not None and max_prompt < 0:
+        fail(f"--max-prompt must be >= 0 (0 = no limit), got {max_prompt}")
+    if not queue_timeout >= 0 or queue_timeout == float("inf"):
+        fail(f"--queue-timeout must be a number of seconds >= 0 (0 = no limit), got {queue_timeout}")
+    if max_body < 0:
+        fail(f"--max-body must be >= 0 bytes (0 = no limit), got {max_body}")
+    if api_key is not None and not api_key.strip():
+        fail("--api-key must not be empty (leave it out to ask for no key)")
+    if any(not h.strip() for h in allow_hosts) or any(not o.strip() for o in cors_origins):
+        fail("--allow-host and --cors-origin take a non-empty name")
     if not 0 < port < 65536:
         fail(f"--port must be in 1..65535, got {port}")
+    hosts = LOOPBACK + tuple(allow_hosts) + ((host,) if host not in ANY_ADDRESS else ())
+    policy = Policy(api_key=api_key, allow_hosts=hosts, cors_origins=cors_origins, docs=docs, max_body=max_body)
+    if host in ANY_ADDRESS and not allow_hosts:
+        click.echo(f"gen serve: listening on every address, but only requests whose Host is {', '.join(LOOPBACK)} "
+                   "are answered: add --allow-host NAME (or '*')", err=True)
     server = run_guarded(lambda: open_server(model_name, attention, feature_map, dtype, backend, threads,
                                              max_batch, max_context, max_queue, softmax_layers, window,
-                                             kv_dtype))
-    run_guarded(lambda: run(server, host=host, port=port))
+                                             kv_dtype, max_prompt=max_prompt, queue_timeout=queue_timeout))
+    run_guarded(lambda: run(server, host=host, port=port, policy=policy))

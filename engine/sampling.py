@@ -17,6 +17,11 @@ the token's odds against every unseen token drop, whatever its sign (dividing a 
 logit would raise it: transformers #2302). It is applied once per distinct token however
 often the token occurs. Prompt tokens count as seen, as in transformers and llama.cpp
 (left pads do not). A logit of exactly 0 is left at 0 by this rule.
+
+Extreme settings never sample garbage: top-p always keeps the most likely token (a top_p that
+underflows in float32, 1e-46, is top-1), a penalty outside float32's normal range is refused, and
+a row whose filtered logits hold a NaN, a +inf or nothing above -inf (softmax would give NaN
+probabilities) takes the greedy token instead (`greedy_ids`), in both samplers.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ import torch
 from engine.errors import InvalidArgumentError
 
 GREEDY_BELOW = 1e-6   # temperatures below this are greedy: softmax(l / T) is one-hot in fp32 anyway
+FP32 = torch.finfo(torch.float32)   # the sampler's arithmetic: a penalty must be a normal number in it
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,9 @@ class SamplingParams:
             bad(f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
         if not _finite(self.repetition_penalty) or self.repetition_penalty <= 0:
             bad(f"repetition_penalty must be > 0 (1 = off, > 1 discourages repeats), got {self.repetition_penalty}")
+        if not FP32.tiny <= self.repetition_penalty <= FP32.max:
+            bad(f"repetition_penalty must be within float32's range [{FP32.tiny:.3g}, {FP32.max:.3g}] "
+                f"(1 = off), got {self.repetition_penalty}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not 0 <= self.seed < 2 ** 63):
             bad(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
@@ -91,7 +100,8 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     probs = sorted_logits.softmax(-1)
     mass_before = probs.cumsum(-1) - probs             # mass of the strictly more likely tokens
-    drop_sorted = mass_before >= p                     # the most likely token is always kept
+    drop_sorted = mass_before >= p
+    drop_sorted[..., 0] = False                        # the most likely token is always kept (p may be 0 in fp32)
     drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
 
@@ -115,6 +125,30 @@ def filtered_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Te
     x = top_k_filter(x, params.top_k)
     x = top_p_filter(x, params.top_p)
     return min_p_filter(x, params.min_p)
+
+
+def unsampleable(x: torch.Tensor) -> torch.Tensor:
+    """x (B, V) filtered logits -> (B,) bool: the rows softmax cannot make a distribution of (a NaN,
+    a +inf, or no token above -inf: NaN probabilities, which a draw would turn into garbage)."""
+    return torch.isnan(x).any(-1) | torch.isposinf(x).any(-1) | ~(x > float("-inf")).any(-1)
+
+
+def greedy_ids(x: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
+    """x (B, V) -> (B,) argmax ids, NaN counted as -inf (torch's argmax picks a NaN); a row with no
+    token above -inf takes the argmax of `logits` (B, V), the unfiltered row, when given. One argmax
+    and a gather of B values when no row is degenerate (the server's greedy rows, every step)."""
+    ids = x.argmax(-1)
+    chosen = x.gather(-1, ids[:, None])[:, 0]
+    bad = torch.isnan(chosen) | (chosen == float("-inf"))
+    if bad.any():
+        neg = float("-inf")
+        y = torch.where(torch.isnan(x), neg, x)
+        ids = torch.where(bad, y.argmax(-1), ids)
+        if logits is not None:
+            empty = ~(y > neg).any(-1)
+            raw = logits.float()
+            ids = torch.where(empty, torch.where(torch.isnan(raw), neg, raw).argmax(-1), ids)
+    return ids
 
 
 # ---------------------------------------------------------------------- the stateful sampler
@@ -151,9 +185,13 @@ class Sampler:
         """logits (B, V) -> next tokens (B,) int64."""
         x = filtered_logits(logits, self.params, self.seen)
         if self.params.greedy:
-            tokens = x.argmax(-1)
+            tokens = greedy_ids(x, logits)
         else:
             probs = x.softmax(-1)
+            bad = unsampleable(x)
+            if bad.any():   # a one-hot at the greedy token: the row's draw still advances its generator
+                onehot = torch.zeros_like(probs).scatter_(-1, greedy_ids(x, logits)[:, None], 1.0)
+                probs = torch.where(bad[:, None], onehot, probs)
             tokens = torch.cat([torch.multinomial(probs[b], 1, generator=g)
                                 for b, g in enumerate(self.generators)])
         self.observe(tokens[:, None])

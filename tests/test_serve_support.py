@@ -28,9 +28,10 @@ def chat_model_dir(tmp_path_factory):
 class LiveServer:
     """`server` behind uvicorn in a daemon thread; `.url`, `.stop()`. Starts and stops within seconds."""
 
-    def __init__(self, server: Server):
+    def __init__(self, server: Server, policy=None):
         self.server = server
-        config = uvicorn.Config(create_app(server), host="127.0.0.1", port=0, log_level="warning")
+        self.app = create_app(server, policy)   # policy None: the default Policy()
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning")
         self.uv = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.uv.run, daemon=True)
         self.thread.start()
@@ -39,8 +40,8 @@ class LiveServer:
             if time.monotonic() > deadline or not self.thread.is_alive():
                 raise RuntimeError("the test server did not start")
             time.sleep(0.02)
-        port = self.uv.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
+        self.port = self.uv.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
 
     @property
     def scheduler(self):

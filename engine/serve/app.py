@@ -3,8 +3,16 @@ and /stats. Streaming answers are Server-Sent Events (sse-starlette) ending in `
 
 Bodies are parsed here (not by FastAPI's 422 machinery) so every bad request is a 400 with an
 OpenAI-style error body; an unknown model is a 404, a full server a 429 with Retry-After, a
+request that waited in the queue past the server's `queue_timeout` a 503 with Retry-After, a
 failure inside the engine a 500 (in a stream, after the 200 has gone: an `error` event, then the
-stream ends). A client that goes away cancels its job: the row leaves before the next step.
+stream ends). Every other error (unknown route 404, wrong method 405, body too large 413) has
+OpenAI's error body too. A stream's 200 goes out with its first token, so a request that never
+got a row still gets a status. A client that goes away cancels its job: a queued job leaves the
+queue at once, a running one leaves before the next step.
+
+Parsing a body and tokenizing its prompt run in a worker thread (Starlette's thread pool), not on
+the event loop: a big prompt does not stall every other stream. Who may call at all (Host, Origin,
+API key, media type, body size) is engine.serve.guard's business.
 """
 from __future__ import annotations
 
@@ -16,22 +24,32 @@ import uuid
 from contextlib import asynccontextmanager
 
 from sse_starlette.sse import EventSourceResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request    # what FastAPI hands a route (fastapi.Request is this class)
 from starlette.responses import JSONResponse
 
-from engine.serve.errors import APIError, bad_request, server_error
+from engine.serve.errors import APIError, bad_request, queue_timeout, server_error
+from engine.serve.guard import HostGuard, Policy, RequestGuard
 from engine.serve.scheduler import Failure, Token
 from engine.serve.schemas import ChatRequest, CompletionRequest, parse
 from engine.serve.server import COMPLETION_DEFAULT_MAX_TOKENS, Server
 
-POLL_S = 0.25     # a non-streaming handler checks for a vanished client this often
+POLL_S = 0.25     # a handler waiting for events checks for a vanished client this often
 DONE = b"data: [DONE]\r\n\r\n"
+MAX_DEPTH = 64    # JSON nesting a body may have (a chat request needs 4)
 
 
-def create_app(server: Server) -> "FastAPI":
+def create_app(server: Server, policy: Policy | None = None) -> "FastAPI":
+    """The app serving `server`, behind `policy`'s guard (default: Policy(), loopback Hosts only, no
+    key, no CORS, no docs, 4 MiB bodies)."""
     # FastAPI (with pydantic's machinery) takes ~250 ms to import: only `gen serve` pays for it, not
     # every `gen` command that imports the CLI.
     from fastapi import FastAPI
+    from fastapi.exceptions import RequestValidationError
+
+    policy = policy if policy is not None else Policy()
 
     @asynccontextmanager
     async def lifespan(app):
@@ -41,13 +59,33 @@ def create_app(server: Server) -> "FastAPI":
         finally:
             server.scheduler.stop()
 
-    app = FastAPI(title="gen", lifespan=lifespan)
+    docs = {} if policy.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="gen", lifespan=lifespan, **docs)
     app.state.server = server
+    app.state.policy = policy
+    # the last added runs first: HostGuard, then CORS (answers preflights), then RequestGuard
+    app.add_middleware(RequestGuard, policy=policy)
+    if policy.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(policy.cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"], max_age=600)
+    app.add_middleware(HostGuard, policy=policy)
     created = int(time.time())
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
         return exc.response()
+
+    @app.exception_handler(HTTPException)   # the router's 404 and 405 (FastAPI's would be {"detail": ...})
+    async def _http_error(request, exc: HTTPException):
+        where = f"{request.method} {request.url.path}"
+        message, code = {404: (f"Invalid URL ({where})", "unknown_url"),
+                         405: (f"Method not allowed ({where})", "method_not_allowed")}.get(
+                             exc.status_code, (f"{exc.detail} ({where})", None))
+        return APIError(exc.status_code, message, code=code, headers=exc.headers).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request, exc: RequestValidationError):
+        return APIError(422, f"invalid request: {exc.errors()[0].get('msg', exc)}", code="invalid_value").response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request, exc: Exception):   # a bug: still an OpenAI-style body, and the server goes on
@@ -73,16 +111,23 @@ def create_app(server: Server) -> "FastAPI":
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = parse(CompletionRequest, await _json(request))
-        server.check_model(req.model)
-        return await _serve(request, req, server.completion_ids(req), CompletionFormat(server, req),
-                            COMPLETION_DEFAULT_MAX_TOKENS)
+        req, ids = await _prepare(request, CompletionRequest, server.completion_ids)
+        return await _serve(request, req, ids, CompletionFormat(server, req), COMPLETION_DEFAULT_MAX_TOKENS)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        req = parse(ChatRequest, await _json(request))
-        server.check_model(req.model)
-        return await _serve(request, req, server.chat_ids(req), ChatFormat(server, req), None)
+        req, ids = await _prepare(request, ChatRequest, server.chat_ids)
+        return await _serve(request, req, ids, ChatFormat(server, req), None)
+
+    async def _prepare(request: Request, cls, to_ids):
+        """The body -> (request model, prompt ids), parsed and tokenized in a worker thread."""
+        body = await request.body()
+
+        def work():
+            req = parse(cls, load_json(body))
+            server.check_model(req.model)
+            return req, to_ids(req)
+        return await run_in_threadpool(work)
 
     mailboxes: dict = {}   # one per event loop (the app's; tests may run several servers)
 
@@ -98,25 +143,47 @@ def create_app(server: Server) -> "FastAPI":
         mailbox = _mailbox(loop)
         job = server.make_job(req, ids, lambda ev: mailbox.post(queue, ev), default_max_tokens)
         server.submit(job)
-        if req.stream:
-            return EventSourceResponse(sse_stream(job, queue, fmt, req.include_usage), ping=15)
+        deadline = time.monotonic() + server.queue_timeout if server.queue_timeout else None
         try:
-            while True:
-                try:
-                    events = await _pending(queue, POLL_S)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        job.cancel()
-                        return JSONResponse({}, status_code=499)
-                    continue
+            events = await _wait(request, job, queue, deadline)   # the first token (or why there is none)
+        except BaseException:
+            job.cancel()
+            raise
+        if events is None:
+            return JSONResponse({}, status_code=499)
+        if isinstance(events[0], Failure):
+            job.cancel()
+            return server_error(events[0].message).response()
+        if req.stream:
+            return EventSourceResponse(sse_stream(job, queue, fmt, req.include_usage, events), ping=15)
+        try:
+            while events is not None:
                 for ev in events:
                     if isinstance(ev, Failure):
                         return server_error(ev.message).response()
                     fmt.add(ev)
                     if ev.finish_reason is not None:
                         return fmt.whole(usage(job))
+                events = await _wait(request, job, queue)
+            return JSONResponse({}, status_code=499)
         finally:
             job.cancel()
+
+    async def _wait(request: Request, job, queue: asyncio.Queue, deadline: float | None = None):
+        """`job`'s next events; None once the client has gone (the job is cancelled: a queued job leaves
+        the queue at once). Past `deadline` (time.monotonic) a job still in the queue is withdrawn: 503."""
+        while True:
+            timeout = POLL_S if deadline is None else max(0.0, min(POLL_S, deadline - time.monotonic()))
+            try:
+                return await _pending(queue, timeout)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    job.cancel()
+                    return None
+                if deadline is not None and time.monotonic() >= deadline:
+                    if server.scheduler.withdraw(job):
+                        raise queue_timeout(server.queue_timeout, server.retry_after) from None
+                    deadline = None   # admitted meanwhile: it runs
 
     return app
 
@@ -159,19 +226,20 @@ async def _pending(queue: asyncio.Queue, timeout: float | None = None) -> list:
     return events
 
 
-async def sse_stream(job, queue: asyncio.Queue, fmt, include_usage: bool):
-    """A streaming response's body: SSE events (bytes) for `job`'s tokens as they reach `queue`, then
-    the usage chunk (when asked) and `data: [DONE]`; a Failure ends it with an `error` event. Every
-    event already waiting goes out in one write (one ASGI send): a client whose reader fell behind
-    the decode loop catches up in one send, not one per token."""
+async def sse_stream(job, queue: asyncio.Queue, fmt, include_usage: bool, first: list | None = None):
+    """A streaming response's body: SSE events (bytes) for `job`'s tokens (`first`, those already
+    taken from the queue, then those reaching `queue`), then the usage chunk (when asked) and
+    `data: [DONE]`; a Failure ends it with an `error` event. Every event already waiting goes out in
+    one write (one ASGI send): a client whose reader fell behind the decode loop catches up in one
+    send, not one per token."""
     try:
         opening = [sse(chunk) for chunk in fmt.opening()]
         if opening:
             yield b"".join(opening)
         done = False
         while not done:
-            out = []
-            for ev in await _pending(queue):
+            out, events, first = [], first or await _pending(queue), None
+            for ev in events:
                 if isinstance(ev, Failure):
                     out.append(sse(server_error(ev.message).body()))
                     yield b"".join(out)
@@ -198,12 +266,49 @@ def sse(obj) -> bytes:
     return b"data: " + json.dumps(obj).encode() + b"\r\n\r\n"
 
 
-async def _json(request: Request):
-    body = await request.body()
+def load_json(body: bytes):
+    """A request body -> its JSON value, or a 400: not JSON, nested deeper than MAX_DEPTH, or a string
+    that is not valid Unicode (a lone surrogate such as "\\ud800": no tokenizer can encode it)."""
     try:
-        return json.loads(body)
+        value = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad_request(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
+    except RecursionError:
+        depth = MAX_DEPTH + 1
+    else:   # the walk only where it can find something (C-speed scans: a 4 MiB list of ids is not walked)
+        escaped = b"\\ud" in body or b"\\uD" in body
+        depth = _check_strings(value) if escaped or body.count(b"[") + body.count(b"{") > MAX_DEPTH else 0
+    if depth > MAX_DEPTH:
+        raise bad_request(f"the request body is nested deeper than {MAX_DEPTH} levels", None, "invalid_json")
+    return value
+
+
+def _check_strings(value) -> int:
+    """Walks a JSON value (iteratively): its depth (stops past MAX_DEPTH); a 400 at a string (key or
+    value) holding a lone surrogate."""
+    todo, deepest = [(value, 1)], 0
+    while todo:
+        v, d = todo.pop()
+        deepest = max(deepest, d)
+        if d > MAX_DEPTH:
+            break
+        if isinstance(v, str):
+            strings = (v,)
+        elif isinstance(v, dict):
+            strings = tuple(v)
+            todo.extend((x, d + 1) for x in v.values())
+        elif isinstance(v, list):
+            strings = ()
+            todo.extend((x, d + 1) for x in v)
+        else:
+            continue
+        for text in strings:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise bad_request(f"the request body holds invalid Unicode ({e.reason} at character {e.start} of "
+                                  "a string): send UTF-8 text", None, "invalid_unicode") from None
+    return deepest
 
 
 def usage(job) -> dict:

@@ -28,7 +28,7 @@ import os
 
 import torch
 
-from engine.sampling import SamplingParams, filtered_logits
+from engine.sampling import SamplingParams, filtered_logits, greedy_ids
 
 UNIFORM_BLOCK = 64   # uniforms a sampled row draws from its generator at a time
 
@@ -72,19 +72,24 @@ def sample_rows(samplers: list[RowSampler], logits: torch.Tensor) -> list[int]:
     out = [0] * B
     for rows in groups.values():
         first = samplers[rows[0]]
-        x = logits if len(rows) == B else logits[rows]                                  # (k, V)
+        raw = logits if len(rows) == B else logits[rows]                                # (k, V)
         seen = torch.cat([samplers[b].seen for b in rows]) if first.seen is not None else None
-        x = filtered_logits(x, first.params, seen)
+        x = filtered_logits(raw, first.params, seen)
         if first.params.greedy:
-            tokens = x.argmax(-1).tolist()
+            tokens = greedy_ids(x, raw).tolist()
         else:
             cdf = x.softmax(-1).double().cumsum(-1)                                     # (k, V)
             # u < 1, so u * total < total: the first index whose CDF passes the target is a token of
             # nonzero weight; the target is kept below total against rounding
+            totals = cdf[:, -1].tolist()
             targets = [min(samplers[b].uniform() * total, math.nextafter(total, 0.0))
-                       for b, total in zip(rows, cdf[:, -1].tolist())]
+                       for b, total in zip(rows, totals)]
             target = torch.tensor(targets, dtype=torch.float64, device=cdf.device)[:, None]   # (k, 1)
             tokens = [min(t, V - 1) for t in torch.searchsorted(cdf, target, right=True)[:, 0].tolist()]
+            if not all(total > 0 for total in totals):   # NaN probabilities (a NaN, +inf or no token left in
+                # the row: the CDF would land on the last id): the greedy token
+                fallback = greedy_ids(x, raw).tolist()
+                tokens = [t if total > 0 else f for t, f, total in zip(tokens, fallback, totals)]
         for b, t in zip(rows, tokens):
             out[b] = t
             samplers[b].observe(t)

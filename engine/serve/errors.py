@@ -39,5 +39,11 @@ def over_capacity(retry_after: int) -> APIError:
                     headers={"Retry-After": str(retry_after)})
 
 
+def queue_timeout(waited_s: float, retry_after: int) -> APIError:
+    return APIError(503, f"The request waited {waited_s:g} s in the queue without getting a batch row (the server "
+                         f"is busy); retry after {retry_after} s.", "server_error", None, "queue_timeout",
+                    headers={"Retry-After": str(retry_after)})
+
+
 def server_error(message: str) -> APIError:
     return APIError(500, message, "server_error", None, "internal_error")

@@ -4,7 +4,9 @@
     scheduler.start()
     job = Job(ids, path="linear", params=SamplingParams(...), max_tokens=64, emit=callback)
     scheduler.submit(job)       # raises Full when every batch row and queue place is taken
-    job.cancel()                # the client went away: the row leaves before the next step
+    job.cancel()                # the client went away: a queued job leaves the queue at once, a
+                                # running one leaves before the next step
+    scheduler.withdraw(job)     # True when the job was still queued (it is then out of the queue)
 
 Each attention path has a `Pool`: one batch state holding every active sequence of that path
 and the jobs in row order. A loop iteration (1) admits queued jobs: each is prefilled in a
@@ -75,9 +77,12 @@ class Job:
     cached_tokens: int = 0                    # prompt tokens restored from the prefix cache
     submitted: float = field(default_factory=time.perf_counter)
     _cancelled: threading.Event = field(default_factory=threading.Event)
+    _withdraw: object = None                  # set by Scheduler.submit: takes the job out of its queue
 
     def cancel(self) -> None:
         self._cancelled.set()
+        if self._withdraw is not None:
+            self._withdraw(self)
 
     @property
     def cancelled(self) -> bool:
@@ -151,8 +156,20 @@ class Scheduler:
         with self.cond:
             if self.active + self.admitting + len(self.pending) >= self.max_batch + self.max_queue:
                 raise Full()
+            job._withdraw = self.withdraw
             self.pending.append(job)
             self.cond.notify_all()
+        if job.cancelled:   # cancelled before it was queued: leave at once
+            self.withdraw(job)
+
+    def withdraw(self, job: Job) -> bool:
+        """Take `job` out of the queue; False when it is not there (admitted, finished, or never queued)."""
+        with self.cond:
+            try:
+                self.pending.remove(job)
+            except ValueError:
+                return False
+            return True
 
     # ------------------------------------------------------------------ introspection
     @property

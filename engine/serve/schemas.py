@@ -98,6 +98,12 @@ class Message(BaseModel):
     content: str | list[dict] | None = None
     name: str | None = None
 
+    @model_validator(mode="after")
+    def _content_given(self):
+        if self.content is None and self.role != "assistant":   # OpenAI: only an assistant's may be null
+            raise ValueError(f"a {self.role} message needs content (a string or a list of content parts), not null")
+        return self
+
     def text(self) -> str:
         if isinstance(self.content, list):   # content parts: keep the text ones
             return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")

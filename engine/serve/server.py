@@ -9,7 +9,11 @@ at most `max_context` tokens, prompt included (a longer prompt is a 400; `max_to
 what fits, finish_reason "length"), so the KV caches never exceed max_batch x 2 x max_context
 slots (rows are right-aligned to the longest); a hybrid sequence's KV layers count the same way.
 A linear sequence (with or without a sliding window) has no context limit; there `max_context` is
-only the default cap on generated tokens.
+only the default cap on generated tokens. `max_prompt` bounds a prompt's tokens on every path
+(default: max_context, so a linear prompt costs no more prefill time and memory than the longest
+softmax one; 0: no limit): a longer one is a 400 `context_length_exceeded` before it is queued.
+A request that waits in the queue longer than `queue_timeout` seconds (0: forever) leaves it with
+a 503 and Retry-After.
 """
 from __future__ import annotations
 
@@ -22,15 +26,25 @@ from engine.serve.schemas import ChatRequest, CompletionRequest
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
 RETRY_AFTER_S = 1
+DEFAULT_QUEUE_TIMEOUT_S = 60.0
 
 
 class Server:
     def __init__(self, llm, name: str, max_batch: int = 16, max_context: int | None = None,
-                 max_queue: int | None = None, cache: PrefixCache | None = None):
+                 max_queue: int | None = None, cache: PrefixCache | None = None, max_prompt: int | None = None,
+                 queue_timeout: float = DEFAULT_QUEUE_TIMEOUT_S):
         if max_batch < 1:
             raise bad_request(f"max_batch must be >= 1, got {max_batch}")
+        if max_queue is not None and max_queue < 0:
+            raise bad_request(f"max_queue must be >= 0, got {max_queue}")
+        if max_prompt is not None and max_prompt < 0:
+            raise bad_request(f"max_prompt must be >= 0 (0 = no limit), got {max_prompt}")
+        if not queue_timeout >= 0:
+            raise bad_request(f"queue_timeout must be >= 0 seconds (0 = no limit), got {queue_timeout}")
         self.llm, self.name = llm, name
         self.max_context = max_context or llm.model.config.max_position_embeddings
+        self.max_prompt = self.max_context if max_prompt is None else max_prompt
+        self.queue_timeout, self.retry_after = queue_timeout, RETRY_AFTER_S
         self._chat_eos: frozenset | None = None
         self._token_texts: dict[int, str] = {}
         self.scheduler = Scheduler(llm.model, llm.tokenizer, llm.step, max_batch=max_batch, max_queue=max_queue,
@@ -68,6 +82,10 @@ class Server:
             raise bad_request(f"{e}; use /v1/completions", "messages", "chat_unavailable") from None
 
     def make_job(self, req, ids: list[int], emit, default_max_tokens: int | None) -> Job:
+        what = "messages" if isinstance(req, ChatRequest) else "prompt"
+        if self.max_prompt and len(ids) > self.max_prompt:
+            raise bad_request(f"The prompt has {len(ids)} tokens; this server takes at most {self.max_prompt} per "
+                              "request (gen serve --max-prompt). Shorten it.", what, "context_length_exceeded")
         path = req.attention or self.llm.attention
         try:
             layers = self.llm.model.layer_paths(path)
@@ -78,15 +96,16 @@ class Server:
             if room < 1:
                 raise bad_request(f"This model's maximum context length is {self.max_context} tokens; the prompt "
                                   f"has {len(ids)}. Shorten it, or use attention=linear (no context limit).",
-                                  "messages" if isinstance(req, ChatRequest) else "prompt", "context_length_exceeded")
+                                  what, "context_length_exceeded")
             max_tokens = min(req.limit or default_max_tokens or room, room)
         else:
             max_tokens = req.limit or default_max_tokens or self.max_context
         try:
             params = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, min_p=req.min_p,
                                     repetition_penalty=req.repetition_penalty, seed=req.seed)
-        except EngineError as e:
-            raise bad_request(str(e)) from None
+        except EngineError as e:   # the message starts with the parameter's name
+            name = str(e).split(" ", 1)[0]
+            raise bad_request(str(e), name if name in type(req).model_fields else None, "invalid_value") from None
         stop = () if req.stop is None else ((req.stop,) if isinstance(req.stop, str) else tuple(req.stop))
         if stop and self.llm.tokenizer is None:
             raise bad_request("stop strings need a tokenizer, and this model ships none", "stop")

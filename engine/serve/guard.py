@@ -1,0 +1,190 @@
+"""Who may talk to the server, and with how much: the HTTP guard in front of the app (ASGI middleware).
+
+    policy = Policy(api_key="s3cret", allow_hosts=("localhost", "127.0.0.1", "::1"), max_body=4 << 20)
+    app = create_app(server, policy)          # create_app(server): Policy()'s defaults
+
+Refused, each with OpenAI's error body (engine.serve.errors), in this order:
+- a Host header not on `allow_hosts` (400): DNS rebinding points a foreign name at 127.0.0.1, and a
+  page on that name could then read the answers. Loopback names by default; "*" allows any,
+  "*.example.com" a domain's names;
+- OPTIONS when `cors_origins` is empty (405); with origins, Starlette's CORSMiddleware answers
+  preflights as the CORS spec says;
+- an Origin header that is neither on `cors_origins` nor the server's own (403): a web page the
+  user visits may not drive the server;
+- without `Authorization: Bearer <api_key>` when a key is set (401), on every route but /health
+  (and the docs pages when they are on);
+- a POST whose body is not `application/json` (415): forms and text/plain are what a page can send
+  without a preflight;
+- a body over `max_body` bytes (413, connection closed): refused from its Content-Length before a
+  byte is read, else as soon as the bytes received pass the limit (a chunked body is never buffered
+  whole).
+"""
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+
+from engine.serve.errors import APIError
+
+LOOPBACK = ("localhost", "127.0.0.1", "::1")
+DEFAULT_MAX_BODY = 4 << 20     # bytes: a 4 MiB JSON body holds ~1M tokens of text
+PUBLIC = frozenset({"/health"})
+DOCS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The HTTP side's settings. api_key None: no key asked; allow_hosts: Host names answered (no
+    port; "*" any); cors_origins: origins a browser page may call from (scheme://host[:port], "*"
+    any), empty: CORS off; docs: serve /docs, /redoc and /openapi.json; max_body: bytes a request
+    body may hold (0: no limit)."""
+    api_key: str | None = None
+    allow_hosts: tuple[str, ...] = LOOPBACK
+    cors_origins: tuple[str, ...] = ()
+    docs: bool = False
+    max_body: int = DEFAULT_MAX_BODY
+
+    def __post_init__(self):
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty (None: no key)")
+        if self.max_body < 0:
+            raise ValueError(f"max_body must be >= 0 (0 = no limit), got {self.max_body}")
+        object.__setattr__(self, "allow_hosts", tuple(_name(h) for h in self.allow_hosts))
+        object.__setattr__(self, "cors_origins", tuple(o.rstrip("/") for o in self.cors_origins))
+
+    def host_allowed(self, host: str | None) -> bool:
+        if "*" in self.allow_hosts:
+            return True
+        if not host:
+            return False
+        name = _name(host)
+        return any(name == h or (h.startswith("*.") and name.endswith(h[1:])) for h in self.allow_hosts)
+
+    def origin_allowed(self, origin: str, host: str | None) -> bool:
+        """A page's Origin may call: one of `cors_origins`, or the server's own (same origin)."""
+        origin = origin.rstrip("/")
+        if "*" in self.cors_origins or origin in self.cors_origins:
+            return True
+        return host is not None and origin.split("://", 1)[-1].lower() == host.lower()
+
+
+def _name(host: str) -> str:
+    """A Host header's name: no port, no IPv6 brackets, no trailing dot, lower case."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host[1:]
+    if host.count(":") == 1:
+        host = host.split(":", 1)[0]
+    return host.rstrip(".")
+
+
+def _headers(scope) -> dict[str, str]:
+    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+
+
+async def _refuse(send, error: APIError, close: bool = False) -> None:
+    response = error.response()
+    if close:
+        response.headers["connection"] = "close"
+    await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
+    await send({"type": "http.response.body", "body": response.body})
+
+
+class HostGuard:
+    """Outermost: the Host allow-list, OPTIONS without CORS, foreign origins."""
+
+    def __init__(self, app, policy: Policy):
+        self.app, self.policy = app, policy
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = _headers(scope)
+        host = headers.get("host")
+        if not self.policy.host_allowed(host):
+            return await _refuse(send, APIError(
+                400, f"Host {host!r} is not served here; start the server with --allow-host NAME to answer it",
+                param=None, code="host_not_allowed"))
+        if scope["method"] == "OPTIONS" and not self.policy.cors_origins:
+            return await _refuse(send, APIError(
+                405, "OPTIONS is not allowed: CORS is off (start the server with --cors-origin ORIGIN)",
+                code="method_not_allowed", headers={"Allow": "GET, POST"}))
+        origin = headers.get("origin")
+        if origin is not None and not self.policy.origin_allowed(origin, host):
+            return await _refuse(send, APIError(
+                403, f"Origin {origin!r} may not call this server; start it with --cors-origin {origin} "
+                     "to allow that page", code="origin_not_allowed"))
+        await self.app(scope, receive, send)
+
+
+class RequestGuard:
+    """Innermost (after CORS): the API key, the body's media type and its size."""
+
+    def __init__(self, app, policy: Policy):
+        self.app, self.policy = app, policy
+        self.public = PUBLIC | (DOCS if policy.docs else frozenset())
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        p, headers = self.policy, _headers(scope)
+        if p.api_key is not None and scope["path"] not in self.public and not _key_matches(headers, p.api_key):
+            return await _refuse(send, APIError(
+                401, "Incorrect or missing API key: send the header `Authorization: Bearer <key>`",
+                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}))
+        if scope["method"] not in BODY_METHODS:
+            return await self.app(scope, receive, send)
+        media = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if media != "application/json":
+            return await _refuse(send, APIError(
+                415, f"The request body must be JSON (Content-Type: application/json), got {media or 'none'!r}",
+                code="unsupported_media_type"), close=True)
+        if not p.max_body:
+            return await self.app(scope, receive, send)
+        declared = headers.get("content-length")
+        if declared is not None:
+            if not declared.strip().isdigit():
+                return await _refuse(send, APIError(400, f"Content-Length {declared!r} is not a number",
+                                                    code="invalid_content_length"), close=True)
+            if int(declared) > p.max_body:
+                return await _refuse(send, too_large(p.max_body), close=True)
+        await self._limited(scope, receive, send)
+
+    async def _limited(self, scope, receive, send):
+        limit, seen, started = self.policy.max_body, 0, False
+
+        async def counted_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise too_large(limit)
+            return message
+
+        async def watched_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, watched_send)
+        except APIError as e:   # a body over the limit read by code that let the error through
+            if started or e.status != 413:
+                raise
+            await _refuse(send, e, close=True)
+
+
+def _key_matches(headers: dict, key: str) -> bool:
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
+def too_large(limit: int) -> APIError:
+    """413; the connection closes after it (the rest of the body is never read)."""
+    return APIError(413, f"The request body is over this server's limit of {limit} bytes (--max-body)",
+                    code="request_too_large", headers={"Connection": "close"})
+
+
+__all__ = ["Policy", "HostGuard", "RequestGuard", "LOOPBACK", "DEFAULT_MAX_BODY", "too_large"]

@@ -1,0 +1,234 @@
+"""Security by default (engine.serve.guard): a Host allow-list (DNS rebinding), foreign origins and
+non-JSON bodies refused (a web page cannot drive the server), an API key when one is set, CORS only
+when asked, no docs unless asked, and every error in OpenAI's shape, malformed input included."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from test_serve_support import NAME, LiveServer, chat_model_dir, make_server  # noqa: F401 (a fixture)
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+from engine.serve import Policy   # noqa: E402
+
+GOOD = {"model": NAME, "prompt": "the cat", "max_tokens": 2, "temperature": 0}
+KEY = "sk-test-0123456789"
+
+
+def openai_error(r: httpx.Response, status: int, code: str | None = None) -> dict:
+    """Asserts `r` is `status` with OpenAI's error body (and `code`, when given); returns the error."""
+    assert r.status_code == status, (r.status_code, r.text)
+    body = r.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+@pytest.fixture(scope="module")
+def live(small_model_dir):
+    srv = LiveServer(make_server(small_model_dir))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def keyed(small_model_dir):
+    srv = LiveServer(make_server(small_model_dir), Policy(api_key=KEY, cors_origins=("http://localhost:3000",),
+                                                          allow_hosts=("localhost", "127.0.0.1", "::1", "my.box")))
+    yield srv
+    srv.stop()
+
+
+# ---------------------------------------------------------------------- who may call
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:8000", "127.0.0.1.evil.example", "10.0.0.7"])
+def test_a_foreign_host_is_refused(live, host):
+    err = openai_error(httpx.get(live.url + "/v1/models", headers={"Host": host}), 400, "host_not_allowed")
+    assert "--allow-host" in err["message"]
+    openai_error(httpx.post(live.url + "/v1/completions", json=GOOD, headers={"Host": host}), 400, "host_not_allowed")
+
+
+@pytest.mark.parametrize("host", ["localhost", "localhost:1234", "127.0.0.1", "[::1]:8000", "[::1]", "LOCALHOST."])
+def test_loopback_hosts_are_answered(live, host):
+    assert httpx.get(live.url + "/v1/models", headers={"Host": host}).status_code == 200
+
+
+def test_allow_host_adds_names_and_star_allows_any(small_model_dir, keyed):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    assert httpx.get(keyed.url + "/v1/models", headers={"Host": "my.box:80", **auth}).status_code == 200
+    openai_error(httpx.get(keyed.url + "/v1/models", headers={"Host": "other.box", **auth}), 400)
+    srv = LiveServer(make_server(small_model_dir), Policy(allow_hosts=("*",)))
+    try:
+        assert httpx.get(srv.url + "/v1/models", headers={"Host": "anything.example"}).status_code == 200
+    finally:
+        srv.stop()
+
+
+def test_a_web_page_cannot_drive_the_server(live):
+    """What a page can send without a CORS preflight (a text/plain or form POST), from a foreign
+    Host (DNS rebinding) or a foreign Origin: refused, never a completion."""
+    body = json.dumps(GOOD)
+    for headers, status in (({"Host": "evil.example", "Origin": "http://evil.example"}, 400),
+                            ({"Origin": "http://evil.example"}, 403),
+                            ({}, 415)):
+        for media in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+            r = httpx.post(live.url + "/v1/completions", content=body, headers={"Content-Type": media, **headers})
+            openai_error(r, status)
+    openai_error(httpx.post(live.url + "/v1/completions", json=GOOD, headers={"Origin": "http://evil.example"}),
+                 403, "origin_not_allowed")
+    same = httpx.post(live.url + "/v1/completions", json=GOOD, headers={"Origin": live.url})   # its own page
+    assert same.status_code == 200, same.text
+
+
+def test_json_with_a_charset_is_json(live):
+    r = httpx.post(live.url + "/v1/completions", content=json.dumps(GOOD),
+                   headers={"Content-Type": "application/json; charset=utf-8"})
+    assert r.status_code == 200, r.text
+
+
+def test_the_api_key_is_asked_on_every_route_but_health(keyed):
+    routes = [("GET", "/v1/models"), ("GET", f"/v1/models/{NAME}"), ("POST", "/v1/completions"),
+              ("POST", "/v1/chat/completions"), ("GET", "/stats")]
+    for method, path in routes:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
+                        {"Authorization": f"Basic {KEY}"}):
+            r = httpx.request(method, keyed.url + path, json=GOOD if method == "POST" else None, headers=headers)
+            openai_error(r, 401, "invalid_api_key")
+            assert r.headers["www-authenticate"] == "Bearer"
+    assert httpx.get(keyed.url + "/health").status_code == 200
+    c = openai.OpenAI(base_url=keyed.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    assert [m.id for m in c.models.list().data] == [NAME]
+    assert c.completions.create(model=NAME, prompt="the cat", max_tokens=2).choices[0].finish_reason
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=keyed.url + "/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_gen_api_key_env_sets_the_key(monkeypatch):
+    """`gen serve` reads GEN_API_KEY (click's envvar) into the Policy it serves with."""
+    from click.testing import CliRunner
+
+    import cli.serve
+    from cli.main import main
+    seen = {}
+    monkeypatch.setattr(cli.serve, "open_server", lambda *a, **k: "server")
+    monkeypatch.setattr(cli.serve, "run", lambda server, **k: seen.update(k))
+    r = CliRunner().invoke(main, ["serve"], env={"GEN_API_KEY": "from-env"})
+    assert r.exit_code == 0, r.output
+    policy = seen["policy"]
+    assert policy.api_key == "from-env" and policy.cors_origins == () and not policy.docs
+    assert set(policy.allow_hosts) == {"localhost", "127.0.0.1", "::1"}
+    r = CliRunner().invoke(main, ["serve", "--api-key", "flag", "--allow-host", "my.box", "--cors-origin",
+                                  "http://a.example", "--docs", "--host", "192.168.5.5"], env={"GEN_API_KEY": "env"})
+    assert r.exit_code == 0, r.output
+    policy = seen["policy"]
+    assert policy.api_key == "flag" and policy.docs and policy.cors_origins == ("http://a.example",)
+    assert {"my.box", "192.168.5.5"} <= set(policy.allow_hosts)
+
+
+# ---------------------------------------------------------------------- CORS
+def test_without_cors_options_is_a_405_in_openais_shape(live):
+    for headers in ({}, {"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"}):
+        r = httpx.options(live.url + "/v1/chat/completions", headers=headers)
+        openai_error(r, 405, "method_not_allowed")
+        assert "access-control-allow-origin" not in r.headers
+
+
+def test_with_cors_origin_preflights_are_answered_for_that_origin_only(keyed):
+    pre = {"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "authorization, content-type"}
+    r = httpx.options(keyed.url + "/v1/chat/completions", headers=pre)   # no key: preflights carry none
+    assert r.status_code == 200, r.text
+    assert r.headers["access-control-allow-origin"] == "http://localhost:3000"
+    assert "POST" in r.headers["access-control-allow-methods"]
+    assert {"authorization", "content-type"} <= {h.strip().lower() for h in
+                                                 r.headers["access-control-allow-headers"].split(",")}
+    r = httpx.options(keyed.url + "/v1/chat/completions", headers=dict(pre, Origin="http://evil.example"))
+    assert r.status_code >= 400 and "access-control-allow-origin" not in r.headers
+    r = httpx.post(keyed.url + "/v1/completions", json=GOOD,
+                   headers={"Origin": "http://localhost:3000", "Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
+
+
+# ---------------------------------------------------------------------- docs and OpenAI-shaped errors
+@pytest.mark.parametrize("path", ["/docs", "/redoc", "/openapi.json"])
+def test_docs_are_off_unless_asked(live, small_model_dir, path):
+    openai_error(httpx.get(live.url + path), 404)
+    srv = LiveServer(make_server(small_model_dir), Policy(docs=True))
+    try:
+        assert httpx.get(srv.url + path).status_code == 200
+    finally:
+        srv.stop()
+
+
+def test_unknown_route_and_wrong_method_are_openai_errors(live):
+    openai_error(httpx.get(live.url + "/v1/nothing"), 404, "unknown_url")
+    openai_error(httpx.post(live.url + "/v1/nothing", json={}), 404, "unknown_url")
+    r = httpx.get(live.url + "/v1/completions")
+    openai_error(r, 405, "method_not_allowed")
+    assert "POST" in r.headers["allow"]
+    openai_error(httpx.delete(live.url + "/v1/models"), 405, "method_not_allowed")
+
+
+def test_a_validation_error_is_an_openai_error(small_model_dir):
+    """FastAPI's own parameter validation (a 422) answers in OpenAI's shape too (a probe route: the
+    server's routes parse their bodies themselves)."""
+    srv = LiveServer(make_server(small_model_dir))
+    try:
+        @srv.app.get("/probe")
+        async def probe(n: int):
+            return {"n": n}
+        assert httpx.get(srv.url + "/probe?n=3").json() == {"n": 3}
+        openai_error(httpx.get(srv.url + "/probe?n=x"), 422)
+    finally:
+        srv.stop()
+
+
+def deep(n: int) -> bytes:
+    return b'{"model": "small", "prompt": "x", "user": ' + b"[" * n + b"]" * n + b"}"
+
+
+MALFORMED = {   # id: (endpoint, raw body, param)
+    "lone-surrogate-prompt": ("completions", b'{"model": "small", "prompt": "a \\ud800 b", "max_tokens": 2}', None),
+    "lone-low-surrogate": ("completions", b'{"model": "small", "prompt": "\\uDC00", "max_tokens": 2}', None),
+    "surrogate-in-a-key": ("completions", b'{"model": "small", "prompt": "x", "\\ud800": 1}', None),
+    "surrogate-in-chat": ("chat/completions", b'{"model": "small", "messages": [{"role": "user", '
+                                              b'"content": "hi \\ud800"}]}', None),
+    "nested-5000": ("completions", deep(5000), None),
+    "nested-100": ("completions", deep(100), None),
+    "user-content-null": ("chat/completions", json.dumps({"model": NAME, "messages": [
+        {"role": "user", "content": None}]}).encode(), "messages"),
+    "user-content-missing": ("chat/completions", json.dumps({"model": NAME, "messages": [
+        {"role": "user"}]}).encode(), "messages"),
+    "not-utf8": ("completions", b'{"model": "small", "prompt": "\xff\xfe"}', None),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_malformed_input_is_a_400_not_a_500(chat_live, case):
+    endpoint, body, param = MALFORMED[case]
+    r = httpx.post(f"{chat_live.url}/v1/{endpoint}", content=body, headers={"Content-Type": "application/json"})
+    err = openai_error(r, 400)
+    assert err["type"] == "invalid_request_error"
+    if param is not None:
+        assert err["param"] == param
+    ok = httpx.post(chat_live.url + "/v1/completions", json=GOOD, timeout=30)
+    assert ok.status_code == 200
+
+
+def test_a_valid_surrogate_pair_and_an_assistant_without_content_are_fine(chat_live):
+    body = b'{"model": "small", "messages": [{"role": "user", "content": "smile \\ud83d\\ude00"}, ' \
+           b'{"role": "assistant", "content": null}, {"role": "user", "content": "again"}], "max_tokens": 2}'
+    r = httpx.post(chat_live.url + "/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 200, r.text
+
+
+@pytest.fixture(scope="module")
+def chat_live(chat_model_dir):
+    srv = LiveServer(make_server(chat_model_dir))
+    yield srv
+    srv.stop()
