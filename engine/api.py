@@ -30,7 +30,7 @@ from engine.loader import load_parts
 from engine.sampling import SamplingParams
 from engine.state_io import SavedState, load as load_state_file, save as save_state_file
 from engine.attention.hybrid import runtime_config
-from engine.steps import Stepper, check_backend
+from engine.steps import DEFAULT_PREFILL_CHUNK, Stepper, check_backend, check_prefill_chunk
 from engine.quant import check_kind, quantize_model
 from engine.threads import set_threads
 from models.registry import path_warning
@@ -46,7 +46,7 @@ def load(model: str = "tiny", attention: str | None = None, feature_map: str | N
          device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
          backend: str = "auto", threads: int | None = None, native: bool = False,
          quantize: str | None = None, softmax_layers=None, window: int | None = None,
-         kv_dtype: str | torch.dtype | None = None) -> "LLM":
+         kv_dtype: str | torch.dtype | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> "LLM":
     """Load a registered model name (`tiny`) or a checkpoint path; attention None = the model's own.
 
     backend: which form runs one-token decode steps (engine.steps): "auto" (default: the C step
@@ -58,6 +58,8 @@ def load(model: str = "tiny", attention: str | None = None, feature_map: str | N
     (engine.attention.hybrid.runtime_config says what each combination means).
     kv_dtype: the KV cache's dtype (default: the model's), e.g. "float16" under fp32 weights, as
     llama.cpp keeps its cache: half the cache's bytes, keys and values rounded to 16 bits.
+    prefill_chunk: prompts are prefilled in blocks of at most this many tokens (0: one block), as
+    `gen --prefill-chunk` and `gen serve` do, so the same request gives the same tokens everywhere.
 
     Warns (UntrainedPathWarning) when `attention` is a path the weights were not trained for.
     """
@@ -66,6 +68,7 @@ def load(model: str = "tiny", attention: str | None = None, feature_map: str | N
     if feature_map is not None:
         get_feature_map(feature_map)
     backend = "native" if native else check_backend(backend)
+    check_prefill_chunk(prefill_chunk)
     if quantize is not None:
         check_kind(quantize)
     set_threads(threads)
@@ -74,17 +77,18 @@ def load(model: str = "tiny", attention: str | None = None, feature_map: str | N
     if quantize is not None:
         quantize_model(net, quantize)
     return LLM(net, tokenizer, attention=attention, feature_map=feature_map, name=str(model), backend=backend,
-               chat_template=template, _stacklevel=3)
+               chat_template=template, prefill_chunk=prefill_chunk, _stacklevel=3)
 
 
 class LLM:
     """A loaded model + tokenizer (or None) + the attention path and feature map to run."""
 
     def __init__(self, model, tokenizer=None, attention: str | None = None, feature_map: str | None = None,
-                 name: str | None = None, backend: str = "auto", chat_template=None, _stacklevel: int = 2):
+                 name: str | None = None, backend: str = "auto", chat_template=None,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, _stacklevel: int = 2):
         self.model, self.tokenizer, self.name = model, tokenizer, name
         self.chat_template = chat_template       # models.chat_template.ChatTemplate or None
-        self.step = Stepper(model, backend)      # the step form the generation loop calls
+        self.step = Stepper(model, backend, prefill_chunk=prefill_chunk)   # what the generation loop calls
         self.attention = check_path(attention or model.config.attention)
         self.feature_map = feature_map
         if feature_map is not None:

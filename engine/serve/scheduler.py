@@ -9,13 +9,18 @@
     scheduler.withdraw(job)     # True when the job was still queued (it is then out of the queue)
 
 Each attention path has a `Pool`: one batch state holding every active sequence of that path
-and the jobs in row order. A loop iteration (1) admits queued jobs: each is prefilled in a
-batch-1 state (restored from the prefix cache when its prompt extends a cached one; prompts of
-one path and length arriving together are prefilled as one unpadded batch, then split), its
-first token sampled, and the state joined to its pool's batch (`State.concat`: a KV row is
-right-aligned, its leading slots masked pads, so it keeps its own positions); (2) runs one
-decode step per pool over every row; (3) drops finished and cancelled rows
-(`State.select_rows`, which also trims pad slots no kept row needs).
+and the jobs in row order. A loop iteration (1) admits queued jobs: each gets a batch-1 state
+(restored from the prefix cache when its prompt extends a cached one; prompts of one path and
+length that fit one chunk, arriving together, are prefilled at once as one unpadded batch, then
+split); (2) prefills: every prompt with at most one chunk left is finished, and the oldest longer
+one advances by one chunk of `stepper.prefill_chunk` tokens (chunked prefill, as vLLM and
+llama-server do: a long prompt is fed between decode steps, so the running streams keep flowing;
+the chunks start where the stepper's own would, so the tokens equal the API's); a prompt done has
+its first token sampled and its state joined to its pool's batch (`State.concat`: a KV row is
+right-aligned, its leading slots masked pads, so it keeps its own positions); (3) runs one decode
+step per pool over every row; (4) drops finished and cancelled rows (`State.select_rows`, which
+also trims pad slots no kept row needs). Prompts being prefilled hold a row's place: they count
+against max_batch.
 
 A request's tokens do not depend on what else runs: each job has its own `RowSampler` (its own
 seeded torch.Generator; a step samples every row in one pass, engine.serve.batch_sampling), its
@@ -99,6 +104,19 @@ class Running:
         self.stopper = StopText(job.stop)
 
 
+@dataclass(eq=False)
+class Prefill:
+    """A job whose prompt is being fed chunk by chunk: its batch-1 state and how many ids it holds."""
+    run: Running
+    state: object
+    done: int                                     # prompt ids in the state (restored or fed)
+    logits: torch.Tensor | None = None            # (1, V) after the last chunk fed; None if it failed
+
+    @property
+    def left(self) -> int:
+        return len(self.run.job.ids) - self.done
+
+
 @dataclass
 class Pool:
     """One attention path's batch: the state (None when empty) and its jobs in row order."""
@@ -120,6 +138,8 @@ class Scheduler:
         self.eos = frozenset(eos_set(model.config, tokenizer))
         self.pools: dict[str, Pool] = {}
         self.pending: deque[Job] = deque()
+        self.prefilling: list[Prefill] = []      # admitted, prompt not fed yet (oldest first)
+        self.chunk = getattr(stepper, "prefill_chunk", 0) or 0   # 0: whole prompts in one block
         self.cond = threading.Condition()
         self.thread: threading.Thread | None = None
         self._stopping = False
@@ -146,15 +166,17 @@ class Scheduler:
             self.cond.notify_all()
         if self.thread is not None:
             self.thread.join(timeout)
-        for job in list(self.pending) + [r.job for p in self.pools.values() for r in p.rows]:
+        for job in (list(self.pending) + [p.run.job for p in self.prefilling]
+                    + [r.job for p in self.pools.values() for r in p.rows]):
             job.emit(Failure("the server is shutting down"))
         self.pending.clear()
+        self.prefilling.clear()
         self.pools.clear()
         self._flush()
 
     def submit(self, job: Job) -> None:
         with self.cond:
-            if self.active + self.admitting + len(self.pending) >= self.max_batch + self.max_queue:
+            if self.active + self.admitting + len(self.prefilling) + len(self.pending) >= self.max_batch + self.max_queue:
                 raise Full()
             job._withdraw = self.withdraw
             self.pending.append(job)
@@ -186,7 +208,8 @@ class Scheduler:
         """Counts, and `timing`: the loop's iterations and tokens emitted; wall and thread-CPU seconds
         inside decode steps (step_s, step_cpu_s) and inside whole iterations (busy_s, busy_cpu_s: admission,
         steps, sampling, delivery); CPU seconds sampling and delivering tokens; the loop's OS thread id."""
-        return {"active": self.active, "queued": len(self.pending), "states": self.states,
+        return {"active": self.active, "queued": len(self.pending), "prefilling": len(self.prefilling),
+                "states": self.states,
                 "state_bytes": sum(p.state.nbytes for p in list(self.pools.values()) if p.state is not None),
                 "steps": self.steps, "failures": self.failures, "peak_active": self.peak_active,
                 "max_batch": self.max_batch, "max_queue": self.max_queue, "prefix_cache": self.cache.stats(),
@@ -197,20 +220,21 @@ class Scheduler:
         self.thread_id = threading.get_native_id()
         while True:
             with self.cond:
-                while not self._stopping and not self.pending and not self.active:
+                while not self._stopping and not self.pending and not self.active and not self.prefilling:
                     self.cond.wait(0.5)
                 if self._stopping:
                     return
-                room = self.max_batch - self.active
+                room = self.max_batch - self.active - len(self.prefilling)
                 new = [self.pending.popleft() for _ in range(min(room, len(self.pending)))]
                 self.admitting = len(new)   # taken from the queue, not yet rows: they still count
             t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 self._iterate(new)
             except Exception as e:   # noqa: BLE001 -- a bug in the loop itself: fail what is in flight, go on
-                rows = [r for pool in self.pools.values() for r in pool.rows]
+                rows = [r for pool in self.pools.values() for r in pool.rows] + [p.run for p in self.prefilling]
                 in_pools = {id(r.job) for r in rows}
                 self.pools.clear()
+                self.prefilling.clear()
                 self._fail(Pool(), rows, e)
                 for job in new:
                     if job.finish_reason is None and id(job) not in in_pools:
@@ -231,23 +255,67 @@ class Scheduler:
                 pass
 
     def _iterate(self, new: list[Job]) -> None:
-        """One loop iteration: admit `new` jobs, then one decode step per path."""
+        """One loop iteration: admit `new` jobs, feed prompts (all short ones, one chunk of the oldest
+        long one), then one decode step per path."""
         joining: dict[str, list] = {}
         live = [job for job in new if not job.cancelled]
         hits = {id(job): self.cache.lookup(job.path, job.ids) for job in live}
-        ready = self._prefill_together([job for job in live if hits[id(job)] is None])
+        ready = self._prefill_together([job for job in live if hits[id(job)] is None
+                                        and (not self.chunk or len(job.ids) <= self.chunk)])
         # the cheap first: a cache hit or a job prefilled with others sends its first token before the
         # jobs that still need a prefill of their own
         live.sort(key=lambda job: hits[id(job)] is None and id(job) not in ready)
         for job in live:
             admitted = self._admit(job, hits[id(job)], ready.get(id(job)))
-            if admitted is not None:
+            if isinstance(admitted, Prefill):
+                self.prefilling.append(admitted)
+            elif admitted is not None:
                 joining.setdefault(job.path, []).append(admitted)
+        self.admitting = 0
+        for prefill in self._feed():
+            admitted = self._first_token(prefill.run, prefill.state, prefill.logits)
+            if admitted is not None:
+                joining.setdefault(prefill.run.job.path, []).append(admitted)
         for path, items in joining.items():
             self._join(path, items)
-        self.admitting = 0
         for path in list(self.pools):
             self._step(path)
+
+    def _feed(self) -> list[Prefill]:
+        """Feed the prompts being prefilled: each with at most one chunk left is finished; the oldest
+        longer one gets one chunk (every one runs to its end when nothing is decoding: there is no
+        stream to keep flowing). Returns the prefills now complete, in admission order."""
+        self.prefilling = [p for p in self.prefilling if not p.run.job.cancelled]
+        chunk = self.chunk
+        decoding = any(pool.rows for pool in self.pools.values())
+        long_fed = False
+        for p in self.prefilling:
+            if chunk and decoding and p.left > chunk:
+                if long_fed:
+                    continue
+                long_fed = True
+                self._feed_one(p, chunk)
+            else:
+                self._feed_one(p, p.left)
+        done = [p for p in self.prefilling if p.left == 0 and p.logits is not None]
+        self.prefilling = [p for p in self.prefilling if p.left > 0]
+        return done
+
+    def _feed_one(self, p: Prefill, n: int) -> None:
+        """Feed the next `n` ids of p's prompt (the stepper cuts them into chunks from where it starts)."""
+        job = p.run.job
+        try:
+            t0 = time.perf_counter()
+            tokens = torch.tensor([job.ids[p.done:p.done + n]], device=self.model.device)   # (1, n)
+            p.logits = self.stepper(tokens, p.state, last_only=True)[:, -1]                 # (1, V)
+            p.done += n
+            self.cache.record_prefill(n, time.perf_counter() - t0)
+            if p.left == 0:
+                self.cache.put(job.path, job.ids, p.state, p.logits)
+        except Exception as e:   # noqa: BLE001 -- a failed prefill fails this request only
+            self.failures += 1
+            job.emit(Failure(f"prefill failed: {type(e).__name__}: {e}"))
+            p.done, p.logits = len(job.ids), None
 
     def _prefill_together(self, jobs: list[Job]) -> dict:
         """Prompts of one path and one length arriving together are prefilled as one batch (no pads,
@@ -274,35 +342,38 @@ class Scheduler:
         return ready
 
     def _admit(self, job: Job, hit=None, ready=None):
-        """Sample `job`'s first token after its prefill: `ready` (state, logits) when it was prefilled
-        with others, else from the prefix cache `hit` (entry, tokens) when there is one, else alone.
-        Returns (Running, batch-1 state) when the job goes on decoding, else None."""
+        """Start `job`. With `ready` (state, logits: prefilled with others) or a prefix cache `hit`
+        (entry, tokens) holding its whole prompt, sample its first token now: (Running, batch-1 state),
+        or None when it is already finished. Otherwise a Prefill (a fresh state, or the cached
+        prefix's) for `_feed`."""
         try:
             run = Running(job, self.tokenizer, self.model.config.vocab_size, self.model.device)
             need = len(job.ids) + job.max_tokens
-            t0 = time.perf_counter()
             if ready is not None:
                 state, logits = ready
                 self.cache.put(job.path, job.ids, state, logits)
-            elif hit is not None:
+                return self._first_token(run, state, logits)
+            if hit is not None:
                 entry, n = hit
                 state = entry.state.select_rows([0], max_len=need)
                 job.cached_tokens = n
-                logits = entry.logits if n == len(job.ids) else None
-            else:
-                state, n, logits = self.model.init_state(batch=1, max_len=need, attention=job.path,
-                                                         feature_map=self.feature_map), 0, None
-            if logits is None:
-                tokens = torch.tensor([job.ids[n:]], device=self.model.device)   # (1, T)
-                logits = self.stepper(tokens, state, last_only=True)[:, -1]      # (1, V)
-                self.cache.record_prefill(len(job.ids) - n, time.perf_counter() - t0)
-                self.cache.put(job.path, job.ids, state, logits)
-            if not self._emit([run], logits)[0]:
-                return None
-            return run, state
+                if n == len(job.ids):
+                    return self._first_token(run, state, entry.logits)
+                return Prefill(run, state, n)
+            return Prefill(run, self.model.init_state(batch=1, max_len=need, attention=job.path,
+                                                      feature_map=self.feature_map), 0)
         except Exception as e:   # noqa: BLE001 -- a failed prefill fails this request only
             self.failures += 1
             job.emit(Failure(f"prefill failed: {type(e).__name__}: {e}"))
+            return None
+
+    def _first_token(self, run: Running, state, logits):
+        """Sample and send a prefilled job's first token: (Running, state) if it goes on, else None."""
+        try:
+            return (run, state) if self._emit([run], logits)[0] else None
+        except Exception as e:   # noqa: BLE001
+            self.failures += 1
+            run.job.emit(Failure(f"prefill failed: {type(e).__name__}: {e}"))
             return None
 
     def _join(self, path: str, items: list) -> None:

@@ -1,0 +1,129 @@
+"""Chunked prefill: what a chunk size costs the prompt and what it saves the streams already running.
+
+    python benchmarks/prefill_chunk.py --model smollm2 --chunks 8,16,32,64,0 --paths softmax,linear --streams 1,16
+
+Part 1, per chunk size: prefill tokens/s of a `--prompt`-token prompt fed through the stepper, and the
+median time of one chunk. Part 2, per chunk size, path and number of running streams: the server's
+scheduler (in-process) decodes N greedy streams; once they run, a `--prompt`-token prompt is
+admitted; the streams' inter-token gaps while it is fed are compared with their median gap before it
+came (issue 29's target: worst <= 3x median). Chunk 0 = the whole prompt in one block (no chunking).
+Prints one table per part and, with --json, writes the records.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+
+import torch
+
+from engine import load
+from engine.sampling import SamplingParams
+from engine.serve.scheduler import Job, Scheduler
+from engine.steps import make_step
+
+
+def prompt_ids(n: int, vocab: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab - 1, (n,), generator=g).tolist()
+
+
+def prefill_rate(llm, path: str, chunk: int, n: int) -> dict:
+    model = llm.model
+    step = make_step(model, threads=None, prefill_chunk=chunk)
+    ids = torch.tensor([prompt_ids(n, model.config.vocab_size)])
+    state = model.init_state(1, n + 1, path)
+    step(ids[:, :16], model.init_state(1, 17, path), last_only=True)      # warm-up (native build, pool)
+    times, c = [], chunk or n
+    t0 = time.perf_counter()
+    for s in range(0, n, c):
+        t = time.perf_counter()
+        step(ids[:, s:s + c], state, last_only=True)
+        times.append(time.perf_counter() - t)
+    total = time.perf_counter() - t0
+    return {"chunk": chunk, "path": path, "prompt": n, "prefill_tokens_per_s": n / total,
+            "chunk_ms_median": 1e3 * statistics.median(times)}
+
+
+class Stream:
+    def __init__(self):
+        self.times = []
+
+    def __call__(self, event):
+        self.times.append(time.perf_counter())
+
+
+def gaps(llm, path: str, chunk: int, streams: int, n: int, before: int = 20) -> dict:
+    step = make_step(llm.model, prefill_chunk=chunk)
+    sched = Scheduler(llm.model, llm.tokenizer, step, max_batch=streams + 1)
+    sched.start()
+    params = SamplingParams(temperature=0.0)
+    runs = [Stream() for _ in range(streams)]
+    jobs = [Job(prompt_ids(8, llm.model.config.vocab_size, seed=i + 1), path, params, max_tokens=100_000,
+                emit=r, ignore_eos=True) for i, r in enumerate(runs)]
+    try:
+        for job in jobs:
+            sched.submit(job)
+        while min(len(r.times) for r in runs) < before:
+            time.sleep(0.005)
+        first = threading.Event()
+        admitted = time.perf_counter()
+        sched.submit(Job(prompt_ids(n, llm.model.config.vocab_size, seed=99), path, params, max_tokens=1,
+                         emit=lambda e: first.set()))
+        first.wait(600)
+        done = time.perf_counter()
+    finally:
+        for job in jobs:
+            job.cancel()
+        sched.stop()
+    calm, busy = [], []
+    for r in runs:
+        t = r.times
+        calm += [b - a for a, b in zip(t, t[1:]) if b < admitted]
+        busy += [b - a for a, b in zip(t, t[1:]) if b >= admitted and a <= done]   # gaps that overlap the admission
+    median = statistics.median(calm)
+    worst = max(busy) if busy else float("nan")
+    return {"chunk": chunk, "path": path, "streams": streams, "prompt": n, "median_gap_ms": 1e3 * median,
+            "worst_gap_ms": 1e3 * worst, "worst_over_median": worst / median, "ttft_s": done - admitted,
+            "tokens_while_admitting": len(busy)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--chunks", default="8,16,32,64,0")
+    ap.add_argument("--paths", default="softmax,linear")
+    ap.add_argument("--streams", default="1,16")
+    ap.add_argument("--prompt", type=int, default=4096)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", dest="json_path")
+    a = ap.parse_args()
+    chunks = [int(c) for c in a.chunks.split(",")]
+    paths, streams = a.paths.split(","), [int(s) for s in a.streams.split(",")]
+    llm = load(a.model, threads=a.threads)
+    records = []
+    print("| path | chunk | prefill tok/s | chunk ms (median) |\n| --- | ---: | ---: | ---: |")
+    for path in paths:
+        for chunk in chunks:
+            r = prefill_rate(llm, path, chunk, min(a.prompt, 1024))
+            records.append(r)
+            print(f"| {path} | {chunk or 'whole'} | {r['prefill_tokens_per_s']:.0f} | {r['chunk_ms_median']:.1f} |",
+                  flush=True)
+    print("\n| path | streams | chunk | median gap ms | worst gap ms | worst / median | TTFT of the long prompt s |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for path in paths:
+        for s in streams:
+            for chunk in chunks:
+                r = gaps(llm, path, chunk, s, a.prompt)
+                records.append(r)
+                print(f"| {path} | {s} | {chunk or 'whole'} | {r['median_gap_ms']:.1f} | {r['worst_gap_ms']:.1f} | "
+                      f"{r['worst_over_median']:.1f}x | {r['ttft_s']:.1f} |", flush=True)
+    if a.json_path:
+        with open(a.json_path, "w") as f:
+            json.dump({"model": a.model, "records": records}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

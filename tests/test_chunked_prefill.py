@@ -1,0 +1,132 @@
+"""Chunked prefill: prompts run in blocks of `prefill_chunk` tokens everywhere (the API, the CLI, the
+server), and the server feeds a long prompt one chunk between decode steps, so a running stream keeps
+getting tokens while it is admitted (PITFALLS 23). No timing is asserted: the test counts the
+running stream's tokens delivered between the long prompt's arrival and its first token."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from engine import load
+from engine.api import LLM
+from engine.errors import InvalidArgumentError
+from engine.sampling import SamplingParams
+from engine.serve.scheduler import Failure, Job, Scheduler
+from engine.steps import DEFAULT_PREFILL_CHUNK, make_step
+
+LONG = 400          # the long prompt: 25 chunks of 16
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return load("tiny", attention="softmax")
+
+
+def ids(n: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return [1] + torch.randint(5, 500, (n - 1,), generator=g).tolist()
+
+
+@pytest.mark.parametrize("path", ["softmax", "linear"])
+def test_chunked_prompt_block_equals_one_block(llm, path):
+    """The stepper's chunks leave the logits one block would, within float error, on a padded batch."""
+    m = llm.model
+    a, b = ids(70, 1), ids(45, 2)
+    tokens = torch.tensor([a, [0] * 25 + b])
+    valid = torch.tensor([[True] * 70, [False] * 25 + [True] * 45])
+    out = {}
+    for chunk in (0, 16):
+        step = make_step(m, prefill_chunk=chunk)
+        state = m.init_state(2, 80, path)
+        out[chunk] = step(tokens, state, valid=valid, last_only=True)[:, -1]
+    d = (out[0] - out[16]).abs().max().item()
+    print(f"max |logit diff| chunk 16 vs one block: {d:.2e}")
+    assert d < 1e-4
+
+
+def test_prefill_chunk_is_checked():
+    with pytest.raises(InvalidArgumentError, match="prefill_chunk"):
+        load("tiny", prefill_chunk=-1)
+    with pytest.raises(InvalidArgumentError, match="prefill_chunk"):
+        make_step(load("tiny").model, prefill_chunk=2.5)
+    assert load("tiny").step.prefill_chunk == DEFAULT_PREFILL_CHUNK
+
+
+class Collector:
+    def __init__(self):
+        self.ids, self.done, self.failed = [], threading.Event(), None
+
+    def __call__(self, event):
+        if isinstance(event, Failure):
+            self.failed = event.message
+            self.done.set()
+            return
+        self.ids.append(event.id)
+        if event.finish_reason is not None:
+            self.done.set()
+
+
+def greedy():
+    return SamplingParams(temperature=0.0)
+
+
+@pytest.mark.parametrize("path", ["softmax", "linear"])
+def test_a_long_prompt_is_fed_between_decode_steps(llm, path):
+    sched = Scheduler(llm.model, llm.tokenizer, llm.step, max_batch=4)
+    sched.start()
+    try:
+        running = Collector()
+        sched.submit(Job(ids(8, 3), path, greedy(), max_tokens=10_000, emit=running, ignore_eos=True))
+        while len(running.ids) < 3:
+            running.done.wait(0.01)
+        late = Collector()
+        first_seen = []
+
+        def on_late(event):
+            if not first_seen:
+                first_seen.append(len(running.ids))
+            late(event)
+        at_submit = len(running.ids)
+        sched.submit(Job(ids(LONG, 4), path, greedy(), max_tokens=8, emit=on_late))
+        assert late.done.wait(60), late.failed
+        assert late.failed is None
+        between = first_seen[0] - at_submit
+        chunks = -(-LONG // llm.step.prefill_chunk)
+        print(f"{between} tokens of the running stream while {chunks} chunks were fed")
+        assert between >= chunks - 2      # one decode step per chunk (one iteration may have begun already)
+        alone = LLM(llm.model, llm.tokenizer, attention=path).generate([ids(LONG, 4)], max_new_tokens=8, temperature=0,
+                                                                     max_context=LONG + 8)[0]
+        assert late.ids == alone.ids      # the server's chunks are the API's: the same tokens
+    finally:
+        running_job_cancel(sched)
+        sched.stop()
+
+
+def running_job_cancel(sched):
+    for pool in list(sched.pools.values()):
+        for r in pool.rows:
+            r.job.cancel()
+
+
+def test_a_cancelled_prompt_leaves_while_being_fed(llm):
+    sched = Scheduler(llm.model, llm.tokenizer, llm.step, max_batch=2, max_queue=0)
+    sched.start()
+    try:
+        running = Collector()
+        sched.submit(Job(ids(8, 5), "linear", greedy(), max_tokens=10_000, emit=running, ignore_eos=True))
+        while len(running.ids) < 2:
+            running.done.wait(0.01)
+        long = Job(ids(4000, 6), "linear", greedy(), max_tokens=4, emit=Collector())
+        sched.submit(long)
+        while not sched.prefilling:
+            running.done.wait(0.005)
+        assert sched.stats()["prefilling"] == 1
+        long.cancel()
+        while sched.prefilling:
+            running.done.wait(0.005)
+        sched.submit(Job(ids(5, 7), "linear", greedy(), max_tokens=2, emit=Collector()))   # room again
+    finally:
+        running_job_cancel(sched)
+        sched.stop()
