@@ -7,6 +7,7 @@ import sys
 import click
 
 from engine.errors import EngineError
+from engine.steps import DEFAULT_PREFILL_CHUNK
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -43,3 +44,12 @@ FEATURE_MAP_HELP = ("linear attention feature map: elu1, relu, softmax, cos1, or
 
 KV_DTYPE_HELP = ("the KV cache's dtype (default: the model's): float32, float16, bfloat16; float16 under fp32 "
                  "weights halves the cache, as llama.cpp keeps it")
+
+
+def prefill_chunk_option(fn):
+    """`--prefill-chunk N`, one declaration for every command that generates (gen, chat, serve)."""
+    return click.option("--prefill-chunk", type=click.IntRange(min=0), default=DEFAULT_PREFILL_CHUNK,
+                        show_default=True,
+                        help="prefill prompts in blocks of at most N tokens (0: one block); the server feeds "
+                             "one block between decode steps. The same N gives the same tokens in gen, "
+                             "the Python API and gen serve")(fn)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from cli.common import FEATURE_MAP_HELP, KV_DTYPE_HELP, fail, run_guarded
+from cli.common import FEATURE_MAP_HELP, KV_DTYPE_HELP, fail, prefill_chunk_option, run_guarded
 from engine.serve import Policy, open_server, run
 from engine.serve.guard import DEFAULT_MAX_BODY, LOOPBACK
 from engine.serve.server import DEFAULT_QUEUE_TIMEOUT_S
@@ -46,9 +46,10 @@ ANY_ADDRESS = ("0.0.0.0", "::", "")
               help="let web pages from ORIGIN (e.g. http://localhost:3000; '*' any) call the server; repeatable "
                    "(default: CORS off, foreign Origins refused)")
 @click.option("--docs", is_flag=True, help="serve /docs, /redoc and /openapi.json (off by default)")
+@prefill_chunk_option
 def serve_cmd(model_name, attention, softmax_layers, window, feature_map, host, port, max_batch, max_queue,
               max_context, dtype, kv_dtype, backend, threads, max_prompt, queue_timeout, max_body, api_key,
-              allow_hosts, cors_origins, docs):
+              allow_hosts, cors_origins, docs, prefill_chunk):
     """Serve MODEL over HTTP: /v1/models, /v1/completions, /v1/chat/completions (OpenAI format, SSE streams)."""
     if max_batch < 1:
         fail(f"--max-batch must be >= 1, got {max_batch}")
@@ -75,5 +76,6 @@ def serve_cmd(model_name, attention, softmax_layers, window, feature_map, host, 
                    "are answered: add --allow-host NAME (or '*')", err=True)
     server = run_guarded(lambda: open_server(model_name, attention, feature_map, dtype, backend, threads,
                                              max_batch, max_context, max_queue, softmax_layers, window,
-                                             kv_dtype, max_prompt=max_prompt, queue_timeout=queue_timeout))
+                                             kv_dtype, max_prompt=max_prompt, queue_timeout=queue_timeout,
+                                             prefill_chunk=prefill_chunk))
     run_guarded(lambda: run(server, host=host, port=port, policy=policy))
