@@ -79,6 +79,10 @@ class LowRank(nn.Module):
         a, b = self.lora.factors(self.layer, self.which)
         return self.base.weight + (b @ a).to(self.base.weight.dtype)
 
+    @property
+    def bias(self):     # the base's (Qwen2's q/k/v biases): the adapters change only the matrix
+        return self.base.bias
+
 
 def attach(model, lora: LoRA) -> None:
     """Every layer's adapted projections read `lora` live (training)."""
@@ -95,12 +99,16 @@ def detach(model) -> None:
 
 
 def _merged(base: nn.Module, a: torch.Tensor, b: torch.Tensor) -> nn.Module:
+    """base's matrix + B A (the base's bias, Qwen2's q/k/v, kept as it is)."""
     w = base.weight                                   # QuantLinear: dequantized fp32
     merged = w.float() + b.float() @ a.float()
     if isinstance(base, QuantLinear) and base.in_features % QK == 0:
-        return QuantLinear(quantize(merged, MERGED_KIND), MERGED_KIND, base.in_features, base.out_features)
+        return QuantLinear(quantize(merged, MERGED_KIND), MERGED_KIND, base.in_features, base.out_features,
+                           bias=base.bias)
     out = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
     out.weight = nn.Parameter(merged.to(w.dtype), requires_grad=False)
+    if base.bias is not None:
+        out.bias = nn.Parameter(base.bias.detach().clone(), requires_grad=False)
     return out.eval()
 
 

@@ -59,7 +59,6 @@ from engine.attention.window import window_attention
 from engine.errors import InvalidArgumentError
 from engine.loader import build
 from engine.quant import dequantize_model
-from engine.transformer import apply_rotary
 from models.corpus import read_documents
 from models.linearized import maps_have_decay, read_adapters, read_maps, write_adapters, write_json, write_maps
 from models.registry import read_checkpoint, resolve
@@ -223,17 +222,9 @@ def _sha256(path) -> str:
 def layer_qkv(model, i: int, x: torch.Tensor):
     """x (B, T, C) entering layer i -> post-rotary q (B, H, T, D), k, v (B, Hkv, T, D) and the layer's o_proj."""
     layer = model.layers[i]
-    attn = layer.self_attn
     B, T, _ = x.shape
-    h = layer.input_layernorm(x)
-    q, k, v = attn.qkv(h).split([attn.H * attn.D, attn.Hkv * attn.D, attn.Hkv * attn.D], dim=-1)
-    q = q.view(B, T, attn.H, attn.D).transpose(1, 2)
-    k = k.view(B, T, attn.Hkv, attn.D).transpose(1, 2)
-    v = v.view(B, T, attn.Hkv, attn.D).transpose(1, 2)
-    if model.rotary is not None:
-        cos, sin = model.rotary(torch.arange(T).expand(B, T), x.dtype)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-    return q, k, v
+    rope = model.rotary(torch.arange(T).expand(B, T), x.dtype) if model.rotary is not None else None
+    return layer.self_attn.heads(layer.input_layernorm(x), rope)
 
 
 def project(model, i, out):   # (B, H, T, D) -> (B, T, C) through layer i's o_proj

@@ -165,5 +165,8 @@ def quantized_matrices(hf_tensors, cfg: ModelConfig, device, interleaved_rotary:
                 if n.split(".", 3)[-1] in heads else b for n, (b, _) in zip(names, parts)]
         blocks = rows[0] if len(rows) == 1 else torch.cat(rows)
         out_features = sum(shapes[n][0] for n in names)
-        out[path] = QuantLinear(blocks.to(device), parts[0][1], shapes[names[0]][1], out_features)
+        bias = None   # Qwen2's q/k/v biases stay floats: a placeholder here, filled by build's load_state_dict
+        if cfg.qkv_bias and path.endswith(".self_attn.qkv"):
+            bias = torch.empty(out_features, device="meta")
+        out[path] = QuantLinear(blocks.to(device), parts[0][1], shapes[names[0]][1], out_features, bias=bias)
     return out

@@ -134,16 +134,19 @@ def linear_q8(x: torch.Tensor, blocks: torch.Tensor, kind: str, shape) -> torch.
 
 
 class QuantLinear(nn.Module):
-    """A bias-free Linear whose weight is kept as quantized blocks (`blocks`, uint8)."""
+    """A Linear whose weight is kept as quantized blocks (`blocks`, uint8); its bias, if any (Qwen2's
+    q/k/v), stays a float Parameter."""
 
-    def __init__(self, blocks: torch.Tensor, kind: str, in_features: int, out_features: int):
+    def __init__(self, blocks: torch.Tensor, kind: str, in_features: int, out_features: int,
+                 bias: torch.Tensor | None = None):
         super().__init__()
         self.kind, self.in_features, self.out_features = check_kind(kind), in_features, out_features
         self.register_buffer("blocks", blocks)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, kind: str) -> "QuantLinear":
-        return cls(quantize(linear.weight, kind), kind, linear.in_features, linear.out_features)
+        return cls(quantize(linear.weight, kind), kind, linear.in_features, linear.out_features, bias=linear.bias)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -151,8 +154,9 @@ class QuantLinear(nn.Module):
         return dequantize(self.blocks, self.kind, (self.out_features, self.in_features))
 
     def forward(self, x):   # (..., in) -> (..., out), on the dequantized weights
-        w = self.weight
-        return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype))
+        w, b = self.weight, self.bias
+        return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype), b if b is None or b.dtype == x.dtype
+                        else b.to(x.dtype))
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, {self.kind}"
@@ -162,7 +166,8 @@ class QuantLinearQ8(QuantLinear):
     """A QuantLinear computing as the native step does (`linear_q8`): the reference twin of qdot.c."""
 
     def forward(self, x):   # (..., in) -> (..., out)
-        return linear_q8(x, self.blocks, self.kind, (self.out_features, self.in_features)).to(x.dtype)
+        y = linear_q8(x, self.blocks, self.kind, (self.out_features, self.in_features))
+        return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
 
 
 def q8_reference(model):
@@ -171,7 +176,7 @@ def q8_reference(model):
     ref = copy.deepcopy(model)
 
     def q8(m):
-        return QuantLinearQ8(m.blocks, m.kind, m.in_features, m.out_features) if type(m) is QuantLinear else m
+        return QuantLinearQ8(m.blocks, m.kind, m.in_features, m.out_features, m.bias) if type(m) is QuantLinear else m
 
     for name, module in list(ref.named_modules()):
         for child_name, child in list(module.named_children()):
@@ -182,7 +187,7 @@ def q8_reference(model):
 
 
 def quantizable(linear) -> bool:
-    return isinstance(linear, nn.Linear) and linear.bias is None and linear.in_features % QK == 0
+    return isinstance(linear, nn.Linear) and linear.in_features % QK == 0
 
 
 def quantize_model(model, kind: str) -> list[str]:
@@ -203,7 +208,8 @@ def quantize_model(model, kind: str) -> list[str]:
         if quantizable(module):
             return QuantLinear.from_linear(module, kind)
         if isinstance(module, QuantLinear) and module.kind != kind:
-            return QuantLinear(quantize(module.weight, kind), kind, module.in_features, module.out_features)
+            return QuantLinear(quantize(module.weight, kind), kind, module.in_features, module.out_features,
+                               bias=module.bias)
         return module
 
     with torch.no_grad():
@@ -238,13 +244,15 @@ def weights_label(model, view=None) -> str:
 
 
 def dequantize_model(model) -> None:
-    """Replace every QuantLinear (e.g. a GGUF file's blocks) by a bias-free nn.Linear holding its
-    dequantized weight in the model's dtype, in place: the float form of the same weights."""
+    """Replace every QuantLinear (e.g. a GGUF file's blocks) by an nn.Linear holding its dequantized
+    weight (and its bias) in the model's dtype, in place: the float form of the same weights."""
     def floats(child):
         if not isinstance(child, QuantLinear):
             return child
         lin = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
         lin.weight = nn.Parameter(child.weight.to(model.dtype), requires_grad=False)
+        if child.bias is not None:
+            lin.bias = nn.Parameter(child.bias.detach().to(model.dtype), requires_grad=False)
         return lin
 
     with torch.no_grad():

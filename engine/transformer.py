@@ -1,4 +1,4 @@
-"""A decoder-only Llama-shaped transformer whose attention runs either path.
+"""A decoder-only Llama-shaped transformer (Llama, Mistral, Qwen2, Qwen3) whose attention runs either path.
 
     embed -> L x [x + attn(rmsnorm(x)); x + swiglu(rmsnorm(x))] -> rmsnorm -> lm_head
 
@@ -43,14 +43,23 @@ def rms_norm(x, weight, eps, n):
 
 
 def layer_weights(model, paths=None) -> list[tuple]:
-    """Per layer, the weights one decode step reads: (ln1, qkv, o, ln2, gate_up, down).
+    """Per layer, the weights one decode step reads: (ln1, qkv, qkv_bias, qk_norm, o, ln2, gate_up, down).
 
+    qkv_bias: (H + 2 Hkv) * D or None (Qwen2); qk_norm: (H + Hkv, 1, D), q_norm's weight for each query
+    head then k_norm's for each key head, or None (Qwen3).
     paths: per layer "softmax" or "linear" (default: all softmax); a linear layer reads its
     adapted projections where the model carries them (`Attention.projections`)."""
     paths = paths or ("softmax",) * len(model.layers)
-    return [(b.input_layernorm.weight, *(m.weight for m in b.self_attn.projections(p != "softmax")),
-             b.post_attention_layernorm.weight, b.mlp.gate_up.weight, b.mlp.down_proj.weight)
-            for b, p in zip(model.layers, paths)]
+    out = []
+    for b, p in zip(model.layers, paths):
+        attn = b.self_attn
+        qkv, o = attn.projections(p != "softmax")
+        qk_norm = None
+        if attn.q_norm is not None:
+            qk_norm = torch.cat([attn.q_norm.weight.expand(attn.H, -1), attn.k_norm.weight.expand(attn.Hkv, -1)])[:, None]
+        out.append((b.input_layernorm.weight, qkv.weight, qkv.bias, qk_norm, o.weight,
+                    b.post_attention_layernorm.weight, b.mlp.gate_up.weight, b.mlp.down_proj.weight))
+    return out
 
 
 class RMSNorm(nn.Module):
@@ -141,31 +150,44 @@ def apply_rotary(x, cos, sin):  # x (B, H, T, D)
 
 
 class Attention(nn.Module):
-    """qkv and o_proj; `adapted` = (qkv, o) modules a linear layer runs instead, when the model
-    carries low-rank adapters trained with its linear attention (`engine.adapters`), else None."""
+    """qkv (with a bias for Qwen2), Qwen3's per-head q_norm / k_norm (else None), and o_proj;
+    `adapted` = (qkv, o) modules a linear layer runs instead, when the model carries low-rank
+    adapters trained with its linear attention (`engine.adapters`), else None.
+
+    Order, as transformers: project (+ bias), per-head norm, RoPE; the attention (a linear layer's
+    feature map included) sees q and k after all three."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.H, self.Hkv, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.qkv = nn.Linear(cfg.hidden_size, (self.H + 2 * self.Hkv) * self.D, bias=False)
+        self.qkv = nn.Linear(cfg.hidden_size, (self.H + 2 * self.Hkv) * self.D, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.H * self.D, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.D, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.D, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.adapted = None
 
     def projections(self, linear: bool = False) -> tuple:
         """(qkv, o_proj) modules of this layer run as softmax (linear=False) or linear attention."""
         return self.adapted if linear and self.adapted is not None else (self.qkv, self.o_proj)
 
-    def forward(self, x, rope, attend, linear: bool = False):
+    def heads(self, x, rope, linear: bool = False):
+        """x (B, T, C) -> q (B, H, T, D), k, v (B, Hkv, T, D): projected, normed per head, rotated."""
         B, T, _ = x.shape
-        qkv, o_proj = self.projections(linear)
-        q, k, v = qkv(x).split([self.H * self.D, self.Hkv * self.D, self.Hkv * self.D], dim=-1)
-        q = q.view(B, T, self.H, self.D).transpose(1, 2)       # (B, H, T, D)
-        k = k.view(B, T, self.Hkv, self.D).transpose(1, 2)     # (B, Hkv, T, D)
+        q, k, v = self.projections(linear)[0](x).split([self.H * self.D, self.Hkv * self.D, self.Hkv * self.D], dim=-1)
+        q = q.view(B, T, self.H, self.D)
+        k = k.view(B, T, self.Hkv, self.D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)             # (B, H, T, D), (B, Hkv, T, D)
         v = v.view(B, T, self.Hkv, self.D).transpose(1, 2)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        out = attend(q, k, v)                                   # (B, H, T, D)
-        return o_proj(out.transpose(1, 2).reshape(B, T, self.H * self.D))
+        return q, k, v
+
+    def forward(self, x, rope, attend, linear: bool = False):
+        B, T, _ = x.shape
+        out = attend(*self.heads(x, rope, linear))              # (B, H, T, D)
+        return self.projections(linear)[1](out.transpose(1, 2).reshape(B, T, self.H * self.D))
 
 
 class MLP(nn.Module):

@@ -1,7 +1,7 @@
 """Model configuration: a frozen dataclass read from and written to `config.json`.
 
-Keys use Hugging Face Llama names so that a Llama directory loads as is and our own
-exports load in `transformers`. Our own keys (`attention`, `feature_map`,
+Keys use Hugging Face names so that a Llama, Mistral, Qwen2 or Qwen3 directory loads as is and
+our own exports load in `transformers`. Our own keys (`attention`, `feature_map`,
 `position_encoding`, `linear_rope`, `trained_for`) are ignored by other readers.
 """
 from __future__ import annotations
@@ -10,10 +10,25 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from models.errors import ConfigError
 
-SUPPORTED_MODEL_TYPES = ("llama",)
+
+class Family(NamedTuple):
+    """What a model_type adds to the Llama block (RMSNorm, SwiGLU, RoPE, GQA), which all of them share."""
+    architecture: str           # transformers' class, written into exported configs
+    qkv_bias: bool = False      # q, k and v projections have biases (Qwen2; o_proj has none)
+    qk_norm: bool = False       # per-head RMSNorm on q and k before RoPE (Qwen3's q_norm, k_norm)
+
+
+FAMILIES = {
+    "llama": Family("LlamaForCausalLM"),
+    "mistral": Family("MistralForCausalLM"),
+    "qwen2": Family("Qwen2ForCausalLM", qkv_bias=True),
+    "qwen3": Family("Qwen3ForCausalLM", qk_norm=True),
+}
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 ATTENTION_PATHS = ("softmax", "linear", "hybrid")   # hybrid: per layer, see layer_attention
 LAYER_PATHS = ("softmax", "linear")
 POSITION_ENCODINGS = ("rope", "none")
@@ -149,6 +164,18 @@ class ModelConfig:
         return tuple(eos) if isinstance(eos, (tuple, list)) else (eos,)
 
     @property
+    def family(self) -> Family:
+        return FAMILIES[self.model_type]
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.family.qkv_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.family.qk_norm
+
+    @property
     def num_groups(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
@@ -172,9 +199,14 @@ class ModelConfig:
             "attention_bias": lambda v: bool(v), "mlp_bias": lambda v: bool(v),
             "hidden_act": lambda v: v not in ("silu", "swish"),
         }
+        if model_type == "qwen2":   # Qwen2's q/k/v biases are always there; transformers reads no such key
+            del unsupported["attention_bias"]
         for key, is_bad in unsupported.items():
             if key in raw and is_bad(raw[key]):
                 raise ConfigError(f"{where}: unsupported setting {key}={raw[key]!r}")
+        check_sliding_window(raw, where)
+        if model_type == "qwen3" and raw.get("head_dim") is None:
+            raw["head_dim"] = 128               # transformers' Qwen3Config default, not hidden / heads
         raw["rope_scaling"] = rope_scaling_of(raw, where)
         if "torch_dtype" not in raw and isinstance(raw.get("dtype"), str):
             raw["torch_dtype"] = raw["dtype"]
@@ -210,10 +242,15 @@ class ModelConfig:
                 del d[key]
             elif isinstance(d[key], tuple):
                 d[key] = list(d[key])
-        d["architectures"] = ["LlamaForCausalLM"]
+        d["architectures"] = [self.family.architecture]
         d["hidden_act"] = "silu"
-        d["attention_bias"] = False
+        if self.model_type != "qwen2":
+            d["attention_bias"] = False
         d["mlp_bias"] = False
+        if self.model_type == "mistral":    # transformers' MistralConfig would default to a 4096-token window
+            d["sliding_window"] = None
+        elif self.model_type in ("qwen2", "qwen3"):
+            d["use_sliding_window"] = False
         if d["torch_dtype"] is None:
             del d["torch_dtype"]
         return d
@@ -249,3 +286,29 @@ def rope_scaling_of(raw: dict, where: str) -> dict | None:
                 scaling[name] = value.get(name)
         return scaling
     return None
+
+
+def check_sliding_window(raw: dict, where: str) -> None:
+    """Refuse, in one line, a sliding-window attention the context can outgrow: the softmax path here
+    attends to the whole context (up to max_position_embeddings), which equals a window only while the
+    window covers it. Layers slide as transformers decides: Mistral's every layer when `sliding_window`
+    is set; Qwen2/3's where `layer_types` says so, or with `use_sliding_window` from layer
+    `max_window_layers` on. (Not this engine's own `window`, the exact last keys of linear layers.)"""
+    model_type, window = raw.get("model_type", "llama"), raw.get("sliding_window")
+    if model_type == "mistral":
+        sliding = window is not None
+    elif model_type in ("qwen2", "qwen3"):   # the window exists only with use_sliding_window
+        types, layers = raw.get("layer_types"), raw.get("num_hidden_layers", 0)
+        sliding = bool(raw.get("use_sliding_window")) and window is not None and (
+            "sliding_attention" in types if isinstance(types, list) else raw.get("max_window_layers", 28) < layers)
+    else:
+        return
+    if not sliding:
+        return
+    context = raw.get("max_position_embeddings", 2048)
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise ConfigError(f"{where}: sliding_window must be a positive integer or null, got {window!r}")
+    if window < context:
+        raise ConfigError(f"{where}: sliding-window attention (sliding_window {window} < max_position_embeddings "
+                          f"{context}) is not supported: set max_position_embeddings to {window} in config.json "
+                          f"to run within the window")

@@ -124,9 +124,9 @@ def export_llama2c(model, path: str | os.PathLike, version: int = 1) -> None:
     """Write a runtime model as a llama2.c file (legacy version 0 or version 1), float32."""
     cfg = model.config
     if (cfg.position_encoding != "rope" or cfg.rope_theta != 10000.0 or cfg.rope_scaling or cfg.rope_freq_factors
-            or cfg.hidden_size != cfg.num_attention_heads * cfg.head_dim):
+            or cfg.hidden_size != cfg.num_attention_heads * cfg.head_dim or cfg.qkv_bias or cfg.qk_norm):
         raise CheckpointError(f"{path}: llama2.c cannot express this model (needs unscaled RoPE with theta "
-                              f"10000 and head_dim = hidden_size / num_attention_heads)")
+                              f"10000, head_dim = hidden_size / num_attention_heads, no q/k/v biases or q/k norms)")
     tensors = hf_to_llama2c(runtime_to_hf(model.state_dict(), cfg), cfg)
     vocab, shared = cfg.vocab_size, cfg.tie_word_embeddings
     dims = (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.num_attention_heads,

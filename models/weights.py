@@ -10,6 +10,10 @@ model.layers.N.mlp.{gate,up}_proj.weight      layers.N.mlp.gate_up.weight     (r
 model.layers.N.mlp.down_proj.weight           layers.N.mlp.down_proj.weight
 model.norm.weight                             norm.weight
 lm_head.weight (absent when tied)             lm_head.weight
+Qwen2 (cfg.qkv_bias):
+model.layers.N.self_attn.{q,k,v}_proj.bias    layers.N.self_attn.qkv.bias     (concatenated)
+Qwen3 (cfg.qk_norm):
+model.layers.N.self_attn.{q,k}_norm.weight    layers.N.self_attn.{q,k}_norm.weight   (head_dim each)
 
 llama2.c files hold the same tensors under Meta's names in a fixed order (`llama2c_layout`), with
 the q and k rows of each head in Meta's interleaved rotary layout (pairs 2i, 2i+1) where Hugging
@@ -31,10 +35,22 @@ FUSED = {  # runtime suffix -> checkpoint suffixes, concatenated along rows
 }
 PLAIN = ("input_layernorm.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight",
          "mlp.down_proj.weight")
+QKV_BIAS = ("self_attn.qkv.bias", ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"))
+QK_NORM = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+
+
+def fused_of(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """FUSED, plus Qwen2's q/k/v biases (one bias of the fused qkv)."""
+    return {**FUSED, QKV_BIAS[0]: QKV_BIAS[1]} if cfg.qkv_bias else FUSED
+
+
+def plain_of(cfg: ModelConfig) -> tuple[str, ...]:
+    """PLAIN, plus Qwen3's per-head q/k norms."""
+    return PLAIN + QK_NORM if cfg.qk_norm else PLAIN
 
 
 def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Hugging Face Llama checkpoint of `cfg` holds, with its shape."""
+    """Every tensor a Hugging Face checkpoint of `cfg` (Llama, Mistral, Qwen2, Qwen3) holds, with its shape."""
     C, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     H, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, C), "model.norm.weight": (C,)}
@@ -44,6 +60,11 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "self_attn.v_proj.weight": (Hkv * D, C), "self_attn.o_proj.weight": (C, H * D),
         "mlp.gate_proj.weight": (I, C), "mlp.up_proj.weight": (I, C), "mlp.down_proj.weight": (C, I),
     }
+    if cfg.qkv_bias:
+        per_layer.update({"self_attn.q_proj.bias": (H * D,), "self_attn.k_proj.bias": (Hkv * D,),
+                          "self_attn.v_proj.bias": (Hkv * D,)})
+    if cfg.qk_norm:
+        per_layer.update({"self_attn.q_norm.weight": (D,), "self_attn.k_norm.weight": (D,)})
     for i in range(cfg.num_hidden_layers):
         for suffix, shape in per_layer.items():
             shapes[f"model.layers.{i}.{suffix}"] = shape
@@ -89,8 +110,10 @@ def _fuse(parts, device, dtype) -> torch.Tensor:
     """Write each part straight into its rows of one new matrix (the single copy of the load).
 
     parts: (rows_i, C) tensors, or the (H, 2, D/2, C) views of `interleaved_to_half`; dtype and
-    device conversion happen in the same copy.
+    device conversion happen in the same copy. 1-D parts (biases) are concatenated.
     """
+    if parts[0].dim() == 1:
+        return torch.cat([p.to(device=device, dtype=dtype) for p in parts])
     rows = sum(p.numel() // p.shape[-1] for p in parts)
     out = torch.empty(rows, parts[0].shape[-1], device=device, dtype=dtype)
     start = 0
@@ -118,10 +141,10 @@ def hf_to_runtime(tensors, cfg: ModelConfig, device="cpu", dtype: torch.dtype = 
                     "self_attn.k_proj.weight": cfg.num_key_value_heads} if interleaved_rotary else {}
     for i in range(cfg.num_hidden_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
-        for name in PLAIN:
+        for name in plain_of(cfg):
             if dst + name not in skip:
                 out[dst + name] = tensors[src + name]
-        for fused, parts in FUSED.items():
+        for fused, parts in fused_of(cfg).items():
             if dst + fused in skip:
                 continue
             ts = [interleaved_to_half(tensors[src + p], rotary_heads[p]) if p in rotary_heads
@@ -133,15 +156,16 @@ def hf_to_runtime(tensors, cfg: ModelConfig, device="cpu", dtype: torch.dtype = 
 def runtime_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Inverse of `hf_to_runtime`: split the fused matrices back into q/k/v and gate/up."""
     D, H, Hkv, I = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
-    split = {"self_attn.qkv.weight": [H * D, Hkv * D, Hkv * D], "mlp.gate_up.weight": [I, I]}
+    split = {"self_attn.qkv.weight": [H * D, Hkv * D, Hkv * D], "mlp.gate_up.weight": [I, I],
+             QKV_BIAS[0]: [H * D, Hkv * D, Hkv * D]}
     out = {"model.embed_tokens.weight": state["embed_tokens.weight"], "model.norm.weight": state["norm.weight"]}
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = state["lm_head.weight"]
     for i in range(cfg.num_hidden_layers):
         src, dst = f"layers.{i}.", f"model.layers.{i}."
-        for name in PLAIN:
+        for name in plain_of(cfg):
             out[dst + name] = state[src + name]
-        for fused, parts in FUSED.items():
+        for fused, parts in fused_of(cfg).items():
             for part, t in zip(parts, state[src + fused].split(split[fused], dim=0)):
                 out[dst + part] = t
     return out

@@ -49,7 +49,7 @@ def test_missing_key_names_key_and_file(tmp_path, key):
 
 def test_unsupported_model_type_names_supported(tmp_path):
     path = write(tmp_path, {**BASE, "model_type": "gpt2"})
-    with pytest.raises(ConfigError, match=r"config.json: unsupported model_type 'gpt2'; supported: llama"):
+    with pytest.raises(ConfigError, match=r"config.json: unsupported model_type 'gpt2'; supported: llama, mistral, qwen2, qwen3"):
         ModelConfig.from_json(path)
 
 

@@ -44,8 +44,9 @@ def no_config(tmp_path):
 
 def unsupported_model_type(tmp_path):
     d = hf_dir(tmp_path)
-    edit_config(d, model_type="mistral")
-    return d, ConfigError, ["config.json", "unsupported model_type 'mistral'", "supported: llama"]
+    edit_config(d, model_type="gpt_neox")
+    return d, ConfigError, ["config.json", "unsupported model_type 'gpt_neox'",
+                            "supported: llama, mistral, qwen2, qwen3"]
 
 
 def truncated_safetensors(tmp_path):

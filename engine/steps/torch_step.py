@@ -43,6 +43,7 @@ class DecodePlan:
         const = dict(device=device, dtype=torch.float32)
         self.eps = torch.tensor(cfg.rms_norm_eps, **const)
         self.width = torch.tensor(float(cfg.hidden_size), **const)
+        self.head_width = torch.tensor(float(cfg.head_dim), **const)
         half = self.D // 2
         self.perm = torch.cat([torch.arange(half, self.D), torch.arange(half)]).to(device)  # rotate_half gather
         self.rope_paths = {p for p in ("softmax", "linear", "window", "hybrid") if model.uses_rope(p)}
@@ -80,9 +81,11 @@ def decode_one(plan: DecodePlan, tokens: torch.Tensor, state) -> torch.Tensor:
             cos, sin = cos[state.lengths][:, None, None], sin[state.lengths][:, None, None]  # (B, 1, 1, D)
         else:
             cos, sin = cos[span.start], sin[span.start]               # (D,)
-    for i, (ln1, wqkv, wo, ln2, wgu, wd) in enumerate(plan.layers(state)):
-        qkv = F.linear(rms_norm(x, ln1, eps, width), wqkv).view(B, H + 2 * Hkv, 1, D)
+    for i, (ln1, wqkv, bqkv, qk_norm, wo, ln2, wgu, wd) in enumerate(plan.layers(state)):
+        qkv = F.linear(rms_norm(x, ln1, eps, width), wqkv, bqkv).view(B, H + 2 * Hkv, 1, D)
         qk, v = qkv.split_with_sizes([H + Hkv, Hkv], 1)                            # (B, H+Hkv, 1, D), (B, Hkv, 1, D)
+        if qk_norm is not None:    # Qwen3: every head of q and k normed at once, each with its own weight
+            qk = rms_norm(qk, qk_norm, eps, plan.head_width)
         if rope and (mixed is None or mixed[i] in plan.rope_paths):
             qk = qk * cos + qk.index_select(-1, plan.perm) * sin
         q, k = qk.split_with_sizes([H, Hkv], 1)

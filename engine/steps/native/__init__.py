@@ -4,7 +4,8 @@
 
 It runs the one-token step of a CPU state (a KV cache; a linear state with any of the four fixed
 feature maps or learned hedgehog maps; a sliding window + linear state; a hybrid of a KV cache and
-one of those, per layer), any batch size, left-padded rows included, on weights in fp32, f16, bf16 or
+one of those, per layer) of a Llama-shaped model (Llama, Mistral; not Qwen2's q/k/v biases or
+Qwen3's q/k norms), any batch size, left-padded rows included, on weights in fp32, f16, bf16 or
 quantized blocks (engine.quant: q8_0, q4_0, q4_1), on `threads` threads (engine.threads); `why_not`
 names every other case and the Stepper hands it to the torch form. The C code reads the model's
 weight tensors and writes the state's own tensors in place through their data pointers, so a
@@ -235,6 +236,16 @@ def _parts(state) -> tuple:
             next((p for p in parts if p.path != "softmax"), None))
 
 
+def attention_extras(model) -> str | None:
+    """What the model's attention has beyond Llama's that the C step does not compute (Qwen2's q/k/v
+    biases, Qwen3's per-head q/k norms), in words; None for a Llama-shaped model."""
+    attn = model.layers[0].self_attn if len(model.layers) else None
+    if attn is None:
+        return None
+    parts = (["q/k/v biases"] if attn.qkv.bias is not None else []) + (["q/k norms"] if attn.q_norm is not None else [])
+    return " or ".join(parts) or None
+
+
 def why_not(model, state, tokens) -> str | None:
     """None for the cases the C step covers; otherwise the reason (the caller falls back)."""
     if tokens.device.type != "cpu":
@@ -244,6 +255,9 @@ def why_not(model, state, tokens) -> str | None:
     dtype = model.embed_tokens.weight.dtype
     if dtype not in FLOAT_TYPES:
         return f"the native step reads fp32, f16 or bf16 weights, not {str(dtype).removeprefix('torch.')}"
+    extra = attention_extras(model)
+    if extra:
+        return f"the native step has no {extra} ({model.config.model_type}); the torch step runs this model"
     kv, lin = _parts(state)
     if lin is not None:
         if lin.S.dtype != torch.float32 or lin.z.dtype != torch.float32:
