@@ -1,4 +1,4 @@
-"""Byte-level BPE tokenizers (GPT-2 / SmolLM / Llama 3 style), built with the `tokenizers` library.
+"""Byte-level BPE tokenizers (GPT-2 / SmolLM / Llama 3 / Qwen style), built with the `tokenizers` library.
 
     tok = BPETokenizer.from_gguf(meta, where)      # a GGUF's tokenizer.ggml.* metadata
     tok = BPETokenizer.from_dir(path)              # a directory's tokenizer.json (+ tokenizer_config.json)
@@ -32,6 +32,9 @@ CONTROL, USER_DEFINED = 3, 4
 GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen2 / Qwen2.5 / Qwen3 (their tokenizer.json's Split): Llama 3's, but one digit per piece
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 PRE_TOKENIZERS = {   # pre name -> (splits applied in order, ignore_merges)
     "default": ([GPT2_SPLIT], False), "gpt2": ([GPT2_SPLIT], False), "gpt-2": ([GPT2_SPLIT], False),
     "olmo": ([GPT2_SPLIT], False), "mpt": ([GPT2_SPLIT], False),
@@ -40,6 +43,7 @@ PRE_TOKENIZERS = {   # pre name -> (splits applied in order, ignore_merges)
     "refact": ([r"\p{N}", GPT2_SPLIT], False),
     "llama-bpe": ([LLAMA3_SPLIT], True), "llama3": ([LLAMA3_SPLIT], True), "llama-v3": ([LLAMA3_SPLIT], True),
     "smaug-bpe": ([LLAMA3_SPLIT], True),
+    "qwen2": ([QWEN2_SPLIT], False), "deepseek-r1-qwen": ([QWEN2_SPLIT], False),
 }
 
 

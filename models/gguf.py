@@ -8,10 +8,13 @@
                            engine's loader keeps those as they are: engine.quant.QuantLinear)
     meta                   the other metadata the engine uses (`tokenizer.*`, `general.*`), as Python values
 
-Only `general.architecture == "llama"` (Llama, SmolLM, Mistral-7B-shaped models) and the tensor types
-in SUPPORTED_TYPES. llama.cpp's converter permutes the q and k rows of each head into Meta's
+Architectures (`general.architecture`): llama (Llama, SmolLM, Mistral: llama.cpp writes Mistral as
+llama), qwen2 (+ attn_{q,k,v}.bias) and qwen3 (+ attn_{q,k}_norm.weight), and the tensor types in
+SUPPORTED_TYPES. For llama, llama.cpp's converter permutes the q and k rows of each head into Meta's
 interleaved rotary layout (pairs 2i, 2i+1); the loader undoes that once, while fusing q/k/v, as
-for llama2.c files (`Checkpoint.interleaved_rotary`, `models.weights.interleaved_to_half`).
+for llama2.c files (`Checkpoint.interleaved_rotary`, `models.weights.interleaved_to_half`). qwen2
+and qwen3 keep Hugging Face's half-split rows (llama.cpp runs them with NEOX-style rotary), so
+nothing is permuted (INTERLEAVED_ARCHITECTURES).
 A file without `output.weight` ties the output projection to the token embeddings. RoPE scaling: a
 `rope_freqs.weight` tensor (Llama 3.1+, as llama.cpp's converter writes it) becomes the config's
 `rope_freq_factors`; `rope.scaling.type` linear is read; yarn and other types are refused in one line.
@@ -33,7 +36,10 @@ from models.errors import CheckpointError, ConfigError
 from models.weights import hf_shapes
 
 MAGIC = b"GGUF"
-ARCHITECTURES = ("llama",)
+# general.architecture -> the config's model_type
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# architectures whose q/k rows llama.cpp's converter permutes into the interleaved rotary layout
+INTERLEAVED_ARCHITECTURES = ("llama",)
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 # types whose blocks the engine computes with as they are (engine.quant's layouts, byte for byte the
 # same as ggml's block_q8_0 / block_q4_0 / block_q4_1): `GGUFTensors.blocks` hands them up undecoded
@@ -76,6 +82,11 @@ LAYER_TENSOR_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",            # qwen2
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",   # qwen3
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
 IGNORED_TENSORS = (ROPE_FREQS,)   # read into the config (gguf_config), not a weight
 # the metadata the rest of the engine reads (tokenizer, chat template); everything else stays in the file
@@ -149,21 +160,22 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, GGUFTensors, dict]:
         raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported; supported: "
                               f"{', '.join(ARCHITECTURES)}")
     cfg = gguf_config(meta, reader, path)
+    expected = hf_shapes(cfg)
     tensors = {}
     for t in reader.tensors:
         name = hf_name(t.name)
-        if name is None:
+        if name is None or name not in expected:
             if t.name in IGNORED_TENSORS:
                 continue
             raise CheckpointError(f"{path}: unexpected tensor {t.name} for a plain {arch} model "
-                                  f"(biases, experts and extra norms are not supported)")
+                                  f"(biases, experts and extra norms beyond the architecture's are not supported)")
         if t.tensor_type.name not in SUPPORTED_TYPES:
             raise CheckpointError(f"{path}: tensor {t.name} has type {t.tensor_type.name}, which this engine "
                                   f"cannot dequantize; supported: {', '.join(SUPPORTED_TYPES)}")
         tensors[name] = t
     reader.fields.clear()   # ~150 MB of per-string views for a 49k vocabulary; `meta` holds the values
     lazy = GGUFTensors(reader, tensors, path)
-    for name, shape in hf_shapes(cfg).items():
+    for name, shape in expected.items():
         if name not in lazy.shapes:
             raise CheckpointError(f"{path}: missing tensor {name} ({gguf_name_of(name)})")
         if lazy.shapes[name] != shape:
@@ -262,11 +274,16 @@ def gguf_config(meta: dict, reader, path: Path) -> ModelConfig:
         if freqs.tensor_type.name not in ("F32", "F16"):
             raise CheckpointError(f"{path}: tensor {ROPE_FREQS} has type {freqs.tensor_type.name}; expected F32")
         raw["rope_freq_factors"] = [float(x) for x in np.asarray(freqs.data, dtype=np.float64).reshape(-1)]
-    for field, key in (("bos_token_id", "tokenizer.ggml.bos_token_id"),
-                       ("eos_token_id", "tokenizer.ggml.eos_token_id")):
-        if meta.get(key) is not None:
-            raw[field] = int(meta[key])
-    raw["model_type"] = "llama"
+    if meta.get("tokenizer.ggml.bos_token_id") is not None:
+        raw["bos_token_id"] = int(meta["tokenizer.ggml.bos_token_id"])
+    # the end of a sequence: EOS, and the end of a turn / message where the file names them (llama.cpp's
+    # converter writes Llama 3's <|eot_id|> as eot when the tokenizer's EOS is <|end_of_text|>)
+    ends = [int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                   "tokenizer.ggml.eom_token_id") if meta.get(k) is not None]
+    if ends:
+        ends = list(dict.fromkeys(ends))
+        raw["eos_token_id"] = ends[0] if len(ends) == 1 else ends
+    raw["model_type"] = ARCHITECTURES[arch]
     return ModelConfig.from_dict(raw, where=str(path))
 
 

@@ -4,6 +4,7 @@
     DIR/model.safetensors                                   one file, or
     DIR/model.safetensors.index.json + model-0000i-of-0000n.safetensors   shards
     DIR/tokenizer.model                                     optional
+    DIR/generation_config.json                              optional: its eos_token_id joins the config's
 
 Reading never copies: `safe_open` maps the file and hands out views of it. Names are checked
 against the config here; mapping them onto the runtime model is `models.weights`' job.
@@ -27,7 +28,7 @@ INDEX = "model.safetensors.index.json"
 def read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Config and every tensor the config needs (memory-mapped views), checked for name and shape."""
     path = Path(path)
-    cfg = ModelConfig.from_json(path / "config.json")
+    cfg = with_generation_eos(ModelConfig.from_json(path / "config.json"), path)
     if (path / SINGLE).is_file():
         shards = {SINGLE: list(hf_shapes(cfg))}      # extra tensors (rotary caches...) are ignored
         where = path / SINGLE
@@ -43,6 +44,26 @@ def read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         tensors.update(_read_safetensors(path / shard, names))
     check_tensors(tensors, cfg, str(where))
     return cfg, tensors
+
+
+def with_generation_eos(cfg: ModelConfig, path: Path) -> ModelConfig:
+    """cfg with generation_config.json's EOS ids added to its own (Qwen2.5-Instruct: config.json says
+    <|im_end|>, generation_config.json [<|im_end|>, <|endoftext|>]; Llama 3 Instruct lists <|eot_id|>
+    there): transformers' generate stops at those, so a reply must end here at the same ids."""
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return cfg
+    try:
+        eos = json.loads(file.read_text(encoding="utf-8")).get("eos_token_id")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+        raise CheckpointError(f"{file}: not a JSON object ({e})") from None
+    eos = [eos] if isinstance(eos, int) else eos
+    if not isinstance(eos, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in eos):
+        if eos is None:
+            return cfg
+        raise CheckpointError(f"{file}: eos_token_id must be an integer or a list of integers, got {eos!r}")
+    ids = list(dict.fromkeys([*cfg.eos_ids, *eos]))
+    return cfg if len(ids) == len(cfg.eos_ids) else cfg.replace(eos_token_id=tuple(ids))
 
 
 def _read_index(index: Path, cfg: ModelConfig) -> dict[str, list[str]]:

@@ -22,7 +22,7 @@ from models.bpe import BPETokenizer
 from models.chat_template import ChatTemplate, find_template
 from models.config import ModelConfig
 from models.errors import CheckpointError, InvalidArgumentError
-from models.gguf import read_gguf
+from models.gguf import INTERLEAVED_ARCHITECTURES, read_gguf
 from models.hf_dir import read_hf_dir
 from models.linearized import apply_linearized, is_linearized, read_linearized_config, variant_sets
 from models.llama2c import read_llama2c
@@ -40,7 +40,7 @@ class Checkpoint:
     config: ModelConfig
     tensors: dict[str, torch.Tensor]     # Hugging Face names -> (memory-mapped) tensors
     tokenizer: object | None             # models.tokenizer.Tokenizer or None
-    interleaved_rotary: bool = False     # q/k rows in Meta's interleaved layout (llama2.c, GGUF)
+    interleaved_rotary: bool = False     # q/k rows in Meta's interleaved layout (llama2.c, GGUF llama)
     path: Path | None = None
     maps: dict[str, torch.Tensor] | None = None   # learned feature maps, runtime names (models.linearized)
     adapters: dict[str, torch.Tensor] | None = None   # low-rank adapters of the linear layers (models.linearized)
@@ -120,7 +120,8 @@ def read_gguf_checkpoint(path: Path) -> Checkpoint:
             return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else ""
         template = ChatTemplate(meta["tokenizer.chat_template"], token("tokenizer.ggml.bos_token_id"),
                                 token("tokenizer.ggml.eos_token_id"), where=str(path))
-    return Checkpoint(cfg, tensors, tokenizer, interleaved_rotary=True, path=path, chat_template=template)
+    interleaved = meta.get("general.architecture") in INTERLEAVED_ARCHITECTURES
+    return Checkpoint(cfg, tensors, tokenizer, interleaved_rotary=interleaved, path=path, chat_template=template)
 
 
 def dir_template(path: Path, tokenizer) -> ChatTemplate | None:

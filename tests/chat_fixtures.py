@@ -64,17 +64,24 @@ def gguf_tokenizer_fields(tok_dir: Path) -> dict:
 
 def write_gguf(path: Path, model, tok_dir: Path | None, qtype_of=None, arch: str = "llama",
                template: str | None = CHATML, pre: str = "gpt2", tie: bool | None = None,
-               extra_tensors: dict | None = None) -> dict:
-    """Write `model` (a runtime Transformer) as a llama.cpp-style GGUF: q/k rows permuted to the
-    interleaved rotary layout, tensors quantized with gguf.quants (qtype_of(gguf_name, shape) -> type,
-    default F32). `extra_tensors`: {gguf name: float32 array} written as they are (e.g. rope_freqs.weight).
-    Returns {gguf name: the dequantized tensor as stored, in Hugging Face row order}."""
+               extra_tensors: dict | None = None, eot_id: int | None = None) -> dict:
+    """Write `model` (a runtime Transformer) as a llama.cpp-style GGUF: tensors under llama.cpp's names
+    for `arch` (gguf's own TensorNameMap), q/k rows permuted to the interleaved rotary layout for llama
+    only (llama.cpp's converter leaves qwen2/qwen3 rows as they are), tensors quantized with
+    gguf.quants (qtype_of(gguf_name, shape) -> type, default F32). `extra_tensors`: {gguf name: float32
+    array} written as they are (e.g. rope_freqs.weight); eot_id: tokenizer.ggml.eot_token_id.
+    Returns {Hugging Face name: the dequantized tensor as stored, in Hugging Face row order}."""
     import gguf
     from gguf import GGMLQuantizationType as Q
     from models.weights import half_to_interleaved, runtime_to_hf
     cfg = model.config
     tie = cfg.tie_word_embeddings if tie is None else tie
     w = gguf.GGUFWriter(str(path), arch)
+    if cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size or arch == "qwen3":
+        w.add_key_length(cfg.head_dim)     # as llama.cpp's converter, wherever the config names head_dim
+        w.add_value_length(cfg.head_dim)
+    if eot_id is not None:
+        w.add_eot_token_id(eot_id)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -98,24 +105,18 @@ def write_gguf(path: Path, model, tok_dir: Path | None, qtype_of=None, arch: str
     if template is not None:
         w.add_chat_template(template)
     hf = runtime_to_hf(model.state_dict(), cfg)
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    per_layer = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
-                 "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
-                 "self_attn.o_proj.weight": "attn_output.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-                 "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-                 "mlp.down_proj.weight": "ffn_down.weight"}
+    known = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
+    # llama.cpp's names for this architecture (another one, e.g. gpt2 for a refusal test: llama's)
+    tmap = gguf.get_tensor_name_map(known[arch] if arch in ("qwen2", "qwen3") else gguf.MODEL_ARCH.LLAMA,
+                                    cfg.num_hidden_layers)
+    permuted = arch not in ("qwen2", "qwen3")
     stored = {}
     for name, t in hf.items():
         if name == "lm_head.weight" and tie:
             continue
-        if name.startswith("model.layers."):
-            i, suffix = name[len("model.layers."):].split(".", 1)
-            gname = f"blk.{i}.{per_layer[suffix]}"
-        else:
-            gname = names[name]
+        gname = tmap.get_name(name, try_suffixes=(".weight", ".bias"))
         t = t.detach().float()
-        heads = {"attn_q.weight": cfg.num_attention_heads, "attn_k.weight": cfg.num_key_value_heads}
+        heads = {"attn_q.weight": cfg.num_attention_heads, "attn_k.weight": cfg.num_key_value_heads} if permuted else {}
         on_disk = half_to_interleaved(t, heads[gname.split(".", 2)[-1]]) if gname.split(".", 2)[-1] in heads else t
         arr = on_disk.numpy().astype(np.float32)
         qtype = Q.F32 if t.dim() == 1 or qtype_of is None else qtype_of(gname, arr.shape)
