@@ -412,3 +412,42 @@ def test_linear_path_with_q_norm_applies_the_map_after_the_norm():
     with torch.no_grad():
         attn(x, (cos, sin), attend, linear=True)
     assert max_diff(seen["out"], expected) <= 1e-6
+
+
+@pytest.mark.parametrize("how", ["merged", "attached"])
+def test_adapters_over_biased_projections_keep_the_bias(how, tmp_path):
+    """LoRA on Qwen2's qkv (gen linearize --lora-rank): the adapted projection is the base's matrix plus
+    B A and the base's bias. With B = 0 the adapted linear path is the plain linear path, in the module
+    and the torch step (which reads the adapted weight and bias)."""
+    from engine.adapters import LoRA, attach, merge
+    model = quiet_load(str(_saved(tmp_path, "qwen2")), attention="linear", backend="torch").model
+    x = sequence(seed=9)
+    with torch.no_grad():
+        plain = model(x)
+        lora = LoRA.for_config(model.config, rank=2)
+        merge(model, lora.export()) if how == "merged" else attach(model, lora)
+        assert model.layers[0].self_attn.adapted[0].bias is not None
+        assert max_diff(model(x), plain) <= 1e-5
+        assert max_diff(stepwise(model, x, "torch"), plain) <= TOL
+
+
+def test_linearize_runs_on_qwen3(tmp_path):
+    """gen linearize on a Qwen3 (q/k norms, head_dim 32 != 64 / 4): a couple of transfer steps lower the
+    loss and the maps load back onto the model."""
+    from engine.linearize import LinearizeArgs, linearize
+    from tests.chat_fixtures import train_bpe
+    directory = train_bpe(tmp_path / "m")      # tokenizer.json (400 tokens) + tokenizer_config.json
+    hf_random("qwen3", vocab_size=400).save_pretrained(directory)
+    data = tmp_path / "text.txt"
+    from tests.conftest import generated_sentences
+    sents = generated_sentences(120, seed=1)
+    data.write_text("\n<|endoftext|>\n".join(" ".join(sents[i:i + 5]) for i in range(0, 120, 5)))
+    out = tmp_path / "lin"
+    linearize(LinearizeArgs(model=str(directory), data=[str(data)], out=str(out), seq_len=32, tokens=256,
+                            eval_rows=2, layer_steps=3, batch_size=2, finetune_steps=1, finetune_batch=2, seed=3),
+              log=lambda m: None)
+    losses = json.loads((out / "transfer_losses.json").read_text())["layers"]
+    assert all(rec["loss"] < rec["loss_before"] for rec in losses)
+    model, _ = load_model(out)
+    assert model.config.model_type == "qwen3" and model.config.feature_map == "hedgehog"
+    assert model.hedgehog.q_weight.shape[-1] == 32
