@@ -1,7 +1,9 @@
 """The package layers point one way (cli -> engine -> models), checked two ways."""
 import ast
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,8 @@ OWN = ("cli", "engine", "models")
 
 
 def test_import_linter_contracts_are_kept():
-    exe = shutil.which("lint-imports")
+    # the venv's own script when the venv is not activated (python -m pytest from .venv/bin/python)
+    exe = shutil.which("lint-imports", path=os.path.dirname(sys.executable)) or shutil.which("lint-imports")
     if exe is None:
         pytest.skip("import-linter is not installed (pip install -e '.[test]')")
     r = subprocess.run([exe, "--no-cache"], cwd=ROOT, capture_output=True, text=True)
