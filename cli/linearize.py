@@ -59,9 +59,13 @@ from engine.threads import set_threads
 @click.option("--init", "init", type=click.Path(file_okay=False),
               help="a `gen linearize` output to start from: its maps and adapters, its transfer losses (for "
                    "--hybrid); no transfer, only the finetune")
+@click.option("--control", is_flag=True,
+              help="the softmax control: the same finetune (data, --lora-rank, learning rate, seed, steps) "
+                   "with softmax attention and no maps, for comparing a linearized model fairly; writes "
+                   "adapters that every layer reads (load it with --model OUT)")
 @click.option("--threads", type=int, help="CPU threads (default: engine.threads)")
 def linearize_cmd(model_name, data, out, tokens, finetune_tokens, seq_len, layer_steps, batch_size, lr, finetune_steps,
-                  finetune_batch, finetune_lr, finetune_loss, finetune_dtype, finetune_schedule, finetune_linear_every, finetune_clip, decay, decay_lr, gate, gate_lr, lora_rank, hybrid, window, budget, seed, resume, init, threads):
+                  finetune_batch, finetune_lr, finetune_loss, finetune_dtype, finetune_schedule, finetune_linear_every, finetune_clip, decay, decay_lr, gate, gate_lr, lora_rank, hybrid, window, budget, seed, resume, init, control, threads):
     """With the model frozen, train per-layer hedgehog maps (transfer), then finetune them end to end."""
     def run():
         set_threads(threads)
@@ -73,7 +77,7 @@ def linearize_cmd(model_name, data, out, tokens, finetune_tokens, seq_len, layer
                              decay=decay or gate, decay_lr=decay_lr, gate=gate, gate_lr=gate_lr,
                              lora_rank=lora_rank,
                              hybrid=hybrid, window=window, budget=budget, seed=seed, resume=resume, init=init,
-                             command="gen " + shlex.join(sys.argv[1:]))
+                             control=control, command="gen " + shlex.join(sys.argv[1:]))
         try:
             summary = linearize(args, log=lambda m: click.echo(m, err=True))
         except KeyboardInterrupt:

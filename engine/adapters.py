@@ -5,7 +5,9 @@ layer run as linear attention may also adjust its q, k, v and o projections.
     qkv'(x) = qkv(x) + (x A_qkv^T) B_qkv^T        o'(y) = o_proj(y) + (y A_o^T) B_o^T
 
 per layer, rank R. Softmax layers never read them: `--attention softmax` is the base model
-unchanged, and a hybrid's softmax layers keep the base projections. At load the adapters are
+unchanged, and a hybrid's softmax layers keep the base projections. The one exception is a softmax
+control (`gen linearize --control`: the same finetune with softmax attention, the fair baseline of a
+linearized model): its adapters go into every layer's own projections (`into_base`). At load the adapters are
 merged into a second copy of each layer's qkv and o_proj (`Attention.adapted`), which every step
 form reads for the layers it runs linear: W + B A in the model's dtype, or, over quantized
 blocks, requantized to q8_0 (the base's blocks, dequantized, plus B A; q8_0 keeps the merge
@@ -84,17 +86,25 @@ class LowRank(nn.Module):
         return self.base.bias
 
 
-def attach(model, lora: LoRA) -> None:
-    """Every layer's adapted projections read `lora` live (training)."""
+def attach(model, lora: LoRA, into_base: bool = False) -> None:
+    """Every layer's adapted projections read `lora` live (training); into_base: the layer's own
+    projections do, for every path (a softmax control)."""
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
-        attn.adapted = (LowRank(attn.qkv, lora, i, "qkv"), LowRank(attn.o_proj, lora, i, "o"))
+        pair = (LowRank(attn.qkv, lora, i, "qkv"), LowRank(attn.o_proj, lora, i, "o"))
+        if into_base:
+            attn.qkv, attn.o_proj = pair
+        else:
+            attn.adapted = pair
     model.weights_epoch += 1
 
 
 def detach(model) -> None:
     for layer in model.layers:
-        layer.self_attn.adapted = None
+        attn = layer.self_attn
+        attn.adapted = None
+        if isinstance(attn.qkv, LowRank):
+            attn.qkv, attn.o_proj = attn.qkv.base, attn.o_proj.base
     model.weights_epoch += 1
 
 
@@ -113,12 +123,17 @@ def _merged(base: nn.Module, a: torch.Tensor, b: torch.Tensor) -> nn.Module:
 
 
 @torch.no_grad()
-def merge(model, tensors: dict[str, torch.Tensor]) -> None:
-    """Give every layer adapted projections: its own plus B A of `tensors` (runtime names, scale in B)."""
+def merge(model, tensors: dict[str, torch.Tensor], into_base: bool = False) -> None:
+    """Give every layer adapted projections: its own plus B A of `tensors` (runtime names, scale in B);
+    into_base: replace the layer's own projections with those (a softmax control: every path reads them)."""
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
         t = {k: v[i].to(model.device) for k, v in tensors.items()}
-        attn.adapted = (_merged(attn.qkv, t["qkv_a"], t["qkv_b"]), _merged(attn.o_proj, t["o_a"], t["o_b"]))
+        pair = (_merged(attn.qkv, t["qkv_a"], t["qkv_b"]), _merged(attn.o_proj, t["o_a"], t["o_b"]))
+        if into_base:
+            attn.qkv, attn.o_proj = pair
+        else:
+            attn.adapted = pair
     model.weights_epoch += 1
 
 

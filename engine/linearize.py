@@ -100,6 +100,7 @@ class LinearizeArgs:
     save_every: int = 10
     resume: bool = False
     init: str | None = None        # a linearized model directory: finetune from its maps (and adapters), no transfer
+    control: bool = False          # the softmax control: the same finetune (adapters only) with softmax attention
     command: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -165,6 +166,22 @@ def check_args(a: LinearizeArgs) -> None:
         raise InvalidArgumentError(f"{out}: nothing to resume (no {WORK}/progress.json); run without --resume")
     if a.init is not None:
         init_config(a)
+    if a.control:
+        check_control(a)
+
+
+def check_control(a: LinearizeArgs) -> None:
+    """--control trains the adapters alone with softmax attention: it needs them and a finetune, and
+    takes none of the linear-attention options."""
+    if not a.lora_rank or not a.finetune_steps:
+        raise InvalidArgumentError("--control trains low-rank adapters in the finetune: give --lora-rank R and "
+                                   "--finetune-steps N, as for the linearized run it is the control of")
+    given = [flag for flag, on in (("--hybrid", a.hybrid), ("--window", a.window), ("--decay", a.decay),
+                                   ("--gate", a.gate), ("--init", a.init is not None),
+                                   ("--finetune-linear-every", a.finetune_linear_every),
+                                   ("--finetune-loss kl", a.finetune_loss == "kl")) if on]
+    if given:
+        raise InvalidArgumentError(f"--control runs softmax attention only; drop {', '.join(given)}")
 
 
 def init_config(a: LinearizeArgs) -> None:
@@ -338,6 +355,12 @@ def linearize(a: LinearizeArgs, log=print, on_step=None) -> dict:
                  "args": asdict(a), "losses_measured": f"{losses['loss']} (the transfer of --init {d})"}
         progress.save(state, {"maps": maps.state_dict(), **(saved or {})})
         log(f"starting from {d}: its maps{' and adapters' if a.lora_rank else ''}, no transfer")
+    elif a.control:   # no maps, no transfer: the adapters alone, with softmax attention
+        progress.dir.mkdir(parents=True, exist_ok=True)
+        state = {"layers_done": L, "finetune_done": 0, "losses": [], "finetune_log": [], "seconds": 0.0,
+                 "args": asdict(a), "losses_measured": "none: a softmax control has no transfer"}
+        saved = None
+        progress.save(state, {"maps": maps.state_dict()})
     else:
         progress.dir.mkdir(parents=True, exist_ok=True)
         state = {"layers_done": 0, "finetune_done": 0, "losses": [], "finetune_log": [], "seconds": 0.0,
@@ -405,7 +428,7 @@ def linearize(a: LinearizeArgs, log=print, on_step=None) -> dict:
             f"(relative {before / y_ms:.3f} -> {after / y_ms:.3f}), {rec['seconds']:.0f} s")
     bar.close()
     relative = [r["relative"] for r in state["losses"]]
-    layer_attention = layer_attention_for(L, highest_loss_layers(relative, a.hybrid))
+    layer_attention = None if a.control else layer_attention_for(L, highest_loss_layers(relative, a.hybrid))
     # ----------------------------------------------------------------- finetune
     finetune_rows = train_rows[:a.finetune_tokens // a.seq_len] if a.finetune_tokens else transfer_rows
     if state["finetune_done"] and state["args"].get("lora_rank", 0) != a.lora_rank:
@@ -441,6 +464,9 @@ def step_configs(cfg, a: LinearizeArgs, layer_attention):
     """The configurations the finetune trains, as a function of the (1-based) step: the run's mix
     (--hybrid's softmax layers, --window), or, every --finetune-linear-every-th step, every layer a
     pure linear RNN (what `--attention linear` runs), so one set of maps keeps serving both."""
+    if a.control:   # the control: every step softmax (its adapters sit in every layer's own projections)
+        control = cfg.replace(attention="softmax", layer_attention=None, window=0)
+        return lambda step: control
     mix = cfg.replace(attention="hybrid" if a.hybrid else "linear", layer_attention=layer_attention if a.hybrid else None)
     pure = cfg.replace(attention="linear", layer_attention=None, window=0)
     return lambda step: pure if a.finetune_linear_every and step % a.finetune_linear_every == 0 else mix
@@ -451,12 +477,12 @@ def finetune(model, a, state, progress, saved, rows, layer_attention, deadline, 
     hh = model.hedgehog
     decay = [hh.decay_logit] if hh.decay_logit is not None else []
     gate = [hh.gate_weight] if hh.gate_weight is not None else []
-    params = ([p for p in hh.parameters() if p is not hh.decay_logit and p is not hh.gate_weight]
-              + (list(lora.parameters()) if lora is not None else []))
+    maps = [] if a.control else [p for p in hh.parameters() if p is not hh.decay_logit and p is not hh.gate_weight]
+    params = maps + (list(lora.parameters()) if lora is not None else [])
     for p in params + decay + gate:
         p.requires_grad_(True)
     if lora is not None:
-        attach(model, lora)
+        attach(model, lora, into_base=a.control)
     groups = [{"params": params, "base_lr": a.finetune_lr}]
     if decay:   # its own learning rate: a logit that starts at -8 must travel several units
         groups.append({"params": decay, "base_lr": a.decay_lr})
@@ -522,12 +548,16 @@ def write_output(model, a, state, used, layer_attention, t0, rows_used, lora=Non
     out.mkdir(parents=True, exist_ok=True)
     L = model.config.num_hidden_layers
     relative = [round(r["relative"], 6) for r in state["losses"]]
-    write_maps(out / "maps.safetensors", {f"hedgehog.{k}": v for k, v in model.hedgehog.state_dict().items()})
+    if not a.control:
+        write_maps(out / "maps.safetensors", {f"hedgehog.{k}": v for k, v in model.hedgehog.state_dict().items()})
     if lora is not None:
         write_adapters(out / "adapters.safetensors", lora.export())
-    config = {"base_model": a.model, "feature_map": "hedgehog",
-              "attention": "hybrid" if layer_attention else "linear", "window": a.window,
-              "transfer_loss": relative}
+    if a.control:
+        config = {"base_model": a.model, "attention": "softmax", "adapters_on": "all"}
+    else:
+        config = {"base_model": a.model, "feature_map": "hedgehog",
+                  "attention": "hybrid" if layer_attention else "linear", "window": a.window,
+                  "transfer_loss": relative}
     if layer_attention:
         config["layer_attention"] = list(layer_attention)
     if lora is not None:

@@ -98,21 +98,21 @@ def load_parts(model: str | os.PathLike, device: str | torch.device = "cpu",
         raise InvalidArgumentError(f"{model}: its learned maps carry a decay, which the sliding window + linear "
                                    f"form does not run: run them without --window")
     net = build(ckpt.config, ckpt.tensors, device, dtype, interleaved_rotary=ckpt.interleaved_rotary, maps=maps,
-                adapters=adapters)
+                adapters=adapters, adapters_into_base=ckpt.adapters_on == "all")
     net.config = run_cfg
     net.kv_dtype = kv_dtype
     return net, ckpt.tokenizer, ckpt.chat_template
 
 
 def build(cfg: ModelConfig, hf_tensors, device, dtype, interleaved_rotary: bool = False,
-          maps: dict | None = None, adapters: dict | None = None) -> Transformer:
+          maps: dict | None = None, adapters: dict | None = None, adapters_into_base: bool = False) -> Transformer:
     """Instantiate the runtime model from Hugging Face-named tensors, without a random init.
 
     interleaved_rotary: q/k rows in Meta's layout (llama2.c); permuted once, while fusing.
     maps: learned feature maps under runtime names (`models.linearized`); a config naming the
     hedgehog map without them gets fresh (identity) maps.
     adapters: low-rank adapters of the linear layers (`engine.adapters`), merged into the layers'
-    adapted projections.
+    adapted projections (adapters_into_base: into their own projections, a softmax control's).
     """
     with torch.device("meta"):
         model = Transformer(cfg)
@@ -135,7 +135,7 @@ def build(cfg: ModelConfig, hf_tensors, device, dtype, interleaved_rotary: bool 
     if tied:
         model.lm_head.weight = model.embed_tokens.weight
     if adapters is not None:
-        merge(model, adapters)
+        merge(model, adapters, into_base=adapters_into_base)
     return model.eval()
 
 

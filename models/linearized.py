@@ -11,6 +11,10 @@
                              `gen linearize` output of its own; config.json's "variants" names it,
                              e.g. {"no_window": "linear"}: what runs without a window load
 
+A softmax control (`gen linearize --control`) is the same finetune with softmax attention: config.json
+{"base_model": ..., "attention": "softmax", "adapters_on": "all", "lora_rank": R}, adapters.safetensors,
+no maps: its adapters go into every layer's own projections.
+
 Checkpoint names <-> runtime names of the maps, in one place (runtime: `Transformer.hedgehog`):
 
     feature_map.q.weight  (L, H, D, D)     hedgehog.q_weight
@@ -111,14 +115,24 @@ def apply_linearized(base_cfg: ModelConfig, raw: dict, path: str | os.PathLike) 
     directory has none) under runtime names, checked."""
     where = Path(path) / CONFIG
     changes = {k: raw[k] for k in OVERRIDES if k in raw}
-    trained = tuple(dict.fromkeys(base_cfg.trained_for + ("linear", "hybrid")))
+    control = adapters_on(raw, where) == "all"
+    trained = base_cfg.trained_for if control else tuple(dict.fromkeys(base_cfg.trained_for + ("linear", "hybrid")))
     cfg = ModelConfig.from_dict({**base_cfg.to_dict(), **changes, "trained_for": list(trained)}, where=str(where))
     return (cfg, *read_set(path, cfg, raw))
 
 
-def read_set(path: str | os.PathLike, cfg: ModelConfig, raw: dict | None = None) -> tuple[dict, dict | None]:
+def adapters_on(raw: dict, where) -> str:
+    """Which layers read a directory's adapters: "linear" (those run linear; a linearized model) or
+    "all" (every layer's own projections; a softmax control)."""
+    on = raw.get("adapters_on", "linear")
+    if on not in ("linear", "all"):
+        raise CheckpointError(f"{where}: adapters_on must be \"linear\" or \"all\", got {on!r}")
+    return on
+
+
+def read_set(path: str | os.PathLike, cfg: ModelConfig, raw: dict | None = None) -> tuple[dict | None, dict | None]:
     """One set of learned maps and adapters (None: the set has none) of directory `path`, under
-    runtime names, checked against `cfg` (the model they run on)."""
+    runtime names, checked against `cfg` (the model they run on). A softmax control has no maps."""
     raw = read_linearized_config(path) if raw is None else raw
     where = Path(path) / CONFIG
     adapters, rank = Path(path) / ADAPTERS, raw.get("lora_rank")
@@ -128,6 +142,10 @@ def read_set(path: str | os.PathLike, cfg: ModelConfig, raw: dict | None = None)
     found = read_adapters(adapters, cfg) if adapters.is_file() else None
     if found is not None and rank is not None and found["qkv_a"].shape[1] != rank:
         raise CheckpointError(f"{adapters}: rank {found['qkv_a'].shape[1]} adapters, but {where} names rank {rank}")
+    if adapters_on(raw, where) == "all":
+        if found is None:
+            raise CheckpointError(f"{where}: a softmax control (adapters_on all) needs {adapters}")
+        return None, found
     return read_maps(Path(path) / MAPS, cfg), found
 
 

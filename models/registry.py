@@ -24,7 +24,7 @@ from models.config import ModelConfig
 from models.errors import CheckpointError, InvalidArgumentError
 from models.gguf import INTERLEAVED_ARCHITECTURES, read_gguf
 from models.hf_dir import read_hf_dir
-from models.linearized import apply_linearized, is_linearized, read_linearized_config, variant_sets
+from models.linearized import adapters_on, apply_linearized, is_linearized, read_linearized_config, variant_sets
 from models.llama2c import read_llama2c
 from models.tokenizer import Tokenizer
 
@@ -46,6 +46,7 @@ class Checkpoint:
     adapters: dict[str, torch.Tensor] | None = None   # low-rank adapters of the linear layers (models.linearized)
     chat_template: ChatTemplate | None = None   # GGUF / tokenizer_config.json / chat_template.jinja
     variants: dict[str, Path] = field(default_factory=dict)   # other sets of maps: configuration -> dir
+    adapters_on: str = "linear"     # "all": a softmax control's adapters, in every layer's own projections
 
 
 def resolve(model: str | os.PathLike) -> Path:
@@ -73,7 +74,8 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
         base = read_checkpoint(resolve(raw["base_model"]))
         cfg, maps, adapters = apply_linearized(base.config, raw, path)
         return Checkpoint(cfg, base.tensors, base.tokenizer, base.interleaved_rotary, path, maps=maps,
-                          adapters=adapters, chat_template=base.chat_template, variants=sets)
+                          adapters=adapters, chat_template=base.chat_template, variants=sets,
+                          adapters_on=adapters_on(raw, path / "config.json"))
     if path.is_dir():
         cfg, tensors = read_hf_dir(path)
         tok_path = path / "tokenizer.model"

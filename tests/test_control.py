@@ -1,0 +1,79 @@
+"""`gen linearize --control`: the fair baseline of a linearized model (PITFALLS 27) is the softmax model
+finetuned the same way. The control trains only the adapters, with softmax attention, on the same rows
+and steps as the linearized run; they go into every layer's own projections, so `--attention softmax`
+of the control is the finetuned softmax model."""
+import json
+
+import pytest
+import torch
+
+from engine.adapters import LoRA, attach, detach
+from engine.errors import InvalidArgumentError
+from engine.linearize import linearize
+from engine.loader import load_model
+from tests.test_linearize import args, cli, corpus  # noqa: F401 (a fixture)
+
+IDS = torch.tensor([[1, 5, 9, 3, 7, 2, 8, 4]])
+
+
+def test_control_trains_adapters_that_softmax_reads(small_model_dir, corpus, tmp_path):  # noqa: F811
+    out = tmp_path / "control"
+    summary = linearize(args(small_model_dir, corpus, out, control=True, lora_rank=4, finetune_steps=6,
+                             finetune_lr=1e-2), log=lambda m: None)
+    assert summary["finetune_steps_done"] == 6
+    names = sorted(p.name for p in out.iterdir())
+    assert "maps.safetensors" not in names and "adapters.safetensors" in names
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["adapters_on"] == "all" and raw["attention"] == "softmax" and raw["lora_rank"] == 4
+    log = json.loads((out / "linearize.json").read_text())["finetune_log"]
+    print(log)
+    control, _ = load_model(out)
+    base, _ = load_model(small_model_dir)
+    assert control.config.attention == "softmax" and control.config.trained_for == base.config.trained_for
+    with torch.no_grad():
+        a = control(IDS)
+        b = base(IDS)
+    d = (a - b).abs().max().item()
+    print(f"control vs base softmax logits: max diff {d:.3e}")
+    assert d > 1e-3          # the adapters are in the softmax path
+    # and what loads is what trained: the live adapters of the last step give the loaded logits
+    lora = LoRA.for_config(base.config, 4)
+    from models.linearized import read_adapters
+    lora.load_export(read_adapters(out / "adapters.safetensors", base.config))
+    attach(base, lora, into_base=True)
+    with torch.no_grad():
+        live = base(IDS)
+    detach(base)
+    with torch.no_grad():
+        assert torch.equal(base(IDS), b)   # detach restores the base projections
+    assert (live - a).abs().max().item() < 1e-3   # fp16 file vs fp32 live adapters
+
+
+def test_control_lowers_the_lm_loss(small_model_dir, corpus, tmp_path):  # noqa: F811
+    out = tmp_path / "control"
+    linearize(args(small_model_dir, corpus, out, control=True, lora_rank=8, finetune_steps=30, finetune_lr=3e-3,
+                   finetune_batch=4, save_every=10), log=lambda m: None)
+    log = [loss for _, loss in json.loads((out / "linearize.json").read_text())["finetune_log"]]
+    first, last = sum(log[:5]) / 5, sum(log[-5:]) / 5
+    print(f"control finetune loss: first 5 {first:.3f}, last 5 {last:.3f}")
+    assert last < first
+
+
+@pytest.mark.parametrize("extra, words", [
+    (dict(lora_rank=0), "--lora-rank"),
+    (dict(lora_rank=4, finetune_steps=0), "--finetune-steps"),
+    (dict(lora_rank=4, hybrid=1), "--hybrid"),
+    (dict(lora_rank=4, window=8), "--window"),
+    (dict(lora_rank=4, decay=True), "--decay"),
+    (dict(lora_rank=4, finetune_loss="kl"), "--finetune-loss kl"),
+])
+def test_control_refuses_what_it_cannot_be(small_model_dir, corpus, tmp_path, extra, words):  # noqa: F811
+    out = tmp_path / "c"
+    with pytest.raises(InvalidArgumentError, match=words):
+        linearize(args(small_model_dir, corpus, out, control=True, **extra), log=lambda m: None)
+    assert not out.exists()
+
+
+def test_control_cli(small_model_dir, corpus, tmp_path):  # noqa: F811
+    r = cli("linearize", "--model", small_model_dir, "--data", corpus, "--out", tmp_path / "c", "--control")
+    assert r.exit_code == 2 and "--lora-rank" in r.output
