@@ -20,6 +20,8 @@ from starlette.requests import Request    # what FastAPI hands a route (fastapi.
 from starlette.responses import JSONResponse
 
 from engine.serve.errors import APIError, bad_request, server_error
+from engine.serve.page import add_page
+from engine.serve.row_stats import WithStats
 from engine.serve.scheduler import Failure, Token
 from engine.serve.schemas import ChatRequest, CompletionRequest, parse
 from engine.serve.server import COMPLETION_DEFAULT_MAX_TOKENS, Server
@@ -52,6 +54,8 @@ def create_app(server: Server) -> "FastAPI":
     @app.exception_handler(Exception)
     async def _unexpected(request, exc: Exception):   # a bug: still an OpenAI-style body, and the server goes on
         return server_error(f"{type(exc).__name__}: {exc}").response()
+
+    add_page(app, server)   # the comparison page at / (engine.serve.page)
 
     @app.get("/health")
     async def health():
@@ -97,6 +101,8 @@ def create_app(server: Server) -> "FastAPI":
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         mailbox = _mailbox(loop)
         job = server.make_job(req, ids, lambda ev: mailbox.post(queue, ev), default_max_tokens)
+        if req.include_stats:
+            fmt = WithStats(fmt, job, server)   # the `gen` field in every chunk; wraps job.emit
         server.submit(job)
         if req.stream:
             return EventSourceResponse(sse_stream(job, queue, fmt, req.include_usage), ping=15)
