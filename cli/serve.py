@@ -4,6 +4,7 @@ from __future__ import annotations
 import click
 
 from cli.common import FEATURE_MAP_HELP, KV_DTYPE_HELP, fail, run_guarded
+from cli.open_page import open_when_ready, page_url
 from engine.serve import open_server, run
 
 
@@ -27,9 +28,12 @@ from engine.serve import open_server, run
 @click.option("--backend", type=click.Choice(["auto", "torch", "native", "module"]), default="auto",
               show_default=True, help="decode step form: auto = the C step where it applies, else PyTorch")
 @click.option("--threads", type=int, help="CPU threads (default: 1)")
+@click.option("--open", "open_page", is_flag=True, help="open the comparison page (/) in the browser once the "
+                                                        "server answers")
 def serve_cmd(model_name, attention, softmax_layers, window, feature_map, host, port, max_batch, max_queue,
-              max_context, dtype, kv_dtype, backend, threads):
-    """Serve MODEL over HTTP: /v1/models, /v1/completions, /v1/chat/completions (OpenAI format, SSE streams)."""
+              max_context, dtype, kv_dtype, backend, threads, open_page=False):
+    """Serve MODEL over HTTP: /v1/models, /v1/completions, /v1/chat/completions (OpenAI format, SSE streams),
+    and a page at / comparing attention configurations side by side."""
     if max_batch < 1:
         fail(f"--max-batch must be >= 1, got {max_batch}")
     if max_context is not None and max_context < 2:
@@ -39,4 +43,6 @@ def serve_cmd(model_name, attention, softmax_layers, window, feature_map, host, 
     server = run_guarded(lambda: open_server(model_name, attention, feature_map, dtype, backend, threads,
                                              max_batch, max_context, max_queue, softmax_layers, window,
                                              kv_dtype))
+    if open_page:
+        open_when_ready(page_url(host, port))
     run_guarded(lambda: run(server, host=host, port=port))
