@@ -113,7 +113,6 @@
     }
 
     show(stats) {
-      this.stats = stats;
       const fmt = {
         tokens_per_s: v => v.toFixed(1),
         ttft_ms: v => `${v.toFixed(0)} ms`,
@@ -172,12 +171,15 @@
         }
       } finally {
         this.controller = null;
+        this.render();   // the last numbers are shown by the time the status says the answer ended
         if (cfg.chat) this.history.push({role: "assistant", content: this.answer});
         else this.text += this.answer;
         redraw();
       }
     }
 
+    // one chunk: the text grows (one text node, appended to), the numbers and points are kept; what is
+    // shown follows once per frame (render), however many chunks arrive in between
     chunk(obj, out) {
       if (obj.error) throw new Error(obj.error.message || JSON.stringify(obj.error));
       const choice = obj.choices && obj.choices[0];
@@ -185,16 +187,23 @@
         const piece = page.config.chat ? (choice.delta && choice.delta.content) || "" : choice.text || "";
         if (piece) {
           this.answer += piece;
-          out.textContent = this.answer;
-          this.transcript.scrollTop = this.transcript.scrollHeight;
+          if (!out.firstChild) out.appendChild(document.createTextNode(""));
+          out.firstChild.appendData(piece);
+          this.scroll = true;
         }
         if (choice.finish_reason) this.finish = choice.finish_reason;
       }
       if (obj.gen) {
-        this.show(obj.gen);
+        this.stats = obj.gen;
+        this.fresh = true;
         this.points.push({context: obj.gen.context, state_bytes: obj.gen.state_bytes, token_ms: obj.gen.token_ms});
-        redraw();
       }
+      redraw();
+    }
+
+    render() {
+      if (this.fresh) { this.show(this.stats); this.fresh = false; }
+      if (this.scroll) { this.transcript.scrollTop = this.transcript.scrollHeight; this.scroll = false; }
     }
 
     stop() {
@@ -293,15 +302,23 @@
   }
 
   // ---------------------------------------------------------------- the live chart
+  const CHART_POINTS = 400;   // per pane: a long answer is drawn from every n-th point (and the last)
+
+  function thin(points) {
+    const every = Math.ceil(points.length / CHART_POINTS);
+    return every <= 1 ? points : points.filter((_, i) => i % every === 0 || i === points.length - 1);
+  }
+
   let pending = false;
   function redraw() {
     if (pending) return;
     pending = true;
     requestAnimationFrame(() => {
       pending = false;
+      for (const p of page.panes) p.render();
       const series = key => page.panes.map((p, i) => ({
         name: `${i + 1}: ${p.configuration.label}`, cls: `s${i}`,
-        points: p.points.filter(q => q[key] !== null && q[key] !== undefined).map(q => ({x: q.context, y: q[key]})),
+        points: thin(p.points.filter(q => q[key] !== null && q[key] !== undefined)).map(q => ({x: q.context, y: q[key]})),
       }));
       GenChart.draw($("#live-bytes"), {series: series("state_bytes"), xlabel: "context (tokens)",
         ylabel: "state bytes (own row)", fmtY: GenChart.bytes, yunit: 1024, fmtX: GenChart.count, empty: "send a message"});
