@@ -150,8 +150,9 @@ def main() -> None:
             send(driver, args.prompt)
             wait_until(driver, lambda d: all(s in ("done", "error") for s in statuses(d)), 120)
             full = driver.execute_script("return document.documentElement.scrollHeight")
-            driver.set_window_size(width, max(height, full))
-            time.sleep(0.3)
+            driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {   # the viewport: the whole page
+                "width": width, "height": max(height, full), "deviceScaleFactor": 1, "mobile": width < 700})
+            time.sleep(0.5)
             driver.save_screenshot(args.out)
         finally:
             driver.quit()

@@ -162,7 +162,9 @@
                                   body: JSON.stringify(body), signal: this.controller.signal});
         if (!r.ok) throw new Error(await errorText(r));
         await readEvents(r, obj => this.chunk(obj, out));
-        this.setStatus("done", this.finish ? `done (${this.finish})` : "done");
+        const full = this.finish === "length" && this.stats && this.stats.attention !== "linear" &&
+          this.stats.context >= cfg.max_context;   // a KV cache stops at the server's --max-context
+        this.setStatus("done", full ? `done (context limit ${cfg.max_context})` : this.finish ? `done (${this.finish})` : "done");
       } catch (e) {
         if (e.name === "AbortError") this.setStatus("stopped");
         else {
@@ -322,7 +324,7 @@
       }));
       GenChart.draw($("#live-bytes"), {series: series("state_bytes"), xlabel: "context (tokens)",
         ylabel: "state bytes (own row)", fmtY: GenChart.bytes, yunit: 1024, fmtX: GenChart.count, empty: "send a message"});
-      GenChart.draw($("#live-ms"), {series: series("token_ms"), xlabel: "context (tokens)",
+      GenChart.draw($("#live-ms"), {series: series("token_ms"), ylog: true, xlabel: "context (tokens)",
         ylabel: "ms per token", fmtY: v => (+v.toPrecision(3)).toString(), fmtX: GenChart.count,
         empty: "send a message"});
     });

@@ -8,7 +8,7 @@
 
 const GenChart = (() => {
   const NS = "http://www.w3.org/2000/svg";
-  const W = 480, H = 270, M = {l: 62, r: 14, t: 14, b: 44};
+  const W = 480, H = 270, BASE = {l: 62, r: 14, t: 12, b: 44};   // margins (the top grows with the legend)
 
   function el(name, attrs, parent, text) {
     const e = document.createElementNS(NS, name);
@@ -73,6 +73,8 @@ const GenChart = (() => {
     const series = (opt.series || []).map(s => ({...s, points: s.points.filter(p =>
       Number.isFinite(p.x) && Number.isFinite(p.y) && (!opt.xlog || p.x > 0) && (!opt.ylog || p.y > 0))}));
     const all = series.flatMap(s => s.points);
+    const items = opt.legend === false || !all.length ? [] : legendItems(series);
+    const M = {...BASE, t: BASE.t + (items.length ? items[items.length - 1].row + 1 : 0) * 13};
     el("text", {x: M.l + (W - M.l - M.r) / 2, y: H - 6, class: "label", "text-anchor": "middle"}, svg, opt.xlabel || "");
     el("text", {x: 12, y: M.t + (H - M.t - M.b) / 2, class: "label", "text-anchor": "middle",
                 transform: `rotate(-90 12 ${M.t + (H - M.t - M.b) / 2})`}, svg, opt.ylabel || "");
@@ -113,17 +115,29 @@ const GenChart = (() => {
         dots.push({X: sx(p.x), Y: sy(p.y), p, s});
       });
     });
-    if (opt.legend !== false) legend(svg, series);
+    legend(svg, items);
     hover(svg, dots, fmtX, fmtY, opt);
   }
 
-  function legend(svg, series) {
-    const g = el("g", {class: "legend"}, svg);
-    series.slice(0, 8).forEach((s, i) => {
-      const y = M.t + 12 + i * 13, cls = s.cls || `s${i % 8}`;
-      el("line", {x1: M.l + 8, x2: M.l + 22, y1: y - 3, y2: y - 3, class: `line ${cls}`}, g);
-      el("text", {x: M.l + 26, y}, g, s.name);
+  // the legend above the plot, left to right, in as many rows as it needs
+  function legendItems(series) {
+    let x = BASE.l, row = 0;
+    return series.map((s, i) => {
+      const w = 26 + s.name.length * 5.6 + 10;
+      if (x + w > W - BASE.r && x > BASE.l) { row++; x = BASE.l; }
+      const item = {s, cls: s.cls || `s${i % 8}`, x, row};
+      x += w;
+      return item;
     });
+  }
+
+  function legend(svg, items) {
+    const g = el("g", {class: "legend"}, svg);
+    for (const {s, cls, x, row} of items) {
+      const y = 12 + row * 13;
+      el("line", {x1: x, x2: x + 16, y1: y - 3, y2: y - 3, class: `line ${cls}`}, g);
+      el("text", {x: x + 20, y}, g, s.name);
+    }
   }
 
   function hover(svg, dots, fmtX, fmtY, opt) {
