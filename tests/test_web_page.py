@@ -135,3 +135,25 @@ def test_bench_tab_draws_a_shipped_report(page):
     ActionChains(driver).move_to_element(dot).perform()
     tip = driver.find_element("css selector", "#bench-ms .tip")
     assert tip.get_attribute("visibility") == "visible" and "ms per token" in tip.text
+
+
+def test_the_page_asks_for_the_api_key_and_sends_it():
+    import cli.serve
+    if "api_key" not in {p.name for p in cli.serve.serve_cmd.params}:
+        pytest.skip("this gen serve has no --api-key")
+    with web.serving("--model", "tiny", "--api-key", "s3cret") as url:
+        driver = web.browser(1280, 900)
+        try:
+            driver.get(url + "/")
+            assert driver.find_elements("id", "prompt"), \
+                "/ must be public (the guard lets engine.serve.page.PUBLIC_PATHS through without a key)"
+            web.wait_until(driver, lambda d: d.find_element("id", "key-form").is_displayed(), 10)
+            driver.find_element("id", "key-input").send_keys("s3cret\n")
+            web.wait_until(driver, lambda d: d.execute_script("return window.gen.ready"), 10)
+            assert driver.execute_script("return sessionStorage.getItem('gen.apiKey')") == "s3cret"
+            web.open_page(driver, url, max_tokens=4)         # a reload: the tab keeps the key, asks nothing
+            assert not driver.find_element("id", "key-form").is_displayed()
+            web.send(driver, PROMPT)
+            web.wait_until(driver, lambda d: web.statuses(d) == ["done", "done"], 30)
+        finally:
+            driver.quit()
