@@ -65,6 +65,30 @@ def test_every_chunk_carries_the_rows_own_numbers(live, path):
         assert len(set(bytes_seen)) == 1                        # constant
 
 
+@pytest.mark.filterwarnings("ignore:these weights were trained")   # hybrid on weights not trained for it
+def test_hybrid_and_window_rows(small_model_dir):
+    """A hybrid row grows by its KV layers' bytes per token only; a windowed linear row holds its
+    W-key buffer whole from the start: both as a batch-1 state of that many tokens holds."""
+    from engine.api import load
+    from engine.serve import Server
+    srv = LiveServer(Server(load(str(small_model_dir), softmax_layers=[0], window=4), NAME))
+    try:
+        model = srv.server.llm.model
+        for path in ("hybrid", "linear"):
+            chunks = stream(srv, {"prompt": "the cat sat on", "max_tokens": 8, "ignore_eos": True, "attention": path,
+                                  "stream_options": {"include_stats": True}})
+            seen = [c["gen"]["state_bytes"] for c in chunks]
+            for c in chunks:
+                held = c["gen"]["state_tokens"]
+                assert c["gen"]["state_bytes"] == model.init_state(batch=1, max_len=held, attention=path).nbytes
+            if path == "hybrid":
+                assert seen == sorted(set(seen))
+            else:
+                assert len(set(seen)) == 1
+    finally:
+        srv.stop()
+
+
 def test_the_rows_bytes_are_its_own_while_batched(live):
     """Two softmax requests of different lengths at once: each chunk's state_bytes is its own row's."""
     import concurrent.futures as cf

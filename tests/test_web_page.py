@@ -119,7 +119,7 @@ def test_phone_layout_and_dark_theme(page):
         driver.set_window_size(1280, 900)
 
 
-def test_bench_tab_draws_a_shipped_report(page):
+def test_bench_tab_draws_a_shipped_report_and_opened_files(page, tmp_path):
     url, driver = page
     web.open_page(driver, url)
     driver.find_element("id", "tab-bench").click()
@@ -135,6 +135,24 @@ def test_bench_tab_draws_a_shipped_report(page):
     ActionChains(driver).move_to_element(dot).perform()
     tip = driver.find_element("css selector", "#bench-ms .tip")
     assert tip.get_attribute("visibility") == "visible" and "ms per token" in tip.text
+    # the file picker: a report of the user's beside the shipped one, and a file that is none
+    import json
+    mine = tmp_path / "mine.json"
+    mine.write_text(json.dumps({"settings": {"model": "m"}, "results": [
+        {"attention": a, "context": c, "decode_ms_per_token": ms, "state_bytes": b}
+        for a, c, ms, b in (("softmax", 64, 1.0, 1000), ("softmax", 256, 3.0, 4000),
+                            ("linear", 64, 1.5, 500), ("linear", 256, 1.6, 500))]}))
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"runs": []}))
+    driver.find_element("id", "bench-files").send_keys(f"{mine}\n{other}")
+    web.wait_until(driver, lambda d: len(d.find_elements("css selector", "#bench-ms polyline")) == 4, 10)
+    loaded = [li.text for li in driver.find_elements("css selector", "#bench-loaded li")]
+    assert any(t.startswith("other.json: no `results`") for t in loaded)
+    marks = [t.text for t in driver.find_elements("css selector", "#bench-ms .marklabel")]
+    # the file has no summary: the page interpolates as engine.bench.report.decode_crossover does
+    from engine.bench.report import decode_crossover
+    want = decode_crossover(json.loads(mine.read_text())["results"])["estimate"]
+    assert f"mine.json: crossover ~{want}" in marks
 
 
 def test_the_page_asks_for_the_api_key_and_sends_it():
