@@ -42,7 +42,7 @@ def test_gen_serve_open_wires_it(monkeypatch):
     import cli.serve as serve
     calls = []
     monkeypatch.setattr(serve, "open_server", lambda *a, **k: "server")
-    monkeypatch.setattr(serve, "run", lambda server, host, port: calls.append(("run", host, port)))
+    monkeypatch.setattr(serve, "run", lambda server, host, port, **policy: calls.append(("run", host, port)))
     monkeypatch.setattr(serve, "open_when_ready", lambda url: calls.append(("open", url)))
     r = CliRunner().invoke(serve.serve_cmd, ["--port", "8123", "--open"])
     assert r.exit_code == 0, r.output
