@@ -4,6 +4,7 @@ from __future__ import annotations
 import click
 
 from cli.common import FEATURE_MAP_HELP, KV_DTYPE_HELP, fail, prefill_chunk_option, run_guarded
+from cli.open_page import open_when_ready, page_url
 from engine.serve import Policy, open_server, run
 from engine.serve.guard import DEFAULT_MAX_BODY, LOOPBACK
 from engine.serve.server import DEFAULT_QUEUE_TIMEOUT_S
@@ -47,10 +48,13 @@ ANY_ADDRESS = ("0.0.0.0", "::", "")
                    "(default: CORS off, foreign Origins refused)")
 @click.option("--docs", is_flag=True, help="serve /docs, /redoc and /openapi.json (off by default)")
 @prefill_chunk_option
+@click.option("--open", "open_page", is_flag=True, help="open the comparison page (/) in the browser once the "
+                                                        "server answers")
 def serve_cmd(model_name, attention, softmax_layers, window, feature_map, host, port, max_batch, max_queue,
               max_context, dtype, kv_dtype, backend, threads, max_prompt, queue_timeout, max_body, api_key,
-              allow_hosts, cors_origins, docs, prefill_chunk):
-    """Serve MODEL over HTTP: /v1/models, /v1/completions, /v1/chat/completions (OpenAI format, SSE streams)."""
+              allow_hosts, cors_origins, docs, prefill_chunk, open_page=False):
+    """Serve MODEL over HTTP: /v1/models, /v1/completions, /v1/chat/completions (OpenAI format, SSE streams),
+    and a page at / comparing attention configurations side by side."""
     if max_batch < 1:
         fail(f"--max-batch must be >= 1, got {max_batch}")
     if max_queue is not None and max_queue < 0:
@@ -78,4 +82,6 @@ def serve_cmd(model_name, attention, softmax_layers, window, feature_map, host, 
                                              max_batch, max_context, max_queue, softmax_layers, window,
                                              kv_dtype, max_prompt=max_prompt, queue_timeout=queue_timeout,
                                              prefill_chunk=prefill_chunk))
+    if open_page:
+        open_when_ready(page_url(host, port))
     run_guarded(lambda: run(server, host=host, port=port, policy=policy))

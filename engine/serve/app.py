@@ -32,6 +32,8 @@ from starlette.responses import JSONResponse
 
 from engine.serve.errors import APIError, bad_request, queue_timeout, server_error
 from engine.serve.guard import HostGuard, Policy, RequestGuard
+from engine.serve.page import add_page
+from engine.serve.row_stats import WithStats
 from engine.serve.scheduler import Failure, Token
 from engine.serve.schemas import ChatRequest, CompletionRequest, parse
 from engine.serve.server import COMPLETION_DEFAULT_MAX_TOKENS, Server
@@ -91,6 +93,8 @@ def create_app(server: Server, policy: Policy | None = None) -> "FastAPI":
     async def _unexpected(request, exc: Exception):   # a bug: still an OpenAI-style body, and the server goes on
         return server_error(f"{type(exc).__name__}: {exc}").response()
 
+    add_page(app, server)   # the comparison page at / (engine.serve.page)
+
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": server.name}
@@ -142,6 +146,8 @@ def create_app(server: Server, policy: Policy | None = None) -> "FastAPI":
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         mailbox = _mailbox(loop)
         job = server.make_job(req, ids, lambda ev: mailbox.post(queue, ev), default_max_tokens)
+        if req.include_stats:
+            fmt = WithStats(fmt, job, server)   # the `gen` field in every chunk; wraps job.emit
         server.submit(job)
         deadline = time.monotonic() + server.queue_timeout if server.queue_timeout else None
         try:

@@ -25,10 +25,11 @@ import hmac
 from dataclasses import dataclass
 
 from engine.serve.errors import APIError
+from engine.serve.page import PUBLIC_PATHS as PAGE
 
 LOOPBACK = ("localhost", "127.0.0.1", "::1")
 DEFAULT_MAX_BODY = 4 << 20     # bytes: a 4 MiB JSON body holds ~1M tokens of text
-PUBLIC = frozenset({"/health"})
+PUBLIC = frozenset({"/health"}) | PAGE   # the page and its files hold no secret (engine.serve.page)
 DOCS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 

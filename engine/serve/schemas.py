@@ -19,6 +19,7 @@ MAX_TOP_LOGPROBS = 20
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
+    include_stats: bool = False       # the engine's own: a `gen` field in every chunk (engine.serve.row_stats)
 
 
 class Sampling(BaseModel):
@@ -69,6 +70,10 @@ class Sampling(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def include_stats(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_stats)
 
 
 class CompletionRequest(Sampling):

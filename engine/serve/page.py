@@ -1,0 +1,122 @@
+"""The comparison page: the same conversation through two to four attention configurations side by
+side, with each stream's live numbers (engine.serve.row_stats), and a tab that draws `gen bench --json`
+files. Plain HTML, CSS and JavaScript shipped in engine/serve/web/ (package data): no build step, no
+third-party code, nothing fetched from elsewhere.
+
+Routes:
+    GET /                     the page (public: it holds no secret; a key is asked for by the page)
+    GET /web/<asset>          its script and style sheets (public)
+    GET /web/config           what the page may offer: the model, its configurations, chat or not
+    GET /web/bench            the bench files shipped in docs/ (a source checkout; none when installed)
+    GET /web/bench/<name>     one of them, read-only
+
+The page's own files are PUBLIC_PATHS: a guard asking for an API key must let them through; the data
+routes are behind the key like the API.
+"""
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+
+from starlette.responses import JSONResponse, Response
+
+from engine.errors import EngineError
+from engine.serve.errors import APIError
+
+ASSETS = {"index.html": "text/html; charset=utf-8", "app.js": "text/javascript; charset=utf-8",
+          "chart.js": "text/javascript; charset=utf-8", "bench.js": "text/javascript; charset=utf-8",
+          "style.css": "text/css; charset=utf-8"}
+PUBLIC_PATHS = frozenset({"/"} | {f"/web/{name}" for name in ASSETS if name != "index.html"})
+HEADERS = {   # the page runs only its own files; model output is shown as text, never as markup
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+                               "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-cache"}
+DOCS = Path(__file__).resolve().parents[2] / "docs"   # a source checkout's docs/ (absent when installed)
+
+
+def asset(name: str) -> bytes:
+    return resources.files("engine.serve").joinpath("web", name).read_bytes()
+
+
+def configurations(llm) -> list[dict]:
+    """The configurations a request may pick on this server: `attention` omitted (the server's default),
+    softmax, linear (with the server's --window, when it has one) and hybrid (when the model names its
+    softmax layers). A window or softmax layers per request are not offered: they are the server's."""
+    cfg = llm.model.config
+    trained = set(cfg.trained_for)
+    window = f" + window {cfg.window}" if cfg.window else ""
+
+    def note(path):
+        return "" if path in trained or (path == "hybrid" and "linear" in trained) else " (untrained)"
+    out = [{"id": "default", "attention": None, "label": f"default: {llm.attention}"},
+           {"id": "softmax", "attention": "softmax", "label": "softmax" + note("softmax")},
+           {"id": "linear", "attention": "linear", "label": "linear" + window + note("linear")}]
+    if cfg.layer_attention is not None:
+        soft = ",".join(str(i) for i, p in enumerate(cfg.layer_attention) if p == "softmax")
+        out.append({"id": "hybrid", "attention": "hybrid",
+                    "label": f"hybrid (softmax layers {soft}){window}{note('hybrid')}"})
+    return out
+
+
+def page_config(server) -> dict:
+    llm = server.llm
+    try:
+        llm.chat_eos_ids()
+        chat = True
+    except EngineError:
+        chat = False
+    cfg = llm.model.config
+    return {"model": server.name, "chat": chat, "default_attention": llm.attention,
+            "configurations": configurations(llm), "window": cfg.window, "max_context": server.max_context,
+            "layers": cfg.num_hidden_layers, "trained_for": list(cfg.trained_for)}
+
+
+def bench_files(docs: Path = DOCS) -> dict[str, Path]:
+    """{name: path} of the `gen bench --json` reports in `docs` (records with a context, decode
+    ms/token and state bytes)."""
+    found = {}
+    for path in sorted(docs.glob("*.json")) if docs.is_dir() else ():
+        try:
+            report = json.loads(path.read_text())
+            results = report["results"]
+            if isinstance(report.get("settings"), dict) and results and all(
+                    {"context", "decode_ms_per_token", "state_bytes"} <= r.keys() for r in results):
+                found[path.name] = path
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+    return found
+
+
+def add_page(app, server, docs: Path = DOCS) -> None:
+    """The page's routes on `app` (a FastAPI app serving `server`)."""
+
+    @app.get("/", include_in_schema=False)
+    async def index():
+        return Response(asset("index.html"), media_type=ASSETS["index.html"], headers=HEADERS)
+
+    @app.get("/web/config")
+    async def config():
+        return page_config(server)
+
+    @app.get("/web/bench")
+    async def benches():
+        out = []
+        for name, path in bench_files(docs).items():
+            s = json.loads(path.read_text())["settings"]
+            out.append({"name": name, "model": s.get("model"), "cpu": (s.get("machine") or {}).get("cpu")})
+        return {"files": out}
+
+    @app.get("/web/bench/{name}")
+    async def bench(name: str):
+        path = bench_files(docs).get(name)
+        if path is None:
+            raise APIError(404, f"no bench file {name!r} here (see GET /web/bench)", code="not_found")
+        return JSONResponse(json.loads(path.read_text()))
+
+    @app.get("/web/{name}", include_in_schema=False)
+    async def static(name: str):
+        if name not in ASSETS or name == "index.html":
+            raise APIError(404, f"no page file {name!r} (the page's files: /, "
+                                + ", ".join(sorted(PUBLIC_PATHS - {"/"})) + ")", code="not_found")
+        return Response(asset(name), media_type=ASSETS[name], headers=HEADERS)

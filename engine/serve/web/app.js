@@ -1,0 +1,388 @@
+// The compare tab: one message to two to four panes, each streaming from its own attention
+// configuration, with the server's live numbers per pane (the `gen` field of each chunk, asked for
+// with stream_options.include_stats) and a shared live chart. The API key (when the server has one)
+// is kept in sessionStorage and sent as `Authorization: Bearer`.
+"use strict";
+
+(() => {
+  const KEY = "gen.apiKey";
+  const MIN_PANES = 2, MAX_PANES = 4;
+  const $ = (sel, root = document) => root.querySelector(sel);
+  const page = {config: null, panes: [], ready: false};
+  window.gen = page;   // the page's state, for scripts (and the browser test): panes, their points and text
+
+  class KeyNeeded extends Error {}
+
+  // ---------------------------------------------------------------- the server
+  async function api(path, options = {}) {
+    const headers = Object.assign({}, options.headers || {});
+    const key = sessionStorage.getItem(KEY);
+    if (key) headers.Authorization = "Bearer " + key;
+    const r = await fetch(path, Object.assign({}, options, {headers}));
+    if (r.status === 401) {
+      askKey(await errorText(r));
+      throw new KeyNeeded("the server asks for an API key");
+    }
+    return r;
+  }
+
+  async function errorText(r) {
+    try {
+      const body = await r.json();
+      return (body.error && body.error.message) || JSON.stringify(body);
+    } catch (e) {
+      return `HTTP ${r.status} ${r.statusText}`;
+    }
+  }
+
+  function notice(text) {
+    const el = $("#notice");
+    el.textContent = text || "";
+    el.hidden = !text;
+  }
+
+  // ---------------------------------------------------------------- the key
+  function askKey(message) {
+    $("#key-form").hidden = false;
+    $("#key-note").textContent = message || "kept in this tab only (sessionStorage)";
+    $("#key-input").focus();
+  }
+
+  function setupKey() {
+    $("#key-button").onclick = () => {
+      const form = $("#key-form");
+      form.hidden = !form.hidden;
+      if (!form.hidden) $("#key-input").focus();
+    };
+    $("#key-form").onsubmit = ev => {
+      ev.preventDefault();
+      const key = $("#key-input").value.trim();
+      if (key) sessionStorage.setItem(KEY, key);
+      $("#key-input").value = "";
+      $("#key-form").hidden = true;
+      if (!page.ready) start();
+    };
+    $("#key-forget").onclick = () => {
+      sessionStorage.removeItem(KEY);
+      $("#key-note").textContent = "forgotten";
+    };
+  }
+
+  // ---------------------------------------------------------------- panes
+  class Pane {
+    constructor(configId) {
+      this.el = $("#pane-template").content.firstElementChild.cloneNode(true);
+      this.select = $(".config", this.el);
+      for (const c of page.config.configurations) {
+        const o = document.createElement("option");
+        o.value = c.id;
+        o.textContent = c.label;
+        this.select.appendChild(o);
+      }
+      this.select.value = configId;
+      this.transcript = $(".transcript", this.el);
+      this.history = [];          // chat: this pane's messages (its own answers)
+      this.text = "";             // completion: this pane's prompt and answers so far
+      this.points = [];           // {context, state_bytes, token_ms} per chunk of the current turn
+      this.stats = null;          // the last `gen` field
+      this.answer = "";           // the current turn's answer
+      this.finish = null;
+      this.controller = null;
+      $(".remove", this.el).onclick = () => removePane(this);
+      this.setStatus("idle");
+    }
+
+    get configuration() {
+      return page.config.configurations.find(c => c.id === this.select.value);
+    }
+
+    setStatus(status, detail) {
+      this.status = status;
+      this.el.dataset.status = status;
+      $(".status", this.el).textContent = detail || (status === "idle" ? "" : status);
+      this.select.disabled = status === "streaming";
+    }
+
+    bubble(role, text) {
+      const div = document.createElement("div");
+      div.className = `msg ${role}`;
+      div.textContent = text;
+      this.transcript.appendChild(div);
+      this.transcript.scrollTop = this.transcript.scrollHeight;
+      return div;
+    }
+
+    show(stats) {
+      const fmt = {
+        tokens_per_s: v => v.toFixed(1),
+        ttft_ms: v => `${v.toFixed(0)} ms`,
+        ms_per_token: v => v.toFixed(2),
+        state_bytes: v => GenChart.bytes(v),
+        context: v => String(v),
+      };
+      for (const [name, f] of Object.entries(fmt)) {
+        const dd = $(`[data-stat="${name}"]`, this.el), v = stats[name];
+        if (v === null || v === undefined) continue;
+        dd.textContent = f(v);
+        dd.dataset.value = v;
+      }
+      $('[data-stat="state_bytes"]', this.el).title =
+        `${stats.state_bytes} bytes: this row at ${stats.state_tokens} tokens (${stats.attention}); ` +
+        `the whole ${stats.attention} batch: ${GenChart.bytes(stats.batch_state_bytes)} for ${stats.batch_rows} row(s)`;
+      $('[data-stat="context"]', this.el).title =
+        `${stats.prompt_tokens} prompt + ${stats.completion_tokens} generated tokens`;
+    }
+
+    async run(message) {
+      const cfg = page.config, conf = this.configuration;
+      const body = {model: cfg.model, stream: true, stream_options: {include_usage: true, include_stats: true},
+                    max_tokens: intValue("#max-tokens", 128), temperature: floatValue("#temperature", 0)};
+      if (conf.attention) body.attention = conf.attention;
+      if ($("#ignore-eos").checked) body.ignore_eos = true;
+      let url;
+      if (cfg.chat) {
+        this.history.push({role: "user", content: message});
+        body.messages = this.history.slice();
+        url = "/v1/chat/completions";
+      } else {
+        this.text += message;
+        body.prompt = this.text;
+        url = "/v1/completions";
+      }
+      this.bubble("user", message);
+      const out = this.bubble("assistant", "");
+      this.answer = "";
+      this.finish = null;
+      this.points = [];
+      this.controller = new AbortController();
+      this.setStatus("streaming");
+      redraw();
+      try {
+        const r = await api(url, {method: "POST", headers: {"Content-Type": "application/json"},
+                                  body: JSON.stringify(body), signal: this.controller.signal});
+        if (!r.ok) throw new Error(await errorText(r));
+        await readEvents(r, obj => this.chunk(obj, out));
+        const full = this.finish === "length" && this.stats && this.stats.attention !== "linear" &&
+          this.stats.context >= cfg.max_context;   // a KV cache stops at the server's --max-context
+        this.setStatus("done", full ? `done (context limit ${cfg.max_context})` : this.finish ? `done (${this.finish})` : "done");
+      } catch (e) {
+        if (e.name === "AbortError") this.setStatus("stopped");
+        else {
+          this.setStatus("error", "error");
+          this.bubble("error", e.message);
+        }
+      } finally {
+        this.controller = null;
+        this.render();   // the last numbers are shown by the time the status says the answer ended
+        if (cfg.chat) this.history.push({role: "assistant", content: this.answer});
+        else this.text += this.answer;
+        redraw();
+      }
+    }
+
+    // one chunk: the text grows (one text node, appended to), the numbers and points are kept; what is
+    // shown follows once per frame (render), however many chunks arrive in between
+    chunk(obj, out) {
+      if (obj.error) throw new Error(obj.error.message || JSON.stringify(obj.error));
+      const choice = obj.choices && obj.choices[0];
+      if (choice) {
+        const piece = page.config.chat ? (choice.delta && choice.delta.content) || "" : choice.text || "";
+        if (piece) {
+          this.answer += piece;
+          if (!out.firstChild) out.appendChild(document.createTextNode(""));
+          out.firstChild.appendData(piece);
+          this.scroll = true;
+        }
+        if (choice.finish_reason) this.finish = choice.finish_reason;
+      }
+      if (obj.gen) {
+        this.stats = obj.gen;
+        this.fresh = true;
+        this.points.push({context: obj.gen.context, state_bytes: obj.gen.state_bytes, token_ms: obj.gen.token_ms});
+      }
+      redraw();
+    }
+
+    render() {
+      if (this.fresh) { this.show(this.stats); this.fresh = false; }
+      if (this.scroll) { this.transcript.scrollTop = this.transcript.scrollHeight; this.scroll = false; }
+    }
+
+    stop() {
+      if (this.controller) this.controller.abort();   // the connection closes: the server drops the row
+    }
+  }
+
+  // Server-Sent Events from a fetch response: each `data:` payload (JSON) to `onData` until [DONE].
+  async function readEvents(response, onData) {
+    const reader = response.body.getReader(), decoder = new TextDecoder();
+    let buffer = "";
+    for (;;) {
+      const {value, done} = await reader.read();
+      if (done) return;
+      buffer += decoder.decode(value, {stream: true});
+      let m;
+      while ((m = /\r\n\r\n|\n\n|\r\r/.exec(buffer))) {
+        const block = buffer.slice(0, m.index);
+        buffer = buffer.slice(m.index + m[0].length);
+        const data = block.split(/\r\n|\n|\r/).filter(l => l.startsWith("data:"))
+          .map(l => l.slice(5).replace(/^ /, "")).join("\n");
+        if (!data) continue;            // a comment (ping) or an event with no data
+        if (data === "[DONE]") return;
+        onData(JSON.parse(data));
+      }
+    }
+  }
+
+  function intValue(sel, fallback) {
+    const v = parseInt($(sel).value, 10);
+    return Number.isFinite(v) && v >= 1 ? v : fallback;
+  }
+
+  function floatValue(sel, fallback) {
+    const v = parseFloat($(sel).value);
+    return Number.isFinite(v) && v >= 0 ? v : fallback;
+  }
+
+  function addPane(configId) {
+    if (page.panes.length >= MAX_PANES) return;
+    const used = new Set(page.panes.map(p => p.select.value));
+    const ids = page.config.configurations.map(c => c.id);
+    const pane = new Pane(configId || ids.find(id => id !== "default" && !used.has(id)) || "default");
+    page.panes.push(pane);
+    $("#panes").appendChild(pane.el);
+    layout();
+  }
+
+  function removePane(pane) {
+    if (page.panes.length <= MIN_PANES) return;
+    pane.stop();
+    page.panes.splice(page.panes.indexOf(pane), 1);
+    pane.el.remove();
+    layout();
+  }
+
+  function layout() {
+    page.panes.forEach((p, i) => { p.el.dataset.slot = i; $(".swatch", p.el).className = `swatch s${i}`; });
+    $("#panes").dataset.count = page.panes.length;
+    $("#add-pane").disabled = page.panes.length >= MAX_PANES;
+    for (const p of page.panes) $(".remove", p.el).disabled = page.panes.length <= MIN_PANES;
+    redraw();
+  }
+
+  // ---------------------------------------------------------------- sending and stopping
+  function busy() {
+    return page.panes.some(p => p.status === "streaming");
+  }
+
+  function send() {
+    const box = $("#prompt"), message = box.value;
+    if (!message.trim() || !page.ready) return;
+    if (busy()) {
+      notice("The panes are still answering: wait, or press Esc to stop them.");
+      return;
+    }
+    notice("");
+    box.value = "";
+    for (const p of page.panes) p.run(message);
+  }
+
+  function stopAll() {
+    for (const p of page.panes) p.stop();
+  }
+
+  function clearAll() {
+    stopAll();
+    for (const p of page.panes) {
+      p.history = [];
+      p.text = "";
+      p.points = [];
+      p.transcript.textContent = "";
+      p.setStatus("idle");
+    }
+    redraw();
+  }
+
+  // ---------------------------------------------------------------- the live chart
+  const CHART_POINTS = 400;   // per pane: a long answer is drawn from every n-th point (and the last)
+
+  function thin(points) {
+    const every = Math.ceil(points.length / CHART_POINTS);
+    return every <= 1 ? points : points.filter((_, i) => i % every === 0 || i === points.length - 1);
+  }
+
+  let pending = false;
+  function redraw() {
+    if (pending) return;
+    pending = true;
+    requestAnimationFrame(() => {
+      pending = false;
+      for (const p of page.panes) p.render();
+      const series = key => page.panes.map((p, i) => ({
+        name: `${i + 1}: ${p.configuration.label}`, cls: `s${i}`,
+        points: thin(p.points.filter(q => q[key] !== null && q[key] !== undefined)).map(q => ({x: q.context, y: q[key]})),
+      }));
+      GenChart.draw($("#live-bytes"), {series: series("state_bytes"), xlabel: "context (tokens)",
+        ylabel: "state bytes (own row)", fmtY: GenChart.bytes, yunit: 1024, fmtX: GenChart.count, empty: "send a message"});
+      GenChart.draw($("#live-ms"), {series: series("token_ms"), ylog: true, xlabel: "context (tokens)",
+        ylabel: "ms per token", fmtY: v => (+v.toPrecision(3)).toString(), fmtX: GenChart.count,
+        empty: "send a message"});
+    });
+  }
+
+  // ---------------------------------------------------------------- tabs, keys, start
+  function setupTabs() {
+    const tabs = [["#tab-compare", "#compare"], ["#tab-bench", "#bench"]];
+    for (const [tab, panel] of tabs) {
+      $(tab).onclick = () => {
+        for (const [t, p] of tabs) {
+          $(t).setAttribute("aria-selected", String(t === tab));
+          $(p).hidden = t !== tab;
+        }
+        if (panel === "#bench") GenBench.show();
+      };
+    }
+  }
+
+  function setupKeys() {
+    $("#prompt").addEventListener("keydown", ev => {
+      if (ev.key === "Enter" && !ev.shiftKey && !ev.isComposing) {
+        ev.preventDefault();
+        send();
+      }
+    });
+    document.addEventListener("keydown", ev => {
+      if (ev.key === "Escape") stopAll();
+    });
+    $("#composer").onsubmit = ev => { ev.preventDefault(); send(); };
+    $("#stop").onclick = stopAll;
+    $("#clear").onclick = clearAll;
+    $("#add-pane").onclick = () => addPane();
+  }
+
+  async function start() {
+    try {
+      const r = await api("/web/config");
+      if (!r.ok) throw new Error(await errorText(r));
+      page.config = await r.json();
+    } catch (e) {
+      if (!(e instanceof KeyNeeded)) notice(`Could not read the server's configuration: ${e.message}`);
+      return;
+    }
+    notice("");
+    const cfg = page.config;
+    $("#model").textContent = cfg.model;
+    $("#mode").textContent = cfg.chat ? "chat (the model's template)"
+      : "completion (no chat template): each send continues the pane's text";
+    const ids = cfg.configurations.map(c => c.id);
+    for (const id of ["softmax", "linear"]) addPane(ids.includes(id) ? id : "default");
+    page.ready = true;
+    $("#prompt").focus();
+  }
+
+  setupKey();
+  setupTabs();
+  setupKeys();
+  GenBench.init(api);
+  start();
+})();
