@@ -1,7 +1,8 @@
 /* Softmax attention of the native step over a KV cache (L, B, Hkv, S_max, D) in kv_type: the
  * block's keys and values written at their slots, then per KV group the scores of its G query heads
  * against every real cached key read once (fp32 rows, or 16-bit rows read in place; pads left
- * out, so a row's sums do not depend on its neighbours), the weighted sum of the values. Runs on the pool by KV groups (decode.c calls it).
+ * out, so a row's sums do not depend on its neighbours), the weighted sum of the values. Runs on
+ * the pool by KV groups (decode.c calls it).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -78,9 +79,9 @@ static inline void weighted_rows(const float *w, const float *v, int n, int D, f
 }
 
 /* sc (n) <- softmax(scale * sc) in place (every key real: att_fn leaves pads out). Scale, max,
- * exp and the division in 16 lanes (each element as the scalar form computes it); the sum in order: a reassociated sum moves the weights' last bits, and
- * a quantized o_proj rounds its inputs to q8, which turns a last bit into a step (the q8 twin's
- * logits moved by 7e-2 with a 16-lane sum). */
+ * exp and the division in 16 lanes (each element as the scalar form computes it); the sum in
+ * order: a reassociated sum moves the weights' last bits, and a quantized o_proj rounds its inputs
+ * to q8, which turns a last bit into a step (the q8 twin's logits moved by 7e-2 with a 16-lane sum). */
 static void softmax_scores(float *sc, int n, float scale) {
     int t = 0;
     float mx = -INFINITY, sum = 0.0f;
