@@ -27,6 +27,7 @@ import torch
 
 from engine.errors import InvalidArgumentError
 from engine.steps.native import NativeStep, NativeUnavailableError, pool_rest
+from engine.steps.rows_alone import prefill_rows_alone, rows_alone_apply
 from engine.steps.torch_step import TorchStep
 
 BACKENDS = ("auto", "torch", "native", "module")
@@ -61,8 +62,11 @@ def check_backend(backend: str) -> str:
 
 
 class Stepper:
-    """What the generation loop calls. Prompt blocks (and padded blocks) run the module path;
-    one-token steps run the first form of `forms` that applies (the last one always does)."""
+    """What the generation loop calls. Prompt blocks run the native pool where it applies, else the
+    module path; a prompt block (last_only) of left-padded rows, or of rows the native step will
+    decode that the native pool cannot prefill, runs row by row, each row as it runs alone
+    (engine.steps.rows_alone); one-token steps run the first form of `forms` that applies (the
+    last one always does)."""
 
     def __init__(self, model, backend: str = "auto", threads: int | None = None):
         self.model, self.backend = model, check_backend(backend)
@@ -93,6 +97,9 @@ class Stepper:
     def forms_available(self) -> list[str]:
         return [f.name for f in self.forms]
 
+    def _native_decodes(self, state, tokens) -> bool:
+        return any(f.name == "native" and f.why_not(state, tokens[:, :1]) is None for f in self.forms)
+
     def __call__(self, tokens: torch.Tensor, state, valid: torch.Tensor | None = None,
                  last_only: bool = False) -> torch.Tensor:
         if valid is None and tokens.dim() == 2 and tokens.shape[1] == 1:
@@ -102,11 +109,18 @@ class Stepper:
                     self.last_form = form.name
                     return form(tokens, state)
                 self.fallback = f"{form.name}: {reason}"
-        if valid is None and last_only and tokens.dim() == 2:   # a prompt block: the native pool where it applies
-            for form in self.forms:                             # (auto: where it is the faster form)
-                if hasattr(form, "prefill") and form.why_not_prefill(state, tokens, self.backend == "auto") is None:
-                    self.last_prefill_form = form.name
-                    return form.prefill(tokens, state)
+        if last_only and tokens.dim() == 2:   # a prompt block
+            if valid is not None and bool(valid.all()):
+                valid = None
+            if valid is None:   # the native pool where it applies (auto: where it is the faster form); it
+                for form in self.forms:   # runs each sequence of the block alone
+                    if hasattr(form, "prefill") and form.why_not_prefill(state, tokens, self.backend == "auto") is None:
+                        self.last_prefill_form = form.name
+                        return form.prefill(tokens, state)
+            # Left-padded rows, and rows the native step decodes next (its q8 rounding turns the last
+            # bits a batched PyTorch prefill moves into steps), run one at a time, as each runs alone.
+            if rows_alone_apply(tokens, state, valid) and (valid is not None or self._native_decodes(state, tokens)):
+                return prefill_rows_alone(lambda t, s: self(t, s, last_only=True), tokens, state, valid)
         self.last_form = "module"
         if last_only or tokens.dim() != 2 or tokens.shape[1] != 1:   # a prompt block, not a one-token step
             self.last_prefill_form = "module"
