@@ -101,15 +101,18 @@ def test_16bit_prefill_equals_fp32_on_the_same_values(dtype):
     assert step.last_prefill_form == "native" and d <= 1e-4
 
 
-def test_padded_blocks_and_full_logits_stay_on_the_module_path():
+def test_padded_blocks_run_row_by_row_and_full_logits_on_the_module_path():
+    """A left-padded block, and a block on a state that holds pads, run row by row, each row on the
+    pool as it runs alone (engine.steps.rows_alone; tests/test_batch_shapes.py holds them to it);
+    a block whose every position's logits are asked for runs the module path."""
     model = tiny_model()
     step = Stepper(model, "native", threads=2)
     state = model.init_state(2, 32)
     valid = torch.tensor([[False, True, True], [True, True, True]])
     step(ids(10, 2, 3), state, valid=valid, last_only=True)
-    assert step.last_prefill_form == "module"
+    assert step.last_prefill_form == "native" and state.padded and state.lengths.tolist() == [2, 3]
     step(ids(11, 2, 4), state, last_only=True)        # the state holds pads now: rows sit at their own positions
-    assert step.last_prefill_form == "module"
+    assert step.last_prefill_form == "native" and state.lengths.tolist() == [6, 7]
     state = model.init_state(1, 32)
     out = step(ids(12, 1, 4), state)                  # every position's logits: the module path
     assert out.shape[1] == 4 and step.last_prefill_form == "module"

@@ -162,11 +162,41 @@ class KVState(State):
         keys, values = cache_k.narrow(2, 0, start + T), cache_v.narrow(2, 0, start + T)
         if keys.dtype != q.dtype:      # a 16-bit cache under fp32 weights (kv_dtype): read widened
             keys, values = keys.to(q.dtype), values.to(q.dtype)
-        if T == 1 and span.attn_mask is None and start >= ONE_QUERY_MATMUL_FROM:
-            return one_query_attention(q, keys, values, self._scale)
+        if T == 1 and span.attn_mask is None:
+            return self._one_query(q, keys, values)
+        if T == 1 and span.real is None:   # one token per row of a padded batch
+            return self._rows_over_real_keys(q, keys, values)
         causal = span.attn_mask is None and T > 1   # prefill from empty, no pads
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=span.attn_mask,
                                               is_causal=causal, enable_gqa=True)
+
+    def _one_query(self, q, keys, values):
+        """One query per row, every key real: the decode attention of an unpadded batch."""
+        if keys.shape[2] > ONE_QUERY_MATMUL_FROM:
+            return one_query_attention(q, keys, values, self._scale)
+        return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
+
+    def _rows_over_real_keys(self, q, keys, values):
+        """Decode attention of a padded batch, each row over its real keys only, as it runs alone.
+
+        A mask would give the pads weight 0 but still move the row's sums (a masked kernel is not the
+        unmasked one; an f16 model's logits moved by ~1e-2): rows are grouped by their first real
+        slot and each group attends, unmasked, to the slots from there on (a row with pads between
+        real slots to a copy of its real keys), so a row's numbers do not depend on its neighbours."""
+        n = keys.shape[2]
+        real = self.slot_real[:, :n].clone()
+        real[:, n - 1] = True                                        # a query always sees itself
+        first = real.int().argmax(1)
+        packed = (real.sum(1) != n - first).tolist()                 # pads after the first real slot
+        groups: dict = {}
+        for b, (t0, gaps) in enumerate(zip(first.tolist(), packed)):
+            groups.setdefault(-1 - b if gaps else t0, []).append(b)
+        out = torch.empty_like(q)
+        for key, rows in groups.items():
+            at = slice(rows[0], rows[-1] + 1) if rows[-1] - rows[0] + 1 == len(rows) else rows
+            slots = real[rows[0]].nonzero()[:, 0] if key < 0 else slice(key, n)
+            out[at] = self._one_query(q[at], keys[at][:, :, slots], values[at][:, :, slots])
+        return out
 
 
 def one_query_attention(q, keys, values, scale):

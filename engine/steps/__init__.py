@@ -27,6 +27,7 @@ import torch
 
 from engine.errors import InvalidArgumentError
 from engine.steps.native import NativeStep, NativeUnavailableError, pool_rest
+from engine.steps.rows_alone import prefill_rows_alone, rows_alone_apply
 from engine.steps.torch_step import TorchStep
 
 BACKENDS = ("auto", "torch", "native", "module")
@@ -77,9 +78,11 @@ def check_prefill_chunk(chunk) -> int:
 
 
 class Stepper:
-    """What the generation loop calls. Prompt blocks run in chunks of `prefill_chunk` tokens (the native
-    prefill where it applies, else the module path); one-token steps run the first form of `forms`
-    that applies (the last one always does)."""
+    """What the generation loop calls. Prompt blocks run in chunks of `prefill_chunk` tokens, each on
+    the native pool where it applies, else the module path; a prompt block (last_only) of left-padded
+    rows, or of rows the native step will decode that the native pool cannot prefill, runs row by
+    row, each row as it runs alone, chunks included (engine.steps.rows_alone); one-token steps run
+    the first form of `forms` that applies (the last one always does)."""
 
     def __init__(self, model, backend: str = "auto", threads: int | None = None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
@@ -112,35 +115,57 @@ class Stepper:
     def forms_available(self) -> list[str]:
         return [f.name for f in self.forms]
 
+    def _native_decodes(self, state, tokens) -> bool:
+        return any(f.name == "native" and f.why_not(state, tokens[:, :1]) is None for f in self.forms)
+
+    def _native_prefill(self, state, tokens):
+        """The form that prefills this unpadded block natively (auto: where it is the faster form), or None."""
+        for form in self.forms:
+            if hasattr(form, "prefill") and form.why_not_prefill(state, tokens, self.backend == "auto") is None:
+                return form
+        return None
+
     def __call__(self, tokens: torch.Tensor, state, valid: torch.Tensor | None = None,
                  last_only: bool = False) -> torch.Tensor:
-        """tokens (B, T) -> logits (B, T, V), or (B, 1, V) with last_only (a prompt block, which runs
-        in chunks of `prefill_chunk` tokens from its first; the logits are the last chunk's)."""
-        chunk = self.prefill_chunk
-        if last_only and chunk and tokens.dim() == 2 and tokens.shape[1] > chunk:
-            for s in range(0, tokens.shape[1], chunk):
-                logits = self._call(tokens[:, s:s + chunk], state, None if valid is None else valid[:, s:s + chunk],
-                                    True)
-            return logits
-        return self._call(tokens, state, valid, last_only)
-
-    def _call(self, tokens: torch.Tensor, state, valid: torch.Tensor | None, last_only: bool) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, V), or (B, 1, V) with last_only (a prompt block: it runs in
+        chunks of `prefill_chunk` tokens from each row's first real token; the logits are the last chunk's)."""
         if valid is None and tokens.dim() == 2 and tokens.shape[1] == 1:
-            for form in self.forms:
-                reason = form.why_not(state, tokens)
-                if reason is None:
-                    self.last_form = form.name
-                    return form(tokens, state)
-                self.fallback = f"{form.name}: {reason}"
-        if valid is None and last_only and tokens.dim() == 2:   # a prompt block: the native pool where it applies
-            for form in self.forms:                             # (auto: where it is the faster form)
-                if hasattr(form, "prefill") and form.why_not_prefill(state, tokens, self.backend == "auto") is None:
-                    self.last_prefill_form = form.name
-                    return form.prefill(tokens, state)
+            return self._one_token(tokens, state)
+        if last_only and tokens.dim() == 2:   # a prompt block
+            if valid is not None and bool(valid.all()):
+                valid = None
+            # Left-padded rows, and rows the native step decodes next (its q8 rounding turns the last
+            # bits a batched PyTorch prefill moves into steps), run one at a time, as each runs alone.
+            if (not (valid is None and self._native_prefill(state, tokens)) and rows_alone_apply(tokens, state, valid)
+                    and (valid is not None or self._native_decodes(state, tokens))):
+                return prefill_rows_alone(lambda t, s: self(t, s, last_only=True), tokens, state, valid)
+            chunk = self.prefill_chunk or tokens.shape[1]
+            for s in range(0, tokens.shape[1], chunk):
+                logits = self._block(tokens[:, s:s + chunk], state, None if valid is None else valid[:, s:s + chunk])
+            return logits
         self.last_form = "module"
-        if last_only or tokens.dim() != 2 or tokens.shape[1] != 1:   # a prompt block, not a one-token step
-            self.last_prefill_form = "module"
+        self.last_prefill_form = "module"
         return self.model.step(tokens, state, valid=valid, last_only=last_only)
+
+    def _one_token(self, tokens: torch.Tensor, state) -> torch.Tensor:
+        for form in self.forms:
+            reason = form.why_not(state, tokens)
+            if reason is None:
+                self.last_form = form.name
+                return form(tokens, state)
+            self.fallback = f"{form.name}: {reason}"
+        raise AssertionError("the last step form applies to every state")   # TorchStep / ModuleStep
+
+    def _block(self, tokens: torch.Tensor, state, valid: torch.Tensor | None) -> torch.Tensor:
+        """One chunk of a prompt block -> its last logits (B, 1, V)."""
+        if valid is None and tokens.shape[1] == 1:
+            return self._one_token(tokens, state)
+        form = self._native_prefill(state, tokens) if valid is None else None
+        if form is not None:
+            self.last_prefill_form = form.name
+            return form.prefill(tokens, state)
+        self.last_form = self.last_prefill_form = "module"
+        return self.model.step(tokens, state, valid=valid, last_only=True)
 
 
 def make_step(model, backend: str = "auto", threads: int | None = None,

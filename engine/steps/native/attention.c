@@ -1,7 +1,8 @@
 /* Softmax attention of the native step over a KV cache (L, B, Hkv, S_max, D) in kv_type: the
  * block's keys and values written at their slots, then per KV group the scores of its G query heads
- * against every cached key read once (fp32 rows, or 16-bit rows read in place), pads masked to
- * weight 0, the weighted sum of the values. Runs on the pool by KV groups (decode.c calls it).
+ * against every real cached key read once (fp32 rows, or 16-bit rows read in place; pads left
+ * out, so a row's sums do not depend on its neighbours), the weighted sum of the values. Runs on
+ * the pool by KV groups (decode.c calls it).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -77,15 +78,11 @@ static inline void weighted_rows(const float *w, const float *v, int n, int D, f
     }
 }
 
-/* sc (n) <- softmax(scale * sc) in place; slots t with real[t] == 0 (pads; never `slot`, the
- * row's own) weigh exactly 0. Scale, max, exp and the division in 16 lanes (each element as the
- * scalar form computes it); the sum in order: a reassociated sum moves the weights' last bits, and
- * a quantized o_proj rounds its inputs to q8, which turns a last bit into a step (the q8 twin's
- * logits moved by 7e-2 with a 16-lane sum). */
-static void softmax_scores(float *sc, int n, float scale, const uint8_t *real, int slot) {
-    if (real)
-        for (int t = 0; t < n; t++)
-            if (!real[t] && t != slot) sc[t] = -INFINITY;
+/* sc (n) <- softmax(scale * sc) in place (every key real: att_fn leaves pads out). Scale, max,
+ * exp and the division in 16 lanes (each element as the scalar form computes it); the sum in
+ * order: a reassociated sum moves the weights' last bits, and a quantized o_proj rounds its inputs
+ * to q8, which turns a last bit into a step (the q8 twin's logits moved by 7e-2 with a 16-lane sum). */
+static void softmax_scores(float *sc, int n, float scale) {
     int t = 0;
     float mx = -INFINITY, sum = 0.0f;
 #if defined(__AVX512F__)
@@ -205,7 +202,7 @@ static inline void dot8h(const float *q, const uint16_t *k, int D, const int typ
 /* One KV group's attention on a 16-bit cache, read in place: K, V (n, D) rows; q and o G heads
  * of D; sc G rows of S_max scores. */
 static void group16(const Plan *p, const float *q, const uint16_t *K, const uint16_t *V, int n, int G,
-                    float *sc, const uint8_t *real, int slot, float *o) {
+                    float *sc, float *o) {
     const int D = p->D, type = p->kv_type;
     for (int t = 0; t < n; t += 8) {
         const int m = n - t < 8 ? n - t : 8;
@@ -219,93 +216,135 @@ static void group16(const Plan *p, const float *q, const uint16_t *K, const uint
             else dots16(q + j * D, K + (size_t)t * D, D, m, T_BF16, sc + (size_t)j * p->S_max + t);
     }
     for (int j = 0; j < G; j++) {
-        softmax_scores(sc + (size_t)j * p->S_max, n, p->scale, real, slot);
+        softmax_scores(sc + (size_t)j * p->S_max, n, p->scale);
         if (type == T_F16) weighted16(sc + (size_t)j * p->S_max, V, n, D, T_F16, o + j * D);
         else weighted16(sc + (size_t)j * p->S_max, V, n, D, T_BF16, o + j * D);
     }
 }
 #endif
 
+/* One KV group's attention over n keys and values, all real (the row's own slot last): K, V point at
+ * the first key's row in kv_type (element index 0), q and o G heads of D. */
+static void attend_group(const Plan *p, const float *q, const void *K, const void *V, int n, int G, float *scratch,
+                         float *o) {
+    const int D = p->D;
+    const int fast = p->kv_type == T_F32 && D % 8 == 0;
+    const int widen = p->kv_type != T_F32 && D % 8 == 0;   /* 16-bit cache: KCH rows at a time */
+    float *sc = scratch, *row = sc + (size_t)G * p->S_max, *acc = row + D, *tmp = acc + (size_t)G * D, *blk = tmp + D;
+    const float *Kf = K, *Vf = V;
+#ifdef GEN_AVX512
+    if (p->kv_type != T_F32 && D % 16 == 0) {
+        group16(p, q, K, V, n, G, sc, o);
+        return;
+    }
+#endif
+    int t = 0;
+    if (fast) {
+        for (; t + 8 <= n; t += 8) {
+            /* the same keys' values, next: their stream runs beside the keys' (measured on tiny,
+             * B = 8 at depth 178 out of DRAM: attention 1.53-1.64 -> 1.37-1.45 ms) */
+            for (int i = 0; i < 8 * D; i += 16) __builtin_prefetch(Vf + (size_t)t * D + i);
+            for (int j = 0; j < G; j++) dot8(q + j * D, Kf + (size_t)t * D, D, sc + (size_t)j * p->S_max + t);
+        }
+        for (; t + 4 <= n; t += 4)
+            for (int j = 0; j < G; j++) dot4(q + j * D, Kf + (size_t)t * D, D, sc + (size_t)j * p->S_max + t);
+    }
+    if (widen)
+        for (; t < n; t += KCH) {
+            int m = n - t < KCH ? n - t : KCH;
+            load_row(K, p->kv_type, (size_t)t * D, m * D, blk);
+            for (int j = 0; j < G; j++) {
+                float *sj = sc + (size_t)j * p->S_max + t;
+                int i = 0;
+                for (; i + 8 <= m; i += 8) dot8(q + j * D, blk + (size_t)i * D, D, sj + i);
+                for (; i + 4 <= m; i += 4) dot4(q + j * D, blk + (size_t)i * D, D, sj + i);
+                for (; i < m; i++) sj[i] = dot_f32(q + j * D, blk + (size_t)i * D, D);
+            }
+        }
+    for (; t < n; t++) {
+        const float *key = row;
+        if (p->kv_type == T_F32) key = Kf + (size_t)t * D;
+        else load_row(K, p->kv_type, (size_t)t * D, D, row);
+        for (int j = 0; j < G; j++) sc[(size_t)j * p->S_max + t] = dot_f32(q + j * D, key, D);
+    }
+    for (int j = 0; j < G; j++) softmax_scores(sc + (size_t)j * p->S_max, n, p->scale);
+    if (fast && G == 1) {
+        weighted_rows(sc, Vf, n, D, o);
+        return;
+    }
+    memset(acc, 0, (size_t)G * D * sizeof(float));
+    if (fast || widen) {   /* KCH value rows at a time, used by every head of the group */
+        for (t = 0; t < n; t += KCH) {
+            int m = n - t < KCH ? n - t : KCH;
+            const float *vb = Vf + (size_t)t * D;
+            if (widen) { load_row(V, p->kv_type, (size_t)t * D, m * D, blk); vb = blk; }
+            for (int j = 0; j < G; j++) {
+                weighted_rows(sc + (size_t)j * p->S_max + t, vb, m, D, tmp);
+                for (int d = 0; d < D; d++) acc[j * D + d] += tmp[d];
+            }
+        }
+    } else {
+        for (t = 0; t < n; t++) {
+            load_row(V, p->kv_type, (size_t)t * D, D, row);
+            for (int j = 0; j < G; j++)
+                if (sc[(size_t)j * p->S_max + t] != 0.0f) axpy_f32(acc + j * D, sc[(size_t)j * p->S_max + t], row, D);
+        }
+    }
+    memcpy(o, acc, (size_t)G * D * sizeof(float));
+}
+
 /* KV groups [g0, g1) of every row: out[b*os + ((g - g0)*G + j)*D + d] for the group's G query
  * heads j. Each key and value row is read once per group (from memory; the group's other heads
- * take it from L1): GQA reads the cache once, not once per query head. */
+ * take it from L1): GQA reads the cache once, not once per query head.
+ *
+ * A row attends to its real keys only, as if they were all it held: leading pad slots are skipped
+ * (the keys start at its first real slot), and a row with pads between real slots attends to a
+ * packed copy of its real keys and values. So a row computes exactly what it computes alone, in a
+ * batch of any lengths: every blocked loop above (8 and 4 keys per dot, KCH values per partial
+ * sum) groups the same keys the same way (PITFALLS #22). */
 static void att_fn(const void *ctx, int g0, int g1, float *out, int os, int add, float *scratch) {
     const AttCtx *c = ctx;
     const Plan *p = c->p;
     const int D = p->D, G = p->H / p->Hkv, QKV = (p->H + 2 * p->Hkv) * D, Bc = cache_batch(p);
-    const int fast = p->kv_type == T_F32 && D % 8 == 0;
-    float *sc = scratch, *row = sc + (size_t)G * p->S_max, *acc = row + D, *tmp = acc + (size_t)G * D, *blk = tmp + D;
-    const int widen = p->kv_type != T_F32 && D % 8 == 0;   /* 16-bit cache: KCH rows at a time */
+    const size_t es = p->kv_type == T_F32 ? 4 : 2, row_bytes = (size_t)D * es;
+    char *packed = NULL;   /* (2, n, D) in kv_type: a row's real keys, then its real values */
     (void)add;
     for (int b = 0; b < p->B; b++) {
-        const int cb = cache_seq(p, b), slot = row_slot(p, c->slot, b), n = slot + 1;
+        const int cb = cache_seq(p, b), slot = row_slot(p, c->slot, b);
         const uint8_t *real = c->slot_real ? c->slot_real + (size_t)cb * p->S_max : NULL;
+        int t0 = 0, gaps = 0;
+        if (real) {
+            while (t0 < slot && !real[t0]) t0++;
+            for (int t = t0; t < slot && !gaps; t++) gaps = !real[t];
+        }
+        int n = slot + 1 - t0;
+        if (gaps) {
+            n = 1;
+            for (int t = t0; t < slot; t++) n += real[t] != 0;
+            packed = realloc(packed, 2 * (size_t)(slot + 1) * row_bytes);
+            if (!packed) abort();
+        }
         for (int g = g0; g < g1; g++) {
             const float *q = p->qkv_out + (size_t)b * QKV + (size_t)g * G * D;   /* head j: q + j*D */
             const size_t base = (((size_t)c->l * Bc + cb) * p->Hkv + g) * p->S_max * D;
-            const float *K = (const float *)p->k + base, *V = (const float *)p->v + base;
+            const char *K = (const char *)p->k + (base + (size_t)t0 * D) * es;
+            const char *V = (const char *)p->v + (base + (size_t)t0 * D) * es;
             float *o = out + (size_t)b * os + (size_t)(g - g0) * G * D;   /* head j: o + j*D */
-#ifdef GEN_AVX512
-            if (p->kv_type != T_F32 && D % 16 == 0) {
-                group16(p, q, (const uint16_t *)p->k + base, (const uint16_t *)p->v + base, n, G, sc, real, slot, o);
-                continue;
-            }
-#endif
-            int t = 0;
-            if (fast) {
-                for (; t + 8 <= n; t += 8) {
-                    /* the same keys' values, next: their stream runs beside the keys' (measured on tiny,
-                     * B = 8 at depth 178 out of DRAM: attention 1.53-1.64 -> 1.37-1.45 ms) */
-                    for (int i = 0; i < 8 * D; i += 16) __builtin_prefetch(V + (size_t)t * D + i);
-                    for (int j = 0; j < G; j++) dot8(q + j * D, K + (size_t)t * D, D, sc + (size_t)j * p->S_max + t);
-                }
-                for (; t + 4 <= n; t += 4)
-                    for (int j = 0; j < G; j++) dot4(q + j * D, K + (size_t)t * D, D, sc + (size_t)j * p->S_max + t);
-            }
-            if (widen)
-                for (; t < n; t += KCH) {
-                    int m = n - t < KCH ? n - t : KCH;
-                    load_row(p->k, p->kv_type, base + (size_t)t * D, m * D, blk);
-                    for (int j = 0; j < G; j++) {
-                        float *sj = sc + (size_t)j * p->S_max + t;
-                        int i = 0;
-                        for (; i + 8 <= m; i += 8) dot8(q + j * D, blk + (size_t)i * D, D, sj + i);
-                        for (; i + 4 <= m; i += 4) dot4(q + j * D, blk + (size_t)i * D, D, sj + i);
-                        for (; i < m; i++) sj[i] = dot_f32(q + j * D, blk + (size_t)i * D, D);
+            if (gaps) {
+                char *pk = packed, *pv = packed + (size_t)n * row_bytes;
+                for (int t = t0, i = 0; t <= slot; t++)
+                    if (real[t] || t == slot) {
+                        memcpy(pk + (size_t)i * row_bytes, K + (size_t)(t - t0) * row_bytes, row_bytes);
+                        memcpy(pv + (size_t)i * row_bytes, V + (size_t)(t - t0) * row_bytes, row_bytes);
+                        i++;
                     }
-                }
-            for (; t < n; t++) {
-                const float *key = row;
-                if (p->kv_type == T_F32) key = K + (size_t)t * D;
-                else load_row(p->k, p->kv_type, base + (size_t)t * D, D, row);
-                for (int j = 0; j < G; j++) sc[(size_t)j * p->S_max + t] = dot_f32(q + j * D, key, D);
+                K = pk;
+                V = pv;
             }
-            for (int j = 0; j < G; j++) softmax_scores(sc + (size_t)j * p->S_max, n, p->scale, real, slot);
-            if (fast && G == 1) {
-                weighted_rows(sc, V, n, D, o);
-                continue;
-            }
-            memset(acc, 0, (size_t)G * D * sizeof(float));
-            if (fast || widen) {   /* KCH value rows at a time, used by every head of the group */
-                for (t = 0; t < n; t += KCH) {
-                    int m = n - t < KCH ? n - t : KCH;
-                    const float *vb = V + (size_t)t * D;
-                    if (widen) { load_row(p->v, p->kv_type, base + (size_t)t * D, m * D, blk); vb = blk; }
-                    for (int j = 0; j < G; j++) {
-                        weighted_rows(sc + (size_t)j * p->S_max + t, vb, m, D, tmp);
-                        for (int d = 0; d < D; d++) acc[j * D + d] += tmp[d];
-                    }
-                }
-            } else {
-                for (t = 0; t < n; t++) {
-                    load_row(p->v, p->kv_type, base + (size_t)t * D, D, row);
-                    for (int j = 0; j < G; j++)
-                        if (sc[(size_t)j * p->S_max + t] != 0.0f) axpy_f32(acc + j * D, sc[(size_t)j * p->S_max + t], row, D);
-                }
-            }
-            memcpy(o, acc, (size_t)G * D * sizeof(float));
+            attend_group(p, q, K, V, n, G, scratch, o);
         }
     }
+    free(packed);
 }
 
 void softmax_attention(const Plan *p, int l, int slot, const uint8_t *slot_real) {
