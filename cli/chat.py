@@ -14,7 +14,7 @@ import sys
 
 import click
 
-from cli.common import FEATURE_MAP_HELP, KV_DTYPE_HELP, run_guarded
+from cli.common import FEATURE_MAP_HELP, KV_DTYPE_HELP, check_stdio, run_guarded, writing_stdout
 from cli.generate import load_quietly, summary
 from engine.api import make_config
 from engine.errors import EngineError
@@ -52,6 +52,7 @@ def chat_cmd(model_name, attention, softmax_layers, window, feature_map, system,
                     min_p=min_p, repetition_penalty=repetition_penalty, seed=seed)
 
     def run():
+        check_stdio(stdin="gen chat reads your messages from it: run it in a terminal or pipe lines in")
         make_config(**settings)                      # bad settings fail before the model loads
         llm = load_quietly(model_name, attention, feature_map, device, dtype, backend, threads,
                            softmax_layers=softmax_layers, window=window, kv_dtype=kv_dtype)
@@ -63,7 +64,8 @@ def chat_cmd(model_name, attention, softmax_layers, window, feature_map, system,
             except ImportError:
                 pass
             click.echo(f"gen chat: {model_name}, {llm.attention} attention. {HELP_LINE}.", err=True)
-        repl(session, settings, prompt="> " if tty else "", verbose=verbose)
+        with writing_stdout():
+            repl(session, settings, prompt="> " if tty else "", verbose=verbose)
 
     run_guarded(run)
 

@@ -1,8 +1,10 @@
 """What every command shares: turning engine errors into one line on stderr and exit code 2."""
 from __future__ import annotations
 
+import errno
 import os
 import sys
+from contextlib import contextmanager
 
 import click
 
@@ -24,6 +26,42 @@ def check_output_path(path: str) -> None:
         fail(f"{path}: directory {parent} is not writable")
     if os.path.isdir(path):
         fail(f"{path}: is a directory; give a file name")
+
+
+def check_stdio(stdin: str | None = None) -> None:
+    """A closed stdout (`>&-`), or a closed stdin when `stdin` says what it is read for: one line, exit 2,
+    before any work (Python leaves sys.stdout / sys.stdin None when the descriptor is closed)."""
+    if sys.stdout is None:
+        fail("stdout is closed (>&-); send it somewhere instead, e.g. > out.txt or > /dev/null")
+    if stdin is not None and sys.stdin is None:
+        fail(f"stdin is closed (<&-); {stdin}")
+
+
+OUTPUT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EBADF}
+
+
+@contextmanager
+def writing_stdout():
+    """Around code that writes its product to stdout: a reader that left (`| head`) ends the run
+    quietly (exit 1, as `cat` does); a full disk or a broken descriptor (`> /dev/full`) is one line,
+    exit 2. Either way stdout then points at /dev/null, so the interpreter's last flush cannot fail."""
+    try:
+        yield
+    except BrokenPipeError:
+        _drop_stdout()
+        sys.exit(1)
+    except OSError as e:
+        if e.errno not in OUTPUT_ERRNOS:
+            raise
+        _drop_stdout()
+        fail(f"cannot write to stdout: {e.strerror}")
+
+
+def _drop_stdout() -> None:
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):   # no real descriptor (a test runner's buffer)
+        pass
 
 
 def run_guarded(fn):

@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 import warnings
 
 import click
 
-from cli.common import FEATURE_MAP_HELP, KV_DTYPE_HELP, fail, run_guarded
+from cli.common import FEATURE_MAP_HELP, KV_DTYPE_HELP, check_stdio, fail, run_guarded, writing_stdout
 from engine.api import check_text, load, make_config
 from engine.errors import InvalidArgumentError
 
@@ -61,6 +60,8 @@ def generate_cmd(prompt, prompt_opt, ids, chat_message, model_name, attention, s
                     max_context=max_context)
 
     def run():
+        check_stdio(stdin="pipe the prompt in (gen - < prompt.txt) or give it as an argument"
+                    if prompt == "-" else None)
         if chat_message is not None and (prompt, prompt_opt, ids) != (None, None, None):
             fail("--chat takes the message itself; give no PROMPT, --prompt or --ids with it")
         the_prompt = read_prompt(prompt, prompt_opt, ids) if chat_message is None else chat_message
@@ -84,14 +85,16 @@ def generate_cmd(prompt, prompt_opt, ids, chat_message, model_name, attention, s
             except KeyboardInterrupt:   # Ctrl-C: what was generated so far, finish_reason "interrupted"
                 generation.close()
                 result, code = generation.result(0), 130
-            click.echo(json.dumps({"text": result.text, "ids": result.ids,
-                                   "finish_reason": result.finish_reason or "interrupted",
-                                   "stop_reason": result.stop_reason,
-                                   "stats": result.stats.to_dict()}, ensure_ascii=False))
+            with writing_stdout():
+                click.echo(json.dumps({"text": result.text, "ids": result.ids,
+                                       "finish_reason": result.finish_reason or "interrupted",
+                                       "stop_reason": result.stop_reason,
+                                       "stats": result.stats.to_dict()}, ensure_ascii=False))
             if code:
                 sys.exit(code)
             return
-        stream(llm, generation, the_prompt, echo, verbose)
+        with writing_stdout():
+            stream(llm, generation, the_prompt, echo, verbose)
 
     run_guarded(run)
 
@@ -160,10 +163,9 @@ def stream(llm, generation, prompt, echo: bool, verbose: bool = False) -> None:
         out.flush()
         click.echo(summary(generation.result(0), interrupted=True), err=True)
         sys.exit(130)
-    except BrokenPipeError:   # `gen ... | head`: the reader left; stop quietly
+    except OSError:   # the reader left (`| head`) or stdout is full: the caller's writing_stdout says so
         generation.close()
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(1)
+        raise
     click.echo(summary(generation.result(0)), err=True)
     if verbose:
         click.echo(f"gen: step form: {llm.step.last_form}; forms available: {', '.join(llm.step.forms_available)}; "

@@ -220,8 +220,12 @@ def check_text(text: str, call: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        bad = text[e.start].encode("utf-8", "surrogateescape")
-        raise InvalidArgumentError(f"{call}: the prompt is not valid UTF-8 (byte 0x{bad[0]:02x} at character "
+        char = text[e.start]
+        if "\udc80" <= char <= "\udcff":   # an undecodable byte (argv, surrogateescape)
+            what = f"byte 0x{char.encode('utf-8', 'surrogateescape')[0]:02x}"
+        else:                              # a lone surrogate, e.g. "\ud800" or half of a split pair
+            what = f"a lone surrogate U+{ord(char):04X}"
+        raise InvalidArgumentError(f"{call}: the prompt is not valid UTF-8 ({what} at character "
                                    f"{e.start}); pass UTF-8 text") from None
     if not text.strip():
         raise InvalidArgumentError(f"{call}: the prompt is empty or only whitespace; give some text or token ids")
