@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from cli.common import KV_DTYPE_HELP, check_output_path, run_guarded
+from cli.common import KV_DTYPE_HELP, check_output_path, run_guarded, threads_option
 from engine.bench import DEFAULT_CONTEXTS, BenchSettings, run_bench, write_json
 from engine.bench.configs import parse_attentions
 from engine.errors import InvalidArgumentError
@@ -50,7 +50,7 @@ def parse_attention(ctx, param, value):
 @click.option("--feature-map", help="linear attention feature map (default: the model's)")
 @click.option("--steps", default=64, show_default=True, help="timed decode steps per depth")
 @click.option("--warmup", default=8, show_default=True, help="untimed decode steps before them")
-@click.option("--threads", type=int, help="CPU threads (default: engine.threads.default_threads(), see README 'Threads')")
+@threads_option()
 @click.option("--dtype", default="float32", show_default=True)
 @click.option("--kv-dtype", help=KV_DTYPE_HELP)
 @click.option("--device", default="cpu", show_default=True)

@@ -14,7 +14,7 @@ import sys
 
 import click
 
-from cli.common import FEATURE_MAP_HELP, KV_DTYPE_HELP, check_stdio, run_guarded, writing_stdout
+from cli.common import FEATURE_MAP_HELP, KV_DTYPE_HELP, check_stdio, run_guarded, threads_option, writing_stdout
 from cli.generate import load_quietly, summary
 from engine.api import make_config
 from engine.errors import EngineError
@@ -43,7 +43,7 @@ HELP_LINE = "/reset starts over, /exit or Ctrl-D leaves, Ctrl-C stops a reply"
 @click.option("--max-context", type=int, help="softmax KV cache capacity in tokens for the whole conversation "
                                                 "(default: the model's context)")
 @click.option("--backend", type=click.Choice(["auto", "torch", "native", "module"]), default="auto", show_default=True)
-@click.option("--threads", type=int, help="CPU threads")
+@threads_option()
 @click.option("-v", "--verbose", is_flag=True, help="a summary line (tokens, speed) after each reply")
 def chat_cmd(model_name, attention, softmax_layers, window, feature_map, system, max_new_tokens, temperature, top_k, top_p, min_p,
              repetition_penalty, seed, device, dtype, kv_dtype, max_context, backend, threads, verbose):

@@ -7,7 +7,7 @@ import warnings
 
 import click
 
-from cli.common import FEATURE_MAP_HELP, KV_DTYPE_HELP, check_stdio, fail, run_guarded, writing_stdout
+from cli.common import FEATURE_MAP_HELP, KV_DTYPE_HELP, check_stdio, fail, run_guarded, threads_option, writing_stdout
 from engine.api import check_text, load, make_config
 from engine.errors import InvalidArgumentError
 
@@ -41,7 +41,7 @@ from engine.errors import InvalidArgumentError
 @click.option("--backend", type=click.Choice(["auto", "torch", "native", "module"]), default="auto", show_default=True,
               help="decode step form: auto = the C step where it applies, else PyTorch")
 @click.option("--native", is_flag=True, help="alias of --backend native")
-@click.option("--threads", type=int, help="CPU threads (default: engine.threads.default_threads(); see README 'Threads')")
+@threads_option()
 @click.option("--quantize", type=click.Choice(["q8_0", "q4_0", "q4_1"]),
               help="keep the matrices as quantized blocks (llama.cpp layouts), dequantized inside the native step")
 @click.option("-v", "--verbose", is_flag=True, help="say which step form ran and why a faster one did not")

@@ -32,7 +32,7 @@ from engine.state_io import SavedState, load as load_state_file, save as save_st
 from engine.attention.hybrid import runtime_config
 from engine.steps import DEFAULT_PREFILL_CHUNK, Stepper, check_backend, check_prefill_chunk
 from engine.quant import check_kind, quantize_model
-from engine.threads import set_threads
+from engine.threads import available_cores, set_threads
 from models.registry import path_warning
 
 Prompt = str | Sequence[int]
@@ -40,6 +40,10 @@ Prompt = str | Sequence[int]
 
 class UntrainedPathWarning(UserWarning):
     """The chosen attention path is not one the weights were trained for."""
+
+
+class ThreadsWarning(UserWarning):
+    """More threads were asked for than this process has cores: they will wait on each other."""
 
 
 def load(model: str = "tiny", attention: str | None = None, feature_map: str | None = None,
@@ -71,6 +75,10 @@ def load(model: str = "tiny", attention: str | None = None, feature_map: str | N
     check_prefill_chunk(prefill_chunk)
     if quantize is not None:
         check_kind(quantize)
+    if threads is not None and isinstance(threads, int) and threads > available_cores():
+        warnings.warn(f"threads={threads} is more than the {available_cores()} cores this process may run on; "
+                      f"the threads wait on each other at every step (each token much slower)", ThreadsWarning,
+                      stacklevel=2)
     set_threads(threads)
     net, tokenizer, template = load_parts(model, device=device, dtype=dtype, kv_dtype=kv_dtype,
                                           configure=lambda cfg: runtime_config(cfg, attention, softmax_layers, window))
@@ -109,6 +117,9 @@ class LLM:
                 raise InvalidArgumentError(f"{call}: this model ships no tokenizer; pass the prompt as token ids "
                                            f"(in the CLI: --ids 1,2,3)")
             return self.tokenizer.encode(prompt, bos=True)
+        if isinstance(prompt, (bytes, bytearray, memoryview)):   # a Sequence of ints, but never meant as ids
+            raise InvalidArgumentError(f"{call}: a prompt is text (str) or a list of token ids, got "
+                                       f"{type(prompt).__name__}; decode it first: prompt.decode('utf-8')")
         if isinstance(prompt, torch.Tensor):
             prompt = prompt.tolist()
         if not isinstance(prompt, Sequence) or not all(_is_int(i) for i in prompt):

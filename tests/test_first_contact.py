@@ -9,6 +9,13 @@ from cli.main import main
 from engine.api import load
 
 
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    """A tiny random chat model (ChatML template, byte-level BPE) in a Hugging Face directory."""
+    from chat_fixtures import bpe_model_dir
+    return bpe_model_dir(tmp_path_factory.mktemp("chat"))
+
+
 def gen(*args, input=None):
     return CliRunner().invoke(main, [str(a) for a in args], input=input)
 
@@ -63,10 +70,8 @@ def check_one_line(proc, *words, code=2):
     assert lines[0].startswith("gen: error: ") and all(w in lines[0] for w in words)
 
 
-def test_closed_stdin_is_one_line(small_model_dir, tmp_path):
-    from chat_fixtures import bpe_model_dir
+def test_closed_stdin_is_one_line(small_model_dir, chat_dir):
     check_one_line(run_gen("--model", small_model_dir, "-", close=(0,)), "stdin is closed")
-    chat_dir = bpe_model_dir(tmp_path / "chat")
     check_one_line(run_gen("chat", "--model", chat_dir, close=(0,)), "stdin is closed")
 
 
@@ -92,12 +97,52 @@ def test_lone_surrogate_is_a_typed_error(small_model_dir):
 
 
 @pytest.mark.skipif(not __import__("os").path.exists("/dev/full"), reason="no /dev/full on this system")
-def test_chat_into_a_full_stdout_is_one_line(tmp_path):
-    from chat_fixtures import bpe_model_dir
-    chat_dir = bpe_model_dir(tmp_path / "chat")
+def test_chat_into_a_full_stdout_is_one_line(chat_dir, tmp_path):
     (tmp_path / "in.txt").write_text("hello there\n")
     with open("/dev/full", "w") as full, open(tmp_path / "in.txt") as lines:
         proc = run_gen("chat", "--model", chat_dir, "--max-new-tokens", 8, "--seed", 0, stdin=lines, stdout=full)
     print(proc.stderr)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "gen: error: cannot write to stdout: No space left on device" in proc.stderr.splitlines()
+
+
+# ---------------------------------------------------------------------- item 5: silent acceptance
+def test_more_threads_than_cores(small_model_dir):
+    """The CLI refuses --threads above the cores this process may run on (one line, exit 2, before
+    loading); the API honours it (tests run pools wider than the machine) but warns."""
+    from engine.api import ThreadsWarning
+    from engine.threads import available_cores
+    too_many = available_cores() + 1
+    for cmd in ([], ["chat"], ["bench"]):
+        one_line_error(gen(*cmd, "--model", small_model_dir, "--threads", too_many, *([] if cmd else ["hi"])),
+                       "--threads", f"give 1 to {available_cores()}")
+    one_line_error(gen("--model", small_model_dir, "-t", 0, "hi"), "at least 1")
+    assert gen("--model", small_model_dir, "--threads", available_cores(), "--max-new-tokens", 2, "hi").exit_code == 0
+    with pytest.warns(ThreadsWarning, match=f"threads={too_many} is more than"):
+        load(str(small_model_dir), threads=too_many)
+
+
+def test_duplicate_softmax_layers(small_model_dir):
+    from engine.errors import InvalidArgumentError
+    one_line_error(gen("--model", small_model_dir, "--attention", "hybrid", "--softmax-layers", "1,1", "hi"),
+                   "softmax layer 1 is listed twice")
+    with pytest.raises(InvalidArgumentError, match="listed twice"):
+        load(str(small_model_dir), attention="hybrid", softmax_layers=[0, 1, 0])
+
+
+def test_bytes_prompt_is_refused(small_model_dir):
+    from engine.errors import InvalidArgumentError
+    llm = load(str(small_model_dir))
+    for call in (llm.generate, llm.stream, lambda p, **kw: llm.generate([p, p], **kw)):
+        with pytest.raises(InvalidArgumentError, match=r"got bytes; decode it first"):
+            call(b"Once", max_new_tokens=2)
+    assert llm.generate([5, 6], max_new_tokens=2, temperature=0).stats.prompt_tokens == 2   # ids still work
+
+
+def test_unknown_message_role(chat_dir):
+    from engine.errors import InvalidArgumentError
+    llm = load(str(chat_dir))
+    with pytest.raises(InvalidArgumentError, match="unknown message role 'wizard'; valid: system, user, assistant"):
+        llm.chat([{"role": "wizard", "content": "hi"}])
+    with pytest.raises(InvalidArgumentError, match=r"must be a non-empty list of \{"):
+        llm.chat([])
