@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import sys
 from contextlib import contextmanager
 
@@ -65,12 +66,20 @@ def _drop_stdout() -> None:
         pass
 
 
+API_CALL = re.compile(r"^[a-z_]+\(\)(?:\.[a-z_]+\(\))?: ")   # "start(): ", "chat_session().send(): "
+
+
+def user_text(error: Exception) -> str:
+    """An engine error's message for a CLI user: without the Python call it names for API users."""
+    return API_CALL.sub("", str(error), count=1)
+
+
 def run_guarded(fn):
     """Run fn(); an EngineError (or bad file) becomes one line on stderr and exit code 2."""
     try:
         return fn()
     except EngineError as e:
-        fail(str(e))
+        fail(user_text(e))
     except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
         fail(f"{e.filename}: {e.strerror}")
     except KeyboardInterrupt:
@@ -109,3 +118,28 @@ def check_threads(ctx, param, value):
 def threads_option(help: str = "CPU threads, at most the cores this process may run on (default: every core for "
                                "the C step, 1 for PyTorch)"):
     return click.option("-t", "--threads", type=int, callback=check_threads, help=help)
+
+
+SAMPLING_HELP = {"temperature": "0 = greedy", "top_k": "0 = off", "top_p": "1 = off", "min_p": "0 = off",
+                 "repetition_penalty": "1 = off; > 1 discourages tokens already in the prompt or output"}
+
+
+def sampling_options(defaults: dict[str, str]):
+    """--temperature (--temp), --top-k, --top-p, --min-p, --repetition-penalty, declared once. Each
+    defaults to None (not given: the command's own defaults, described by `defaults`, apply)."""
+    options = [click.option("--temperature", "--temp", "temperature", type=float,
+                            help=f"{SAMPLING_HELP['temperature']}  [default: {defaults['temperature']}]")]
+    for name, kind in (("top_k", int), ("top_p", float), ("min_p", float), ("repetition_penalty", float)):
+        options.append(click.option(f"--{name.replace('_', '-')}", name, type=kind,
+                                    help=f"{SAMPLING_HELP[name]}  [default: {defaults[name]}]"))
+
+    def decorate(fn):
+        for option in reversed(options):
+            fn = option(fn)
+        return fn
+    return decorate
+
+
+def given(**settings) -> dict:
+    """The settings the user gave (None: not given, so the engine's default applies)."""
+    return {k: v for k, v in settings.items() if v is not None}

@@ -7,36 +7,35 @@ import warnings
 
 import click
 
-from cli.common import FEATURE_MAP_HELP, KV_DTYPE_HELP, check_stdio, fail, run_guarded, threads_option, writing_stdout
+from cli.common import (FEATURE_MAP_HELP, KV_DTYPE_HELP, check_stdio, fail, given, run_guarded, sampling_options,
+                        threads_option, writing_stdout)
 from engine.api import check_text, load, make_config
 from engine.errors import InvalidArgumentError
 
 
 @click.command("generate")
 @click.argument("prompt", required=False)
-@click.option("--prompt", "prompt_opt", metavar="TEXT", help="the prompt, when it equals a subcommand's name")
+@click.option("-p", "--prompt", "prompt_opt", metavar="TEXT",
+              help="the prompt as an option (also when it equals a subcommand's name)")
 @click.option("--ids", metavar="1,2,3", help="a prompt of token ids instead of text (no BOS added)")
 @click.option("--chat", "chat_message", metavar="TEXT",
               help="answer this one user message with the model's chat template, then exit (see `gen chat`)")
-@click.option("--model", "model_name", default="tiny", show_default=True, help="registered name or path")
+@click.option("-m", "--model", "model_name", default="tiny", show_default=True, help="registered name or path")
 @click.option("--attention", type=click.Choice(["softmax", "linear", "hybrid"]), help="default: the model's own")
 @click.option("--softmax-layers", help="hybrid: layers that keep a KV cache, e.g. 2,9,11, or auto:K")
 @click.option("--window", type=int, help="linear layers also attend exactly to the last W keys")
 @click.option("--feature-map", help=FEATURE_MAP_HELP)
-@click.option("--max-new-tokens", default=256, show_default=True, type=int)
-@click.option("--temperature", default=0.8, show_default=True, type=float, help="0 = greedy")
-@click.option("--top-k", default=0, show_default=True, type=int, help="0 = off")
-@click.option("--top-p", default=1.0, show_default=True, type=float, help="1 = off")
-@click.option("--min-p", default=0.0, show_default=True, type=float, help="0 = off")
-@click.option("--repetition-penalty", default=1.0, show_default=True, type=float,
-              help="1 = off; > 1 discourages tokens already in the prompt or output")
+@click.option("-n", "--max-new-tokens", default=256, show_default=True, type=int)
+@sampling_options({"temperature": "0.8; with --chat as gen chat", "top_k": "0; with --chat as gen chat",
+                   "top_p": "1; with --chat as gen chat", "min_p": "0; with --chat as gen chat",
+                   "repetition_penalty": "1; with --chat as gen chat"})
 @click.option("--seed", type=int, help="default: a fresh seed, shown in the summary")
 @click.option("--stop", multiple=True, help="stop before this string (repeatable)")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", help="float32 (default), bfloat16, float16")
 @click.option("--kv-dtype", help=KV_DTYPE_HELP)
-@click.option("--max-context", type=int, help="softmax context in tokens, prompt included "
-                                                "(default: the model's max_position_embeddings)")
+@click.option("-c", "--max-context", type=int, help="softmax context in tokens, prompt included "
+                                                      "(default: the model's max_position_embeddings)")
 @click.option("--echo", is_flag=True, help="print the prompt before the streamed continuation (not with --json)")
 @click.option("--backend", type=click.Choice(["auto", "torch", "native", "module"]), default="auto", show_default=True,
               help="decode step form: auto = the C step where it applies, else PyTorch")
@@ -55,9 +54,9 @@ def generate_cmd(prompt, prompt_opt, ids, chat_message, model_name, attention, s
     A prompt equal to a subcommand's name goes after `--` (`gen -- bench`) or in --prompt.
     Ctrl-C stops and keeps what was printed.
     """
-    settings = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                    min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop or None,
-                    max_context=max_context)
+    settings = given(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                     min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop or None,
+                     max_context=max_context)
 
     def run():
         check_stdio(stdin="pipe the prompt in (gen - < prompt.txt) or give it as an argument"
@@ -68,6 +67,8 @@ def generate_cmd(prompt, prompt_opt, ids, chat_message, model_name, attention, s
         make_config(**settings)                      # bad settings fail before the model loads
         llm = load_quietly(model_name, attention, feature_map, device, dtype, "native" if native else backend,
                           threads, quantize, softmax_layers=softmax_layers, window=window, kv_dtype=kv_dtype)
+        if chat_message is None and isinstance(the_prompt, str) and llm.tokenizer is None:
+            fail(f"{model_name} ships no tokenizer, so it cannot read text; give the prompt as token ids: --ids 1,2,3")
         if chat_message is not None:   # keep the stream: dropping it would close its generation
             chat_stream = llm.chat([{"role": "user", "content": chat_message}], **settings)
             generation = chat_stream.generation
@@ -184,6 +185,14 @@ def summary(result, interrupted: bool = False) -> str:
             f"{s.new_tokens} new tokens, {s.decode_tokens_per_s:.1f} tokens/s ({ms_per_token:.2f} ms/token), "
             f"first token after {s.time_to_first_token_s * 1e3:.1f} ms | {what} {human_bytes(s.state_bytes)} | "
             f"{s.attention} attention, seed {s.seed} | step {s.step_form or '?'} | finish: {finish}")
+
+
+def turn_timing(result, interrupted: bool = False) -> str:
+    """One short line per chat reply: its tokens and speed, the prompt it prefilled, why it ended."""
+    s = result.stats
+    finish = "interrupted" if interrupted else result.finish_reason
+    return (f"gen: {s.new_tokens} tokens, {s.decode_tokens_per_s:.1f} tokens/s | prompt {s.prompt_tokens} tokens in "
+            f"{s.prefill_s * 1e3:.0f} ms | finish: {finish}")
 
 
 def human_bytes(n: int) -> str:

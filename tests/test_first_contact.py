@@ -146,3 +146,78 @@ def test_unknown_message_role(chat_dir):
         llm.chat([{"role": "wizard", "content": "hi"}])
     with pytest.raises(InvalidArgumentError, match=r"must be a non-empty list of \{"):
         llm.chat([])
+
+
+# ---------------------------------------------------------------------- item 2: chat sampling defaults
+def model_with_generation_config(chat_dir, tmp_path, **keys):
+    import json
+    import shutil
+    out = tmp_path / "with_config"
+    shutil.copytree(chat_dir, out)
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "do_sample": True, **keys}))
+    return out
+
+
+def sampling_of(run, monkeypatch):
+    """The SamplingParams of every GenerationConfig the API builds while `run()` runs."""
+    import engine.api
+    seen, real = [], engine.api.make_config_for
+
+    def spy(call, settings):
+        config = real(call, settings)
+        seen.append(config.sampling)
+        return config
+    monkeypatch.setattr(engine.api, "make_config_for", spy)
+    run()
+    return seen
+
+
+def test_chat_defaults_are_llama_cpp_truncation(chat_dir, monkeypatch):
+    from engine.sampling import CHAT_DEFAULTS, SamplingParams
+    assert CHAT_DEFAULTS == {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
+    llm = load(str(chat_dir))
+    assert llm.chat_sampling == CHAT_DEFAULTS
+    msgs = [{"role": "user", "content": "hello there"}]
+    assert llm.chat(msgs, seed=1, max_new_tokens=2).generation.config.sampling == SamplingParams(**CHAT_DEFAULTS,
+                                                                                                   seed=1)
+    reply = llm.chat_session().send("hello there", seed=1, max_new_tokens=2, top_k=5)   # a setting given wins
+    assert reply.generation.config.sampling == SamplingParams(**{**CHAT_DEFAULTS, "top_k": 5}, seed=1)
+    assert llm.generate("hello", max_new_tokens=2).stats is not None   # plain generation: unchanged defaults
+    # the CLI passes only what was typed: `gen chat` and `gen --chat` sample with the chat defaults
+    for args in (["chat", "--model", chat_dir, "-n", 2, "--top-k", 7],
+                 ["--model", chat_dir, "-n", 2, "--top-k", 7, "--chat", "hello there"]):
+        seen = sampling_of(lambda: gen(*args, input="hello there\n"), monkeypatch)
+        assert [(s.temperature, s.top_k, s.top_p, s.min_p) for s in seen] == [(0.8, 7, 0.95, 0.05)], args
+    r = gen("chat", "--help")
+    assert "temperature 0.8, top-k 40, top-p 0.95, min-p 0.05" in " ".join(r.stdout.split())
+    assert "generation_config.json" in r.stdout
+
+
+def test_chat_defaults_from_the_models_generation_config(chat_dir, tmp_path, monkeypatch):
+    from engine.errors import ConfigError
+    from engine.sampling import SamplingParams
+    model = model_with_generation_config(chat_dir, tmp_path, temperature=0.6, top_p=0.9, repetition_penalty=1.1)
+    llm = load(str(model))
+    assert llm.sampling == {"temperature": 0.6, "top_p": 0.9, "repetition_penalty": 1.1}
+    assert llm.chat_sampling == {"temperature": 0.6, "top_k": 40, "top_p": 0.9, "min_p": 0.05,
+                                 "repetition_penalty": 1.1}
+    stream = llm.chat([{"role": "user", "content": "hi"}], seed=2, max_new_tokens=2, temperature=0.3)
+    assert stream.generation.config.sampling == SamplingParams(temperature=0.3, top_k=40, top_p=0.9, min_p=0.05,
+                                                               repetition_penalty=1.1, seed=2)
+    seen = sampling_of(lambda: gen("chat", "--model", model, "-n", 2, input="hi\n"), monkeypatch)
+    assert [(s.temperature, s.top_p, s.repetition_penalty) for s in seen] == [(0.6, 0.9, 1.1)]
+    bad = model_with_generation_config(chat_dir, tmp_path / "bad", top_p=0)
+    with pytest.raises(ConfigError, match="generation config: top_p must be in"):
+        load(str(bad)).chat([{"role": "user", "content": "hi"}])
+    one_line_error(gen("chat", "--model", bad, input="hi\n"), "generation config", "top_p")
+
+
+def test_gguf_sampling_keys():
+    from models.errors import CheckpointError
+    from models.generation_config import gguf_sampling
+    assert gguf_sampling({"general.name": "x"}) == {}
+    assert gguf_sampling({"general.sampling.temp": 0.7, "general.sampling.top_k": 20,
+                          "general.sampling.penalty_repeat": 1.05}) == {"temperature": 0.7, "top_k": 20,
+                                                                        "repetition_penalty": 1.05}
+    with pytest.raises(CheckpointError, match="top_k must be an integer"):
+        gguf_sampling({"general.sampling.top_k": 2.5}, "m.gguf")
