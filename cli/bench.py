@@ -34,7 +34,7 @@ def parse_attention(ctx, param, value):
 
 
 @click.command("bench")
-@click.option("--model", "model_name", default="tiny", show_default=True, help="registered name or path")
+@click.option("-m", "--model", "model_name", default="tiny", show_default=True, help="registered name or path")
 @click.option("--contexts", callback=parse_contexts, metavar="N,N,...",
               help="context depths to sweep  [default: 128,512,2048,8192,32768]")
 @click.option("--attention", default="both", show_default=True, callback=parse_attention, metavar="A,A,...",

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
+import time
 import warnings
 
 import click
@@ -132,14 +134,35 @@ def read_prompt(prompt, prompt_opt, ids):
     return text
 
 
+LOADING_NOTICE_S = 1.0   # a load taking longer says so on stderr, when stderr is a terminal
+
+
+def stderr_is_terminal() -> bool:
+    return sys.stderr is not None and sys.stderr.isatty()
+
+
 def load_quietly(model_name, attention, feature_map, device, dtype, backend="auto", threads=None, quantize=None,
                  softmax_layers=None, window=None, kv_dtype=None):
-    """Load; a warning (weights not trained for this attention path) becomes one stderr line."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        llm = load(model_name, attention=attention, feature_map=feature_map, device=device, dtype=dtype,
-                   backend=backend, threads=threads, quantize=quantize, softmax_layers=softmax_layers,
-                   window=window, kv_dtype=kv_dtype)
+    """Load; a warning (weights not trained for this attention path) becomes one stderr line. On a
+    terminal, a load that takes over LOADING_NOTICE_S says "loading NAME ..." once that time has
+    passed, then how long it took (logs and pipes get neither: they wait for nobody)."""
+    notice = threading.Timer(LOADING_NOTICE_S, lambda: click.echo(f"gen: loading {model_name} ...", err=True))
+    notice.daemon = True
+    tty = stderr_is_terminal()
+    t0 = time.perf_counter()
+    if tty:
+        notice.start()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            llm = load(model_name, attention=attention, feature_map=feature_map, device=device, dtype=dtype,
+                       backend=backend, threads=threads, quantize=quantize, softmax_layers=softmax_layers,
+                       window=window, kv_dtype=kv_dtype)
+    finally:
+        notice.cancel()
+    took = time.perf_counter() - t0
+    if tty and took >= LOADING_NOTICE_S:
+        click.echo(f"gen: loaded {model_name} in {took:.1f} s", err=True)
     for w in caught:
         click.echo(f"gen: warning: {w.message}", err=True)
     return llm

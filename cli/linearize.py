@@ -12,7 +12,7 @@ from engine.threads import set_threads
 
 
 @click.command("linearize")
-@click.option("--model", "model_name", required=True, help="registered name or path of the softmax model")
+@click.option("-m", "--model", "model_name", required=True, help="registered name or path of the softmax model")
 @click.option("--data", multiple=True, required=True, type=click.Path(dir_okay=False),
               help="training text, documents separated by '<|endoftext|>' lines (repeat for several files)")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="output directory (new or empty)")

@@ -221,3 +221,72 @@ def test_gguf_sampling_keys():
                                                                         "repetition_penalty": 1.05}
     with pytest.raises(CheckpointError, match="top_k must be an integer"):
         gguf_sampling({"general.sampling.top_k": 2.5}, "m.gguf")
+
+
+# ---------------------------------------------------------------------- item 6: internals in user text
+def test_cli_messages_name_no_python_calls(tmp_path):
+    from cli.common import user_text
+    from conftest import tiny_model
+    from models.weights import save_pretrained
+    save_pretrained(tiny_model(), str(tmp_path))                      # no tokenizer
+    line = one_line_error(gen("--model", tmp_path, "the cat"), "ships no tokenizer", "--ids 1,2,3")
+    assert "()" not in line
+    assert user_text(ValueError("chat_session().send(): the message is empty")) == "the message is empty"
+    assert user_text(ValueError("start(): x (see start())")) == "x (see start())"
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "bench", "train", "linearize", "convert"])
+def test_help_names_no_internals(command):
+    text = " ".join(gen(command, "--help").stdout.split())
+    for internal in ("module doc", "README 'Threads'", "engine.", "default_threads()"):
+        assert internal not in text, internal
+
+
+# ---------------------------------------------------------------------- item 7: habits
+def test_short_aliases(small_model_dir, chat_dir):
+    import json
+    long = gen("--json", "--model", small_model_dir, "--prompt", "the cat", "--max-new-tokens", 5, "--threads", 1,
+               "--temperature", 0, "--max-context", 40)
+    short = gen("--json", "-m", small_model_dir, "-p", "the cat", "-n", 5, "-t", 1, "--temp", 0, "-c", 40)
+    assert long.exit_code == short.exit_code == 0, short.output
+    assert json.loads(short.stdout)["ids"] == json.loads(long.stdout)["ids"]
+    one_line_error(gen("-m", small_model_dir, "-c", 3, "the cat sat on the mat"), "context holds 3")
+    r = gen("chat", "-m", chat_dir, "-n", 3, "--temp", 0, "-t", 1, "-c", 200, input="hello\n")
+    expected = "".join(load(str(chat_dir)).chat([{"role": "user", "content": "hello"}], temperature=0,
+                                                max_new_tokens=3))
+    assert r.exit_code == 0 and r.stdout == expected + "\n", r.output
+    assert "-m, --model" in gen("bench", "--help").stdout and "-t, --threads" in gen("bench", "--help").stdout
+
+
+def test_version():
+    import re
+    r = gen("--version")
+    assert r.exit_code == 0 and re.fullmatch(r"gen \S+ \(torch \S+, Python \S+\)\n", r.stdout), r.output
+
+
+def test_loading_line_when_a_load_is_slow(small_model_dir, monkeypatch):
+    import json
+
+    import cli.generate
+    monkeypatch.setattr(cli.generate, "LOADING_NOTICE_S", 0.0)
+    r = gen("--json", "-m", small_model_dir, "-n", 2, "the cat")
+    assert r.exit_code == 0 and "loaded" not in r.stderr                      # stderr is no terminal: silent
+    monkeypatch.setattr(cli.generate, "LOADING_NOTICE_S", 1e9)
+    monkeypatch.setattr(cli.generate, "stderr_is_terminal", lambda: True)
+    r = gen("--json", "-m", small_model_dir, "-n", 2, "the cat")
+    assert r.exit_code == 0 and "loading" not in r.stderr and "loaded" not in r.stderr   # a fast load: silent
+    monkeypatch.setattr(cli.generate, "LOADING_NOTICE_S", 0.0)                          # every load is slow
+    for json_out in (True, False):
+        r = gen(*(["--json"] if json_out else []), "-m", small_model_dir, "-n", 2, "the cat")
+        assert r.exit_code == 0 and f"gen: loaded {small_model_dir} in " in r.stderr, r.output
+        assert "loaded" not in r.stdout
+        if json_out:
+            assert json.loads(r.stdout)["ids"]            # stdout stays one JSON object
+
+
+def test_chat_prints_a_timing_line_per_turn(chat_dir):
+    r = gen("chat", "-m", chat_dir, "-n", 4, "--seed", 0, input="hello\nhow are you\n")
+    print(r.stderr)
+    timings = [ln for ln in r.stderr.splitlines() if " tokens/s " in ln]
+    assert r.exit_code == 0 and len(timings) == 2
+    assert all(ln.startswith("gen: ") and "tokens, " in ln and "finish: " in ln for ln in timings)
