@@ -88,13 +88,19 @@ def bench_cmd(model_name, contexts, attention, softmax_layers, window, prefill_t
         report = run_bench(settings, compare_hf=compare_hf, hf_new_tokens=hf_new_tokens,
                            hf_repeats=hf_repeats, progress=not quiet)
         report["settings"]["command"] = " ".join(["gen", *map(shlex.quote, sys.argv[1:])])
-        click.echo(format_table(report["results"]))
-        click.echo("")
-        for line in summary_lines(report):
-            click.echo(line)
-        if json_path:
+        stopped = report.get("interrupted")
+        if report["results"]:
+            click.echo(format_table(report["results"]))
+            click.echo("")
+            for line in summary_lines(report):
+                click.echo(line)
+        if json_path and report["results"]:
             write_json(report, json_path)
             click.echo(f"wrote {json_path}")
-        if plot_path:
+        if plot_path and report["results"]:
             click.echo(f"wrote {plot(report, plot_path)}")
+        if stopped:
+            click.echo(f"gen bench: interrupted after {stopped['finished']} of {stopped['configurations']} "
+                       f"configurations (the rows above are those that finished)", err=True)
+            sys.exit(130)
     run_guarded(run)

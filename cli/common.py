@@ -5,6 +5,7 @@ import errno
 import os
 import re
 import sys
+import tempfile
 from contextlib import contextmanager
 
 import click
@@ -20,14 +21,19 @@ def fail(message: str, code: int = 2) -> None:
 
 
 def check_output_path(path: str) -> None:
-    """An output file's directory must exist and be writable; else one line, exit 2, before any work."""
+    """An output file's directory must exist and take a new file; else one line, exit 2, before any
+    work. Tried by creating (and removing) a file there: permission bits do not tell (root passes
+    os.access on /sys, whose files cannot be created)."""
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         fail(f"{path}: directory {parent} does not exist; create it first")
-    if not os.access(parent, os.W_OK):
-        fail(f"{path}: directory {parent} is not writable")
     if os.path.isdir(path):
         fail(f"{path}: is a directory; give a file name")
+    try:
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=".gen-probe-"):
+            pass
+    except OSError as e:
+        fail(f"{path}: cannot create a file in {parent} ({e.strerror}); choose a writable directory")
 
 
 def check_stdio(stdin: str | None = None) -> None:

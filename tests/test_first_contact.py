@@ -290,3 +290,37 @@ def test_chat_prints_a_timing_line_per_turn(chat_dir):
     timings = [ln for ln in r.stderr.splitlines() if " tokens/s " in ln]
     assert r.exit_code == 0 and len(timings) == 2
     assert all(ln.startswith("gen: ") and "tokens, " in ln and "finish: " in ln for ln in timings)
+
+
+# ---------------------------------------------------------------------- item 4: work lost, memory spent
+BENCH = ["bench", "--contexts", "8,16", "--steps", 1, "--warmup", 0, "--no-isolate", "--quiet", "-t", 1]
+
+
+def test_bench_refuses_an_uncreatable_output_before_measuring(small_model_dir, monkeypatch):
+    import engine.bench
+    monkeypatch.setattr(engine.bench, "run_bench", lambda *a, **k: pytest.fail("measured before the path check"))
+    for where in ("/sys", "/proc"):      # root passes os.access there, yet no file can be created
+        if __import__("os").path.isdir(where):
+            one_line_error(gen(*BENCH, "-m", small_model_dir, "--json", f"{where}/b.json"), "cannot create a file")
+
+
+def test_bench_ctrl_c_prints_the_finished_rows(small_model_dir, tmp_path, monkeypatch):
+    import json
+
+    import engine.bench
+    real, calls = engine.bench.run_in_process, []
+
+    def interrupted_third(*args):
+        calls.append(args[2:])
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args)
+    monkeypatch.setattr(engine.bench, "run_in_process", interrupted_third)
+    r = gen(*BENCH, "-m", small_model_dir, "--json", tmp_path / "b.json")
+    print(r.output)
+    assert r.exit_code == 130 and "Traceback" not in r.output
+    assert "gen bench: interrupted after 2 of 4 configurations" in r.stderr
+    table = r.stdout.split("\n\n")[0].splitlines()[2:]           # the rows under the header and its rule
+    assert [row.split()[0] for row in table] == ["linear", "softmax"] and all(" 8 " in row for row in table)
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert report["interrupted"] == {"finished": 2, "configurations": 4} and len(report["results"]) == 2
