@@ -8,6 +8,7 @@ import time
 import warnings
 
 import click
+from tqdm import tqdm
 
 from cli.common import (FEATURE_MAP_HELP, KV_DTYPE_HELP, check_stdio, fail, given, run_guarded, sampling_options,
                         threads_option, writing_stdout)
@@ -76,6 +77,7 @@ def generate_cmd(prompt, prompt_opt, ids, chat_message, model_name, attention, s
             generation = chat_stream.generation
         else:
             generation = llm.start([the_prompt], **settings)
+        generation.on_prefill = prefill_progress()
         if max_context is not None and generation.context is None:
             click.echo(f"gen: warning: --max-context is ignored: {llm.attention} attention has no context limit",
                        err=True)
@@ -139,6 +141,23 @@ LOADING_NOTICE_S = 1.0   # a load taking longer says so on stderr, when stderr i
 
 def stderr_is_terminal() -> bool:
     return sys.stderr is not None and sys.stderr.isatty()
+
+
+def prefill_progress():
+    """Generation.on_prefill for a terminal: a prompt long enough to run in blocks (minutes, for
+    100k tokens) shows a progress bar on stderr while it is read; None elsewhere."""
+    if not stderr_is_terminal():
+        return None
+    bar = None
+
+    def update(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total, unit="token", desc="gen: reading the prompt", leave=False, file=sys.stderr)
+        bar.update(done - bar.n)
+        if done >= total:
+            bar.close()
+    return update
 
 
 def load_quietly(model_name, attention, feature_map, device, dtype, backend="auto", threads=None, quantize=None,

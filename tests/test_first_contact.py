@@ -324,3 +324,51 @@ def test_bench_ctrl_c_prints_the_finished_rows(small_model_dir, tmp_path, monkey
     assert [row.split()[0] for row in table] == ["linear", "softmax"] and all(" 8 " in row for row in table)
     report = json.loads((tmp_path / "b.json").read_text())
     assert report["interrupted"] == {"finished": 2, "configurations": 4} and len(report["results"]) == 2
+
+
+def test_a_prompt_longer_than_the_context_allocates_no_cache_for_it(small_model_dir, monkeypatch):
+    """300k tokens on the softmax path used to allocate a 3.9 GB cache before the context error."""
+    from engine.errors import InvalidArgumentError
+    llm = load(str(small_model_dir), attention="softmax")
+    asked, real = [], llm.model.init_state
+    monkeypatch.setattr(llm.model, "init_state", lambda **kw: asked.append(kw["max_len"]) or real(**kw))
+    context = llm.model.config.max_position_embeddings
+    with pytest.raises(InvalidArgumentError, match=f"the prompt has {50 * context} tokens but the context holds"):
+        llm.generate([5] * (50 * context), max_new_tokens=2)
+    assert asked == [1]
+
+
+def test_a_state_that_cannot_fit_is_one_line(small_model_dir):
+    one_line_error(gen("-m", small_model_dir, "--attention", "softmax", "-c", 10 ** 12, "-n", 10 ** 12, "hi"),
+                   "does not fit in memory")
+
+
+@pytest.mark.parametrize("attention", ["softmax", "linear"])
+def test_a_long_prompt_is_prefilled_in_blocks(small_model_dir, monkeypatch, attention):
+    """Activations of one block at a time (bounded memory), progress after each; the same tokens as one block."""
+    import engine.generate
+    llm = load(str(small_model_dir), attention=attention, backend="torch")
+    prompt = [(7 * i) % 200 + 3 for i in range(50)]
+    whole = llm.generate(prompt, temperature=0, max_new_tokens=6, max_context=64)
+    monkeypatch.setattr(engine.generate, "PREFILL_BLOCK", 16)
+    blocks, real = [], llm.step.__call__
+    monkeypatch.setattr(type(llm.step), "__call__",
+                        lambda self, tokens, *a, **k: blocks.append(tokens.shape[1]) or real(tokens, *a, **k))
+    generation, heard = llm.start([prompt], temperature=0, max_new_tokens=6, max_context=64), []
+    generation.on_prefill = lambda done, total: heard.append((done, total))
+    blocked = generation.run()[0]
+    assert blocks[:4] == [16, 16, 16, 2] and set(blocks[4:]) == {1}
+    assert heard == [(16, 50), (32, 50), (48, 50), (50, 50)]
+    assert blocked.ids == whole.ids and blocked.stats.prompt_tokens == 50
+
+
+def test_the_cli_shows_progress_for_a_long_prompt_on_a_terminal(small_model_dir, monkeypatch):
+    import cli.generate
+    import engine.generate
+    monkeypatch.setattr(engine.generate, "PREFILL_BLOCK", 4)
+    monkeypatch.setattr(cli.generate, "stderr_is_terminal", lambda: True)
+    r = gen("-m", small_model_dir, "--attention", "linear", "-n", 2, "the cat sat on the mat and the dog ran home")
+    assert r.exit_code == 0 and "gen: reading the prompt" in r.stderr, r.output
+    monkeypatch.setattr(cli.generate, "stderr_is_terminal", lambda: False)
+    r = gen("-m", small_model_dir, "--attention", "linear", "-n", 2, "the cat sat on the mat and the dog ran home")
+    assert r.exit_code == 0 and "reading the prompt" not in r.stderr
