@@ -23,7 +23,7 @@ from engine.errors import InvalidArgumentError
 from engine.sampling import Sampler, SamplingParams
 from engine.stopping import StopText, check_stop_strings
 
-PREFILL_BLOCK = 4096   # prompt tokens per prefill block (Generation._prefill): bounds a long prompt's memory
+PROGRESS_BLOCK = 4096   # a longer prompt reports its prefill (Generation.on_prefill) about this often
 
 
 @dataclass(frozen=True)
@@ -225,17 +225,17 @@ class Generation(Closing):
             self.state = None   # the frame's last reference to the state goes with the generator
 
     def _prefill(self, tokens: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
-        """tokens (B, P) -> the last position's logits (B, V). A prompt longer than PREFILL_BLOCK runs
-        in blocks of that many tokens (the state carries over, as a chat turn's does), so its
-        activations take a block's memory, not the prompt's; `on_prefill` hears after each block.
-        (Padded batches run as one block: their pads belong to the first.)"""
-        P = tokens.shape[1]
-        if valid is not None or P <= PREFILL_BLOCK:
+        """tokens (B, P) -> the last position's logits (B, V). With `on_prefill` set, a prompt longer than
+        PROGRESS_BLOCK runs in blocks of whole prefill chunks (the step cuts each block into the chunks
+        it would cut the whole prompt into: the same arithmetic, the same tokens), and `on_prefill(done,
+        total)` hears after each. (A padded batch, or a step that prefills in one block, runs whole.)"""
+        P, chunk = tokens.shape[1], getattr(self.step, "prefill_chunk", 0)
+        if self.on_prefill is None or valid is not None or not chunk or P <= PROGRESS_BLOCK:
             return self.step(tokens, self.state, valid=valid, last_only=True)[:, -1]
-        for start in range(0, P, PREFILL_BLOCK):
-            logits = self.step(tokens[:, start:start + PREFILL_BLOCK], self.state, last_only=True)[:, -1]
-            if self.on_prefill is not None:
-                self.on_prefill(min(start + PREFILL_BLOCK, P), P)
+        block = chunk * max(1, PROGRESS_BLOCK // chunk)
+        for start in range(0, P, block):
+            logits = self.step(tokens[:, start:start + block], self.state, last_only=True)[:, -1]
+            self.on_prefill(min(start + block, P), P)
         return logits
 
     def _text(self, tok: int, decoder, stopper) -> tuple[str, str | None]:

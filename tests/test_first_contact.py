@@ -344,28 +344,29 @@ def test_a_state_that_cannot_fit_is_one_line(small_model_dir):
 
 
 @pytest.mark.parametrize("attention", ["softmax", "linear"])
-def test_a_long_prompt_is_prefilled_in_blocks(small_model_dir, monkeypatch, attention):
-    """Activations of one block at a time (bounded memory), progress after each; the same tokens as one block."""
+def test_a_long_prompt_reports_its_prefill(small_model_dir, monkeypatch, attention):
+    """With on_prefill set, a long prompt runs in blocks of whole prefill chunks and reports after each:
+    the same tokens as one call (the step cuts the same chunks)."""
     import engine.generate
-    llm = load(str(small_model_dir), attention=attention, backend="torch")
+    llm = load(str(small_model_dir), attention=attention, backend="torch", prefill_chunk=4)
     prompt = [(7 * i) % 200 + 3 for i in range(50)]
     whole = llm.generate(prompt, temperature=0, max_new_tokens=6, max_context=64)
-    monkeypatch.setattr(engine.generate, "PREFILL_BLOCK", 16)
-    blocks, real = [], llm.step.__call__
-    monkeypatch.setattr(type(llm.step), "__call__",
-                        lambda self, tokens, *a, **k: blocks.append(tokens.shape[1]) or real(tokens, *a, **k))
+    monkeypatch.setattr(engine.generate, "PROGRESS_BLOCK", 18)        # blocks of 16: four whole chunks of 4
+    blocks, real = [], type(llm.step)._call
+    monkeypatch.setattr(type(llm.step), "_call",
+                        lambda self, tokens, *a, **k: blocks.append(tokens.shape[1]) or real(self, tokens, *a, **k))
     generation, heard = llm.start([prompt], temperature=0, max_new_tokens=6, max_context=64), []
     generation.on_prefill = lambda done, total: heard.append((done, total))
-    blocked = generation.run()[0]
-    assert blocks[:4] == [16, 16, 16, 2] and set(blocks[4:]) == {1}
+    reported = generation.run()[0]
     assert heard == [(16, 50), (32, 50), (48, 50), (50, 50)]
-    assert blocked.ids == whole.ids and blocked.stats.prompt_tokens == 50
+    assert blocks[:13] == [4] * 12 + [2] and set(blocks[13:]) == {1}    # the chunks of one whole call
+    assert reported.ids == whole.ids and reported.stats.prompt_tokens == 50
 
 
 def test_the_cli_shows_progress_for_a_long_prompt_on_a_terminal(small_model_dir, monkeypatch):
     import cli.generate
     import engine.generate
-    monkeypatch.setattr(engine.generate, "PREFILL_BLOCK", 4)
+    monkeypatch.setattr(engine.generate, "PROGRESS_BLOCK", 4)
     monkeypatch.setattr(cli.generate, "stderr_is_terminal", lambda: True)
     r = gen("-m", small_model_dir, "--attention", "linear", "-n", 2, "the cat sat on the mat and the dog ran home")
     assert r.exit_code == 0 and "gen: reading the prompt" in r.stderr, r.output

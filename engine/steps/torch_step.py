@@ -62,10 +62,11 @@ class DecodePlan:
         return self.epoch == model.weights_epoch and self.device == device and self.dtype == dtype
 
 
-def as_dtype(w: torch.Tensor, dtype) -> torch.Tensor:
-    """w itself when it is in `dtype` (a Parameter: updates stay seen), else a copy in `dtype` (a
-    QuantLinear's dequantized weight is fp32 whatever the model's dtype, e.g. --quantize q8_0 --dtype bfloat16)."""
-    return w if w.dtype == dtype else w.to(dtype)
+def as_dtype(w: torch.Tensor | None, dtype) -> torch.Tensor | None:
+    """w itself when it is in `dtype` (a Parameter: updates stay seen) or None (a bias the model lacks),
+    else a copy in `dtype` (a QuantLinear's dequantized weight is fp32 whatever the model's dtype, e.g.
+    --quantize q8_0 --dtype bfloat16)."""
+    return w if w is None or w.dtype == dtype else w.to(dtype)
 
 
 def in_dtype(layers: list[tuple], dtype) -> list[tuple]:
