@@ -22,18 +22,25 @@ GGUF_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_k": "
              "general.sampling.penalty_repeat": "repetition_penalty"}
 
 
-def read_generation_config(directory: str | Path) -> dict:
-    """The sampling keys a directory's generation_config.json names ({} without the file)."""
+def read_file(directory: str | Path) -> dict:
+    """A directory's generation_config.json as a dict ({} without the file; CheckpointError when it is
+    not a JSON object). Its EOS ids are models.hf_dir's (with_generation_eos), its sampling keys ours."""
     path = Path(directory) / FILE
     if not path.is_file():
         return {}
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+        raise CheckpointError(f"{path}: not a JSON object ({e})") from None
     if not isinstance(raw, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, got {type(raw).__name__}")
-    return _checked({k: raw.get(k) for k in KEYS}, str(path))
+        raise CheckpointError(f"{path}: not a JSON object (got {type(raw).__name__})")
+    return raw
+
+
+def read_generation_config(directory: str | Path) -> dict:
+    """The sampling keys a directory's generation_config.json names ({} without the file)."""
+    raw = read_file(directory)
+    return _checked({k: raw.get(k) for k in KEYS}, str(Path(directory) / FILE))
 
 
 def gguf_sampling(meta: dict, where: str = "") -> dict:
