@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from cli.common import KV_DTYPE_HELP, check_output_path, run_guarded
+from cli.common import KV_DTYPE_HELP, check_output_path, run_guarded, threads_option
 from engine.bench import DEFAULT_CONTEXTS, BenchSettings, run_bench, write_json
 from engine.bench.configs import parse_attentions
 from engine.errors import InvalidArgumentError
@@ -34,7 +34,7 @@ def parse_attention(ctx, param, value):
 
 
 @click.command("bench")
-@click.option("--model", "model_name", default="tiny", show_default=True, help="registered name or path")
+@click.option("-m", "--model", "model_name", default="tiny", show_default=True, help="registered name or path")
 @click.option("--contexts", callback=parse_contexts, metavar="N,N,...",
               help="context depths to sweep  [default: 128,512,2048,8192,32768]")
 @click.option("--attention", default="both", show_default=True, callback=parse_attention, metavar="A,A,...",
@@ -50,7 +50,7 @@ def parse_attention(ctx, param, value):
 @click.option("--feature-map", help="linear attention feature map (default: the model's)")
 @click.option("--steps", default=64, show_default=True, help="timed decode steps per depth")
 @click.option("--warmup", default=8, show_default=True, help="untimed decode steps before them")
-@click.option("--threads", type=int, help="CPU threads (default: engine.threads.default_threads(), see README 'Threads')")
+@threads_option()
 @click.option("--dtype", default="float32", show_default=True)
 @click.option("--kv-dtype", help=KV_DTYPE_HELP)
 @click.option("--device", default="cpu", show_default=True)
@@ -88,13 +88,19 @@ def bench_cmd(model_name, contexts, attention, softmax_layers, window, prefill_t
         report = run_bench(settings, compare_hf=compare_hf, hf_new_tokens=hf_new_tokens,
                            hf_repeats=hf_repeats, progress=not quiet)
         report["settings"]["command"] = " ".join(["gen", *map(shlex.quote, sys.argv[1:])])
-        click.echo(format_table(report["results"]))
-        click.echo("")
-        for line in summary_lines(report):
-            click.echo(line)
-        if json_path:
+        stopped = report.get("interrupted")
+        if report["results"]:
+            click.echo(format_table(report["results"]))
+            click.echo("")
+            for line in summary_lines(report):
+                click.echo(line)
+        if json_path and report["results"]:
             write_json(report, json_path)
             click.echo(f"wrote {json_path}")
-        if plot_path:
+        if plot_path and report["results"]:
             click.echo(f"wrote {plot(report, plot_path)}")
+        if stopped:
+            click.echo(f"gen bench: interrupted after {stopped['finished']} of {stopped['configurations']} "
+                       f"configurations (the rows above are those that finished)", err=True)
+            sys.exit(130)
     run_guarded(run)

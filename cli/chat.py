@@ -14,56 +14,67 @@ import sys
 
 import click
 
-from cli.common import FEATURE_MAP_HELP, KV_DTYPE_HELP, run_guarded
-from cli.generate import load_quietly, summary
+from cli.common import (FEATURE_MAP_HELP, KV_DTYPE_HELP, check_stdio, given, run_guarded, sampling_options,
+                        threads_option, user_text, writing_stdout)
+from cli.generate import load_quietly, summary, turn_timing
 from engine.api import make_config
 from engine.errors import EngineError
+from engine.sampling import CHAT_DEFAULTS, describe_sampling
 
 HELP_LINE = "/reset starts over, /exit or Ctrl-D leaves, Ctrl-C stops a reply"
 
 
 @click.command("chat")
-@click.option("--model", "model_name", default="smollm2", show_default=True,
+@click.option("-m", "--model", "model_name", default="smollm2", show_default=True,
               help="registered name or path of a model with a chat template (GGUF, tokenizer_config.json)")
 @click.option("--attention", type=click.Choice(["softmax", "linear", "hybrid"]), help="default: the model's own")
 @click.option("--softmax-layers", help="hybrid: layers that keep a KV cache, e.g. 2,9,11, or auto:K")
 @click.option("--window", type=int, help="linear layers also attend exactly to the last W keys")
 @click.option("--feature-map", help=FEATURE_MAP_HELP)
 @click.option("--system", help="a system message for the conversation (default: the template's own, if any)")
-@click.option("--max-new-tokens", default=512, show_default=True, type=int, help="per reply")
-@click.option("--temperature", default=0.8, show_default=True, type=float, help="0 = greedy")
-@click.option("--top-k", default=0, show_default=True, type=int, help="0 = off")
-@click.option("--top-p", default=1.0, show_default=True, type=float, help="1 = off")
-@click.option("--min-p", default=0.0, show_default=True, type=float, help="0 = off")
-@click.option("--repetition-penalty", default=1.0, show_default=True, type=float, help="1 = off")
+@click.option("-n", "--max-new-tokens", default=512, show_default=True, type=int, help="per reply")
+@sampling_options({k: f"the model's, else {v:g}" for k, v in {**CHAT_DEFAULTS, "repetition_penalty": 1.0}.items()})
 @click.option("--seed", type=int, help="default: a fresh seed per reply")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", help="float32 (default), bfloat16, float16")
 @click.option("--kv-dtype", help=KV_DTYPE_HELP)
-@click.option("--max-context", type=int, help="softmax KV cache capacity in tokens for the whole conversation "
-                                                "(default: the model's context)")
+@click.option("-c", "--max-context", type=int, help="softmax KV cache capacity in tokens for the whole conversation "
+                                                      "(default: the model's context)")
 @click.option("--backend", type=click.Choice(["auto", "torch", "native", "module"]), default="auto", show_default=True)
-@click.option("--threads", type=int, help="CPU threads")
-@click.option("-v", "--verbose", is_flag=True, help="a summary line (tokens, speed) after each reply")
+@threads_option()
+@click.option("-v", "--verbose", is_flag=True, help="the full summary line (prompt, speed, memory) after each reply")
 def chat_cmd(model_name, attention, softmax_layers, window, feature_map, system, max_new_tokens, temperature, top_k, top_p, min_p,
              repetition_penalty, seed, device, dtype, kv_dtype, max_context, backend, threads, verbose):
-    """Chat with a model that has a chat template: one line per message (see the module doc)."""
-    settings = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                    min_p=min_p, repetition_penalty=repetition_penalty, seed=seed)
+    """Chat with a model that has a chat template: each line you type is a message, the reply streams back.
+
+    /reset starts a new conversation, /exit or Ctrl-D leaves, Ctrl-C stops a reply (the conversation
+    stays). Lines piped in work too, one message per line. After each reply a line on stderr gives
+    its tokens and speed.
+
+    Sampling: each option you give wins; the others come from the model's generation config
+    (generation_config.json beside the weights, or a GGUF's general.sampling.* keys) where it names
+    them, else llama.cpp's defaults: temperature 0.8, top-k 40, top-p 0.95, min-p 0.05.
+    """
+    settings = given(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                     min_p=min_p, repetition_penalty=repetition_penalty, seed=seed)
 
     def run():
+        check_stdio(stdin="gen chat reads your messages from it: run it in a terminal or pipe lines in")
         make_config(**settings)                      # bad settings fail before the model loads
         llm = load_quietly(model_name, attention, feature_map, device, dtype, backend, threads,
                            softmax_layers=softmax_layers, window=window, kv_dtype=kv_dtype)
         session = llm.chat_session(system=system, max_context=max_context)
+        sampling = describe_sampling({**llm.chat_sampling, **settings})   # a bad generation config fails here
         tty = sys.stdin.isatty()
         if tty:
             try:
                 import readline  # noqa: F401  (line editing and input history for input(); optional)
             except ImportError:
                 pass
-            click.echo(f"gen chat: {model_name}, {llm.attention} attention. {HELP_LINE}.", err=True)
-        repl(session, settings, prompt="> " if tty else "", verbose=verbose)
+            click.echo(f"gen chat: {model_name}, {llm.attention} attention, "
+                       f"{sampling}. {HELP_LINE}.", err=True)
+        with writing_stdout():
+            repl(session, settings, prompt="> " if tty else "", verbose=verbose)
 
     run_guarded(run)
 
@@ -91,11 +102,11 @@ def repl(session, settings: dict, prompt: str = "> ", verbose: bool = False) -> 
         try:
             reply = session.send(line, **settings)
         except EngineError as e:         # e.g. the context is full: say so, keep the REPL
-            click.echo(f"gen: error: {e}", err=True)
+            click.echo(f"gen: error: {user_text(e)}", err=True)
             continue
         interrupted = stream_reply(reply)
-        if verbose or interrupted:
-            click.echo(summary(reply.result, interrupted=interrupted), err=True)
+        click.echo(summary(reply.result, interrupted=interrupted) if verbose else
+                   turn_timing(reply.result, interrupted=interrupted), err=True)
 
 
 def stream_reply(reply) -> bool:

@@ -2,47 +2,48 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
+import threading
+import time
 import warnings
 
 import click
+from tqdm import tqdm
 
-from cli.common import FEATURE_MAP_HELP, KV_DTYPE_HELP, fail, run_guarded
+from cli.common import (FEATURE_MAP_HELP, KV_DTYPE_HELP, check_stdio, fail, given, run_guarded, sampling_options,
+                        threads_option, writing_stdout)
 from engine.api import check_text, load, make_config
 from engine.errors import InvalidArgumentError
 
 
 @click.command("generate")
 @click.argument("prompt", required=False)
-@click.option("--prompt", "prompt_opt", metavar="TEXT", help="the prompt, when it equals a subcommand's name")
+@click.option("-p", "--prompt", "prompt_opt", metavar="TEXT",
+              help="the prompt as an option (also when it equals a subcommand's name)")
 @click.option("--ids", metavar="1,2,3", help="a prompt of token ids instead of text (no BOS added)")
 @click.option("--chat", "chat_message", metavar="TEXT",
               help="answer this one user message with the model's chat template, then exit (see `gen chat`)")
-@click.option("--model", "model_name", default="tiny", show_default=True, help="registered name or path")
+@click.option("-m", "--model", "model_name", default="tiny", show_default=True, help="registered name or path")
 @click.option("--attention", type=click.Choice(["softmax", "linear", "hybrid"]), help="default: the model's own")
 @click.option("--softmax-layers", help="hybrid: layers that keep a KV cache, e.g. 2,9,11, or auto:K")
 @click.option("--window", type=int, help="linear layers also attend exactly to the last W keys")
 @click.option("--feature-map", help=FEATURE_MAP_HELP)
-@click.option("--max-new-tokens", default=256, show_default=True, type=int)
-@click.option("--temperature", default=0.8, show_default=True, type=float, help="0 = greedy")
-@click.option("--top-k", default=0, show_default=True, type=int, help="0 = off")
-@click.option("--top-p", default=1.0, show_default=True, type=float, help="1 = off")
-@click.option("--min-p", default=0.0, show_default=True, type=float, help="0 = off")
-@click.option("--repetition-penalty", default=1.0, show_default=True, type=float,
-              help="1 = off; > 1 discourages tokens already in the prompt or output")
+@click.option("-n", "--max-new-tokens", default=256, show_default=True, type=int)
+@sampling_options({"temperature": "0.8; with --chat as gen chat", "top_k": "0; with --chat as gen chat",
+                   "top_p": "1; with --chat as gen chat", "min_p": "0; with --chat as gen chat",
+                   "repetition_penalty": "1; with --chat as gen chat"})
 @click.option("--seed", type=int, help="default: a fresh seed, shown in the summary")
 @click.option("--stop", multiple=True, help="stop before this string (repeatable)")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", help="float32 (default), bfloat16, float16")
 @click.option("--kv-dtype", help=KV_DTYPE_HELP)
-@click.option("--max-context", type=int, help="softmax context in tokens, prompt included "
-                                                "(default: the model's max_position_embeddings)")
+@click.option("-c", "--max-context", type=int, help="softmax context in tokens, prompt included "
+                                                      "(default: the model's max_position_embeddings)")
 @click.option("--echo", is_flag=True, help="print the prompt before the streamed continuation (not with --json)")
 @click.option("--backend", type=click.Choice(["auto", "torch", "native", "module"]), default="auto", show_default=True,
               help="decode step form: auto = the C step where it applies, else PyTorch")
 @click.option("--native", is_flag=True, help="alias of --backend native")
-@click.option("--threads", type=int, help="CPU threads (default: engine.threads.default_threads(); see README 'Threads')")
+@threads_option()
 @click.option("--quantize", type=click.Choice(["q8_0", "q4_0", "q4_1"]),
               help="keep the matrices as quantized blocks (llama.cpp layouts), dequantized inside the native step")
 @click.option("-v", "--verbose", is_flag=True, help="say which step form ran and why a faster one did not")
@@ -56,22 +57,27 @@ def generate_cmd(prompt, prompt_opt, ids, chat_message, model_name, attention, s
     A prompt equal to a subcommand's name goes after `--` (`gen -- bench`) or in --prompt.
     Ctrl-C stops and keeps what was printed.
     """
-    settings = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                    min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop or None,
-                    max_context=max_context)
+    settings = given(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                     min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop or None,
+                     max_context=max_context)
 
     def run():
+        check_stdio(stdin="pipe the prompt in (gen - < prompt.txt) or give it as an argument"
+                    if prompt == "-" else None)
         if chat_message is not None and (prompt, prompt_opt, ids) != (None, None, None):
             fail("--chat takes the message itself; give no PROMPT, --prompt or --ids with it")
         the_prompt = read_prompt(prompt, prompt_opt, ids) if chat_message is None else chat_message
         make_config(**settings)                      # bad settings fail before the model loads
         llm = load_quietly(model_name, attention, feature_map, device, dtype, "native" if native else backend,
                           threads, quantize, softmax_layers=softmax_layers, window=window, kv_dtype=kv_dtype)
+        if chat_message is None and isinstance(the_prompt, str) and llm.tokenizer is None:
+            fail(f"{model_name} ships no tokenizer, so it cannot read text; give the prompt as token ids: --ids 1,2,3")
         if chat_message is not None:   # keep the stream: dropping it would close its generation
             chat_stream = llm.chat([{"role": "user", "content": chat_message}], **settings)
             generation = chat_stream.generation
         else:
             generation = llm.start([the_prompt], **settings)
+        generation.on_prefill = prefill_progress()
         if max_context is not None and generation.context is None:
             click.echo(f"gen: warning: --max-context is ignored: {llm.attention} attention has no context limit",
                        err=True)
@@ -84,14 +90,16 @@ def generate_cmd(prompt, prompt_opt, ids, chat_message, model_name, attention, s
             except KeyboardInterrupt:   # Ctrl-C: what was generated so far, finish_reason "interrupted"
                 generation.close()
                 result, code = generation.result(0), 130
-            click.echo(json.dumps({"text": result.text, "ids": result.ids,
-                                   "finish_reason": result.finish_reason or "interrupted",
-                                   "stop_reason": result.stop_reason,
-                                   "stats": result.stats.to_dict()}, ensure_ascii=False))
+            with writing_stdout():
+                click.echo(json.dumps({"text": result.text, "ids": result.ids,
+                                       "finish_reason": result.finish_reason or "interrupted",
+                                       "stop_reason": result.stop_reason,
+                                       "stats": result.stats.to_dict()}, ensure_ascii=False))
             if code:
                 sys.exit(code)
             return
-        stream(llm, generation, the_prompt, echo, verbose)
+        with writing_stdout():
+            stream(llm, generation, the_prompt, echo, verbose)
 
     run_guarded(run)
 
@@ -128,14 +136,52 @@ def read_prompt(prompt, prompt_opt, ids):
     return text
 
 
+LOADING_NOTICE_S = 1.0   # a load taking longer says so on stderr, when stderr is a terminal
+
+
+def stderr_is_terminal() -> bool:
+    return sys.stderr is not None and sys.stderr.isatty()
+
+
+def prefill_progress():
+    """Generation.on_prefill for a terminal: a prompt long enough to run in blocks (minutes, for
+    100k tokens) shows a progress bar on stderr while it is read; None elsewhere."""
+    if not stderr_is_terminal():
+        return None
+    bar = None
+
+    def update(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total, unit="token", desc="gen: reading the prompt", leave=False, file=sys.stderr)
+        bar.update(done - bar.n)
+        if done >= total:
+            bar.close()
+    return update
+
+
 def load_quietly(model_name, attention, feature_map, device, dtype, backend="auto", threads=None, quantize=None,
                  softmax_layers=None, window=None, kv_dtype=None):
-    """Load; a warning (weights not trained for this attention path) becomes one stderr line."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        llm = load(model_name, attention=attention, feature_map=feature_map, device=device, dtype=dtype,
-                   backend=backend, threads=threads, quantize=quantize, softmax_layers=softmax_layers,
-                   window=window, kv_dtype=kv_dtype)
+    """Load; a warning (weights not trained for this attention path) becomes one stderr line. On a
+    terminal, a load that takes over LOADING_NOTICE_S says "loading NAME ..." once that time has
+    passed, then how long it took (logs and pipes get neither: they wait for nobody)."""
+    notice = threading.Timer(LOADING_NOTICE_S, lambda: click.echo(f"gen: loading {model_name} ...", err=True))
+    notice.daemon = True
+    tty = stderr_is_terminal()
+    t0 = time.perf_counter()
+    if tty:
+        notice.start()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            llm = load(model_name, attention=attention, feature_map=feature_map, device=device, dtype=dtype,
+                       backend=backend, threads=threads, quantize=quantize, softmax_layers=softmax_layers,
+                       window=window, kv_dtype=kv_dtype)
+    finally:
+        notice.cancel()
+    took = time.perf_counter() - t0
+    if tty and took >= LOADING_NOTICE_S:
+        click.echo(f"gen: loaded {model_name} in {took:.1f} s", err=True)
     for w in caught:
         click.echo(f"gen: warning: {w.message}", err=True)
     return llm
@@ -160,10 +206,9 @@ def stream(llm, generation, prompt, echo: bool, verbose: bool = False) -> None:
         out.flush()
         click.echo(summary(generation.result(0), interrupted=True), err=True)
         sys.exit(130)
-    except BrokenPipeError:   # `gen ... | head`: the reader left; stop quietly
+    except OSError:   # the reader left (`| head`) or stdout is full: the caller's writing_stdout says so
         generation.close()
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(1)
+        raise
     click.echo(summary(generation.result(0)), err=True)
     if verbose:
         click.echo(f"gen: step form: {llm.step.last_form}; forms available: {', '.join(llm.step.forms_available)}; "
@@ -182,6 +227,14 @@ def summary(result, interrupted: bool = False) -> str:
             f"{s.new_tokens} new tokens, {s.decode_tokens_per_s:.1f} tokens/s ({ms_per_token:.2f} ms/token), "
             f"first token after {s.time_to_first_token_s * 1e3:.1f} ms | {what} {human_bytes(s.state_bytes)} | "
             f"{s.attention} attention, seed {s.seed} | step {s.step_form or '?'} | finish: {finish}")
+
+
+def turn_timing(result, interrupted: bool = False) -> str:
+    """One short line per chat reply: its tokens and speed, the prompt it prefilled, why it ended."""
+    s = result.stats
+    finish = "interrupted" if interrupted else result.finish_reason
+    return (f"gen: {s.new_tokens} tokens, {s.decode_tokens_per_s:.1f} tokens/s | prompt {s.prompt_tokens} tokens in "
+            f"{s.prefill_s * 1e3:.0f} ms | finish: {finish}")
 
 
 def human_bytes(n: int) -> str:

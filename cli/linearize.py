@@ -6,13 +6,13 @@ import sys
 
 import click
 
-from cli.common import run_guarded
+from cli.common import run_guarded, threads_option
 from engine.linearize import FINETUNE_DTYPES, FINETUNE_SCHEDULES, LinearizeArgs, linearize
 from engine.threads import set_threads
 
 
 @click.command("linearize")
-@click.option("--model", "model_name", required=True, help="registered name or path of the softmax model")
+@click.option("-m", "--model", "model_name", required=True, help="registered name or path of the softmax model")
 @click.option("--data", multiple=True, required=True, type=click.Path(dir_okay=False),
               help="training text, documents separated by '<|endoftext|>' lines (repeat for several files)")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="output directory (new or empty)")
@@ -63,7 +63,7 @@ from engine.threads import set_threads
               help="the softmax control: the same finetune (data, --lora-rank, learning rate, seed, steps) "
                    "with softmax attention and no maps, for comparing a linearized model fairly; writes "
                    "adapters that every layer reads (load it with --model OUT)")
-@click.option("--threads", type=int, help="CPU threads (default: engine.threads)")
+@threads_option()
 def linearize_cmd(model_name, data, out, tokens, finetune_tokens, seq_len, layer_steps, batch_size, lr, finetune_steps,
                   finetune_batch, finetune_lr, finetune_loss, finetune_dtype, finetune_schedule, finetune_linear_every, finetune_clip, decay, decay_lr, gate, gate_lr, lora_rank, hybrid, window, budget, seed, resume, init, control, threads):
     """With the model frozen, train per-layer hedgehog maps (transfer), then finetune them end to end."""

@@ -10,9 +10,12 @@ goes after `--` (`gen -- bench`), after any option (`gen --model tiny bench`), o
 """
 from __future__ import annotations
 
+import importlib.metadata
+import platform
 from contextlib import contextmanager
 
 import click
+import torch
 
 from cli.bench import bench_cmd
 from cli.chat import chat_cmd
@@ -31,7 +34,7 @@ class GenGroup(click.Group):
     and whose usage errors (its own and its subcommands') are one line on stderr, exit code 2."""
 
     def parse_args(self, ctx, args):
-        if args and args[0] not in self.commands and args[0] not in ctx.help_option_names:
+        if args and args[0] not in self.commands and args[0] not in (*ctx.help_option_names, "--version"):
             args = [DEFAULT_COMMAND, *args]
         return super().parse_args(ctx, args)
 
@@ -60,7 +63,17 @@ def one_line_errors():
         raise click.exceptions.Exit(e.exit_code) from None
 
 
+def version() -> str:
+    """This package's installed version (pyproject.toml; "unknown" when it runs uninstalled), and torch's."""
+    try:
+        own = importlib.metadata.version("gen-engine")
+    except importlib.metadata.PackageNotFoundError:
+        own = "unknown (not installed: pip install -e .)"
+    return f"{own} (torch {torch.__version__}, Python {platform.python_version()})"
+
+
 @click.group(cls=GenGroup, no_args_is_help=True)
+@click.version_option(version(), "--version", prog_name="gen", message="%(prog)s %(version)s")
 def main():
     """Run a decoder-only language model with softmax or linear attention.
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from cli.common import run_guarded
+from cli.common import run_guarded, threads_option
 from engine.train import TrainArgs, train
 
 
@@ -30,7 +30,7 @@ from engine.train import TrainArgs, train
 @click.option("--eval-every", default=200, show_default=True)
 @click.option("--eval-docs", default=200, show_default=True)
 @click.option("--save-every", default=20, show_default=True)
-@click.option("--threads", type=int)
+@threads_option("CPU threads, at most the cores this process may run on (default: PyTorch's)")
 @click.option("--stop-after", type=int, help="save a checkpoint and stop at this step (resume later)")
 @click.option("--amp", default="bfloat16", show_default=True, help="autocast dtype, or 'none'")
 def train_cmd(train_file, valid_file, out, export, paths, amp, **kw):

@@ -23,16 +23,16 @@ from collections.abc import Sequence
 import torch
 
 from engine.attention import check_path, get_feature_map
-from engine.errors import InvalidArgumentError
+from engine.errors import ConfigError, InvalidArgumentError
 from engine.chat import ChatSession
 from engine.generate import Closing, Generation, GenerationConfig, Result, eos_set
 from engine.loader import load_parts
-from engine.sampling import SamplingParams
+from engine.sampling import SamplingParams, chat_sampling
 from engine.state_io import SavedState, load as load_state_file, save as save_state_file
 from engine.attention.hybrid import runtime_config
 from engine.steps import DEFAULT_PREFILL_CHUNK, Stepper, check_backend, check_prefill_chunk
 from engine.quant import check_kind, quantize_model
-from engine.threads import set_threads
+from engine.threads import available_cores, set_threads
 from models.registry import path_warning
 
 Prompt = str | Sequence[int]
@@ -40,6 +40,10 @@ Prompt = str | Sequence[int]
 
 class UntrainedPathWarning(UserWarning):
     """The chosen attention path is not one the weights were trained for."""
+
+
+class ThreadsWarning(UserWarning):
+    """More threads were asked for than this process has cores: they will wait on each other."""
 
 
 def load(model: str = "tiny", attention: str | None = None, feature_map: str | None = None,
@@ -71,23 +75,31 @@ def load(model: str = "tiny", attention: str | None = None, feature_map: str | N
     check_prefill_chunk(prefill_chunk)
     if quantize is not None:
         check_kind(quantize)
+    if threads is not None and isinstance(threads, int) and threads > available_cores():
+        warnings.warn(f"threads={threads} is more than the {available_cores()} cores this process may run on; "
+                      f"the threads wait on each other at every step (each token much slower)", ThreadsWarning,
+                      stacklevel=2)
     set_threads(threads)
-    net, tokenizer, template = load_parts(model, device=device, dtype=dtype, kv_dtype=kv_dtype,
+    net, tokenizer, template, sampling = load_parts(model, device=device, dtype=dtype, kv_dtype=kv_dtype,
                                           configure=lambda cfg: runtime_config(cfg, attention, softmax_layers, window))
     if quantize is not None:
         quantize_model(net, quantize)
     return LLM(net, tokenizer, attention=attention, feature_map=feature_map, name=str(model), backend=backend,
-               chat_template=template, prefill_chunk=prefill_chunk, _stacklevel=3)
+               chat_template=template, prefill_chunk=prefill_chunk, sampling=sampling, _stacklevel=3)
 
 
 class LLM:
-    """A loaded model + tokenizer (or None) + the attention path and feature map to run."""
+    """A loaded model + tokenizer (or None) + the attention path and feature map to run.
+
+    sampling: the sampling defaults the checkpoint names (models.generation_config); chats use them
+    over llama.cpp's (`chat_sampling`)."""
 
     def __init__(self, model, tokenizer=None, attention: str | None = None, feature_map: str | None = None,
                  name: str | None = None, backend: str = "auto", chat_template=None,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, _stacklevel: int = 2):
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, sampling: dict | None = None, _stacklevel: int = 2):
         self.model, self.tokenizer, self.name = model, tokenizer, name
         self.chat_template = chat_template       # models.chat_template.ChatTemplate or None
+        self.sampling = dict(sampling or {})
         self.step = Stepper(model, backend, prefill_chunk=prefill_chunk)   # what the generation loop calls
         self.attention = check_path(attention or model.config.attention)
         self.feature_map = feature_map
@@ -109,6 +121,9 @@ class LLM:
                 raise InvalidArgumentError(f"{call}: this model ships no tokenizer; pass the prompt as token ids "
                                            f"(in the CLI: --ids 1,2,3)")
             return self.tokenizer.encode(prompt, bos=True)
+        if isinstance(prompt, (bytes, bytearray, memoryview)):   # a Sequence of ints, but never meant as ids
+            raise InvalidArgumentError(f"{call}: a prompt is text (str) or a list of token ids, got "
+                                       f"{type(prompt).__name__}; decode it first: prompt.decode('utf-8')")
         if isinstance(prompt, torch.Tensor):
             prompt = prompt.tolist()
         if not isinstance(prompt, Sequence) or not all(_is_int(i) for i in prompt):
@@ -179,10 +194,21 @@ class LLM:
                           attention=self.attention, feature_map=self.feature_map, step=self.step, state=saved.state)
 
     # ------------------------------------------------------------------ chat
+    @property
+    def chat_sampling(self) -> dict:
+        """A chat's sampling settings where the caller gives none: the model's generation config where
+        it names them, else llama.cpp's truncation (engine.sampling.chat_sampling)."""
+        try:
+            return chat_sampling(self.sampling)
+        except InvalidArgumentError as e:
+            raise ConfigError(f"{self.name or 'this model'}: {e}") from None
+
     def chat(self, messages, **settings) -> "TextStream":
         """Stream the assistant's reply to `messages` ([{"role": ..., "content": ...}, ...]), rendered
-        with the model's chat template; settings: those of `stream`. Stops at the turn's end token."""
+        with the model's chat template; settings: those of `stream`, each one not given taken from
+        `chat_sampling`. Stops at the turn's end token."""
         template = self._template()
+        settings = {**self.chat_sampling, **settings}
         settings.setdefault("eos_ids", self.chat_eos_ids())
         ids = template.encode(self.tokenizer, messages, add_generation_prompt=True)
         return TextStream(self._start([ids], settings, "chat()"))
@@ -190,9 +216,10 @@ class LLM:
     def chat_session(self, system: str | None = None, max_context: int | None = None) -> ChatSession:
         """A conversation that keeps its decoding state between turns (engine.chat): `send(text,
         **settings)` streams a reply and prefills only the tokens the turn adds; `reset()` starts over.
+        Settings not given come from `chat_sampling`.
         max_context: softmax KV cache capacity in tokens (default: the model's context)."""
         return ChatSession(self.model, self.tokenizer, self._template(),
-                           lambda s: make_config_for("chat_session().send()", s),
+                           lambda s: make_config_for("chat_session().send()", {**self.chat_sampling, **s}),
                            self.chat_eos_ids(), attention=self.attention, feature_map=self.feature_map,
                            step=self.step, system=system, max_context=max_context)
 
@@ -220,8 +247,12 @@ def check_text(text: str, call: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        bad = text[e.start].encode("utf-8", "surrogateescape")
-        raise InvalidArgumentError(f"{call}: the prompt is not valid UTF-8 (byte 0x{bad[0]:02x} at character "
+        char = text[e.start]
+        if "\udc80" <= char <= "\udcff":   # an undecodable byte (argv, surrogateescape)
+            what = f"byte 0x{char.encode('utf-8', 'surrogateescape')[0]:02x}"
+        else:                              # a lone surrogate, e.g. "\ud800" or half of a split pair
+            what = f"a lone surrogate U+{ord(char):04X}"
+        raise InvalidArgumentError(f"{call}: the prompt is not valid UTF-8 ({what} at character "
                                    f"{e.start}); pass UTF-8 text") from None
     if not text.strip():
         raise InvalidArgumentError(f"{call}: the prompt is empty or only whitespace; give some text or token ids")

@@ -23,6 +23,8 @@ from engine.errors import InvalidArgumentError
 from engine.sampling import Sampler, SamplingParams
 from engine.stopping import StopText, check_stop_strings
 
+PROGRESS_BLOCK = 4096   # a longer prompt reports its prefill (Generation.on_prefill) about this often
+
 
 @dataclass(frozen=True)
 class GenerationConfig:
@@ -120,10 +122,12 @@ class Generation(Closing):
         P, shortest = max(len(p) for p in self.prompts), min(len(p) for p in self.prompts)
         context = config.max_context or model.config.max_position_embeddings
         # The state is allocated here, once. A state with a capacity (the KV cache) gets room for
-        # each sequence's last fed-back token, pads included; the linear state ignores max_len.
+        # each sequence's last fed-back token, pads included; the linear state ignores max_len. A
+        # prompt longer than the context is refused below: it gets a one-slot cache, not one of its size.
         if state is None:
-            self.state = model.init_state(batch=B, max_len=max(P, min(P - shortest + context, P + N - 1)),
-                                          attention=self.attention, feature_map=feature_map, device=model.device)
+            max_len = 1 if P > context else max(P, min(P - shortest + context, P + N - 1))
+            self.state = allocate(model, batch=B, max_len=max_len, attention=self.attention,
+                                  feature_map=feature_map, device=model.device)
             self.offset = 0      # tokens already in the state before the prompt
         else:
             self.state, self.offset = state, state.slots
@@ -150,6 +154,7 @@ class Generation(Closing):
         self._prefill_s = 0.0
         self._t_first = None
         self._t_last = [None] * B
+        self.on_prefill = None   # optional callback(tokens prefilled, prompt tokens), after each prompt block
         self._it = self._run()
 
     # ------------------------------------------------------------------ iterator protocol
@@ -187,7 +192,7 @@ class Generation(Closing):
         stoppers = [StopText(cfg.stop) for _ in range(B)]
         try:
             t = time.perf_counter()
-            logits = self.step(tokens, self.state, valid=valid, last_only=True)[:, -1]   # (B, V)
+            logits = self._prefill(tokens, valid)                          # (B, V)
             self._prefill_s = time.perf_counter() - t
             for n in range(1, N + 1):
                 nxt = sampler.sample(logits)                                # (B,)
@@ -219,6 +224,20 @@ class Generation(Closing):
         finally:
             self.state = None   # the frame's last reference to the state goes with the generator
 
+    def _prefill(self, tokens: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        """tokens (B, P) -> the last position's logits (B, V). With `on_prefill` set, a prompt longer than
+        PROGRESS_BLOCK runs in blocks of whole prefill chunks (the step cuts each block into the chunks
+        it would cut the whole prompt into: the same arithmetic, the same tokens), and `on_prefill(done,
+        total)` hears after each. (A padded batch, or a step that prefills in one block, runs whole.)"""
+        P, chunk = tokens.shape[1], getattr(self.step, "prefill_chunk", 0)
+        if self.on_prefill is None or valid is not None or not chunk or P <= PROGRESS_BLOCK:
+            return self.step(tokens, self.state, valid=valid, last_only=True)[:, -1]
+        block = chunk * max(1, PROGRESS_BLOCK // chunk)
+        for start in range(0, P, block):
+            logits = self.step(tokens[:, start:start + block], self.state, last_only=True)[:, -1]
+            self.on_prefill(min(start + block, P), P)
+        return logits
+
     def _text(self, tok: int, decoder, stopper) -> tuple[str, str | None]:
         if tok in self.eos:
             return "", "stop"
@@ -242,6 +261,18 @@ class Generation(Closing):
                       state_bytes=self.state_bytes, attention=self.attention, batch=len(self.prompts),
                       seed=self.seed, step_form=getattr(self.step, "last_form", None))
         return Result(self.texts[b], list(ids), reason, stats)
+
+
+def allocate(model, **kw):
+    """model.init_state(**kw); a state the machine cannot hold is an InvalidArgumentError, not torch's
+    allocator error."""
+    try:
+        return model.init_state(**kw)
+    except RuntimeError as e:   # torch.OutOfMemoryError (CUDA) is one too
+        if not isinstance(e, torch.OutOfMemoryError) and "allocate memory" not in str(e):
+            raise
+        raise InvalidArgumentError(f"a state for {kw['max_len']} tokens per sequence does not fit in memory; "
+                                   f"lower max_context or max_new_tokens, or use linear attention") from None
 
 
 def flush(decoder, stopper) -> str:

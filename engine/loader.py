@@ -69,7 +69,7 @@ def load_model(model: str | os.PathLike, device: str | torch.device = "cpu",
     the run's attention, softmax layers and window); the model gets it, and it chooses which of a
     linearized directory's sets of maps loads (`maps_variant`). None: the checkpoint's own.
     """
-    net, tokenizer, _ = load_parts(model, device, dtype, kv_dtype, configure)
+    net, tokenizer, *_ = load_parts(model, device, dtype, kv_dtype, configure)
     return net, tokenizer
 
 
@@ -83,7 +83,8 @@ def maps_variant(cfg: ModelConfig) -> str | None:
 def load_parts(model: str | os.PathLike, device: str | torch.device = "cpu",
                dtype: str | torch.dtype | None = None, kv_dtype: str | torch.dtype | None = None,
                configure: Callable[[ModelConfig], ModelConfig] | None = None):
-    """`load_model` plus the checkpoint's chat template: (Transformer, tokenizer or None, template or None)."""
+    """`load_model` plus the checkpoint's chat template and the sampling defaults it names:
+    (Transformer, tokenizer or None, template or None, dict: models.generation_config)."""
     path = resolve(model)
     dtype = parse_dtype(dtype) or torch.float32
     kv_dtype = parse_dtype(kv_dtype)
@@ -101,7 +102,7 @@ def load_parts(model: str | os.PathLike, device: str | torch.device = "cpu",
                 adapters=adapters, adapters_into_base=ckpt.adapters_on == "all")
     net.config = run_cfg
     net.kv_dtype = kv_dtype
-    return net, ckpt.tokenizer, ckpt.chat_template
+    return net, ckpt.tokenizer, ckpt.chat_template, ckpt.sampling
 
 
 def build(cfg: ModelConfig, hf_tensors, device, dtype, interleaved_rotary: bool = False,

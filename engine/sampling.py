@@ -35,6 +35,11 @@ from engine.errors import InvalidArgumentError
 GREEDY_BELOW = 1e-6   # temperatures below this are greedy: softmax(l / T) is one-hot in fp32 anyway
 FP32 = torch.finfo(torch.float32)   # the sampler's arithmetic: a penalty must be a normal number in it
 
+# A chat's sampling where the model names none: llama.cpp's defaults (common_params_sampling in
+# common/common.h): without truncation a 0.8 temperature draws from the long tail and derails a
+# small chat model within a few turns.
+CHAT_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -74,6 +79,28 @@ class SamplingParams:
 
 def _finite(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x and abs(x) != float("inf")
+
+
+def chat_sampling(model_sampling: dict | None = None) -> dict:
+    """A chat's default settings: CHAT_DEFAULTS, overridden by each key the model's own generation
+    config names (models.generation_config), as llama.cpp layers a GGUF's general.sampling.* over
+    its defaults. Checked: a bad value in the model's file is an InvalidArgumentError naming it."""
+    out = {**CHAT_DEFAULTS, **(model_sampling or {})}
+    try:
+        SamplingParams(**out)
+    except InvalidArgumentError as e:
+        raise InvalidArgumentError(f"the model's generation config: {e}") from None
+    return out
+
+
+def describe_sampling(settings: dict) -> str:
+    """"temperature 0.8, top-k 40, top-p 0.95, min-p 0.05": the settings that are on, for a banner."""
+    if settings.get("temperature", 1.0) < GREEDY_BELOW:
+        return "greedy (temperature 0)"
+    off = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
+    names = {"temperature": "temperature", "top_k": "top-k", "top_p": "top-p", "min_p": "min-p",
+             "repetition_penalty": "repetition penalty"}
+    return ", ".join(f"{names[k]} {settings[k]:g}" for k in names if k in settings and settings[k] != off.get(k))
 
 
 # ---------------------------------------------------------------------- pure functions of logits

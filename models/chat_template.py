@@ -27,7 +27,8 @@ from pathlib import Path
 
 from models.errors import CheckpointError, InvalidArgumentError
 
-ROLES_HINT = "a list of {'role': ..., 'content': ...} dicts"
+ROLES_HINT = "list of {'role': ..., 'content': ...} dicts"
+ROLES = ("system", "user", "assistant", "developer", "tool")   # those the server's schema accepts too
 _MARK = "\ue000{}\ue001"           # private-use characters around a message index: where content goes
 _MARK_RE = re.compile("\ue000(\\d+)\ue001")
 _PROBE = "\ue002PROBE\ue003"
@@ -121,6 +122,8 @@ def check_messages(messages) -> list[dict]:
     for m in messages:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise InvalidArgumentError(f"each message must be a dict with string 'role' and 'content', got {m!r:.80}")
+        if m["role"] not in ROLES:
+            raise InvalidArgumentError(f"unknown message role {m['role']!r:.40}; valid: {', '.join(ROLES)}")
         out.append(dict(m))
     return out
 

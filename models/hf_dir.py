@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from models.errors import CheckpointError
+from models.generation_config import FILE as GENERATION_CONFIG, read_file as read_generation_file
 from models.config import ModelConfig
 from models.weights import check_tensors, hf_shapes
 
@@ -50,13 +51,8 @@ def with_generation_eos(cfg: ModelConfig, path: Path) -> ModelConfig:
     """cfg with generation_config.json's EOS ids added to its own (Qwen2.5-Instruct: config.json says
     <|im_end|>, generation_config.json [<|im_end|>, <|endoftext|>]; Llama 3 Instruct lists <|eot_id|>
     there): transformers' generate stops at those, so a reply must end here at the same ids."""
-    file = path / "generation_config.json"
-    if not file.is_file():
-        return cfg
-    try:
-        eos = json.loads(file.read_text(encoding="utf-8")).get("eos_token_id")
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
-        raise CheckpointError(f"{file}: not a JSON object ({e})") from None
+    file = path / GENERATION_CONFIG
+    eos = read_generation_file(path).get("eos_token_id")
     eos = [eos] if isinstance(eos, int) else eos
     if not isinstance(eos, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in eos):
         if eos is None:

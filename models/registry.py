@@ -22,6 +22,7 @@ from models.bpe import BPETokenizer
 from models.chat_template import ChatTemplate, find_template
 from models.config import ModelConfig
 from models.errors import CheckpointError, InvalidArgumentError
+from models.generation_config import gguf_sampling, read_generation_config
 from models.gguf import INTERLEAVED_ARCHITECTURES, read_gguf
 from models.hf_dir import read_hf_dir
 from models.linearized import adapters_on, apply_linearized, is_linearized, read_linearized_config, variant_sets
@@ -47,6 +48,7 @@ class Checkpoint:
     chat_template: ChatTemplate | None = None   # GGUF / tokenizer_config.json / chat_template.jinja
     variants: dict[str, Path] = field(default_factory=dict)   # other sets of maps: configuration -> dir
     adapters_on: str = "linear"     # "all": a softmax control's adapters, in every layer's own projections
+    sampling: dict = field(default_factory=dict)   # the sampling defaults it names (models.generation_config)
 
 
 def resolve(model: str | os.PathLike) -> Path:
@@ -75,7 +77,7 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
         cfg, maps, adapters = apply_linearized(base.config, raw, path)
         return Checkpoint(cfg, base.tensors, base.tokenizer, base.interleaved_rotary, path, maps=maps,
                           adapters=adapters, chat_template=base.chat_template, variants=sets,
-                          adapters_on=adapters_on(raw, path / "config.json"))
+                          adapters_on=adapters_on(raw, path / "config.json"), sampling=base.sampling)
     if path.is_dir():
         cfg, tensors = read_hf_dir(path)
         tok_path = path / "tokenizer.model"
@@ -85,7 +87,8 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
         else:
             tokenizer = Tokenizer(tok_path) if tok_path.is_file() else None
         check_vocab(tokenizer, cfg, tok_path)
-        return Checkpoint(cfg, tensors, tokenizer, path=path, chat_template=dir_template(path, tokenizer))
+        return Checkpoint(cfg, tensors, tokenizer, path=path, chat_template=dir_template(path, tokenizer),
+                          sampling=read_generation_config(path))
     if path.suffix.lower() == ".gguf":
         return read_gguf_checkpoint(path)
     if path.suffix in (".safetensors", ".json"):
@@ -123,7 +126,8 @@ def read_gguf_checkpoint(path: Path) -> Checkpoint:
         template = ChatTemplate(meta["tokenizer.chat_template"], token("tokenizer.ggml.bos_token_id"),
                                 token("tokenizer.ggml.eos_token_id"), where=str(path))
     interleaved = meta.get("general.architecture") in INTERLEAVED_ARCHITECTURES
-    return Checkpoint(cfg, tensors, tokenizer, interleaved_rotary=interleaved, path=path, chat_template=template)
+    return Checkpoint(cfg, tensors, tokenizer, interleaved_rotary=interleaved, path=path, chat_template=template,
+                      sampling=gguf_sampling(meta, str(path)))
 
 
 def dir_template(path: Path, tokenizer) -> ChatTemplate | None:

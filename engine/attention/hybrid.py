@@ -170,6 +170,9 @@ def layer_attention_for(num_layers: int, softmax_layers) -> tuple[str, ...]:
         if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < num_layers:
             raise InvalidArgumentError(f"softmax layer {i!r} does not exist; the model has {num_layers} layers "
                                        f"(0-{num_layers - 1})")
+    twice = sorted({i for i in softmax_layers if list(softmax_layers).count(i) > 1})
+    if twice:
+        raise InvalidArgumentError(f"softmax layer {twice[0]} is listed twice; list each layer once")
     return tuple("softmax" if i in set(softmax_layers) else "linear" for i in range(num_layers))
 
 

@@ -56,7 +56,9 @@ def run_bench(settings: BenchSettings, compare_hf: bool = False, hf_new_tokens: 
               hf_prompt: str | None = None, hf_repeats: int = 3, progress: bool = True) -> dict:
     """Run the sweep (and the transformers comparison); returns the report dict (JSON-ready).
 
-    Every configuration is checked against MemAvailable before the first one runs.
+    Every configuration is checked against MemAvailable before the first one runs. Ctrl-C
+    (KeyboardInterrupt) stops the sweep: the report then holds the configurations that finished and
+    `interrupted` = {"finished": n, "configurations": total}.
     """
     set_threads(settings.threads)
     path = resolve(settings.model)
@@ -74,12 +76,16 @@ def run_bench(settings: BenchSettings, compare_hf: bool = False, hf_new_tokens: 
 
     results = []
     bar = tqdm(configs, desc="gen bench", unit="config", disable=not progress, leave=False)
-    for attention, context in bar:
-        bar.set_postfix_str(f"{attention} @ {context}")
-        if settings.isolate:
-            results.append(run_isolated(str(path), settings, attention, context))
-        else:
-            results.append(run_in_process(model, settings, attention, context))
+    try:
+        for attention, context in bar:
+            bar.set_postfix_str(f"{attention} @ {context}")
+            if settings.isolate:
+                results.append(run_isolated(str(path), settings, attention, context))
+            else:
+                results.append(run_in_process(model, settings, attention, context))
+        interrupted = None
+    except KeyboardInterrupt:   # Ctrl-C: report the configurations that finished
+        interrupted = {"finished": len(results), "configurations": len(configs)}
     bar.close()
 
     report = {
@@ -89,16 +95,19 @@ def run_bench(settings: BenchSettings, compare_hf: bool = False, hf_new_tokens: 
         "rss_method": results[0]["rss_method"] if results else None,
         "results": results,
     }
+    if interrupted:
+        report["interrupted"] = interrupted
     summary: dict = {"decode_crossover": decode_crossover(results), "state_formulas": STATE_FORMULAS,
                      "configurations": {keys["configuration"]: {**keys, "layer_attention": list(layer_paths(rt))}
                                         for rt, keys in runtimes.values()},
                      "vs_softmax": relative_to_softmax(results)}
-    if "linear" in settings.attentions:
-        summary["linear_state_bytes"] = next(r["state_bytes"] for r in results if r.get("entry") == "linear")
+    linear_bytes = next((r["state_bytes"] for r in results if r.get("entry") == "linear"), None)
+    if linear_bytes is not None:   # (None: no linear configuration ran, or none finished)
+        summary["linear_state_bytes"] = linear_bytes
         summary["memory_crossover_slots"] = memory_crossover(model.config, model.dtype, fmap,
                                                              summary["linear_state_bytes"], settings.batch)
     report["summary"] = summary
-    if compare_hf:
+    if compare_hf and not interrupted:
         report["compare_hf"] = run_compare(path, model, tokenizer, new_tokens=hf_new_tokens,
                                            prompt=hf_prompt or DEFAULT_PROMPT, repeats=hf_repeats)
     return report

@@ -17,6 +17,7 @@ import gc
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -36,6 +37,7 @@ from engine.steps import Stepper, check_backend
 from engine.steps.native import weights_read
 
 DEFAULT_CONTEXTS = (128, 512, 2048, 8192, 32768)
+INTERRUPTED = 130   # a worker's exit code after Ctrl-C (engine.bench.worker)
 # --weights: (dtype the model loads in, block quantization applied at load)
 WEIGHTS = {"f32": ("float32", None), "f16": ("float16", None), "bf16": ("bfloat16", None),
            "q8_0": ("float32", "q8_0"), "q4_0": ("float32", "q4_0"), "q4_1": ("float32", "q4_1")}
@@ -261,6 +263,8 @@ def run_isolated(model_path: str, settings: BenchSettings, attention: str, conte
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     proc = subprocess.run([sys.executable, "-m", "engine.bench.worker"], input=json.dumps(job),
                           capture_output=True, text=True, env=env)
+    if proc.returncode in (INTERRUPTED, -signal.SIGINT):   # Ctrl-C reached the worker alone
+        raise KeyboardInterrupt
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]

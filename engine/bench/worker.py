@@ -7,7 +7,7 @@ import sys
 
 from engine.bench.configs import runtime_for
 from engine.bench.memory import peak_rss_bytes, rss_bytes
-from engine.bench.sweep import measure_entry
+from engine.bench.sweep import INTERRUPTED, measure_entry
 from engine.errors import EngineError
 from engine.loader import load_model
 from engine.quant import quantize_model
@@ -31,6 +31,8 @@ def main() -> int:
     except EngineError as e:
         print(f"gen: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return INTERRUPTED
     rec["peak_rss_bytes"] = peak_rss_bytes()
     rec["rss_after_load_bytes"] = after_load
     rec["rss_method"] = ("VmHWM (/proc/self/status) of a fresh subprocess running only this configuration: "

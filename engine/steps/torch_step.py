@@ -36,10 +36,11 @@ class DecodePlan:
                                                 cfg.head_dim, cfg.intermediate_size)
         self.halves = [self.inter, self.inter]
         self.model = model
-        self.base = layer_weights(model)         # what every state reads when the model has no adapters
+        self.base = in_dtype(layer_weights(model), dtype)   # what every state reads when the model has no adapters
         self.adapted = bool(model.adapted_modules())   # (merge/attach move the epoch: the plan rebuilds)
         self.by_paths: dict[tuple, list] = {}   # per layer paths -> layer_weights (adapted linear layers)
-        self.embed, self.norm, self.head = model.embed_tokens.weight, model.norm.weight, model.lm_head.weight
+        self.embed, self.norm = model.embed_tokens.weight, model.norm.weight
+        self.head = as_dtype(model.lm_head.weight, dtype)
         const = dict(device=device, dtype=torch.float32)
         self.eps = torch.tensor(cfg.rms_norm_eps, **const)
         self.width = torch.tensor(float(cfg.hidden_size), **const)
@@ -54,11 +55,22 @@ class DecodePlan:
             return self.base
         paths = self.model.paths_of(state)
         if paths not in self.by_paths:
-            self.by_paths[paths] = layer_weights(self.model, paths)
+            self.by_paths[paths] = in_dtype(layer_weights(self.model, paths), self.dtype)
         return self.by_paths[paths]
 
     def valid_for(self, model, device, dtype) -> bool:
         return self.epoch == model.weights_epoch and self.device == device and self.dtype == dtype
+
+
+def as_dtype(w: torch.Tensor | None, dtype) -> torch.Tensor | None:
+    """w itself when it is in `dtype` (a Parameter: updates stay seen) or None (a bias the model lacks),
+    else a copy in `dtype` (a QuantLinear's dequantized weight is fp32 whatever the model's dtype, e.g.
+    --quantize q8_0 --dtype bfloat16)."""
+    return w if w is None or w.dtype == dtype else w.to(dtype)
+
+
+def in_dtype(layers: list[tuple], dtype) -> list[tuple]:
+    return [tuple(as_dtype(w, dtype) for w in layer) for layer in layers]
 
 
 def decode_one(plan: DecodePlan, tokens: torch.Tensor, state) -> torch.Tensor:
