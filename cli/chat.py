@@ -14,8 +14,8 @@ import sys
 
 import click
 
-from cli.common import (FEATURE_MAP_HELP, KV_DTYPE_HELP, check_stdio, given, run_guarded, sampling_options,
-                        threads_option, user_text, writing_stdout)
+from cli.common import (FEATURE_MAP_HELP, KV_DTYPE_HELP, check_stdio, given, prefill_chunk_option, run_guarded,
+                        sampling_options, threads_option, user_text, writing_stdout)
 from cli.generate import load_quietly, summary, turn_timing
 from engine.api import make_config
 from engine.errors import EngineError
@@ -43,8 +43,9 @@ HELP_LINE = "/reset starts over, /exit or Ctrl-D leaves, Ctrl-C stops a reply"
 @click.option("--backend", type=click.Choice(["auto", "torch", "native", "module"]), default="auto", show_default=True)
 @threads_option()
 @click.option("-v", "--verbose", is_flag=True, help="the full summary line (prompt, speed, memory) after each reply")
+@prefill_chunk_option
 def chat_cmd(model_name, attention, softmax_layers, window, feature_map, system, max_new_tokens, temperature, top_k, top_p, min_p,
-             repetition_penalty, seed, device, dtype, kv_dtype, max_context, backend, threads, verbose):
+             repetition_penalty, seed, device, dtype, kv_dtype, max_context, backend, threads, verbose, prefill_chunk):
     """Chat with a model that has a chat template: each line you type is a message, the reply streams back.
 
     /reset starts a new conversation, /exit or Ctrl-D leaves, Ctrl-C stops a reply (the conversation
@@ -62,7 +63,8 @@ def chat_cmd(model_name, attention, softmax_layers, window, feature_map, system,
         check_stdio(stdin="gen chat reads your messages from it: run it in a terminal or pipe lines in")
         make_config(**settings)                      # bad settings fail before the model loads
         llm = load_quietly(model_name, attention, feature_map, device, dtype, backend, threads,
-                           softmax_layers=softmax_layers, window=window, kv_dtype=kv_dtype)
+                           softmax_layers=softmax_layers, window=window, kv_dtype=kv_dtype,
+                           prefill_chunk=prefill_chunk)
         session = llm.chat_session(system=system, max_context=max_context)
         sampling = describe_sampling({**llm.chat_sampling, **settings})   # a bad generation config fails here
         tty = sys.stdin.isatty()
