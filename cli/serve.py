@@ -33,6 +33,9 @@ ANY_ADDRESS = ("0.0.0.0", "::", "")
 @click.option("--threads", type=int, help="CPU threads (default: 1)")
 @click.option("--max-prompt", type=int, help="prompt tokens per request on every path, else 400 "
                                               "context_length_exceeded (default: --max-context; 0 = no limit)")
+@click.option("--max-tokens-cap", type=int,
+              help="tokens a request may generate; a larger max_tokens is clamped (finish_reason length). "
+                   "Default: the context on softmax/hybrid, 4096 on linear; 0 = no cap")
 @click.option("--queue-timeout", type=float, default=DEFAULT_QUEUE_TIMEOUT_S, show_default=True,
               help="seconds a request may wait for a row, then 503 with Retry-After (0 = no limit)")
 @click.option("--max-body", type=int, default=DEFAULT_MAX_BODY, show_default=True,
@@ -49,7 +52,7 @@ ANY_ADDRESS = ("0.0.0.0", "::", "")
 @prefill_chunk_option
 def serve_cmd(model_name, attention, softmax_layers, window, feature_map, host, port, max_batch, max_queue,
               max_context, dtype, kv_dtype, backend, threads, max_prompt, queue_timeout, max_body, api_key,
-              allow_hosts, cors_origins, docs, prefill_chunk):
+              allow_hosts, cors_origins, docs, prefill_chunk, max_tokens_cap):
     """Serve MODEL over HTTP: /v1/models, /v1/completions, /v1/chat/completions (OpenAI format, SSE streams)."""
     if max_batch < 1:
         fail(f"--max-batch must be >= 1, got {max_batch}")
@@ -59,6 +62,8 @@ def serve_cmd(model_name, attention, softmax_layers, window, feature_map, host, 
         fail(f"--max-context must be >= 2, got {max_context}")
     if max_prompt is not None and max_prompt < 0:
         fail(f"--max-prompt must be >= 0 (0 = no limit), got {max_prompt}")
+    if max_tokens_cap is not None and max_tokens_cap < 0:
+        fail(f"--max-tokens-cap must be >= 0 (0 = no cap), got {max_tokens_cap}")
     if not queue_timeout >= 0 or queue_timeout == float("inf"):
         fail(f"--queue-timeout must be a number of seconds >= 0 (0 = no limit), got {queue_timeout}")
     if max_body < 0:
@@ -77,5 +82,5 @@ def serve_cmd(model_name, attention, softmax_layers, window, feature_map, host, 
     server = run_guarded(lambda: open_server(model_name, attention, feature_map, dtype, backend, threads,
                                              max_batch, max_context, max_queue, softmax_layers, window,
                                              kv_dtype, max_prompt=max_prompt, queue_timeout=queue_timeout,
-                                             prefill_chunk=prefill_chunk))
+                                             prefill_chunk=prefill_chunk, max_tokens_cap=max_tokens_cap))
     run_guarded(lambda: run(server, host=host, port=port, policy=policy))

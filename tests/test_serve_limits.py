@@ -164,6 +164,30 @@ def test_max_prompt_defaults_to_the_context_and_zero_is_no_limit(small_model_dir
         srv.stop()
 
 
+def test_max_tokens_is_capped_on_every_path(small_model_dir):
+    """--max-tokens-cap clamps max_tokens (finish_reason "length"); by default a linear request, which
+    nothing else bounds, is capped at DEFAULT_LINEAR_MAX_TOKENS_CAP, a softmax one by its context."""
+    from engine.serve.schemas import CompletionRequest, parse
+    from engine.serve.server import DEFAULT_LINEAR_MAX_TOKENS_CAP
+    server = make_server(small_model_dir)
+
+    def job(path, **kw):
+        req = parse(CompletionRequest, dict(GOOD, prompt=[1, 2, 3], attention=path, **kw))
+        return server.make_job(req, [1, 2, 3], print, None)
+    assert job("linear", max_tokens=10 ** 12).max_tokens == DEFAULT_LINEAR_MAX_TOKENS_CAP
+    assert job("softmax", max_tokens=10 ** 12).max_tokens == server.max_context - 3
+    assert job("linear", max_tokens=7).max_tokens == 7
+    server.max_tokens_cap = 0   # no cap: the linear request gets what it asks
+    assert job("linear", max_tokens=10 ** 12).max_tokens == 10 ** 12
+    srv = LiveServer(make_server(small_model_dir, max_tokens_cap=5))
+    try:
+        for path in ("linear", "softmax"):
+            r = post(srv, attention=path, max_tokens=10 ** 12, ignore_eos=True).json()
+            assert r["usage"]["completion_tokens"] == 5 and r["choices"][0]["finish_reason"] == "length"
+    finally:
+        srv.stop()
+
+
 def test_prompts_are_tokenized_off_the_event_loop(live):
     """The body is parsed and the prompt tokenized in a worker thread: a big prompt does not stall the
     loop every stream is served from."""
@@ -334,7 +358,8 @@ def test_a_job_cancelled_in_the_queue_leaves_it_at_once(small_model_dir):
 @pytest.mark.parametrize("args,what", [(["--max-queue", "-1"], "--max-queue"), (["--max-prompt", "-1"], "--max-prompt"),
                                        (["--queue-timeout", "-1"], "--queue-timeout"),
                                        (["--queue-timeout", "nan"], "--queue-timeout"),
-                                       (["--max-body", "-5"], "--max-body"), (["--api-key", " "], "--api-key"),
+                                       (["--max-body", "-5"], "--max-body"),
+                                       (["--max-tokens-cap", "-1"], "--max-tokens-cap"), (["--api-key", " "], "--api-key"),
                                        (["--allow-host", ""], "--allow-host")],
                          ids=lambda x: " ".join(x) if isinstance(x, list) else None)
 def test_gen_serve_refuses_bad_limits_in_one_line(args, what):

@@ -24,7 +24,8 @@ def open_server(model: str, attention: str | None = None, feature_map: str | Non
                 backend: str = "auto", threads: int | None = None, max_batch: int = 16,
                 max_context: int | None = None, max_queue: int | None = None, softmax_layers=None,
                 window: int | None = None, kv_dtype=None, max_prompt: int | None = None,
-                queue_timeout: float | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> Server:
+                queue_timeout: float | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                max_tokens_cap: int | None = None) -> Server:
     """Load `model` (a registered name or a path) and wrap it in a Server named `model` (chat through
     the model's own chat template, when it has one: see `LLM.chat`).
 
@@ -32,14 +33,14 @@ def open_server(model: str, attention: str | None = None, feature_map: str | Non
     the same whatever else is in the batch), else torch; the tests hold batched rows to their solo runs.
     attention/softmax_layers/window: the default configuration, as `load()` (hybrid layers, a sliding
     window and learned maps batch like the plain paths: their states regroup rows the same way).
-    max_prompt / queue_timeout: see Server (None: its defaults). prefill_chunk: see `load`; the
+    max_prompt / queue_timeout / max_tokens_cap: see Server (None: its defaults). prefill_chunk: see `load`; the
     scheduler feeds one such block of a long prompt between decode steps.
     """
     llm = load(model, attention=attention, feature_map=feature_map, dtype=dtype, backend=backend, threads=threads,
                softmax_layers=softmax_layers, window=window, kv_dtype=kv_dtype, prefill_chunk=prefill_chunk)
     limits = {} if queue_timeout is None else {"queue_timeout": queue_timeout}
     return Server(llm, name=str(model), max_batch=max_batch, max_context=max_context, max_queue=max_queue,
-                  max_prompt=max_prompt, **limits)
+                  max_prompt=max_prompt, max_tokens_cap=max_tokens_cap, **limits)
 
 
 def run(server: Server, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",

@@ -13,7 +13,12 @@ only the default cap on generated tokens. `max_prompt` bounds a prompt's tokens 
 (default: max_context, so a linear prompt costs no more prefill time and memory than the longest
 softmax one; 0: no limit): a longer one is a 400 `context_length_exceeded` before it is queued.
 A request that waits in the queue longer than `queue_timeout` seconds (0: forever) leaves it with
-a 503 and Retry-After.
+a 503 and Retry-After. `max_tokens_cap` bounds the tokens a request may generate, on every path:
+a larger `max_tokens` is clamped to it (finish_reason "length", as llama-server clamps n_predict;
+as the softmax context already clamps). Default (None): the context on a KV path (what fits), and
+DEFAULT_LINEAR_MAX_TOKENS_CAP on a linear one, where nothing else would bound it: 16 linear
+streams asking 10^12 tokens with ignore_eos would hold every row forever. 0: no cap (a KV path is
+still bounded by its context).
 """
 from __future__ import annotations
 
@@ -27,24 +32,28 @@ from engine.serve.schemas import ChatRequest, CompletionRequest
 COMPLETION_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
 RETRY_AFTER_S = 1
 DEFAULT_QUEUE_TIMEOUT_S = 60.0
+DEFAULT_LINEAR_MAX_TOKENS_CAP = 4096   # tokens a linear request may generate unless --max-tokens-cap says
 
 
 class Server:
     def __init__(self, llm, name: str, max_batch: int = 16, max_context: int | None = None,
                  max_queue: int | None = None, cache: PrefixCache | None = None, max_prompt: int | None = None,
-                 queue_timeout: float = DEFAULT_QUEUE_TIMEOUT_S):
+                 queue_timeout: float = DEFAULT_QUEUE_TIMEOUT_S, max_tokens_cap: int | None = None):
         if max_batch < 1:
             raise bad_request(f"max_batch must be >= 1, got {max_batch}")
         if max_queue is not None and max_queue < 0:
             raise bad_request(f"max_queue must be >= 0, got {max_queue}")
         if max_prompt is not None and max_prompt < 0:
             raise bad_request(f"max_prompt must be >= 0 (0 = no limit), got {max_prompt}")
+        if max_tokens_cap is not None and max_tokens_cap < 0:
+            raise bad_request(f"max_tokens_cap must be >= 0 (0 = no cap), got {max_tokens_cap}")
         if not queue_timeout >= 0:
             raise bad_request(f"queue_timeout must be >= 0 seconds (0 = no limit), got {queue_timeout}")
         self.llm, self.name = llm, name
         self.max_context = max_context or llm.model.config.max_position_embeddings
         self.max_prompt = self.max_context if max_prompt is None else max_prompt
         self.queue_timeout, self.retry_after = queue_timeout, RETRY_AFTER_S
+        self.max_tokens_cap = max_tokens_cap
         self._chat_eos: frozenset | None = None
         self._token_texts: dict[int, str] = {}
         self.scheduler = Scheduler(llm.model, llm.tokenizer, llm.step, max_batch=max_batch, max_queue=max_queue,
@@ -97,9 +106,9 @@ class Server:
                 raise bad_request(f"This model's maximum context length is {self.max_context} tokens; the prompt "
                                   f"has {len(ids)}. Shorten it, or use attention=linear (no context limit).",
                                   what, "context_length_exceeded")
-            max_tokens = min(req.limit or default_max_tokens or room, room)
+            max_tokens = min(req.limit or default_max_tokens or room, room, self.tokens_cap(kv=True))
         else:
-            max_tokens = req.limit or default_max_tokens or self.max_context
+            max_tokens = min(req.limit or default_max_tokens or self.max_context, self.tokens_cap(kv=False))
         try:
             params = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, min_p=req.min_p,
                                     repetition_penalty=req.repetition_penalty, seed=req.seed)
@@ -116,6 +125,13 @@ class Server:
         eos = self._chat_eos if isinstance(req, ChatRequest) else None   # a reply also ends at the turn's end
         return Job(ids=ids, path=path, params=params, max_tokens=max_tokens, emit=emit, stop=stop, logprobs=logprobs,
                    ignore_eos=req.ignore_eos, eos_ids=eos)
+
+    def tokens_cap(self, kv: bool) -> float:
+        """The most tokens a request may generate on a path with (kv) or without a KV cache (inf: no cap)."""
+        cap = self.max_tokens_cap
+        if cap is None:
+            cap = 0 if kv else DEFAULT_LINEAR_MAX_TOKENS_CAP
+        return cap or float("inf")
 
     def submit(self, job: Job) -> None:
         try:
