@@ -5,7 +5,8 @@ import click
 
 from cli.common import FEATURE_MAP_HELP, KV_DTYPE_HELP, fail, prefill_chunk_option, run_guarded
 from engine.serve import Policy, open_server, run
-from engine.serve.guard import DEFAULT_MAX_BODY, LOOPBACK
+from engine.serve.guard import (DEFAULT_KEEP_ALIVE_S, DEFAULT_MAX_BODY, DEFAULT_MAX_CONNECTIONS,
+                                DEFAULT_READ_TIMEOUT_S, LOOPBACK)
 from engine.serve.server import DEFAULT_QUEUE_TIMEOUT_S
 
 ANY_ADDRESS = ("0.0.0.0", "::", "")
@@ -40,6 +41,14 @@ ANY_ADDRESS = ("0.0.0.0", "::", "")
               help="seconds a request may wait for a row, then 503 with Retry-After (0 = no limit)")
 @click.option("--max-body", type=int, default=DEFAULT_MAX_BODY, show_default=True,
               help="bytes a request body may hold, else 413 (0 = no limit)")
+@click.option("--max-connections", type=int,
+              help=f"connections held at once; one more gets 503 and is closed (default: {DEFAULT_MAX_CONNECTIONS}, "
+                   "or half the open-file limit, ulimit -n, when that is lower; 0 = no limit)")
+@click.option("--read-timeout", type=float, default=DEFAULT_READ_TIMEOUT_S, show_default=True,
+              help="seconds a client has to send a request's headers, and between the parts of its body "
+                   "(else the connection closes; a stalled body gets 408); 0 = none")
+@click.option("--timeout-keep-alive", type=float, default=DEFAULT_KEEP_ALIVE_S, show_default=True,
+              help="seconds an idle connection is kept open between requests")
 @click.option("--api-key", envvar="GEN_API_KEY", help="require `Authorization: Bearer KEY` on every route but "
                                                        "/health (default: $GEN_API_KEY; none: no key asked)")
 @click.option("--allow-host", "allow_hosts", multiple=True, metavar="NAME",
@@ -52,7 +61,8 @@ ANY_ADDRESS = ("0.0.0.0", "::", "")
 @prefill_chunk_option
 def serve_cmd(model_name, attention, softmax_layers, window, feature_map, host, port, max_batch, max_queue,
               max_context, dtype, kv_dtype, backend, threads, max_prompt, queue_timeout, max_body, api_key,
-              allow_hosts, cors_origins, docs, prefill_chunk, max_tokens_cap):
+              allow_hosts, cors_origins, docs, prefill_chunk, max_tokens_cap, max_connections, read_timeout,
+              timeout_keep_alive):
     """Serve MODEL over HTTP: /v1/models, /v1/completions, /v1/chat/completions (OpenAI format, SSE streams)."""
     if max_batch < 1:
         fail(f"--max-batch must be >= 1, got {max_batch}")
@@ -68,6 +78,14 @@ def serve_cmd(model_name, attention, softmax_layers, window, feature_map, host, 
         fail(f"--queue-timeout must be a number of seconds >= 0 (0 = no limit), got {queue_timeout}")
     if max_body < 0:
         fail(f"--max-body must be >= 0 bytes (0 = no limit), got {max_body}")
+    if max_connections is None:
+        max_connections = default_max_connections()
+    if max_connections < 0:
+        fail(f"--max-connections must be >= 0 (0 = no limit), got {max_connections}")
+    if not 0 <= read_timeout < float("inf"):
+        fail(f"--read-timeout must be a number of seconds >= 0 (0 = none), got {read_timeout}")
+    if not 0 < timeout_keep_alive < float("inf"):
+        fail(f"--timeout-keep-alive must be a number of seconds > 0, got {timeout_keep_alive}")
     if api_key is not None and not api_key.strip():
         fail("--api-key must not be empty (leave it out to ask for no key)")
     if any(not h.strip() for h in allow_hosts) or any(not o.strip() for o in cors_origins):
@@ -75,7 +93,8 @@ def serve_cmd(model_name, attention, softmax_layers, window, feature_map, host, 
     if not 0 < port < 65536:
         fail(f"--port must be in 1..65535, got {port}")
     hosts = LOOPBACK + tuple(allow_hosts) + ((host,) if host not in ANY_ADDRESS else ())
-    policy = Policy(api_key=api_key, allow_hosts=hosts, cors_origins=cors_origins, docs=docs, max_body=max_body)
+    policy = Policy(api_key=api_key, allow_hosts=hosts, cors_origins=cors_origins, docs=docs, max_body=max_body,
+                    max_connections=max_connections, read_timeout=read_timeout, keep_alive=timeout_keep_alive)
     if host in ANY_ADDRESS and not allow_hosts:
         click.echo(f"gen serve: listening on every address, but only requests whose Host is {', '.join(LOOPBACK)} "
                    "are answered: add --allow-host NAME (or '*')", err=True)
@@ -84,3 +103,14 @@ def serve_cmd(model_name, attention, softmax_layers, window, feature_map, host, 
                                              kv_dtype, max_prompt=max_prompt, queue_timeout=queue_timeout,
                                              prefill_chunk=prefill_chunk, max_tokens_cap=max_tokens_cap))
     run_guarded(lambda: run(server, host=host, port=port, policy=policy))
+
+
+def default_max_connections() -> int:
+    """DEFAULT_MAX_CONNECTIONS, or half the process's open-file limit when that is lower (the model's
+    files, the native pool and the log need the rest)."""
+    try:
+        import resource
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return DEFAULT_MAX_CONNECTIONS
+    return DEFAULT_MAX_CONNECTIONS if soft == resource.RLIM_INFINITY else max(1, min(DEFAULT_MAX_CONNECTIONS, soft // 2))

@@ -11,7 +11,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("sse_starlette")
 
 from engine.api import load                    # noqa: E402
-from engine.serve import PrefixCache, Server, create_app   # noqa: E402
+from engine.serve import PrefixCache, Server, create_app, uvicorn_config   # noqa: E402
+from engine.serve.guard import Policy   # noqa: E402
 
 NAME = "small"
 BACKEND = "auto"   # the server default
@@ -30,8 +31,9 @@ class LiveServer:
 
     def __init__(self, server: Server, policy=None):
         self.server = server
-        self.app = create_app(server, policy)   # policy None: the default Policy()
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning")
+        policy = policy if policy is not None else Policy()
+        self.app = create_app(server, policy)
+        config = uvicorn_config(self.app, policy, host="127.0.0.1", port=0, log_level="warning")
         self.uv = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.uv.run, daemon=True)
         self.thread.start()

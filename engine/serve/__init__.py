@@ -13,6 +13,7 @@ import uvicorn
 
 from engine.api import load
 from engine.serve.app import create_app
+from engine.serve.connections import uvicorn_config
 from engine.serve.guard import Policy
 from engine.serve.prefix_cache import PrefixCache
 from engine.serve.scheduler import Job, Scheduler
@@ -47,11 +48,13 @@ def run(server: Server, host: str = "127.0.0.1", port: int = 8000, log_level: st
         policy: Policy | None = None) -> None:
     """Serve until interrupted (Ctrl-C); prints the prefix cache's figures on the way out.
     policy: who may call (default Policy(): loopback Host names only, no key, no CORS, no docs)."""
-    uvicorn.run(create_app(server, policy), host=host, port=port, log_level=log_level)
+    policy = policy if policy is not None else Policy()
+    uvicorn.Server(uvicorn_config(create_app(server, policy), policy, host=host, port=port,
+                                  log_level=log_level)).run()
     s = server.scheduler.cache.stats()
     print(f"prefix cache: {s['hits']} hits / {s['misses']} misses, {s['tokens_saved']} prompt tokens "
           f"restored (~{s['time_saved_s']:.2f} s of prefill saved); held: "
           + ", ".join(f"{p}: {d['entries']} prompts, {d['bytes'] / 2**20:.2f} MiB" for p, d in s["by_path"].items()))
 
 
-__all__ = ["Server", "open_server", "create_app", "run", "Policy", "PrefixCache", "Job", "Scheduler"]
+__all__ = ["Server", "open_server", "create_app", "run", "Policy", "PrefixCache", "Job", "Scheduler", "uvicorn_config"]
