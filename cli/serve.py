@@ -8,6 +8,7 @@ from engine.serve import Policy, open_server, run
 from engine.serve.guard import (DEFAULT_KEEP_ALIVE_S, DEFAULT_MAX_BODY, DEFAULT_MAX_CONNECTIONS,
                                 DEFAULT_READ_TIMEOUT_S, LOOPBACK)
 from engine.serve.server import DEFAULT_QUEUE_TIMEOUT_S
+from engine.serve.shutdown import DEFAULT_GRACE_S
 
 ANY_ADDRESS = ("0.0.0.0", "::", "")
 
@@ -49,6 +50,9 @@ ANY_ADDRESS = ("0.0.0.0", "::", "")
                    "(else the connection closes; a stalled body gets 408); 0 = none")
 @click.option("--timeout-keep-alive", type=float, default=DEFAULT_KEEP_ALIVE_S, show_default=True,
               help="seconds an idle connection is kept open between requests")
+@click.option("--shutdown-grace", type=float, default=DEFAULT_GRACE_S, show_default=True,
+              help="on SIGTERM/SIGINT: seconds running requests may take to finish (new ones get 503); "
+                   "then open streams end with an error event and [DONE]; a second signal exits at once")
 @click.option("--api-key", envvar="GEN_API_KEY", help="require `Authorization: Bearer KEY` on every route but "
                                                        "/health (default: $GEN_API_KEY; none: no key asked)")
 @click.option("--allow-host", "allow_hosts", multiple=True, metavar="NAME",
@@ -62,7 +66,7 @@ ANY_ADDRESS = ("0.0.0.0", "::", "")
 def serve_cmd(model_name, attention, softmax_layers, window, feature_map, host, port, max_batch, max_queue,
               max_context, dtype, kv_dtype, backend, threads, max_prompt, queue_timeout, max_body, api_key,
               allow_hosts, cors_origins, docs, prefill_chunk, max_tokens_cap, max_connections, read_timeout,
-              timeout_keep_alive):
+              timeout_keep_alive, shutdown_grace):
     """Serve MODEL over HTTP: /v1/models, /v1/completions, /v1/chat/completions (OpenAI format, SSE streams)."""
     if max_batch < 1:
         fail(f"--max-batch must be >= 1, got {max_batch}")
@@ -86,6 +90,8 @@ def serve_cmd(model_name, attention, softmax_layers, window, feature_map, host, 
         fail(f"--read-timeout must be a number of seconds >= 0 (0 = none), got {read_timeout}")
     if not 0 < timeout_keep_alive < float("inf"):
         fail(f"--timeout-keep-alive must be a number of seconds > 0, got {timeout_keep_alive}")
+    if not 0 <= shutdown_grace < float("inf"):
+        fail(f"--shutdown-grace must be a number of seconds >= 0, got {shutdown_grace}")
     if api_key is not None and not api_key.strip():
         fail("--api-key must not be empty (leave it out to ask for no key)")
     if any(not h.strip() for h in allow_hosts) or any(not o.strip() for o in cors_origins):
@@ -102,7 +108,7 @@ def serve_cmd(model_name, attention, softmax_layers, window, feature_map, host, 
                                              max_batch, max_context, max_queue, softmax_layers, window,
                                              kv_dtype, max_prompt=max_prompt, queue_timeout=queue_timeout,
                                              prefill_chunk=prefill_chunk, max_tokens_cap=max_tokens_cap))
-    run_guarded(lambda: run(server, host=host, port=port, policy=policy))
+    run_guarded(lambda: run(server, host=host, port=port, policy=policy, grace=shutdown_grace))
 
 
 def default_max_connections() -> int:

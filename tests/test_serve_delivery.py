@@ -111,11 +111,16 @@ def test_a_stream_sends_every_waiting_event_in_one_write():
     assert job.cancelled                          # the stream's end releases the job
 
 
-def test_a_failure_ends_the_stream_with_an_error_event():
+def test_a_failure_ends_the_stream_with_an_error_event_and_done():
     writes, _ = asyncio.run(_collect(asyncio.Queue(), [Token(7, "a", None, -0.5), Failure("boom")]))
     events = b"".join(writes).split(b"\r\n\r\n")
-    assert json.loads(events[1][len(b"data: "):])["error"]["message"] == "boom"
-    assert b"[DONE]" not in b"".join(writes)
+    err = json.loads(events[1][len(b"data: "):])["error"]
+    assert err["message"] == "boom" and err["code"] == "internal_error"
+    assert events[2:] == [b"data: [DONE]", b""]   # a client reading to [DONE] is not left waiting
+    writes, _ = asyncio.run(_collect(asyncio.Queue(), [Failure("the server is shutting down", 503)]))
+    events = b"".join(writes).split(b"\r\n\r\n")
+    assert json.loads(events[0][len(b"data: "):])["error"]["code"] == "shutting_down"
+    assert events[1:] == [b"data: [DONE]", b""]
 
 
 def test_sse_framing_equals_sse_starlettes_event():

@@ -2,14 +2,12 @@
 
     from engine.serve import Server, create_app, run
     server = Server(llm, name="tiny", max_batch=16, max_context=256)
-    run(server, host="127.0.0.1", port=8000)       # or: uvicorn.run(create_app(server), ...)
+    run(server, host="127.0.0.1", port=8000)       # SIGTERM/SIGINT drain it (engine.serve.shutdown)
     run(server, policy=Policy(api_key="s3cret"))   # who may call: engine.serve.guard
 
 A leaf of the engine: nothing else in engine/ imports it.
 """
 from __future__ import annotations
-
-import uvicorn
 
 from engine.api import load
 from engine.serve.app import create_app
@@ -18,6 +16,7 @@ from engine.serve.guard import Policy
 from engine.serve.prefix_cache import PrefixCache
 from engine.serve.scheduler import Job, Scheduler
 from engine.serve.server import Server
+from engine.serve.shutdown import DEFAULT_GRACE_S, GracefulServer
 from engine.steps import DEFAULT_PREFILL_CHUNK
 
 
@@ -45,16 +44,18 @@ def open_server(model: str, attention: str | None = None, feature_map: str | Non
 
 
 def run(server: Server, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
-        policy: Policy | None = None) -> None:
-    """Serve until interrupted (Ctrl-C); prints the prefix cache's figures on the way out.
-    policy: who may call (default Policy(): loopback Host names only, no key, no CORS, no docs)."""
+        policy: Policy | None = None, grace: float = DEFAULT_GRACE_S) -> None:
+    """Serve until SIGTERM or SIGINT (Ctrl-C); prints the prefix cache's figures on the way out.
+    policy: who may call (default Policy(): loopback Host names only, no key, no CORS, no docs).
+    grace: seconds running requests may take to finish after the signal (engine.serve.shutdown)."""
     policy = policy if policy is not None else Policy()
-    uvicorn.Server(uvicorn_config(create_app(server, policy), policy, host=host, port=port,
-                                  log_level=log_level)).run()
+    config = uvicorn_config(create_app(server, policy), policy, host=host, port=port, log_level=log_level)
+    GracefulServer(config, server, grace=grace).run()
     s = server.scheduler.cache.stats()
     print(f"prefix cache: {s['hits']} hits / {s['misses']} misses, {s['tokens_saved']} prompt tokens "
           f"restored (~{s['time_saved_s']:.2f} s of prefill saved); held: "
           + ", ".join(f"{p}: {d['entries']} prompts, {d['bytes'] / 2**20:.2f} MiB" for p, d in s["by_path"].items()))
 
 
-__all__ = ["Server", "open_server", "create_app", "run", "Policy", "PrefixCache", "Job", "Scheduler", "uvicorn_config"]
+__all__ = ["Server", "open_server", "create_app", "run", "Policy", "PrefixCache", "Job", "Scheduler", "uvicorn_config",
+           "GracefulServer"]

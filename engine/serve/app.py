@@ -4,11 +4,12 @@ and /stats. Streaming answers are Server-Sent Events (sse-starlette) ending in `
 Bodies are parsed here (not by FastAPI's 422 machinery) so every bad request is a 400 with an
 OpenAI-style error body; an unknown model is a 404, a full server a 429 with Retry-After, a
 request that waited in the queue past the server's `queue_timeout` a 503 with Retry-After, a
-failure inside the engine a 500 (in a stream, after the 200 has gone: an `error` event, then the
-stream ends). Every other error (unknown route 404, wrong method 405, body too large 413) has
-OpenAI's error body too. A stream's 200 goes out with its first token, so a request that never
-got a row still gets a status. A client that goes away cancels its job: a queued job leaves the
-queue at once, a running one leaves before the next step.
+failure inside the engine a 500 (in a stream, after the 200 has gone: an `error` event, then
+`data: [DONE]`), a request a shutdown ends a 503 `shutting_down` (engine.serve.shutdown). Every
+other error (unknown route 404, wrong method 405, body too large 413) has OpenAI's error body too.
+A stream's 200 goes out with its first token, so a request that never got a row still gets a
+status. A client that goes away cancels its job: a queued job leaves the queue at once, a running
+one leaves before the next step.
 
 Parsing a body and tokenizing its prompt run in a worker thread (Starlette's thread pool), not on
 the event loop: a big prompt does not stall every other stream. Who may call at all (Host, Origin,
@@ -30,7 +31,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request    # what FastAPI hands a route (fastapi.Request is this class)
 from starlette.responses import JSONResponse
 
-from engine.serve.errors import APIError, bad_request, queue_timeout, server_error
+from engine.serve.errors import APIError, bad_request, failure_error, queue_timeout, server_error
 from engine.serve.guard import HostGuard, Policy, RequestGuard
 from engine.serve.scheduler import Failure, Token
 from engine.serve.schemas import ChatRequest, CompletionRequest, parse
@@ -57,7 +58,7 @@ def create_app(server: Server, policy: Policy | None = None) -> "FastAPI":
         try:
             yield
         finally:
-            server.scheduler.stop()
+            server.scheduler.stop(timeout=1.0)   # a shutdown's drain has stopped it already
 
     docs = {} if policy.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="gen", lifespan=lifespan, **docs)
@@ -93,6 +94,8 @@ def create_app(server: Server, policy: Policy | None = None) -> "FastAPI":
 
     @app.get("/health")
     async def health():
+        if server.draining:   # a load balancer stops sending requests here
+            return JSONResponse({"status": "shutting_down", "model": server.name}, status_code=503)
         return {"status": "ok", "model": server.name}
 
     @app.get("/stats")
@@ -153,14 +156,14 @@ def create_app(server: Server, policy: Policy | None = None) -> "FastAPI":
             return JSONResponse({}, status_code=499)
         if isinstance(events[0], Failure):
             job.cancel()
-            return server_error(events[0].message).response()
+            return failure_error(events[0]).response()
         if req.stream:
             return EventSourceResponse(sse_stream(job, queue, fmt, req.include_usage, events), ping=15)
         try:
             while events is not None:
                 for ev in events:
                     if isinstance(ev, Failure):
-                        return server_error(ev.message).response()
+                        return failure_error(ev).response()
                     fmt.add(ev)
                     if ev.finish_reason is not None:
                         return fmt.whole(usage(job))
@@ -229,9 +232,9 @@ async def _pending(queue: asyncio.Queue, timeout: float | None = None) -> list:
 async def sse_stream(job, queue: asyncio.Queue, fmt, include_usage: bool, first: list | None = None):
     """A streaming response's body: SSE events (bytes) for `job`'s tokens (`first`, those already
     taken from the queue, then those reaching `queue`), then the usage chunk (when asked) and
-    `data: [DONE]`; a Failure ends it with an `error` event. Every event already waiting goes out in
-    one write (one ASGI send): a client whose reader fell behind the decode loop catches up in one
-    send, not one per token."""
+    `data: [DONE]`; a Failure ends it with an `error` event and `data: [DONE]`. Every event already
+    waiting goes out in one write (one ASGI send): a client whose reader fell behind the decode loop
+    catches up in one send, not one per token."""
     try:
         opening = [sse(chunk) for chunk in fmt.opening()]
         if opening:
@@ -241,7 +244,7 @@ async def sse_stream(job, queue: asyncio.Queue, fmt, include_usage: bool, first:
             out, events, first = [], first or await _pending(queue), None
             for ev in events:
                 if isinstance(ev, Failure):
-                    out.append(sse(server_error(ev.message).body()))
+                    out += [sse(failure_error(ev).body()), DONE]
                     yield b"".join(out)
                     return
                 chunk = fmt.chunk(ev)

@@ -81,6 +81,7 @@ class Connections(H11Protocol):
 def uvicorn_config(app, policy: Policy, **kw) -> uvicorn.Config:
     """uvicorn's Config for `app` under `policy`'s connection limits (kw: host, port, log_level, ...)."""
     protocol = type("Connections", (Connections,), {"policy": policy})
+    kw.setdefault("timeout_graceful_shutdown", 1)   # after engine.serve.shutdown's drain: answers still going out
     return uvicorn.Config(app, http=protocol, timeout_keep_alive=policy.keep_alive, **kw)
 
 

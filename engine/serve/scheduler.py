@@ -7,6 +7,9 @@
     job.cancel()                # the client went away: a queued job leaves the queue at once, a
                                 # running one leaves before the next step
     scheduler.withdraw(job)     # True when the job was still queued (it is then out of the queue)
+    scheduler.drain()           # shutting down: queued jobs fail (503), submit raises Closed, the
+                                # running ones go on; scheduler.busy says whether any is left
+    scheduler.stop()            # the loop ends; every job still in it fails (503)
 
 Each attention path has a `Pool`: one batch state holding every active sequence of that path
 and the jobs in row order. A loop iteration (1) admits queued jobs: each gets a batch-1 state
@@ -61,8 +64,16 @@ class Token:
 
 @dataclass
 class Failure:
-    """The job failed inside the engine (HTTP 500)."""
+    """The job failed inside the engine (HTTP 500), or the server is shutting down (503)."""
     message: str
+    status: int = 500
+
+
+SHUTTING_DOWN = "the server is shutting down"   # the Failure (503) of jobs a shutdown ends
+
+
+class Closed(Exception):
+    """The scheduler admits nothing more (it is draining or stopped)."""
 
 
 @dataclass(eq=False)
@@ -143,6 +154,7 @@ class Scheduler:
         self.cond = threading.Condition()
         self.thread: threading.Thread | None = None
         self._stopping = False
+        self.closed = False           # drain() or stop(): nothing more is admitted
         self.steps = 0                # decode steps run (one per pool per iteration)
         self.failures = 0             # steps or prefills that raised
         self.peak_active = 0          # most sequences decoded in one iteration
@@ -156,26 +168,46 @@ class Scheduler:
 
     # ------------------------------------------------------------------ control
     def start(self) -> None:
-        self._stopping = False
+        self._stopping = self.closed = False
         self.thread = threading.Thread(target=self._loop, name="gen-serve-scheduler", daemon=True)
         self.thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
+        """End the loop (waits up to `timeout` s for its iteration to finish); every job still queued,
+        prefilling or decoding gets Failure(SHUTTING_DOWN, 503)."""
         with self.cond:
-            self._stopping = True
+            self._stopping = self.closed = True
             self.cond.notify_all()
         if self.thread is not None:
             self.thread.join(timeout)
         for job in (list(self.pending) + [p.run.job for p in self.prefilling]
                     + [r.job for p in self.pools.values() for r in p.rows]):
-            job.emit(Failure("the server is shutting down"))
+            job.emit(Failure(SHUTTING_DOWN, 503))
         self.pending.clear()
         self.prefilling.clear()
         self.pools.clear()
         self._flush()
 
+    def drain(self) -> None:
+        """Admit nothing more: queued jobs get Failure(SHUTTING_DOWN, 503) and `submit` raises Closed;
+        the jobs already prefilling or decoding run on (to their end, or to `stop`)."""
+        with self.cond:
+            self.closed = True
+            queued = list(self.pending)
+            self.pending.clear()
+        for job in queued:
+            job.emit(Failure(SHUTTING_DOWN, 503))
+        self._flush()
+
+    @property
+    def busy(self) -> bool:
+        """Some job is queued, being admitted, prefilled or decoded."""
+        return bool(self.pending or self.admitting or self.prefilling or self.active)
+
     def submit(self, job: Job) -> None:
         with self.cond:
+            if self.closed:
+                raise Closed()
             if self.active + self.admitting + len(self.prefilling) + len(self.pending) >= self.max_batch + self.max_queue:
                 raise Full()
             job._withdraw = self.withdraw

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from engine.errors import EngineError
 from engine.sampling import SamplingParams
-from engine.serve.errors import APIError, bad_request, model_not_found, over_capacity
+from engine.serve.errors import APIError, bad_request, model_not_found, over_capacity, shutting_down
 from engine.serve.prefix_cache import PrefixCache
-from engine.serve.scheduler import Full, Job, Scheduler
+from engine.serve.scheduler import Closed, Full, Job, Scheduler
 from engine.serve.schemas import ChatRequest, CompletionRequest
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
@@ -138,6 +138,13 @@ class Server:
             self.scheduler.submit(job)
         except Full:
             raise over_capacity(RETRY_AFTER_S) from None
+        except Closed:
+            raise shutting_down(RETRY_AFTER_S) from None
+
+    @property
+    def draining(self) -> bool:
+        """A shutdown has begun: nothing more is admitted (engine.serve.shutdown)."""
+        return self.scheduler.closed
 
     def token_text(self, i: int) -> str:
         """One token's text as logprobs show it (memoised: every streamed token with logprobs asks)."""
