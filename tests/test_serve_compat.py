@@ -111,3 +111,144 @@ def test_filtered_logits_applies_the_bias_before_the_filters():
     low = int(x.argmin())
     f = filtered_logits(x, SamplingParams(temperature=1.0, top_k=1, logit_bias={low: 100.0}))
     assert torch.isfinite(f).sum() == 1 and torch.isfinite(f[0, low])
+
+
+# ---------------------------------------------------------------------- through the server
+httpx = pytest.importorskip("httpx")
+from test_serve_support import NAME, LiveServer, chat_model_dir, client, make_server   # noqa: E402,F401
+
+
+@pytest.fixture(scope="module")
+def live(small_model_dir):
+    srv = LiveServer(make_server(small_model_dir, max_batch=8))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def chat_live(chat_model_dir):
+    srv = LiveServer(make_server(chat_model_dir, max_batch=8))
+    yield srv
+    srv.stop()
+
+
+def complete(live, **kw) -> dict:
+    r = httpx.post(live.url + "/v1/completions", json=dict({"model": NAME, "prompt": "the cat"}, **kw), timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def chat(live, **kw) -> dict:
+    body = dict({"model": NAME, "messages": [{"role": "user", "content": "hello there"}]}, **kw)
+    r = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def stream_chunks(live, endpoint: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", f"{live.url}/v1/{endpoint}", json=dict(body, stream=True), timeout=60) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[len("data: "):]) for line in lines[:-1]]
+
+
+def test_a_streams_finish_reason_rides_in_a_chunk_of_its_own(live, chat_live):
+    """The last token's text goes in its own chunk; the chunk with finish_reason carries no text
+    (an empty delta in chat), as OpenAI sends them: a client that stops reading at finish_reason
+    has the whole text."""
+    body = {"model": NAME, "prompt": "the cat", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    whole = complete(live, **body)["choices"][0]
+    chunks = stream_chunks(live, "completions", body)
+    upto = next(i for i, c in enumerate(chunks) if c["choices"][0]["finish_reason"] is not None)
+    assert upto == len(chunks) - 1 and chunks[upto]["choices"][0]["text"] == ""
+    assert chunks[upto]["choices"][0]["finish_reason"] == "length"
+    assert "".join(c["choices"][0]["text"] for c in chunks[:upto]) == whole["text"]
+
+    body = {"model": NAME, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6, "temperature": 0}
+    whole = chat(chat_live, **body)["choices"][0]
+    chunks = stream_chunks(chat_live, "chat/completions", body)
+    end = chunks[-1]["choices"][0]
+    assert end["delta"] == {} and end["finish_reason"] == whole["finish_reason"]
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1]) == whole["message"]["content"]
+
+
+def test_n_choices_share_one_prefill_and_choice_i_uses_seed_plus_i(live):
+    body = {"prompt": "the cat sat", "max_tokens": 8, "temperature": 1.0, "ignore_eos": True}
+    singles = [complete(live, seed=40 + i, **body)["choices"][0]["text"] for i in range(3)]
+    before = live.scheduler.cache.prefill_tokens
+    r = complete(live, seed=40, n=3, **body)
+    prefilled = live.scheduler.cache.prefill_tokens - before
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in r["choices"]] == singles      # choice 0 is the n = 1 answer, choice i seed + i
+    assert r["usage"]["completion_tokens"] == 24 and r["usage"]["prompt_tokens"] == prefilled  # the prompt once
+    greedy = complete(live, n=2, prompt="the cat sat", max_tokens=5, temperature=0)["choices"]
+    assert greedy[0]["text"] == greedy[1]["text"]
+
+
+def test_n_choices_stream_each_to_its_own_finish(chat_live):
+    body = {"model": NAME, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5,
+            "temperature": 1.0, "seed": 7, "n": 2, "ignore_eos": True}
+    whole = chat(chat_live, **body)
+    chunks = stream_chunks(chat_live, "chat/completions", body)
+    for i in range(2):
+        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == i]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        assert mine[-1]["finish_reason"] == "length" and mine[-1]["delta"] == {}
+        assert "".join(m["delta"].get("content", "") for m in mine) == whole["choices"][i]["message"]["content"]
+
+
+def test_penalties_and_bias_through_the_server_equal_the_api(live, small_model_dir):
+    from engine.api import load
+    llm = load(str(small_model_dir))
+    for kw in (dict(frequency_penalty=1.5), dict(presence_penalty=2.0, frequency_penalty=0.3)):
+        api = llm.generate("the cat", max_new_tokens=10, temperature=0, ignore_eos=True, **kw).text
+        assert complete(live, max_tokens=10, temperature=0, ignore_eos=True, **kw)["choices"][0]["text"] == api
+    greedy_ids = llm.generate("the cat", max_new_tokens=4, temperature=0, ignore_eos=True).ids
+    banned = complete(live, max_tokens=1, temperature=0, logprobs=0, logit_bias={str(greedy_ids[0]): -100})
+    assert banned["choices"][0]["logprobs"]["tokens"][0] != llm.tokenizer.decode_continuation([greedy_ids[0]])
+    forced = llm.tokenizer.encode(" dog")[-1]
+    r = complete(live, prompt=[5, 6], max_tokens=4, temperature=0.9, seed=1, ignore_eos=True,
+                 logit_bias={str(forced): 100})
+    assert r["choices"][0]["text"] == llm.tokenizer.decode([5, 6] + [forced] * 4)[len(llm.tokenizer.decode([5, 6])):]
+
+
+def test_top_p_zero_is_greedy_and_a_negative_seed_is_random(live):
+    greedy = complete(live, max_tokens=6, temperature=0, ignore_eos=True)["choices"][0]["text"]
+    assert complete(live, max_tokens=6, temperature=1.5, top_p=0, ignore_eos=True)["choices"][0]["text"] == greedy
+    assert complete(live, max_tokens=3, temperature=1.0, seed=-1)["choices"][0]["finish_reason"] is not None
+    from engine.serve.server import choice_seeds
+    assert choice_seeds(-1, 1) == [None] and choice_seeds(None, 1) == [None]
+    base = choice_seeds(-1, 3)
+    assert base == [base[0], base[0] + 1, base[0] + 2] or base[0] >= 2 ** 63 - 2
+    assert choice_seeds(2 ** 63 - 1, 2) == [2 ** 63 - 1, 0]
+
+
+def test_response_format_text_is_accepted_and_structured_output_is_refused_by_name(chat_live):
+    assert chat(chat_live, max_tokens=2, response_format={"type": "text"})["choices"][0]["message"]["content"] is not None
+    for kind in ("json_object", "json_schema"):
+        fmt = {"type": kind} if kind == "json_object" else {"type": kind, "json_schema": {"name": "x", "schema": {}}}
+        r = httpx.post(chat_live.url + "/v1/chat/completions", timeout=30, json={
+            "model": NAME, "messages": [{"role": "user", "content": "x"}], "response_format": fmt})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "response_format" and kind in err["message"]
+        assert "not supported" in err["message"]
+
+
+@pytest.mark.parametrize("bias,what", [({"abc": 1}, "token ids"), ({"1": 200}, "[-100, 100]"),
+                                       ({str(10 ** 6): 1}, "vocabulary")], ids=["key", "value", "vocab"])
+def test_a_bad_logit_bias_is_a_400_naming_it(live, bias, what):
+    r = httpx.post(live.url + "/v1/completions", json={"model": NAME, "prompt": "x", "logit_bias": bias}, timeout=30)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "logit_bias" and what in err["message"], err
+
+
+def test_system_fingerprint_is_sent_and_stable(live, chat_live):
+    a = complete(live, max_tokens=2)
+    chunks = stream_chunks(live, "completions", {"model": NAME, "prompt": "x", "max_tokens": 2})
+    assert a["system_fingerprint"].startswith("fp_")
+    assert {c["system_fingerprint"] for c in chunks} == {a["system_fingerprint"]}
+    res = client(chat_live).chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}],
+                                                    max_tokens=2)
+    assert res.system_fingerprint and res.system_fingerprint.startswith("fp_")

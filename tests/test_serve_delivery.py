@@ -81,6 +81,7 @@ def test_scheduler_flushes_after_every_iteration_rests_the_pool_and_counts_its_t
 
 class FakeServer:
     name = "m"
+    fingerprint = "fp_test"
 
     def token_text(self, i):
         return f"<{i}>"
@@ -88,6 +89,7 @@ class FakeServer:
 
 class FakeRequest:
     logprobs = 0
+    n = 1
 
 
 async def _collect(queue, events, include_usage=False):
@@ -105,9 +107,11 @@ def test_a_stream_sends_every_waiting_event_in_one_write():
     events = writes[0].split(b"\r\n\r\n")
     assert events[-1] == b"" and events[-2] == b"data: [DONE]"
     chunks = [json.loads(e[len(b"data: "):]) for e in events[:-2]]
-    assert [c["choices"][0]["text"] for c in chunks] == ["a", " b", "c"]
-    assert [c["choices"][0]["logprobs"]["tokens"] for c in chunks] == [["<7>"], ["<8>"], ["<9>"]]
-    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "length"]
+    # the last token's text in a chunk of its own, then an empty one carrying finish_reason (as OpenAI)
+    assert [c["choices"][0]["text"] for c in chunks] == ["a", " b", "c", ""]
+    assert [c["choices"][0]["logprobs"]["tokens"] for c in chunks[:3]] == [["<7>"], ["<8>"], ["<9>"]]
+    assert chunks[3]["choices"][0]["logprobs"] is None
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, None, "length"]
     assert job.cancelled                          # the stream's end releases the job
 
 

@@ -165,7 +165,7 @@ def create_app(server: Server, policy: Policy | None = None) -> "FastAPI":
                     if isinstance(ev, Failure):
                         return failure_error(ev).response()
                     fmt.add(ev)
-                    if ev.finish_reason is not None:
+                    if fmt.finished:   # every choice
                         return fmt.whole(usage(job))
                 events = await _wait(request, job, queue)
             return JSONResponse({}, status_code=499)
@@ -247,10 +247,8 @@ async def sse_stream(job, queue: asyncio.Queue, fmt, include_usage: bool, first:
                     out += [sse(failure_error(ev).body()), DONE]
                     yield b"".join(out)
                     return
-                chunk = fmt.chunk(ev)
-                if chunk is not None:
-                    out.append(sse(chunk))
-                if ev.finish_reason is not None:
+                out += [sse(chunk) for chunk in fmt.chunks(ev)]
+                if fmt.finished:   # every choice
                     done = True
                     break
             if done:
@@ -315,35 +313,62 @@ def _check_strings(value) -> int:
 
 
 def usage(job) -> dict:
-    p, c = len(job.ids), len(job.generated)
+    """OpenAI's usage of a request: its prompt once, the tokens of every choice."""
+    p, c = len(job.ids), sum(len(j.generated) for j in job.group)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
             "prompt_tokens_details": {"cached_tokens": job.cached_tokens}}
 
 
+class Choice:
+    """One choice's text so far, finish reason, and the format's running logprobs state."""
+
+    def __init__(self):
+        self.text, self.reason, self.logprobs, self.offset = "", None, None, 0
+
+
 class _Format:
-    """What both endpoints' objects share: the text so far, the finish reason, and no chunk for an
-    event that carries nothing. Subclasses say what a token's logprobs look like (`_piece`), how the
-    whole response keeps them (`_keep`) and how one chunk reads (`_chunk`)."""
+    """What both endpoints' objects share: each choice's text so far and finish reason (a request
+    has `n` choices; a Token's index says whose it is), and a stream's chunks as OpenAI sends them:
+    a token's text (and logprobs) in a chunk of its own, then, when it is the choice's last, a chunk
+    with no text carrying the finish_reason (clients that stop at finish_reason lose no token).
+    Subclasses say what a token's logprobs look like (`_piece`), how the whole response keeps them
+    (`_keep`) and how one chunk reads (`_chunk`)."""
 
     prefix = ""
 
     def __init__(self, server: Server, req):
         self.server, self.req = server, req
         self.id, self.created = f"{self.prefix}-{uuid.uuid4().hex}", int(time.time())
-        self.text, self.reason = "", None
+        self.choices = [self._choice() for _ in range(req.n)]
+
+    def _choice(self) -> Choice:
+        return Choice()
+
+    @property
+    def finished(self) -> bool:
+        return all(c.reason is not None for c in self.choices)
 
     def add(self, ev: Token) -> None:
-        piece = self._piece(ev)
+        c = self.choices[ev.index]
+        piece = self._piece(ev, c)
         if piece is not None:
-            self._keep(piece)
-        self.text += ev.text
-        self.reason = ev.finish_reason or self.reason
+            self._keep(c, piece)
+        c.text += ev.text
+        c.reason = ev.finish_reason or c.reason
 
-    def chunk(self, ev: Token):
-        piece = self._piece(ev)
-        if not ev.text and ev.finish_reason is None and piece is None:
-            return None
-        return self._chunk(ev, piece)
+    def chunks(self, ev: Token) -> list:
+        """The stream chunks of one event: none, its text, its finish, or both (in that order)."""
+        c = self.choices[ev.index]
+        piece = self._piece(ev, c)
+        out = [self._chunk(ev.index, ev.text, piece, None)] if ev.text or piece is not None else []
+        if ev.finish_reason is not None:
+            c.reason = ev.finish_reason
+            out.append(self._chunk(ev.index, "", None, ev.finish_reason))
+        return out
+
+    def _object(self, obj: str, choices: list, usage=None) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.server.name,
+                "system_fingerprint": self.server.fingerprint, "choices": choices, "usage": usage}
 
 
 class CompletionFormat(_Format):
@@ -351,38 +376,37 @@ class CompletionFormat(_Format):
 
     prefix = "cmpl"
 
-    def __init__(self, server: Server, req):
-        super().__init__(server, req)
-        self.logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []} \
-            if req.logprobs is not None else None
-        self.offset = 0
+    def _choice(self) -> Choice:
+        c = Choice()
+        if self.req.logprobs is not None:
+            c.logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        return c
 
     def _base(self, choices, usage=None) -> dict:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.server.name,
-                "choices": choices, "usage": usage}
+        return self._object("text_completion", choices, usage)
 
-    def _piece(self, ev: Token) -> dict | None:
+    def _piece(self, ev: Token, c: Choice) -> dict | None:
         if ev.logprob is None:
             return None
         tt = self.server.token_text
         out = {"tokens": [tt(ev.id)], "token_logprobs": [ev.logprob],
-               "top_logprobs": [{tt(i): lp for i, lp in (ev.top or [])}], "text_offset": [self.offset]}
-        self.offset += len(ev.text)
+               "top_logprobs": [{tt(i): lp for i, lp in (ev.top or [])}], "text_offset": [c.offset]}
+        c.offset += len(ev.text)
         return out
 
-    def _keep(self, piece: dict) -> None:
-        for k in self.logprobs:
-            self.logprobs[k] += piece[k]
+    def _keep(self, c: Choice, piece: dict) -> None:
+        for k in c.logprobs:
+            c.logprobs[k] += piece[k]
 
-    def _chunk(self, ev: Token, piece):
-        return self._base([{"index": 0, "text": ev.text, "logprobs": piece, "finish_reason": ev.finish_reason}])
+    def _chunk(self, index: int, text: str, piece, reason):
+        return self._base([{"index": index, "text": text, "logprobs": piece, "finish_reason": reason}])
 
     def opening(self):
         return []
 
     def whole(self, usage: dict) -> dict:
-        return self._base([{"index": 0, "text": self.text, "logprobs": self.logprobs,
-                            "finish_reason": self.reason}], usage)
+        return self._base([{"index": i, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.reason}
+                           for i, c in enumerate(self.choices)], usage)
 
     def usage_chunk(self, usage: dict) -> dict:
         return self._base([], usage)
@@ -393,15 +417,13 @@ class ChatFormat(_Format):
 
     prefix = "chatcmpl"
 
-    def __init__(self, server: Server, req):
-        super().__init__(server, req)
-        self.content = [] if req.logprobs else None
+    def _choice(self) -> Choice:
+        c = Choice()
+        if self.req.logprobs:
+            c.logprobs = []
+        return c
 
-    def _base(self, obj, choices, usage=None) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.server.name,
-                "choices": choices, "usage": usage}
-
-    def _piece(self, ev: Token) -> dict | None:
+    def _piece(self, ev: Token, c: Choice) -> dict | None:
         if ev.logprob is None:
             return None
         tt = self.server.token_text
@@ -411,24 +433,25 @@ class ChatFormat(_Format):
             return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
         return dict(one(ev.id, ev.logprob), top_logprobs=[one(i, lp) for i, lp in (ev.top or [])])
 
-    def _keep(self, piece: dict) -> None:
-        self.content.append(piece)
+    def _keep(self, c: Choice, piece: dict) -> None:
+        c.logprobs.append(piece)
 
-    def _chunk(self, ev: Token, entry):
-        delta = {"content": ev.text} if ev.text else {}
-        return self._base("chat.completion.chunk", [{
-            "index": 0, "delta": delta, "logprobs": {"content": [entry]} if entry else None,
-            "finish_reason": ev.finish_reason}])
+    def _chunk(self, index: int, text: str, entry, reason):
+        delta = {"content": text} if text else {}
+        return self._object("chat.completion.chunk", [{
+            "index": index, "delta": delta, "logprobs": {"content": [entry]} if entry else None,
+            "finish_reason": reason}])
 
     def opening(self):
-        return [self._base("chat.completion.chunk", [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                       "logprobs": None, "finish_reason": None}])]
+        return [self._object("chat.completion.chunk", [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                        "logprobs": None, "finish_reason": None}])
+                for i in range(len(self.choices))]
 
     def whole(self, usage: dict) -> dict:
-        return self._base("chat.completion", [{
-            "index": 0, "message": {"role": "assistant", "content": self.text},
-            "logprobs": {"content": self.content} if self.content is not None else None,
-            "finish_reason": self.reason}], usage)
+        return self._object("chat.completion", [{
+            "index": i, "message": {"role": "assistant", "content": c.text},
+            "logprobs": {"content": c.logprobs} if c.logprobs is not None else None,
+            "finish_reason": c.reason} for i, c in enumerate(self.choices)], usage)
 
     def usage_chunk(self, usage: dict) -> dict:
-        return self._base("chat.completion.chunk", [], usage)
+        return self._object("chat.completion.chunk", [], usage)

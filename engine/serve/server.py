@@ -23,7 +23,10 @@ still bounded by its context).
 from __future__ import annotations
 
 from engine.errors import EngineError
-from engine.sampling import SamplingParams
+import hashlib
+import os
+
+from engine.sampling import SamplingParams, check_vocab
 from engine.serve.errors import APIError, bad_request, model_not_found, over_capacity, shutting_down
 from engine.serve.prefix_cache import PrefixCache
 from engine.serve.scheduler import Closed, Full, Job, Scheduler
@@ -58,6 +61,7 @@ class Server:
         self._token_texts: dict[int, str] = {}
         self.scheduler = Scheduler(llm.model, llm.tokenizer, llm.step, max_batch=max_batch, max_queue=max_queue,
                                    feature_map=llm.feature_map, cache=cache)
+        self.fingerprint = fingerprint(llm, name)
 
     # ------------------------------------------------------------------ requests -> jobs
     def check_model(self, name: str) -> None:
@@ -91,6 +95,8 @@ class Server:
             raise bad_request(f"{e}; use /v1/completions", "messages", "chat_unavailable") from None
 
     def make_job(self, req, ids: list[int], emit, default_max_tokens: int | None) -> Job:
+        """The Job for a parsed request (its `copies` are the other choices when n > 1; every choice's
+        Token goes to `emit`, with its index); a 400 APIError for what the request may not ask."""
         what = "messages" if isinstance(req, ChatRequest) else "prompt"
         if self.max_prompt and len(ids) > self.max_prompt:
             raise bad_request(f"The prompt has {len(ids)} tokens; this server takes at most {self.max_prompt} per "
@@ -109,11 +115,20 @@ class Server:
             max_tokens = min(req.limit or default_max_tokens or room, room, self.tokens_cap(kv=True))
         else:
             max_tokens = min(req.limit or default_max_tokens or self.max_context, self.tokens_cap(kv=False))
+        if req.n > self.scheduler.max_batch:
+            raise bad_request(f"n={req.n} choices need {req.n} batch rows; this server decodes at most "
+                              f"{self.scheduler.max_batch} sequences at once (gen serve --max-batch)", "n")
+        seeds = choice_seeds(req.seed, req.n)
+        greedy = req.top_p == 0   # OpenAI's top_p 0: only the most likely token
         try:
-            params = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, min_p=req.min_p,
-                                    repetition_penalty=req.repetition_penalty, seed=req.seed)
+            params = [SamplingParams(temperature=0.0 if greedy else req.temperature, top_k=req.top_k,
+                                     top_p=1.0 if greedy else req.top_p, min_p=req.min_p,
+                                     repetition_penalty=req.repetition_penalty, seed=seed,
+                                     presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                                     logit_bias=req.token_bias) for seed in seeds]
+            check_vocab(params[0], self.llm.model.config.vocab_size)
         except EngineError as e:   # the message starts with the parameter's name
-            name = str(e).split(" ", 1)[0]
+            name = str(e).split(" ", 1)[0].rstrip(":")
             raise bad_request(str(e), name if name in type(req).model_fields else None, "invalid_value") from None
         stop = () if req.stop is None else ((req.stop,) if isinstance(req.stop, str) else tuple(req.stop))
         if stop and self.llm.tokenizer is None:
@@ -123,8 +138,10 @@ class Server:
         else:
             logprobs = req.logprobs
         eos = self._chat_eos if isinstance(req, ChatRequest) else None   # a reply also ends at the turn's end
-        return Job(ids=ids, path=path, params=params, max_tokens=max_tokens, emit=emit, stop=stop, logprobs=logprobs,
-                   ignore_eos=req.ignore_eos, eos_ids=eos)
+        jobs = [Job(ids=ids, path=path, params=p, max_tokens=max_tokens, emit=emit, stop=stop, logprobs=logprobs,
+                    ignore_eos=req.ignore_eos, eos_ids=eos, index=i) for i, p in enumerate(params)]
+        jobs[0].copies = jobs[1:]
+        return jobs[0]
 
     def tokens_cap(self, kv: bool) -> float:
         """The most tokens a request may generate on a path with (kv) or without a KV cache (inf: no cap)."""
@@ -153,6 +170,32 @@ class Server:
             tok = self.llm.tokenizer
             text = self._token_texts[i] = tok.decode_continuation([i]) if tok is not None else ""
         return text
+
+
+def choice_seeds(seed: int | None, n: int) -> list:
+    """The seeds of a request's n choices: seed + i (mod 2**63), so choice 0 is the n = 1 answer; a
+    negative seed (OpenAI clients send -1) or none: random (one OS draw for the n of them)."""
+    if seed is None or seed < 0:
+        if n == 1:
+            return [None]
+        seed = int.from_bytes(os.urandom(8), "little") >> 1
+    return [(seed + i) % 2 ** 63 for i in range(n)]
+
+
+def fingerprint(llm, name: str) -> str:
+    """OpenAI's system_fingerprint: what, besides the seed, decides the tokens (the model, its path,
+    dtype and step form, the prefill chunk, the engine's version): equal fingerprints and seeds,
+    equal answers."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        engine_version = version("gen-engine")
+    except PackageNotFoundError:
+        engine_version = "dev"
+    cfg = llm.model.config
+    parts = (engine_version, name, llm.attention, str(llm.feature_map), str(next(llm.model.parameters()).dtype),
+             getattr(llm.step, "backend", None), getattr(llm.step, "prefill_chunk", None), cfg.vocab_size,
+             cfg.num_hidden_layers, cfg.hidden_size)
+    return "fp_" + hashlib.sha256(repr(parts).encode()).hexdigest()[:10]
 
 
 __all__ = ["Server", "APIError", "COMPLETION_DEFAULT_MAX_TOKENS"]
