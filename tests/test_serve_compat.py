@@ -252,3 +252,22 @@ def test_system_fingerprint_is_sent_and_stable(live, chat_live):
     res = client(chat_live).chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}],
                                                     max_tokens=2)
     assert res.system_fingerprint and res.system_fingerprint.startswith("fp_")
+
+
+def test_a_request_for_n_choices_takes_n_places_and_is_cancelled_whole(live, small_model_dir):
+    from engine.serve.scheduler import Full, Job, Scheduler
+    llm = live.server.llm
+    sched = Scheduler(llm.model, llm.tokenizer, llm.step, max_batch=2, max_queue=1)   # not started: all queue
+
+    def job(**kw):
+        return Job(ids=[1, 2], path="linear", params=SamplingParams(temperature=0), max_tokens=2, emit=print, **kw)
+    group = job()
+    group.copies = [job(index=1), job(index=2)]
+    sched.submit(group)
+    assert sched.queued_rows == 3
+    with pytest.raises(Full):
+        sched.submit(job())
+    group.cancel()
+    assert all(j.cancelled for j in group.group) and not sched.pending
+    r = httpx.post(live.url + "/v1/completions", json={"model": NAME, "prompt": "x", "n": 9}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n" and "--max-batch" in r.json()["error"]["message"]
