@@ -16,6 +16,9 @@ ANY_ADDRESS = ("0.0.0.0", "::", "")
 @click.command("serve")
 @click.option("--model", "model_name", default="tiny", show_default=True,
               help="registered name or path; also the name clients send as `model`")
+@click.option("--served-model-name", "served_names", multiple=True, metavar="NAME",
+              help="the name clients send as `model` and responses carry (repeatable: the first is reported, "
+                   "all are accepted; default: --model's value). A request without `model` gets the served model")
 @click.option("--attention", type=click.Choice(["softmax", "linear", "hybrid"]),
               help="default path (default: the model's own); requests may pick another with `attention`")
 @click.option("--softmax-layers", help="hybrid: layers that keep a KV cache, e.g. 2,9,11, or auto:K")
@@ -66,7 +69,7 @@ ANY_ADDRESS = ("0.0.0.0", "::", "")
 def serve_cmd(model_name, attention, softmax_layers, window, feature_map, host, port, max_batch, max_queue,
               max_context, dtype, kv_dtype, backend, threads, max_prompt, queue_timeout, max_body, api_key,
               allow_hosts, cors_origins, docs, prefill_chunk, max_tokens_cap, max_connections, read_timeout,
-              timeout_keep_alive, shutdown_grace):
+              timeout_keep_alive, shutdown_grace, served_names):
     """Serve MODEL over HTTP: /v1/models, /v1/completions, /v1/chat/completions (OpenAI format, SSE streams)."""
     if max_batch < 1:
         fail(f"--max-batch must be >= 1, got {max_batch}")
@@ -94,6 +97,8 @@ def serve_cmd(model_name, attention, softmax_layers, window, feature_map, host, 
         fail(f"--shutdown-grace must be a number of seconds >= 0, got {shutdown_grace}")
     if api_key is not None and not api_key.strip():
         fail("--api-key must not be empty (leave it out to ask for no key)")
+    if any(not n.strip() for n in served_names):
+        fail("--served-model-name takes a non-empty name")
     if any(not h.strip() for h in allow_hosts) or any(not o.strip() for o in cors_origins):
         fail("--allow-host and --cors-origin take a non-empty name")
     if not 0 < port < 65536:
@@ -107,7 +112,8 @@ def serve_cmd(model_name, attention, softmax_layers, window, feature_map, host, 
     server = run_guarded(lambda: open_server(model_name, attention, feature_map, dtype, backend, threads,
                                              max_batch, max_context, max_queue, softmax_layers, window,
                                              kv_dtype, max_prompt=max_prompt, queue_timeout=queue_timeout,
-                                             prefill_chunk=prefill_chunk, max_tokens_cap=max_tokens_cap))
+                                             prefill_chunk=prefill_chunk, max_tokens_cap=max_tokens_cap,
+                                             aliases=served_names))
     run_guarded(lambda: run(server, host=host, port=port, policy=policy, grace=shutdown_grace))
 
 

@@ -140,6 +140,7 @@ BAD = {   # id: (endpoint, body (bytes: sent raw), status, param)
     "stop-not-string": ("completions", dict(GOOD, stop=[1]), 400, "stop"),
     "prompt-too-long": ("completions", dict(GOOD, prompt=list(range(1, 80))), 400, "prompt"),
     "unknown-model": ("completions", dict(GOOD, model="gpt-9"), 404, "model"),
+    "model-not-a-string": ("completions", dict(GOOD, model=7), 400, "model"),
     "chat-no-messages": ("chat/completions", {"model": NAME}, 400, "messages"),
     "chat-bad-role": ("chat/completions", {"model": NAME, "messages": [{"role": "wizard", "content": "x"}]},
                       400, "messages"),

@@ -271,3 +271,19 @@ def test_a_request_for_n_choices_takes_n_places_and_is_cancelled_whole(live, sma
     assert all(j.cancelled for j in group.group) and not sched.pending
     r = httpx.post(live.url + "/v1/completions", json={"model": NAME, "prompt": "x", "n": 9}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "n" and "--max-batch" in r.json()["error"]["message"]
+
+
+def test_served_model_names_and_a_request_without_model(small_model_dir):
+    """--served-model-name: every name is accepted as `model`, the first is reported; a request with no
+    `model` gets the served model (as vLLM and llama-server take it); any other name is still a 404."""
+    srv = LiveServer(make_server(small_model_dir, aliases=("gpt-3.5-turbo",)))
+    try:
+        for model in ("gpt-3.5-turbo", NAME, None):
+            body = {"prompt": "x", "max_tokens": 2} | ({"model": model} if model else {})
+            r = httpx.post(srv.url + "/v1/completions", json=body, timeout=30)
+            assert r.status_code == 200 and r.json()["model"] == NAME, r.text
+        r = httpx.post(srv.url + "/v1/completions", json={"model": "gpt-9", "prompt": "x"}, timeout=30)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        assert [m["id"] for m in httpx.get(srv.url + "/v1/models").json()["data"]] == [NAME, "gpt-3.5-turbo"]
+    finally:
+        srv.stop()

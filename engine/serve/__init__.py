@@ -25,7 +25,7 @@ def open_server(model: str, attention: str | None = None, feature_map: str | Non
                 max_context: int | None = None, max_queue: int | None = None, softmax_layers=None,
                 window: int | None = None, kv_dtype=None, max_prompt: int | None = None,
                 queue_timeout: float | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                max_tokens_cap: int | None = None) -> Server:
+                max_tokens_cap: int | None = None, aliases: tuple[str, ...] = ()) -> Server:
     """Load `model` (a registered name or a path) and wrap it in a Server named `model` (chat through
     the model's own chat template, when it has one: see `LLM.chat`).
 
@@ -33,13 +33,15 @@ def open_server(model: str, attention: str | None = None, feature_map: str | Non
     the same whatever else is in the batch), else torch; the tests hold batched rows to their solo runs.
     attention/softmax_layers/window: the default configuration, as `load()` (hybrid layers, a sliding
     window and learned maps batch like the plain paths: their states regroup rows the same way).
-    max_prompt / queue_timeout / max_tokens_cap: see Server (None: its defaults). prefill_chunk: see `load`; the
+    aliases: other names clients may send as `model` (the first of them, when given, is the name
+    the server answers with). max_prompt / queue_timeout / max_tokens_cap: see Server (None: its defaults). prefill_chunk: see `load`; the
     scheduler feeds one such block of a long prompt between decode steps.
     """
     llm = load(model, attention=attention, feature_map=feature_map, dtype=dtype, backend=backend, threads=threads,
                softmax_layers=softmax_layers, window=window, kv_dtype=kv_dtype, prefill_chunk=prefill_chunk)
     limits = {} if queue_timeout is None else {"queue_timeout": queue_timeout}
-    return Server(llm, name=str(model), max_batch=max_batch, max_context=max_context, max_queue=max_queue,
+    names = tuple(aliases) or (str(model),)
+    return Server(llm, name=names[0], aliases=names[1:], max_batch=max_batch, max_context=max_context, max_queue=max_queue,
                   max_prompt=max_prompt, max_tokens_cap=max_tokens_cap, **limits)
 
 

@@ -104,13 +104,13 @@ def create_app(server: Server, policy: Policy | None = None) -> "FastAPI":
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": server.name, "object": "model", "created": created,
-                                            "owned_by": "gen"}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "gen"}
+                                           for name in server.names]}
 
     @app.get("/v1/models/{name}")
     async def model(name: str):
         server.check_model(name)
-        return {"id": server.name, "object": "model", "created": created, "owned_by": "gen"}
+        return {"id": name, "object": "model", "created": created, "owned_by": "gen"}
 
     @app.post("/v1/completions")
     async def completions(request: Request):

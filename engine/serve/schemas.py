@@ -34,7 +34,7 @@ class Sampling(BaseModel):
     """What both endpoints share."""
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    model: str
+    model: str | None = None          # None: the served model
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)

@@ -41,7 +41,8 @@ DEFAULT_LINEAR_MAX_TOKENS_CAP = 4096   # tokens a linear request may generate un
 class Server:
     def __init__(self, llm, name: str, max_batch: int = 16, max_context: int | None = None,
                  max_queue: int | None = None, cache: PrefixCache | None = None, max_prompt: int | None = None,
-                 queue_timeout: float = DEFAULT_QUEUE_TIMEOUT_S, max_tokens_cap: int | None = None):
+                 queue_timeout: float = DEFAULT_QUEUE_TIMEOUT_S, max_tokens_cap: int | None = None,
+                 aliases: tuple[str, ...] = ()):
         if max_batch < 1:
             raise bad_request(f"max_batch must be >= 1, got {max_batch}")
         if max_queue is not None and max_queue < 0:
@@ -53,6 +54,7 @@ class Server:
         if not queue_timeout >= 0:
             raise bad_request(f"queue_timeout must be >= 0 seconds (0 = no limit), got {queue_timeout}")
         self.llm, self.name = llm, name
+        self.names = (name,) + tuple(a for a in aliases if a != name)   # what clients may send as `model`
         self.max_context = max_context or llm.model.config.max_position_embeddings
         self.max_prompt = self.max_context if max_prompt is None else max_prompt
         self.queue_timeout, self.retry_after = queue_timeout, RETRY_AFTER_S
@@ -64,8 +66,10 @@ class Server:
         self.fingerprint = fingerprint(llm, name)
 
     # ------------------------------------------------------------------ requests -> jobs
-    def check_model(self, name: str) -> None:
-        if name != self.name:
+    def check_model(self, name: str | None) -> None:
+        """A request's `model` must be one of `names`; none given: the served model (as vLLM and
+        llama-server take it)."""
+        if name is not None and name not in self.names:
             raise model_not_found(name, self.name)
 
     def completion_ids(self, req: CompletionRequest) -> list[int]:
