@@ -125,4 +125,6 @@ def default_max_connections() -> int:
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     except (ImportError, OSError, ValueError):
         return DEFAULT_MAX_CONNECTIONS
-    return DEFAULT_MAX_CONNECTIONS if soft == resource.RLIM_INFINITY else max(1, min(DEFAULT_MAX_CONNECTIONS, soft // 2))
+    if soft == resource.RLIM_INFINITY:
+        return DEFAULT_MAX_CONNECTIONS
+    return max(1, min(DEFAULT_MAX_CONNECTIONS, soft // 2))

@@ -226,7 +226,8 @@ def test_top_p_zero_is_greedy_and_a_negative_seed_is_random(live):
 
 
 def test_response_format_text_is_accepted_and_structured_output_is_refused_by_name(chat_live):
-    assert chat(chat_live, max_tokens=2, response_format={"type": "text"})["choices"][0]["message"]["content"] is not None
+    answer = chat(chat_live, max_tokens=2, response_format={"type": "text"})
+    assert answer["choices"][0]["message"]["content"] is not None
     for kind in ("json_object", "json_schema"):
         fmt = {"type": kind} if kind == "json_object" else {"type": kind, "json_schema": {"name": "x", "schema": {}}}
         r = httpx.post(chat_live.url + "/v1/chat/completions", timeout=30, json={
@@ -257,7 +258,7 @@ def test_system_fingerprint_is_sent_and_stable(live, chat_live):
 def test_a_request_for_n_choices_takes_n_places_and_is_cancelled_whole(live, small_model_dir):
     from engine.serve.scheduler import Full, Job, Scheduler
     llm = live.server.llm
-    sched = Scheduler(llm.model, llm.tokenizer, llm.step, max_batch=2, max_queue=1)   # not started: all queue
+    sched = Scheduler(llm.model, llm.tokenizer, llm.step, max_batch=3, max_queue=0)   # not started: all queue
 
     def job(**kw):
         return Job(ids=[1, 2], path="linear", params=SamplingParams(temperature=0), max_tokens=2, emit=print, **kw)
@@ -269,6 +270,10 @@ def test_a_request_for_n_choices_takes_n_places_and_is_cancelled_whole(live, sma
         sched.submit(job())
     group.cancel()
     assert all(j.cancelled for j in group.group) and not sched.pending
+    bigger = job()
+    bigger.copies = [job(index=i) for i in range(1, 4)]
+    with pytest.raises(ValueError, match="max_batch"):   # 4 rows would never fit in 3
+        sched.submit(bigger)
     r = httpx.post(live.url + "/v1/completions", json={"model": NAME, "prompt": "x", "n": 9}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "n" and "--max-batch" in r.json()["error"]["message"]
 

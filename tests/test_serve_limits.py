@@ -435,7 +435,8 @@ def test_a_job_cancelled_in_the_queue_leaves_it_at_once(small_model_dir):
                                        (["--read-timeout", "inf"], "--read-timeout"),
                                        (["--timeout-keep-alive", "0"], "--timeout-keep-alive"),
                                        (["--served-model-name", " "], "--served-model-name"),
-                                       (["--shutdown-grace", "-1"], "--shutdown-grace"), (["--api-key", " "], "--api-key"),
+                                       (["--shutdown-grace", "-1"], "--shutdown-grace"),
+                                       (["--api-key", " "], "--api-key"),
                                        (["--allow-host", ""], "--allow-host")],
                          ids=lambda x: " ".join(x) if isinstance(x, list) else None)
 def test_gen_serve_refuses_bad_limits_in_one_line(args, what):

@@ -140,6 +140,7 @@ def test_sigterm_ends_what_outlives_the_grace_with_an_error_event_and_done_then_
         assert answer.status_code == 503 and answer.json()["error"]["code"] == "shutting_down"
         assert took < grace + 2
         assert served.proc.returncode == -signal.SIGTERM   # uvicorn raises the signal again once done
+        assert "prefix cache:" in "".join(served.log)      # the exit summary, printed before that
     finally:
         served.kill()
 

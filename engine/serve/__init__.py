@@ -34,15 +34,16 @@ def open_server(model: str, attention: str | None = None, feature_map: str | Non
     attention/softmax_layers/window: the default configuration, as `load()` (hybrid layers, a sliding
     window and learned maps batch like the plain paths: their states regroup rows the same way).
     aliases: other names clients may send as `model` (the first of them, when given, is the name
-    the server answers with). max_prompt / queue_timeout / max_tokens_cap: see Server (None: its defaults). prefill_chunk: see `load`; the
-    scheduler feeds one such block of a long prompt between decode steps.
+    the server answers with). max_prompt / queue_timeout / max_tokens_cap: see Server (None: its
+    defaults). prefill_chunk: see `load`; the scheduler feeds one such block of a long prompt between
+    decode steps.
     """
     llm = load(model, attention=attention, feature_map=feature_map, dtype=dtype, backend=backend, threads=threads,
                softmax_layers=softmax_layers, window=window, kv_dtype=kv_dtype, prefill_chunk=prefill_chunk)
     limits = {} if queue_timeout is None else {"queue_timeout": queue_timeout}
     names = tuple(aliases) or (str(model),)
-    return Server(llm, name=names[0], aliases=names[1:], max_batch=max_batch, max_context=max_context, max_queue=max_queue,
-                  max_prompt=max_prompt, max_tokens_cap=max_tokens_cap, **limits)
+    return Server(llm, name=names[0], aliases=names[1:], max_batch=max_batch, max_context=max_context,
+                  max_queue=max_queue, max_prompt=max_prompt, max_tokens_cap=max_tokens_cap, **limits)
 
 
 def run(server: Server, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
@@ -52,12 +53,15 @@ def run(server: Server, host: str = "127.0.0.1", port: int = 8000, log_level: st
     grace: seconds running requests may take to finish after the signal (engine.serve.shutdown)."""
     policy = policy if policy is not None else Policy()
     config = uvicorn_config(create_app(server, policy), policy, host=host, port=port, log_level=log_level)
-    GracefulServer(config, server, grace=grace).run()
+    GracefulServer(config, server, grace=grace, on_exit=lambda: print_cache_stats(server)).run()
+
+
+def print_cache_stats(server: Server) -> None:
     s = server.scheduler.cache.stats()
     print(f"prefix cache: {s['hits']} hits / {s['misses']} misses, {s['tokens_saved']} prompt tokens "
           f"restored (~{s['time_saved_s']:.2f} s of prefill saved); held: "
           + ", ".join(f"{p}: {d['entries']} prompts, {d['bytes'] / 2**20:.2f} MiB" for p, d in s["by_path"].items()))
 
 
-__all__ = ["Server", "open_server", "create_app", "run", "Policy", "PrefixCache", "Job", "Scheduler", "uvicorn_config",
-           "GracefulServer"]
+__all__ = ["Server", "open_server", "create_app", "run", "Policy", "PrefixCache", "Job", "Scheduler",
+           "uvicorn_config", "GracefulServer"]

@@ -5,10 +5,11 @@
 
 Rows that share settings (temperature, top_k, top_p, min_p, the penalties, the logit bias) are
 filtered as one (k, V) block by `engine.sampling.filtered_logits` (row-wise pure functions, the
-API's sampler's too: bias, penalties, temperature, top-k, top-p, min-p in that order) and greedy rows take one argmax. A sampled row then draws ONE
-uniform number from its own torch.Generator (seeded with the request's seed) and inverts its own
-CDF (fp64 cumulative sum, `searchsorted`). So a request's tokens depend on its seed and its logits
-only: the same whether it runs alone or in any batch, in any row.
+API's sampler's too: bias, penalties, temperature, top-k, top-p, min-p in that order) and greedy
+rows take one argmax. A sampled row then draws ONE uniform number from its own torch.Generator
+(seeded with the request's seed) and inverts its own CDF (fp64 cumulative sum, `searchsorted`). So
+a request's tokens depend on its seed and its logits only: the same whether it runs alone or in any
+batch, in any row.
 
 Per step a group costs a fixed handful of tensor ops whatever its size (the server's Python per
 token is what batching cannot amortize): a row's uniforms are drawn UNIFORM_BLOCK at a time (CPU

@@ -230,6 +230,8 @@ class Scheduler:
         return bool(self.pending or self.admitting or self.prefilling or self.active)
 
     def submit(self, job: Job) -> None:
+        if job.size > self.max_batch:   # it would wait for room that never comes
+            raise ValueError(f"a job with {job.size} choices needs more rows than max_batch={self.max_batch}")
         with self.cond:
             if self.closed:
                 raise Closed()

@@ -40,8 +40,11 @@ class GracefulServer(uvicorn.Server):
     still there HARD_EXIT_S after the grace, and at once on a second signal (False in tests that
     run the server in a thread of their own process)."""
 
-    def __init__(self, config: uvicorn.Config, server, grace: float = DEFAULT_GRACE_S, hard_exit: bool = True):
+    def __init__(self, config: uvicorn.Config, server, grace: float = DEFAULT_GRACE_S, hard_exit: bool = True,
+                 on_exit=None):
+        """on_exit: called once served, before uvicorn raises the signal again (which ends the process)."""
         super().__init__(config)
+        self.on_exit = on_exit
         if not 0 <= grace < float("inf"):
             raise ValueError(f"grace must be a number of seconds >= 0, got {grace}")
         self.gen_server, self.grace, self.hard_exit = server, grace, hard_exit
@@ -50,7 +53,10 @@ class GracefulServer(uvicorn.Server):
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
+        with self.capture_signals():   # uvicorn's serve(), with on_exit before the signal is raised again
+            await self._serve(sockets)
+            if self.on_exit is not None:
+                self.on_exit()
 
     def handle_exit(self, sig: int, frame) -> None:
         """The signal handler (the main thread, between two of the event loop's steps)."""
