@@ -6,8 +6,10 @@ import click
 from cli.common import FEATURE_MAP_HELP, KV_DTYPE_HELP, fail, prefill_chunk_option, run_guarded
 from cli.open_page import open_when_ready, page_url
 from engine.serve import Policy, open_server, run
-from engine.serve.guard import DEFAULT_MAX_BODY, LOOPBACK
+from engine.serve.guard import (DEFAULT_KEEP_ALIVE_S, DEFAULT_MAX_BODY, DEFAULT_MAX_CONNECTIONS,
+                                DEFAULT_READ_TIMEOUT_S, LOOPBACK)
 from engine.serve.server import DEFAULT_QUEUE_TIMEOUT_S
+from engine.serve.shutdown import DEFAULT_GRACE_S
 
 ANY_ADDRESS = ("0.0.0.0", "::", "")
 
@@ -15,6 +17,9 @@ ANY_ADDRESS = ("0.0.0.0", "::", "")
 @click.command("serve")
 @click.option("--model", "model_name", default="tiny", show_default=True,
               help="registered name or path; also the name clients send as `model`")
+@click.option("--served-model-name", "served_names", multiple=True, metavar="NAME",
+              help="the name clients send as `model` and responses carry (repeatable: the first is reported, "
+                   "all are accepted; default: --model's value). A request without `model` gets the served model")
 @click.option("--attention", type=click.Choice(["softmax", "linear", "hybrid"]),
               help="default path (default: the model's own); requests may pick another with `attention`")
 @click.option("--softmax-layers", help="hybrid: layers that keep a KV cache, e.g. 2,9,11, or auto:K")
@@ -34,10 +39,24 @@ ANY_ADDRESS = ("0.0.0.0", "::", "")
 @click.option("--threads", type=int, help="CPU threads (default: 1)")
 @click.option("--max-prompt", type=int, help="prompt tokens per request on every path, else 400 "
                                               "context_length_exceeded (default: --max-context; 0 = no limit)")
+@click.option("--max-tokens-cap", type=int,
+              help="tokens a request may generate; a larger max_tokens is clamped (finish_reason length). "
+                   "Default: the context on softmax/hybrid, 4096 on linear; 0 = no cap")
 @click.option("--queue-timeout", type=float, default=DEFAULT_QUEUE_TIMEOUT_S, show_default=True,
               help="seconds a request may wait for a row, then 503 with Retry-After (0 = no limit)")
 @click.option("--max-body", type=int, default=DEFAULT_MAX_BODY, show_default=True,
               help="bytes a request body may hold, else 413 (0 = no limit)")
+@click.option("--max-connections", type=int,
+              help=f"connections held at once; one more gets 503 and is closed (default: {DEFAULT_MAX_CONNECTIONS}, "
+                   "or half the open-file limit, ulimit -n, when that is lower; 0 = no limit)")
+@click.option("--read-timeout", type=float, default=DEFAULT_READ_TIMEOUT_S, show_default=True,
+              help="seconds a client has to send a request's headers, and between the parts of its body "
+                   "(else the connection closes; a stalled body gets 408); 0 = none")
+@click.option("--timeout-keep-alive", type=float, default=DEFAULT_KEEP_ALIVE_S, show_default=True,
+              help="seconds an idle connection is kept open between requests")
+@click.option("--shutdown-grace", type=float, default=DEFAULT_GRACE_S, show_default=True,
+              help="on SIGTERM/SIGINT: seconds running requests may take to finish (new ones get 503); "
+                   "then open streams end with an error event and [DONE]; a second signal exits at once")
 @click.option("--api-key", envvar="GEN_API_KEY", help="require `Authorization: Bearer KEY` on every route but "
                                                        "/health (default: $GEN_API_KEY; none: no key asked)")
 @click.option("--allow-host", "allow_hosts", multiple=True, metavar="NAME",
@@ -52,7 +71,8 @@ ANY_ADDRESS = ("0.0.0.0", "::", "")
                                                         "server answers")
 def serve_cmd(model_name, attention, softmax_layers, window, feature_map, host, port, max_batch, max_queue,
               max_context, dtype, kv_dtype, backend, threads, max_prompt, queue_timeout, max_body, api_key,
-              allow_hosts, cors_origins, docs, prefill_chunk, open_page=False):
+              allow_hosts, cors_origins, docs, prefill_chunk, max_tokens_cap, max_connections, read_timeout,
+              timeout_keep_alive, shutdown_grace, served_names, open_page=False):
     """Serve MODEL over HTTP: /v1/models, /v1/completions, /v1/chat/completions (OpenAI format, SSE streams),
     and a page at / comparing attention configurations side by side."""
     if max_batch < 1:
@@ -63,25 +83,54 @@ def serve_cmd(model_name, attention, softmax_layers, window, feature_map, host, 
         fail(f"--max-context must be >= 2, got {max_context}")
     if max_prompt is not None and max_prompt < 0:
         fail(f"--max-prompt must be >= 0 (0 = no limit), got {max_prompt}")
+    if max_tokens_cap is not None and max_tokens_cap < 0:
+        fail(f"--max-tokens-cap must be >= 0 (0 = no cap), got {max_tokens_cap}")
     if not queue_timeout >= 0 or queue_timeout == float("inf"):
         fail(f"--queue-timeout must be a number of seconds >= 0 (0 = no limit), got {queue_timeout}")
     if max_body < 0:
         fail(f"--max-body must be >= 0 bytes (0 = no limit), got {max_body}")
+    if max_connections is None:
+        max_connections = default_max_connections()
+    if max_connections < 0:
+        fail(f"--max-connections must be >= 0 (0 = no limit), got {max_connections}")
+    if not 0 <= read_timeout < float("inf"):
+        fail(f"--read-timeout must be a number of seconds >= 0 (0 = none), got {read_timeout}")
+    if not 0 < timeout_keep_alive < float("inf"):
+        fail(f"--timeout-keep-alive must be a number of seconds > 0, got {timeout_keep_alive}")
+    if not 0 <= shutdown_grace < float("inf"):
+        fail(f"--shutdown-grace must be a number of seconds >= 0, got {shutdown_grace}")
     if api_key is not None and not api_key.strip():
         fail("--api-key must not be empty (leave it out to ask for no key)")
+    if any(not n.strip() for n in served_names):
+        fail("--served-model-name takes a non-empty name")
     if any(not h.strip() for h in allow_hosts) or any(not o.strip() for o in cors_origins):
         fail("--allow-host and --cors-origin take a non-empty name")
     if not 0 < port < 65536:
         fail(f"--port must be in 1..65535, got {port}")
     hosts = LOOPBACK + tuple(allow_hosts) + ((host,) if host not in ANY_ADDRESS else ())
-    policy = Policy(api_key=api_key, allow_hosts=hosts, cors_origins=cors_origins, docs=docs, max_body=max_body)
+    policy = Policy(api_key=api_key, allow_hosts=hosts, cors_origins=cors_origins, docs=docs, max_body=max_body,
+                    max_connections=max_connections, read_timeout=read_timeout, keep_alive=timeout_keep_alive)
     if host in ANY_ADDRESS and not allow_hosts:
         click.echo(f"gen serve: listening on every address, but only requests whose Host is {', '.join(LOOPBACK)} "
                    "are answered: add --allow-host NAME (or '*')", err=True)
     server = run_guarded(lambda: open_server(model_name, attention, feature_map, dtype, backend, threads,
                                              max_batch, max_context, max_queue, softmax_layers, window,
                                              kv_dtype, max_prompt=max_prompt, queue_timeout=queue_timeout,
-                                             prefill_chunk=prefill_chunk))
+                                             prefill_chunk=prefill_chunk, max_tokens_cap=max_tokens_cap,
+                                             aliases=served_names))
     if open_page:
         open_when_ready(page_url(host, port))
-    run_guarded(lambda: run(server, host=host, port=port, policy=policy))
+    run_guarded(lambda: run(server, host=host, port=port, policy=policy, grace=shutdown_grace))
+
+
+def default_max_connections() -> int:
+    """DEFAULT_MAX_CONNECTIONS, or half the process's open-file limit when that is lower (the model's
+    files, the native pool and the log need the rest)."""
+    try:
+        import resource
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return DEFAULT_MAX_CONNECTIONS
+    if soft == resource.RLIM_INFINITY:
+        return DEFAULT_MAX_CONNECTIONS
+    return max(1, min(DEFAULT_MAX_CONNECTIONS, soft // 2))

@@ -267,7 +267,7 @@ def describe(x) -> str:
 
 
 SETTINGS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop",
-            "eos_ids", "ignore_eos", "max_context")
+            "eos_ids", "ignore_eos", "max_context", "presence_penalty", "frequency_penalty", "logit_bias")
 
 
 def make_config_for(call: str, settings: dict) -> GenerationConfig:
@@ -285,15 +285,18 @@ def make_config(*, max_new_tokens: int = 256, temperature: float = 0.8, top_k: i
                 top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
                 seed: int | None = None, stop: str | Sequence[str] | None = None,
                 eos_ids: Sequence[int] | None = None, ignore_eos: bool = False,
-                max_context: int | None = None) -> GenerationConfig:
+                max_context: int | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                logit_bias: dict[int, float] | None = None) -> GenerationConfig:
     """The settings every generating call takes as keyword arguments, checked (InvalidArgumentError).
 
     temperature 0 = greedy; top_k 0, top_p 1, min_p 0, repetition_penalty 1 = off (engine.sampling);
-    seed None = fresh; stop: strings that end the text (cut before them); eos_ids None = the
-    model's and tokenizer's EOS ids; max_context: softmax context per sequence (engine.generate).
+    presence_penalty / frequency_penalty (OpenAI's, in [-2, 2]) 0 = off; logit_bias: {token id:
+    bias in [-100, 100]}; seed None = fresh; stop: strings that end the text (cut before them);
+    eos_ids None = the model's and tokenizer's EOS ids; max_context: softmax context per sequence (engine.generate).
     """
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                              repetition_penalty=repetition_penalty, seed=seed)
+                              repetition_penalty=repetition_penalty, seed=seed, presence_penalty=presence_penalty,
+                              frequency_penalty=frequency_penalty, logit_bias=logit_bias or ())
     return GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                             eos_ids=None if eos_ids is None else tuple(eos_ids),
                             ignore_eos=ignore_eos, max_context=max_context)

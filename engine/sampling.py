@@ -7,9 +7,14 @@ in between, or other requests sampling on the same model, cannot change them. Ro
 batch draws from its own generator seeded with the request's seed, so a batched request
 samples exactly what the same prompt alone would (given equal logits).
 
-Order (that of Hugging Face and llama.cpp): repetition penalty on the raw logits ->
-temperature -> top-k -> top-p -> min-p -> draw. Temperature 0 is greedy: argmax of the
-penalized logits, no division at all.
+Order (that of Hugging Face and llama.cpp): logit bias and repetition penalty on the raw
+logits -> presence/frequency penalties -> temperature -> top-k -> top-p -> min-p -> draw.
+Temperature 0 is greedy: argmax of the biased, penalized logits, no division at all.
+
+OpenAI's settings: `logit_bias` adds a bias in [-100, 100] to a token's logit (-100 bans it, +100
+all but forces it); `presence_penalty` p and `frequency_penalty` f in [-2, 2] lower a token's logit
+by p if it was generated at least once and by f times the number of times it was generated
+(logit -= p * (count > 0) + f * count, OpenAI's formula; generated tokens only, not the prompt).
 
 Repetition penalty (CTRL, Keskar et al. 2019), sign-aware: a seen token's logit is divided
 by the penalty when positive and multiplied by it when negative, so it always moves down and
@@ -43,7 +48,8 @@ CHAT_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 = greedy; top_k 0 = off; top_p 1 = off; min_p 0 = off; penalty 1 = off;
+    """temperature 0 = greedy; top_k 0 = off; top_p 1 = off; min_p 0 = off; penalty 1 =
+    off; presence/frequency penalties 0 = off; logit_bias: (token id, bias) pairs, () = none;
     seed None = a fresh nondeterministic seed (from the OS, not from torch's global RNG)."""
     temperature: float = 1.0
     top_k: int = 0
@@ -51,6 +57,9 @@ class SamplingParams:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple = ()
 
     def __post_init__(self):
         def bad(msg):
@@ -71,10 +80,32 @@ class SamplingParams:
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not 0 <= self.seed < 2 ** 63):
             bad(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            x = getattr(self, name)
+            if not _finite(x) or not -2 <= x <= 2:
+                bad(f"{name} must be in [-2, 2] (0 = off), got {x}")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        try:
+            pairs = [(i, b) for i, b in bias]
+        except (TypeError, ValueError):
+            bad(f"logit_bias must map token ids to biases, got {self.logit_bias!r}")
+        for i, b in pairs:
+            if not isinstance(i, int) or isinstance(i, bool) or i < 0:
+                bad(f"logit_bias keys must be token ids (integers >= 0), got {i!r}")
+            if not _finite(b) or not -100 <= b <= 100:
+                bad(f"logit_bias values must be in [-100, 100], got {b!r} for token {i}")
+        if len({i for i, _ in pairs}) != len(pairs):
+            bad("logit_bias names a token id twice")
+        object.__setattr__(self, "logit_bias", tuple(sorted((i, float(b)) for i, b in pairs)))
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def counts_tokens(self) -> bool:
+        """The presence or frequency penalty is on: a sampler counts the tokens it generates."""
+        return bool(self.presence_penalty or self.frequency_penalty)
 
 
 def _finite(x) -> bool:
@@ -112,6 +143,25 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
     return torch.where(seen, penalized, logits)
 
 
+def apply_logit_bias(logits: torch.Tensor, bias: tuple) -> torch.Tensor:
+    """logits (B, V) float; bias: (token id, value) pairs added to every row."""
+    if not bias:
+        return logits
+    ids = torch.tensor([i for i, _ in bias], device=logits.device)
+    values = torch.tensor([b for _, b in bias], dtype=logits.dtype, device=logits.device)
+    return logits.index_add(-1, ids, values.expand(logits.shape[0], -1))
+
+
+def apply_presence_frequency(logits: torch.Tensor, counts: torch.Tensor, presence: float,
+                             frequency: float) -> torch.Tensor:
+    """logits (B, V) float; counts (B, V): how often each token was generated. OpenAI's penalties:
+    logit -= presence * (count > 0) + frequency * count."""
+    if not presence and not frequency:
+        return logits
+    counts = counts.to(logits.dtype)
+    return logits - presence * (counts > 0).to(logits.dtype) - frequency * counts
+
+
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
     """Keep exactly the k largest logits per row (ties broken by index); k = 0 or >= V: all."""
     if k <= 0 or k >= logits.shape[-1]:
@@ -141,11 +191,16 @@ def min_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     return logits.masked_fill(probs < p * probs.amax(-1, keepdim=True), float("-inf"))
 
 
-def filtered_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None) -> torch.Tensor:
-    """logits (B, V) -> the fp32 logits the draw samples from: penalized, scaled, filtered."""
-    x = logits.float()
+def filtered_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None,
+                    counts: torch.Tensor | None = None) -> torch.Tensor:
+    """logits (B, V) -> the fp32 logits the draw samples from: biased, penalized, scaled, filtered.
+    seen (B, V) bool: tokens in the sequence (repetition penalty); counts (B, V): tokens generated
+    (presence and frequency penalties)."""
+    x = apply_logit_bias(logits.float(), params.logit_bias)
     if seen is not None:
         x = apply_repetition_penalty(x, seen, params.repetition_penalty)
+    if counts is not None:
+        x = apply_presence_frequency(x, counts, params.presence_penalty, params.frequency_penalty)
     if params.greedy:
         return x
     x = x / params.temperature
@@ -178,6 +233,13 @@ def greedy_ids(x: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Ten
     return ids
 
 
+def check_vocab(params: SamplingParams, vocab_size: int) -> None:
+    """InvalidArgumentError when logit_bias names a token id outside the vocabulary."""
+    outside = [i for i, _ in params.logit_bias if i >= vocab_size]
+    if outside:
+        raise InvalidArgumentError(f"logit_bias: token id {outside[0]} is outside the vocabulary (0..{vocab_size - 1})")
+
+
 # ---------------------------------------------------------------------- the stateful sampler
 class Sampler:
     """Samples one token per sequence per step and remembers which tokens each sequence holds.
@@ -187,6 +249,7 @@ class Sampler:
     """
 
     def __init__(self, params: SamplingParams, batch: int, vocab_size: int, device="cpu"):
+        check_vocab(params, vocab_size)
         self.params = params
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         self.seed = seed
@@ -198,6 +261,8 @@ class Sampler:
                 self.generators.append(g)
         self.seen = (torch.zeros(batch, vocab_size, dtype=torch.bool, device=device)
                      if params.repetition_penalty != 1.0 else None)
+        self.counts = (torch.zeros(batch, vocab_size, dtype=torch.int32, device=device)
+                       if params.counts_tokens else None)   # generated tokens, per sequence
 
     def observe(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """tokens (B, T) int64; valid (B, T) bool, False at pads (not counted as seen)."""
@@ -210,7 +275,7 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
         """logits (B, V) -> next tokens (B,) int64."""
-        x = filtered_logits(logits, self.params, self.seen)
+        x = filtered_logits(logits, self.params, self.seen, self.counts)
         if self.params.greedy:
             tokens = greedy_ids(x, logits)
         else:
@@ -222,4 +287,6 @@ class Sampler:
             tokens = torch.cat([torch.multinomial(probs[b], 1, generator=g)
                                 for b, g in enumerate(self.generators)])
         self.observe(tokens[:, None])
+        if self.counts is not None:
+            self.counts.scatter_add_(1, tokens[:, None], torch.ones_like(tokens[:, None], dtype=torch.int32))
         return tokens

@@ -115,7 +115,7 @@ def test_disconnect_mid_stream_frees_the_state_within_a_step(live, path):
 
 
 def test_at_capacity_a_request_gets_429_with_retry_after(small_model_dir):
-    live = LiveServer(make_server(small_model_dir, max_batch=1, max_queue=0))
+    live = LiveServer(make_server(small_model_dir, max_batch=1, max_queue=0, max_tokens_cap=0))   # a row held
     try:
         body = {"model": NAME, "prompt": "the cat", "max_tokens": 100000, "stream": True, "attention": "linear",
                 "ignore_eos": True}

@@ -81,6 +81,7 @@ def test_scheduler_flushes_after_every_iteration_rests_the_pool_and_counts_its_t
 
 class FakeServer:
     name = "m"
+    fingerprint = "fp_test"
 
     def token_text(self, i):
         return f"<{i}>"
@@ -88,6 +89,7 @@ class FakeServer:
 
 class FakeRequest:
     logprobs = 0
+    n = 1
 
 
 async def _collect(queue, events, include_usage=False):
@@ -105,17 +107,24 @@ def test_a_stream_sends_every_waiting_event_in_one_write():
     events = writes[0].split(b"\r\n\r\n")
     assert events[-1] == b"" and events[-2] == b"data: [DONE]"
     chunks = [json.loads(e[len(b"data: "):]) for e in events[:-2]]
-    assert [c["choices"][0]["text"] for c in chunks] == ["a", " b", "c"]
-    assert [c["choices"][0]["logprobs"]["tokens"] for c in chunks] == [["<7>"], ["<8>"], ["<9>"]]
-    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "length"]
+    # the last token's text in a chunk of its own, then an empty one carrying finish_reason (as OpenAI)
+    assert [c["choices"][0]["text"] for c in chunks] == ["a", " b", "c", ""]
+    assert [c["choices"][0]["logprobs"]["tokens"] for c in chunks[:3]] == [["<7>"], ["<8>"], ["<9>"]]
+    assert chunks[3]["choices"][0]["logprobs"] is None
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, None, "length"]
     assert job.cancelled                          # the stream's end releases the job
 
 
-def test_a_failure_ends_the_stream_with_an_error_event():
+def test_a_failure_ends_the_stream_with_an_error_event_and_done():
     writes, _ = asyncio.run(_collect(asyncio.Queue(), [Token(7, "a", None, -0.5), Failure("boom")]))
     events = b"".join(writes).split(b"\r\n\r\n")
-    assert json.loads(events[1][len(b"data: "):])["error"]["message"] == "boom"
-    assert b"[DONE]" not in b"".join(writes)
+    err = json.loads(events[1][len(b"data: "):])["error"]
+    assert err["message"] == "boom" and err["code"] == "internal_error"
+    assert events[2:] == [b"data: [DONE]", b""]   # a client reading to [DONE] is not left waiting
+    writes, _ = asyncio.run(_collect(asyncio.Queue(), [Failure("the server is shutting down", 503)]))
+    events = b"".join(writes).split(b"\r\n\r\n")
+    assert json.loads(events[0][len(b"data: "):])["error"]["code"] == "shutting_down"
+    assert events[1:] == [b"data: [DONE]", b""]
 
 
 def test_sse_framing_equals_sse_starlettes_event():

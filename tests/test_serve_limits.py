@@ -164,6 +164,30 @@ def test_max_prompt_defaults_to_the_context_and_zero_is_no_limit(small_model_dir
         srv.stop()
 
 
+def test_max_tokens_is_capped_on_every_path(small_model_dir):
+    """--max-tokens-cap clamps max_tokens (finish_reason "length"); by default a linear request, which
+    nothing else bounds, is capped at DEFAULT_LINEAR_MAX_TOKENS_CAP, a softmax one by its context."""
+    from engine.serve.schemas import CompletionRequest, parse
+    from engine.serve.server import DEFAULT_LINEAR_MAX_TOKENS_CAP
+    server = make_server(small_model_dir)
+
+    def job(path, **kw):
+        req = parse(CompletionRequest, dict(GOOD, prompt=[1, 2, 3], attention=path, **kw))
+        return server.make_job(req, [1, 2, 3], print, None)
+    assert job("linear", max_tokens=10 ** 12).max_tokens == DEFAULT_LINEAR_MAX_TOKENS_CAP
+    assert job("softmax", max_tokens=10 ** 12).max_tokens == server.max_context - 3
+    assert job("linear", max_tokens=7).max_tokens == 7
+    server.max_tokens_cap = 0   # no cap: the linear request gets what it asks
+    assert job("linear", max_tokens=10 ** 12).max_tokens == 10 ** 12
+    srv = LiveServer(make_server(small_model_dir, max_tokens_cap=5))
+    try:
+        for path in ("linear", "softmax"):
+            r = post(srv, attention=path, max_tokens=10 ** 12, ignore_eos=True).json()
+            assert r["usage"]["completion_tokens"] == 5 and r["choices"][0]["finish_reason"] == "length"
+    finally:
+        srv.stop()
+
+
 def test_prompts_are_tokenized_off_the_event_loop(live):
     """The body is parsed and the prompt tokenized in a worker thread: a big prompt does not stall the
     loop every stream is served from."""
@@ -233,9 +257,78 @@ def test_a_chunked_body_is_refused_as_soon_as_it_passes_max_body():
     assert (b"connection", b"close") in sent[0]["headers"]
 
 
+# ---------------------------------------------------------------------- connections
+def closed_within(sock: socket.socket, seconds: float) -> bytes | None:
+    """What the server sent on `sock` before closing it, or None if it is still open after `seconds`."""
+    sock.settimeout(seconds)
+    out = b""
+    try:
+        while chunk := sock.recv(65536):
+            out += chunk
+    except socket.timeout:
+        return None
+    except ConnectionResetError:
+        pass
+    return out
+
+
+def test_silent_and_half_sent_connections_are_closed_and_the_server_keeps_answering(small_model_dir):
+    """Connections that send nothing, half a request's headers, or its headers a byte at a time are
+    closed after --read-timeout; one over --max-connections gets a 503 at once; then /health answers."""
+    srv = LiveServer(make_server(small_model_dir), Policy(max_connections=12, read_timeout=0.5))
+    socks = []
+    try:
+        socks = [socket.create_connection(("127.0.0.1", srv.port), timeout=5) for _ in range(8)]
+        for s in socks[4:]:   # half a request's headers
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: appl")
+        drip = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+        socks.append(drip)
+        time.sleep(0.2)       # the server has taken them all in
+        extra = [socket.create_connection(("127.0.0.1", srv.port), timeout=5) for _ in range(6)]
+        socks += extra
+        answers = [closed_within(s, 5) for s in extra[3:]]   # 13th..15th: over the limit of 12
+        assert all(a is not None and a.startswith(b"HTTP/1.1 503") for a in answers), answers
+        assert json.loads(answers[0].partition(b"\r\n\r\n")[2])["error"]["code"] == "too_many_connections"
+        t0, sent = time.monotonic(), 0
+        for byte in b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n":   # slowloris: a byte every 50 ms
+            try:
+                drip.sendall(bytes([byte]))
+            except OSError:
+                break
+            sent += 1
+            time.sleep(0.05)
+        assert closed_within(drip, 5) is not None and time.monotonic() - t0 < 3, sent   # the deadline ran from byte 1
+        for s in socks[:8] + extra[:3]:
+            assert closed_within(s, 5) is not None     # closed by the server, nothing answered
+        assert httpx.get(srv.url + "/health", timeout=5).status_code == 200
+    finally:
+        for s in socks:
+            s.close()
+        srv.stop()
+
+
+def test_a_stalled_body_gets_408_and_idle_connections_close(small_model_dir):
+    srv = LiveServer(make_server(small_model_dir), Policy(read_timeout=0.5, keep_alive=0.5))
+    try:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 100\r\n\r\n{\"model\": ")   # 10 of 100 bytes, then nothing
+            answer = closed_within(s, 5)
+        assert answer is not None and answer.startswith(b"HTTP/1.1 408"), answer
+        assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == "request_timeout"
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:   # keep-alive, then idle
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            answer = closed_within(s, 5)
+        assert answer is not None and b" 200 " in answer.split(b"\r\n")[0]
+        assert post(srv, GOOD).status_code == 200
+    finally:
+        srv.stop()
+
+
 # ---------------------------------------------------------------------- the queue
 def hold_the_row(live):
-    """A stream that holds the server's only row until closed (linear, ignore_eos, a huge max_tokens)."""
+    """A stream that holds the server's only row until closed (linear, ignore_eos, a huge max_tokens: the
+    server needs max_tokens_cap=0)."""
     body = {"model": NAME, "prompt": "the cat", "max_tokens": 10 ** 6, "stream": True, "attention": "linear",
             "ignore_eos": True}
     h = httpx.Client(timeout=30)
@@ -263,7 +356,8 @@ def test_clients_that_gave_up_while_queued_leave_the_queue_at_once(small_model_d
     """N clients time out while queued (streaming and not): the queue is empty again and the next
     request is queued, not refused with 429 (before, every gone client kept its place)."""
     n = 4
-    srv = LiveServer(make_server(small_model_dir, max_batch=1, max_queue=n, queue_timeout=1.0))
+    srv = LiveServer(make_server(small_model_dir, max_batch=1, max_queue=n, queue_timeout=1.0,
+                                  max_tokens_cap=0))
     try:
         h, cm, _ = hold_the_row(srv)
         try:
@@ -295,7 +389,8 @@ def test_queued_requests_time_out_with_503_and_retry_after(small_model_dir):
     """N queued requests wait past queue_timeout: each gets 503 with Retry-After, the queue is empty,
     and once the row frees a new request is served."""
     n = 3
-    srv = LiveServer(make_server(small_model_dir, max_batch=1, max_queue=n, queue_timeout=0.5))
+    srv = LiveServer(make_server(small_model_dir, max_batch=1, max_queue=n, queue_timeout=0.5,
+                                  max_tokens_cap=0))
     try:
         h, cm, _ = hold_the_row(srv)
         try:
@@ -334,7 +429,14 @@ def test_a_job_cancelled_in_the_queue_leaves_it_at_once(small_model_dir):
 @pytest.mark.parametrize("args,what", [(["--max-queue", "-1"], "--max-queue"), (["--max-prompt", "-1"], "--max-prompt"),
                                        (["--queue-timeout", "-1"], "--queue-timeout"),
                                        (["--queue-timeout", "nan"], "--queue-timeout"),
-                                       (["--max-body", "-5"], "--max-body"), (["--api-key", " "], "--api-key"),
+                                       (["--max-body", "-5"], "--max-body"),
+                                       (["--max-tokens-cap", "-1"], "--max-tokens-cap"),
+                                       (["--max-connections", "-1"], "--max-connections"),
+                                       (["--read-timeout", "inf"], "--read-timeout"),
+                                       (["--timeout-keep-alive", "0"], "--timeout-keep-alive"),
+                                       (["--served-model-name", " "], "--served-model-name"),
+                                       (["--shutdown-grace", "-1"], "--shutdown-grace"),
+                                       (["--api-key", " "], "--api-key"),
                                        (["--allow-host", ""], "--allow-host")],
                          ids=lambda x: " ".join(x) if isinstance(x, list) else None)
 def test_gen_serve_refuses_bad_limits_in_one_line(args, what):

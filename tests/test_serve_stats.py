@@ -41,7 +41,10 @@ def test_every_chunk_carries_the_rows_own_numbers(live, path):
     chunks = stream(live, {"prompt": "the cat sat on", "max_tokens": 12, "ignore_eos": True, "attention": path,
                            "stream_options": {"include_stats": True, "include_usage": True}})
     usage = chunks[-1]["usage"]
-    tokens = [c for c in chunks if c["choices"]]      # a token whose text is held back sends no chunk
+    # a token whose text is held back sends no chunk; the last token's finish_reason comes in a chunk of its own
+    tokens = [c for c in chunks if c["choices"] and not c["choices"][0]["finish_reason"]]
+    finish = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert len(finish) == 1 and finish[0]["gen"] == tokens[-1]["gen"]
     assert all("gen" in c for c in tokens) and tokens[-1]["gen"]["completion_tokens"] == 12
     counted = [c["gen"]["completion_tokens"] for c in tokens]
     assert counted == sorted(set(counted))
@@ -77,7 +80,7 @@ def test_hybrid_and_window_rows(small_model_dir):
         for path in ("hybrid", "linear"):
             chunks = stream(srv, {"prompt": "the cat sat on", "max_tokens": 8, "ignore_eos": True, "attention": path,
                                   "stream_options": {"include_stats": True}})
-            seen = [c["gen"]["state_bytes"] for c in chunks]
+            seen = [c["gen"]["state_bytes"] for c in chunks if not c["choices"][0]["finish_reason"]]
             for c in chunks:
                 held = c["gen"]["state_tokens"]
                 assert c["gen"]["state_bytes"] == model.init_state(batch=1, max_len=held, attention=path).nbytes

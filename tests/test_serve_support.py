@@ -11,7 +11,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("sse_starlette")
 
 from engine.api import load                    # noqa: E402
-from engine.serve import PrefixCache, Server, create_app   # noqa: E402
+from engine.serve import GracefulServer, PrefixCache, Server, create_app, uvicorn_config   # noqa: E402
+from engine.serve.guard import Policy   # noqa: E402
 
 NAME = "small"
 BACKEND = "auto"   # the server default
@@ -28,11 +29,15 @@ def chat_model_dir(tmp_path_factory):
 class LiveServer:
     """`server` behind uvicorn in a daemon thread; `.url`, `.stop()`. Starts and stops within seconds."""
 
-    def __init__(self, server: Server, policy=None):
+    def __init__(self, server: Server, policy=None, grace: float | None = None):
+        """grace: serve through engine.serve.shutdown's GracefulServer (`.uv.begin()` starts its drain,
+        as a first SIGTERM would), without its hard exit."""
         self.server = server
-        self.app = create_app(server, policy)   # policy None: the default Policy()
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning")
-        self.uv = uvicorn.Server(config)
+        policy = policy if policy is not None else Policy()
+        self.app = create_app(server, policy)
+        config = uvicorn_config(self.app, policy, host="127.0.0.1", port=0, log_level="warning")
+        self.uv = (uvicorn.Server(config) if grace is None
+                   else GracefulServer(config, server, grace=grace, hard_exit=False))
         self.thread = threading.Thread(target=self.uv.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 20

@@ -2,21 +2,21 @@
 
     from engine.serve import Server, create_app, run
     server = Server(llm, name="tiny", max_batch=16, max_context=256)
-    run(server, host="127.0.0.1", port=8000)       # or: uvicorn.run(create_app(server), ...)
+    run(server, host="127.0.0.1", port=8000)       # SIGTERM/SIGINT drain it (engine.serve.shutdown)
     run(server, policy=Policy(api_key="s3cret"))   # who may call: engine.serve.guard
 
 A leaf of the engine: nothing else in engine/ imports it.
 """
 from __future__ import annotations
 
-import uvicorn
-
 from engine.api import load
 from engine.serve.app import create_app
+from engine.serve.connections import uvicorn_config
 from engine.serve.guard import Policy
 from engine.serve.prefix_cache import PrefixCache
 from engine.serve.scheduler import Job, Scheduler
 from engine.serve.server import Server
+from engine.serve.shutdown import DEFAULT_GRACE_S, GracefulServer
 from engine.steps import DEFAULT_PREFILL_CHUNK
 
 
@@ -24,7 +24,8 @@ def open_server(model: str, attention: str | None = None, feature_map: str | Non
                 backend: str = "auto", threads: int | None = None, max_batch: int = 16,
                 max_context: int | None = None, max_queue: int | None = None, softmax_layers=None,
                 window: int | None = None, kv_dtype=None, max_prompt: int | None = None,
-                queue_timeout: float | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> Server:
+                queue_timeout: float | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                max_tokens_cap: int | None = None, aliases: tuple[str, ...] = ()) -> Server:
     """Load `model` (a registered name or a path) and wrap it in a Server named `model` (chat through
     the model's own chat template, when it has one: see `LLM.chat`).
 
@@ -32,25 +33,35 @@ def open_server(model: str, attention: str | None = None, feature_map: str | Non
     the same whatever else is in the batch), else torch; the tests hold batched rows to their solo runs.
     attention/softmax_layers/window: the default configuration, as `load()` (hybrid layers, a sliding
     window and learned maps batch like the plain paths: their states regroup rows the same way).
-    max_prompt / queue_timeout: see Server (None: its defaults). prefill_chunk: see `load`; the
-    scheduler feeds one such block of a long prompt between decode steps.
+    aliases: other names clients may send as `model` (the first of them, when given, is the name
+    the server answers with). max_prompt / queue_timeout / max_tokens_cap: see Server (None: its
+    defaults). prefill_chunk: see `load`; the scheduler feeds one such block of a long prompt between
+    decode steps.
     """
     llm = load(model, attention=attention, feature_map=feature_map, dtype=dtype, backend=backend, threads=threads,
                softmax_layers=softmax_layers, window=window, kv_dtype=kv_dtype, prefill_chunk=prefill_chunk)
     limits = {} if queue_timeout is None else {"queue_timeout": queue_timeout}
-    return Server(llm, name=str(model), max_batch=max_batch, max_context=max_context, max_queue=max_queue,
-                  max_prompt=max_prompt, **limits)
+    names = tuple(aliases) or (str(model),)
+    return Server(llm, name=names[0], aliases=names[1:], max_batch=max_batch, max_context=max_context,
+                  max_queue=max_queue, max_prompt=max_prompt, max_tokens_cap=max_tokens_cap, **limits)
 
 
 def run(server: Server, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
-        policy: Policy | None = None) -> None:
-    """Serve until interrupted (Ctrl-C); prints the prefix cache's figures on the way out.
-    policy: who may call (default Policy(): loopback Host names only, no key, no CORS, no docs)."""
-    uvicorn.run(create_app(server, policy), host=host, port=port, log_level=log_level)
+        policy: Policy | None = None, grace: float = DEFAULT_GRACE_S) -> None:
+    """Serve until SIGTERM or SIGINT (Ctrl-C); prints the prefix cache's figures on the way out.
+    policy: who may call (default Policy(): loopback Host names only, no key, no CORS, no docs).
+    grace: seconds running requests may take to finish after the signal (engine.serve.shutdown)."""
+    policy = policy if policy is not None else Policy()
+    config = uvicorn_config(create_app(server, policy), policy, host=host, port=port, log_level=log_level)
+    GracefulServer(config, server, grace=grace, on_exit=lambda: print_cache_stats(server)).run()
+
+
+def print_cache_stats(server: Server) -> None:
     s = server.scheduler.cache.stats()
     print(f"prefix cache: {s['hits']} hits / {s['misses']} misses, {s['tokens_saved']} prompt tokens "
           f"restored (~{s['time_saved_s']:.2f} s of prefill saved); held: "
           + ", ".join(f"{p}: {d['entries']} prompts, {d['bytes'] / 2**20:.2f} MiB" for p, d in s["by_path"].items()))
 
 
-__all__ = ["Server", "open_server", "create_app", "run", "Policy", "PrefixCache", "Job", "Scheduler"]
+__all__ = ["Server", "open_server", "create_app", "run", "Policy", "PrefixCache", "Job", "Scheduler",
+           "uvicorn_config", "GracefulServer"]

@@ -4,11 +4,12 @@ and /stats. Streaming answers are Server-Sent Events (sse-starlette) ending in `
 Bodies are parsed here (not by FastAPI's 422 machinery) so every bad request is a 400 with an
 OpenAI-style error body; an unknown model is a 404, a full server a 429 with Retry-After, a
 request that waited in the queue past the server's `queue_timeout` a 503 with Retry-After, a
-failure inside the engine a 500 (in a stream, after the 200 has gone: an `error` event, then the
-stream ends). Every other error (unknown route 404, wrong method 405, body too large 413) has
-OpenAI's error body too. A stream's 200 goes out with its first token, so a request that never
-got a row still gets a status. A client that goes away cancels its job: a queued job leaves the
-queue at once, a running one leaves before the next step.
+failure inside the engine a 500 (in a stream, after the 200 has gone: an `error` event, then
+`data: [DONE]`), a request a shutdown ends a 503 `shutting_down` (engine.serve.shutdown). Every
+other error (unknown route 404, wrong method 405, body too large 413) has OpenAI's error body too.
+A stream's 200 goes out with its first token, so a request that never got a row still gets a
+status. A client that goes away cancels its job: a queued job leaves the queue at once, a running
+one leaves before the next step.
 
 Parsing a body and tokenizing its prompt run in a worker thread (Starlette's thread pool), not on
 the event loop: a big prompt does not stall every other stream. Who may call at all (Host, Origin,
@@ -30,7 +31,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request    # what FastAPI hands a route (fastapi.Request is this class)
 from starlette.responses import JSONResponse
 
-from engine.serve.errors import APIError, bad_request, queue_timeout, server_error
+from engine.serve.errors import APIError, bad_request, failure_error, queue_timeout, server_error
 from engine.serve.guard import HostGuard, Policy, RequestGuard
 from engine.serve.page import add_page
 from engine.serve.row_stats import WithStats
@@ -59,7 +60,7 @@ def create_app(server: Server, policy: Policy | None = None) -> "FastAPI":
         try:
             yield
         finally:
-            server.scheduler.stop()
+            server.scheduler.stop(timeout=1.0)   # a shutdown's drain has stopped it already
 
     docs = {} if policy.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="gen", lifespan=lifespan, **docs)
@@ -97,6 +98,8 @@ def create_app(server: Server, policy: Policy | None = None) -> "FastAPI":
 
     @app.get("/health")
     async def health():
+        if server.draining:   # a load balancer stops sending requests here
+            return JSONResponse({"status": "shutting_down", "model": server.name}, status_code=503)
         return {"status": "ok", "model": server.name}
 
     @app.get("/stats")
@@ -105,13 +108,13 @@ def create_app(server: Server, policy: Policy | None = None) -> "FastAPI":
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": server.name, "object": "model", "created": created,
-                                            "owned_by": "gen"}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "gen"}
+                                           for name in server.names]}
 
     @app.get("/v1/models/{name}")
     async def model(name: str):
         server.check_model(name)
-        return {"id": server.name, "object": "model", "created": created, "owned_by": "gen"}
+        return {"id": name, "object": "model", "created": created, "owned_by": "gen"}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -159,16 +162,16 @@ def create_app(server: Server, policy: Policy | None = None) -> "FastAPI":
             return JSONResponse({}, status_code=499)
         if isinstance(events[0], Failure):
             job.cancel()
-            return server_error(events[0].message).response()
+            return failure_error(events[0]).response()
         if req.stream:
             return EventSourceResponse(sse_stream(job, queue, fmt, req.include_usage, events), ping=15)
         try:
             while events is not None:
                 for ev in events:
                     if isinstance(ev, Failure):
-                        return server_error(ev.message).response()
+                        return failure_error(ev).response()
                     fmt.add(ev)
-                    if ev.finish_reason is not None:
+                    if fmt.finished:   # every choice
                         return fmt.whole(usage(job))
                 events = await _wait(request, job, queue)
             return JSONResponse({}, status_code=499)
@@ -235,9 +238,9 @@ async def _pending(queue: asyncio.Queue, timeout: float | None = None) -> list:
 async def sse_stream(job, queue: asyncio.Queue, fmt, include_usage: bool, first: list | None = None):
     """A streaming response's body: SSE events (bytes) for `job`'s tokens (`first`, those already
     taken from the queue, then those reaching `queue`), then the usage chunk (when asked) and
-    `data: [DONE]`; a Failure ends it with an `error` event. Every event already waiting goes out in
-    one write (one ASGI send): a client whose reader fell behind the decode loop catches up in one
-    send, not one per token."""
+    `data: [DONE]`; a Failure ends it with an `error` event and `data: [DONE]`. Every event already
+    waiting goes out in one write (one ASGI send): a client whose reader fell behind the decode loop
+    catches up in one send, not one per token."""
     try:
         opening = [sse(chunk) for chunk in fmt.opening()]
         if opening:
@@ -247,13 +250,11 @@ async def sse_stream(job, queue: asyncio.Queue, fmt, include_usage: bool, first:
             out, events, first = [], first or await _pending(queue), None
             for ev in events:
                 if isinstance(ev, Failure):
-                    out.append(sse(server_error(ev.message).body()))
+                    out += [sse(failure_error(ev).body()), DONE]
                     yield b"".join(out)
                     return
-                chunk = fmt.chunk(ev)
-                if chunk is not None:
-                    out.append(sse(chunk))
-                if ev.finish_reason is not None:
+                out += [sse(chunk) for chunk in fmt.chunks(ev)]
+                if fmt.finished:   # every choice
                     done = True
                     break
             if done:
@@ -318,35 +319,62 @@ def _check_strings(value) -> int:
 
 
 def usage(job) -> dict:
-    p, c = len(job.ids), len(job.generated)
+    """OpenAI's usage of a request: its prompt once, the tokens of every choice."""
+    p, c = len(job.ids), sum(len(j.generated) for j in job.group)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
             "prompt_tokens_details": {"cached_tokens": job.cached_tokens}}
 
 
+class Choice:
+    """One choice's text so far, finish reason, and the format's running logprobs state."""
+
+    def __init__(self):
+        self.text, self.reason, self.logprobs, self.offset = "", None, None, 0
+
+
 class _Format:
-    """What both endpoints' objects share: the text so far, the finish reason, and no chunk for an
-    event that carries nothing. Subclasses say what a token's logprobs look like (`_piece`), how the
-    whole response keeps them (`_keep`) and how one chunk reads (`_chunk`)."""
+    """What both endpoints' objects share: each choice's text so far and finish reason (a request
+    has `n` choices; a Token's index says whose it is), and a stream's chunks as OpenAI sends them:
+    a token's text (and logprobs) in a chunk of its own, then, when it is the choice's last, a chunk
+    with no text carrying the finish_reason (clients that stop at finish_reason lose no token).
+    Subclasses say what a token's logprobs look like (`_piece`), how the whole response keeps them
+    (`_keep`) and how one chunk reads (`_chunk`)."""
 
     prefix = ""
 
     def __init__(self, server: Server, req):
         self.server, self.req = server, req
         self.id, self.created = f"{self.prefix}-{uuid.uuid4().hex}", int(time.time())
-        self.text, self.reason = "", None
+        self.choices = [self._choice() for _ in range(req.n)]
+
+    def _choice(self) -> Choice:
+        return Choice()
+
+    @property
+    def finished(self) -> bool:
+        return all(c.reason is not None for c in self.choices)
 
     def add(self, ev: Token) -> None:
-        piece = self._piece(ev)
+        c = self.choices[ev.index]
+        piece = self._piece(ev, c)
         if piece is not None:
-            self._keep(piece)
-        self.text += ev.text
-        self.reason = ev.finish_reason or self.reason
+            self._keep(c, piece)
+        c.text += ev.text
+        c.reason = ev.finish_reason or c.reason
 
-    def chunk(self, ev: Token):
-        piece = self._piece(ev)
-        if not ev.text and ev.finish_reason is None and piece is None:
-            return None
-        return self._chunk(ev, piece)
+    def chunks(self, ev: Token) -> list:
+        """The stream chunks of one event: none, its text, its finish, or both (in that order)."""
+        c = self.choices[ev.index]
+        piece = self._piece(ev, c)
+        out = [self._chunk(ev.index, ev.text, piece, None)] if ev.text or piece is not None else []
+        if ev.finish_reason is not None:
+            c.reason = ev.finish_reason
+            out.append(self._chunk(ev.index, "", None, ev.finish_reason))
+        return out
+
+    def _object(self, obj: str, choices: list, usage=None) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.server.name,
+                "system_fingerprint": self.server.fingerprint, "choices": choices, "usage": usage}
 
 
 class CompletionFormat(_Format):
@@ -354,38 +382,37 @@ class CompletionFormat(_Format):
 
     prefix = "cmpl"
 
-    def __init__(self, server: Server, req):
-        super().__init__(server, req)
-        self.logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []} \
-            if req.logprobs is not None else None
-        self.offset = 0
+    def _choice(self) -> Choice:
+        c = Choice()
+        if self.req.logprobs is not None:
+            c.logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        return c
 
     def _base(self, choices, usage=None) -> dict:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.server.name,
-                "choices": choices, "usage": usage}
+        return self._object("text_completion", choices, usage)
 
-    def _piece(self, ev: Token) -> dict | None:
+    def _piece(self, ev: Token, c: Choice) -> dict | None:
         if ev.logprob is None:
             return None
         tt = self.server.token_text
         out = {"tokens": [tt(ev.id)], "token_logprobs": [ev.logprob],
-               "top_logprobs": [{tt(i): lp for i, lp in (ev.top or [])}], "text_offset": [self.offset]}
-        self.offset += len(ev.text)
+               "top_logprobs": [{tt(i): lp for i, lp in (ev.top or [])}], "text_offset": [c.offset]}
+        c.offset += len(ev.text)
         return out
 
-    def _keep(self, piece: dict) -> None:
-        for k in self.logprobs:
-            self.logprobs[k] += piece[k]
+    def _keep(self, c: Choice, piece: dict) -> None:
+        for k in c.logprobs:
+            c.logprobs[k] += piece[k]
 
-    def _chunk(self, ev: Token, piece):
-        return self._base([{"index": 0, "text": ev.text, "logprobs": piece, "finish_reason": ev.finish_reason}])
+    def _chunk(self, index: int, text: str, piece, reason):
+        return self._base([{"index": index, "text": text, "logprobs": piece, "finish_reason": reason}])
 
     def opening(self):
         return []
 
     def whole(self, usage: dict) -> dict:
-        return self._base([{"index": 0, "text": self.text, "logprobs": self.logprobs,
-                            "finish_reason": self.reason}], usage)
+        return self._base([{"index": i, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.reason}
+                           for i, c in enumerate(self.choices)], usage)
 
     def usage_chunk(self, usage: dict) -> dict:
         return self._base([], usage)
@@ -396,15 +423,13 @@ class ChatFormat(_Format):
 
     prefix = "chatcmpl"
 
-    def __init__(self, server: Server, req):
-        super().__init__(server, req)
-        self.content = [] if req.logprobs else None
+    def _choice(self) -> Choice:
+        c = Choice()
+        if self.req.logprobs:
+            c.logprobs = []
+        return c
 
-    def _base(self, obj, choices, usage=None) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.server.name,
-                "choices": choices, "usage": usage}
-
-    def _piece(self, ev: Token) -> dict | None:
+    def _piece(self, ev: Token, c: Choice) -> dict | None:
         if ev.logprob is None:
             return None
         tt = self.server.token_text
@@ -414,24 +439,25 @@ class ChatFormat(_Format):
             return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
         return dict(one(ev.id, ev.logprob), top_logprobs=[one(i, lp) for i, lp in (ev.top or [])])
 
-    def _keep(self, piece: dict) -> None:
-        self.content.append(piece)
+    def _keep(self, c: Choice, piece: dict) -> None:
+        c.logprobs.append(piece)
 
-    def _chunk(self, ev: Token, entry):
-        delta = {"content": ev.text} if ev.text else {}
-        return self._base("chat.completion.chunk", [{
-            "index": 0, "delta": delta, "logprobs": {"content": [entry]} if entry else None,
-            "finish_reason": ev.finish_reason}])
+    def _chunk(self, index: int, text: str, entry, reason):
+        delta = {"content": text} if text else {}
+        return self._object("chat.completion.chunk", [{
+            "index": index, "delta": delta, "logprobs": {"content": [entry]} if entry else None,
+            "finish_reason": reason}])
 
     def opening(self):
-        return [self._base("chat.completion.chunk", [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                       "logprobs": None, "finish_reason": None}])]
+        return [self._object("chat.completion.chunk", [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                        "logprobs": None, "finish_reason": None}])
+                for i in range(len(self.choices))]
 
     def whole(self, usage: dict) -> dict:
-        return self._base("chat.completion", [{
-            "index": 0, "message": {"role": "assistant", "content": self.text},
-            "logprobs": {"content": self.content} if self.content is not None else None,
-            "finish_reason": self.reason}], usage)
+        return self._object("chat.completion", [{
+            "index": i, "message": {"role": "assistant", "content": c.text},
+            "logprobs": {"content": c.logprobs} if c.logprobs is not None else None,
+            "finish_reason": c.reason} for i, c in enumerate(self.choices)], usage)
 
     def usage_chunk(self, usage: dict) -> dict:
-        return self._base("chat.completion.chunk", [], usage)
+        return self._object("chat.completion.chunk", [], usage)

@@ -3,12 +3,13 @@
     samplers = [RowSampler(params, prompt_ids, vocab_size) for each job]
     tokens = sample_rows(samplers, logits)          # logits (B, V) -> B token ids (list of int)
 
-Rows that share settings (temperature, top_k, top_p, min_p, repetition penalty) are filtered as one
-(k, V) block by `engine.sampling.filtered_logits` (row-wise pure functions: penalty, temperature,
-top-k, top-p, min-p in that order) and greedy rows take one argmax. A sampled row then draws ONE
-uniform number from its own torch.Generator (seeded with the request's seed) and inverts its own
-CDF (fp64 cumulative sum, `searchsorted`). So a request's tokens depend on its seed and its logits
-only: the same whether it runs alone or in any batch, in any row.
+Rows that share settings (temperature, top_k, top_p, min_p, the penalties, the logit bias) are
+filtered as one (k, V) block by `engine.sampling.filtered_logits` (row-wise pure functions, the
+API's sampler's too: bias, penalties, temperature, top-k, top-p, min-p in that order) and greedy
+rows take one argmax. A sampled row then draws ONE uniform number from its own torch.Generator
+(seeded with the request's seed) and inverts its own CDF (fp64 cumulative sum, `searchsorted`). So
+a request's tokens depend on its seed and its logits only: the same whether it runs alone or in any
+batch, in any row.
 
 Per step a group costs a fixed handful of tensor ops whatever its size (the server's Python per
 token is what batching cannot amortize): a row's uniforms are drawn UNIFORM_BLOCK at a time (CPU
@@ -35,11 +36,13 @@ UNIFORM_BLOCK = 64   # uniforms a sampled row draws from its generator at a time
 
 class RowSampler:
     """One request's sampling state: its settings, its generator, the tokens it has seen (for the
-    repetition penalty: the prompt and every token drawn)."""
+    repetition penalty: the prompt and every token drawn) and how often it drew each (for the
+    presence and frequency penalties)."""
 
     def __init__(self, params: SamplingParams, prompt_ids: list[int], vocab_size: int, device="cpu"):
         self.params = params
-        self.key = (params.temperature, params.top_k, params.top_p, params.min_p, params.repetition_penalty)
+        self.key = (params.temperature, params.top_k, params.top_p, params.min_p, params.repetition_penalty,
+                    params.presence_penalty, params.frequency_penalty, params.logit_bias)
         self.seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         self.generator = None
         if not params.greedy:
@@ -50,10 +53,14 @@ class RowSampler:
         if params.repetition_penalty != 1.0:
             self.seen = torch.zeros(1, vocab_size, dtype=torch.bool, device=device)   # (1, V)
             self.seen[0, torch.as_tensor(prompt_ids, dtype=torch.long, device=device)] = True
+        self.counts = (torch.zeros(1, vocab_size, dtype=torch.int32, device=device)   # (1, V)
+                       if params.counts_tokens else None)
 
     def observe(self, token: int) -> None:
         if self.seen is not None:
             self.seen[0, token] = True
+        if self.counts is not None:
+            self.counts[0, token] += 1
 
     def uniform(self) -> float:
         """The row's next uniform number in [0, 1) (fp64), as torch.rand(1, generator=...) would give it."""
@@ -74,7 +81,8 @@ def sample_rows(samplers: list[RowSampler], logits: torch.Tensor) -> list[int]:
         first = samplers[rows[0]]
         raw = logits if len(rows) == B else logits[rows]                                # (k, V)
         seen = torch.cat([samplers[b].seen for b in rows]) if first.seen is not None else None
-        x = filtered_logits(raw, first.params, seen)
+        counts = torch.cat([samplers[b].counts for b in rows]) if first.counts is not None else None
+        x = filtered_logits(raw, first.params, seen, counts)
         if first.params.greedy:
             tokens = greedy_ids(x, raw).tolist()
         else:

@@ -47,3 +47,13 @@ def queue_timeout(waited_s: float, retry_after: int) -> APIError:
 
 def server_error(message: str) -> APIError:
     return APIError(500, message, "server_error", None, "internal_error")
+
+
+def shutting_down(retry_after: int = 1) -> APIError:
+    return APIError(503, f"The server is shutting down; retry after {retry_after} s (or on another server).",
+                    "server_error", None, "shutting_down", headers={"Retry-After": str(retry_after)})
+
+
+def failure_error(failure) -> APIError:
+    """The error a scheduler Failure (engine.serve.scheduler) is answered with: 503 shutting_down, or 500."""
+    return shutting_down() if failure.status == 503 else server_error(failure.message)

@@ -17,10 +17,15 @@ Refused, each with OpenAI's error body (engine.serve.errors), in this order:
   without a preflight;
 - a body over `max_body` bytes (413, connection closed): refused from its Content-Length before a
   byte is read, else as soon as the bytes received pass the limit (a chunked body is never buffered
-  whole).
+  whole);
+- a body whose next part does not arrive within `read_timeout` seconds (408, connection closed): a
+  client that sends half a body does not hold its handler forever.
+The connection limit and the deadline on request headers are engine.serve.connections' (the
+protocol's): they act before there is a request.
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 from dataclasses import dataclass
 
@@ -29,6 +34,9 @@ from engine.serve.page import PUBLIC_PATHS as PAGE
 
 LOOPBACK = ("localhost", "127.0.0.1", "::1")
 DEFAULT_MAX_BODY = 4 << 20     # bytes: a 4 MiB JSON body holds ~1M tokens of text
+DEFAULT_MAX_CONNECTIONS = 512  # open connections (idle or not); batch rows and queue places are far fewer
+DEFAULT_READ_TIMEOUT_S = 10.0  # seconds for a request's headers, and between the parts of its body
+DEFAULT_KEEP_ALIVE_S = 5.0     # seconds an idle connection is kept between requests (uvicorn's default)
 PUBLIC = frozenset({"/health"}) | PAGE   # the page and its files hold no secret (engine.serve.page)
 DOCS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
@@ -39,18 +47,29 @@ class Policy:
     """The HTTP side's settings. api_key None: no key asked; allow_hosts: Host names answered (no
     port; "*" any); cors_origins: origins a browser page may call from (scheme://host[:port], "*"
     any), empty: CORS off; docs: serve /docs, /redoc and /openapi.json; max_body: bytes a request
-    body may hold (0: no limit)."""
+    body may hold (0: no limit); max_connections: connections held at once (0: no limit; see
+    engine.serve.connections); read_timeout: seconds a client has for a request's headers and
+    between the parts of its body (0: none); keep_alive: seconds an idle connection is kept."""
     api_key: str | None = None
     allow_hosts: tuple[str, ...] = LOOPBACK
     cors_origins: tuple[str, ...] = ()
     docs: bool = False
     max_body: int = DEFAULT_MAX_BODY
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    read_timeout: float = DEFAULT_READ_TIMEOUT_S
+    keep_alive: float = DEFAULT_KEEP_ALIVE_S
 
     def __post_init__(self):
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (None: no key)")
         if self.max_body < 0:
             raise ValueError(f"max_body must be >= 0 (0 = no limit), got {self.max_body}")
+        if self.max_connections < 0:
+            raise ValueError(f"max_connections must be >= 0 (0 = no limit), got {self.max_connections}")
+        if not 0 <= self.read_timeout < float("inf"):
+            raise ValueError(f"read_timeout must be a number of seconds >= 0 (0 = none), got {self.read_timeout}")
+        if not 0 < self.keep_alive < float("inf"):
+            raise ValueError(f"keep_alive must be a number of seconds > 0, got {self.keep_alive}")
         object.__setattr__(self, "allow_hosts", tuple(_name(h) for h in self.allow_hosts))
         object.__setattr__(self, "cors_origins", tuple(o.rstrip("/") for o in self.cors_origins))
 
@@ -141,10 +160,10 @@ class RequestGuard:
             return await _refuse(send, APIError(
                 415, f"The request body must be JSON (Content-Type: application/json), got {media or 'none'!r}",
                 code="unsupported_media_type"), close=True)
-        if not p.max_body:
+        if not p.max_body and not p.read_timeout:
             return await self.app(scope, receive, send)
         declared = headers.get("content-length")
-        if declared is not None:
+        if declared is not None and p.max_body:
             if not declared.strip().isdigit():
                 return await _refuse(send, APIError(400, f"Content-Length {declared!r} is not a number",
                                                     code="invalid_content_length"), close=True)
@@ -153,14 +172,20 @@ class RequestGuard:
         await self._limited(scope, receive, send)
 
     async def _limited(self, scope, receive, send):
-        limit, seen, started = self.policy.max_body, 0, False
+        limit, timeout, seen, started, whole = self.policy.max_body, self.policy.read_timeout or None, 0, False, False
 
         async def counted_receive():
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, whole
+            if whole:   # the body is in: what follows is a wait for the client to go (no deadline)
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), timeout)
+            except asyncio.TimeoutError:
+                raise too_slow(timeout) from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > limit:
+                whole = not message.get("more_body", False)
+                if limit and seen > limit:
                     raise too_large(limit)
             return message
 
@@ -172,7 +197,7 @@ class RequestGuard:
         try:
             await self.app(scope, counted_receive, watched_send)
         except APIError as e:   # a body over the limit read by code that let the error through
-            if started or e.status != 413:
+            if started or e.status not in (408, 413):
                 raise
             await _refuse(send, e, close=True)
 
@@ -188,4 +213,10 @@ def too_large(limit: int) -> APIError:
                     code="request_too_large", headers={"Connection": "close"})
 
 
-__all__ = ["Policy", "HostGuard", "RequestGuard", "LOOPBACK", "DEFAULT_MAX_BODY", "too_large"]
+def too_slow(timeout: float) -> APIError:
+    """408; the connection closes after it."""
+    return APIError(408, f"The request body stalled: no part of it arrived for {timeout:g} s (--read-timeout)",
+                    code="request_timeout", headers={"Connection": "close"})
+
+
+__all__ = ["Policy", "HostGuard", "RequestGuard", "LOOPBACK", "DEFAULT_MAX_BODY", "too_large", "too_slow"]

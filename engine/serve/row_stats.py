@@ -84,11 +84,14 @@ class WithStats:
     def __getattr__(self, name):
         return getattr(self.fmt, name)
 
-    def chunk(self, ev):
+    def chunks(self, ev) -> list:
+        """The wrapped format's chunks of one event, each with this row's numbers after it."""
         self._count(ev)
-        out = self.fmt.chunk(ev)
-        if out is not None:
-            out["gen"] = self.stats()
+        out = self.fmt.chunks(ev)
+        if out:
+            stats = self.stats()
+            for chunk in out:
+                chunk["gen"] = stats
         return out
 
     def _count(self, ev) -> None:

@@ -7,6 +7,9 @@
     job.cancel()                # the client went away: a queued job leaves the queue at once, a
                                 # running one leaves before the next step
     scheduler.withdraw(job)     # True when the job was still queued (it is then out of the queue)
+    scheduler.drain()           # shutting down: queued jobs fail (503), submit raises Closed, the
+                                # running ones go on; scheduler.busy says whether any is left
+    scheduler.stop()            # the loop ends; every job still in it fails (503)
 
 Each attention path has a `Pool`: one batch state holding every active sequence of that path
 and the jobs in row order. A loop iteration (1) admits queued jobs: each gets a batch-1 state
@@ -21,6 +24,10 @@ right-aligned, its leading slots masked pads, so it keeps its own positions); (3
 step per pool over every row; (4) drops finished and cancelled rows (`State.select_rows`, which
 also trims pad slots no kept row needs). Prompts being prefilled hold a row's place: they count
 against max_batch.
+
+A request for n choices is one job with n - 1 `copies`: queued, admitted and cancelled as one
+(it takes n rows); its prompt is prefilled once and each copy starts from a copy of that state
+(`State.select_rows`), with its own sampler (the server gives choice i the seed + i).
 
 A request's tokens do not depend on what else runs: each job has its own `RowSampler` (its own
 seeded torch.Generator; a step samples every row in one pass, engine.serve.batch_sampling), its
@@ -57,12 +64,21 @@ class Token:
     finish_reason: str | None               # "stop" | "length" on the last token
     logprob: float | None = None            # log p(chosen) under the model (before sampling filters)
     top: list[tuple[int, float]] | None = None   # the top_logprobs alternatives (id, logprob)
+    index: int = 0                          # the choice it belongs to (a request with n > 1)
 
 
 @dataclass
 class Failure:
-    """The job failed inside the engine (HTTP 500)."""
+    """The job failed inside the engine (HTTP 500), or the server is shutting down (503)."""
     message: str
+    status: int = 500
+
+
+SHUTTING_DOWN = "the server is shutting down"   # the Failure (503) of jobs a shutdown ends
+
+
+class Closed(Exception):
+    """The scheduler admits nothing more (it is draining or stopped)."""
 
 
 @dataclass(eq=False)
@@ -77,6 +93,9 @@ class Job:
     logprobs: int | None = None               # None: none; k >= 0: the chosen token's and the top k
     ignore_eos: bool = False
     eos_ids: frozenset | None = None          # None: the model's and tokenizer's EOS ids
+    index: int = 0                            # its choice (Token.index)
+    copies: list = field(default_factory=list)   # the request's other choices (n > 1): they share this
+    #                                           job's prefill, are queued and cancelled with it
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     cached_tokens: int = 0                    # prompt tokens restored from the prefix cache
@@ -86,8 +105,24 @@ class Job:
 
     def cancel(self) -> None:
         self._cancelled.set()
+        for copy in self.copies:
+            copy._cancelled.set()
         if self._withdraw is not None:
             self._withdraw(self)
+
+    @property
+    def size(self) -> int:
+        """Batch rows it takes: itself and its copies."""
+        return 1 + len(self.copies)
+
+    @property
+    def group(self) -> list:
+        return [self] + self.copies
+
+    def fail(self, message: str, status: int = 500) -> None:
+        """Send a Failure to this job and its copies (a shared prefill failed, or a shutdown)."""
+        for job in self.group:
+            job.emit(Failure(message, status))
 
     @property
     def cancelled(self) -> bool:
@@ -143,6 +178,7 @@ class Scheduler:
         self.cond = threading.Condition()
         self.thread: threading.Thread | None = None
         self._stopping = False
+        self.closed = False           # drain() or stop(): nothing more is admitted
         self.steps = 0                # decode steps run (one per pool per iteration)
         self.failures = 0             # steps or prefills that raised
         self.peak_active = 0          # most sequences decoded in one iteration
@@ -156,27 +192,51 @@ class Scheduler:
 
     # ------------------------------------------------------------------ control
     def start(self) -> None:
-        self._stopping = False
+        self._stopping = self.closed = False
         self.thread = threading.Thread(target=self._loop, name="gen-serve-scheduler", daemon=True)
         self.thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
+        """End the loop (waits up to `timeout` s for its iteration to finish); every job still queued,
+        prefilling or decoding gets Failure(SHUTTING_DOWN, 503)."""
         with self.cond:
-            self._stopping = True
+            self._stopping = self.closed = True
             self.cond.notify_all()
         if self.thread is not None:
             self.thread.join(timeout)
-        for job in (list(self.pending) + [p.run.job for p in self.prefilling]
-                    + [r.job for p in self.pools.values() for r in p.rows]):
-            job.emit(Failure("the server is shutting down"))
+        for job in list(self.pending) + [p.run.job for p in self.prefilling]:
+            job.fail(SHUTTING_DOWN, 503)
+        for job in [r.job for p in self.pools.values() for r in p.rows]:
+            job.emit(Failure(SHUTTING_DOWN, 503))
         self.pending.clear()
         self.prefilling.clear()
         self.pools.clear()
         self._flush()
 
-    def submit(self, job: Job) -> None:
+    def drain(self) -> None:
+        """Admit nothing more: queued jobs get Failure(SHUTTING_DOWN, 503) and `submit` raises Closed;
+        the jobs already prefilling or decoding run on (to their end, or to `stop`)."""
         with self.cond:
-            if self.active + self.admitting + len(self.prefilling) + len(self.pending) >= self.max_batch + self.max_queue:
+            self.closed = True
+            queued = list(self.pending)
+            self.pending.clear()
+        for job in queued:
+            job.fail(SHUTTING_DOWN, 503)
+        self._flush()
+
+    @property
+    def busy(self) -> bool:
+        """Some job is queued, being admitted, prefilled or decoded."""
+        return bool(self.pending or self.admitting or self.prefilling or self.active)
+
+    def submit(self, job: Job) -> None:
+        if job.size > self.max_batch:   # it would wait for room that never comes
+            raise ValueError(f"a job with {job.size} choices needs more rows than max_batch={self.max_batch}")
+        with self.cond:
+            if self.closed:
+                raise Closed()
+            if self.active + self.admitting + self.prefilling_rows + self.queued_rows + job.size \
+                    > self.max_batch + self.max_queue:
                 raise Full()
             job._withdraw = self.withdraw
             self.pending.append(job)
@@ -198,6 +258,15 @@ class Scheduler:
     def active(self) -> int:
         """Sequences holding a decoding state (rows of the batch states)."""
         return sum(len(p.rows) for p in list(self.pools.values()))
+
+    @property
+    def prefilling_rows(self) -> int:
+        """Rows the prompts being prefilled will take (a request with n choices takes n)."""
+        return sum(p.run.job.size for p in list(self.prefilling))
+
+    @property
+    def queued_rows(self) -> int:
+        return sum(job.size for job in list(self.pending))
 
     @property
     def states(self) -> int:
@@ -224,19 +293,23 @@ class Scheduler:
                     self.cond.wait(0.5)
                 if self._stopping:
                     return
-                room = self.max_batch - self.active - len(self.prefilling)
-                new = [self.pending.popleft() for _ in range(min(room, len(self.pending)))]
-                self.admitting = len(new)   # taken from the queue, not yet rows: they still count
+                room = self.max_batch - self.active - self.prefilling_rows
+                new = []
+                while self.pending and self.pending[0].size <= room:   # in order: a big group waits its turn
+                    new.append(self.pending.popleft())
+                    room -= new[-1].size
+                self.admitting = sum(job.size for job in new)   # out of the queue, not yet rows: still counted
             t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 self._iterate(new)
             except Exception as e:   # noqa: BLE001 -- a bug in the loop itself: fail what is in flight, go on
                 rows = [r for pool in self.pools.values() for r in pool.rows] + [p.run for p in self.prefilling]
                 in_pools = {id(r.job) for r in rows}
+                copies = [c for p in self.prefilling for c in p.run.job.copies]
                 self.pools.clear()
                 self.prefilling.clear()
                 self._fail(Pool(), rows, e)
-                for job in new:
+                for job in [j for leader in new for j in leader.group] + copies:
                     if job.finish_reason is None and id(job) not in in_pools:
                         job.emit(Failure(f"scheduler error: {type(e).__name__}: {e}"))
             finally:
@@ -269,13 +342,12 @@ class Scheduler:
             admitted = self._admit(job, hits[id(job)], ready.get(id(job)))
             if isinstance(admitted, Prefill):
                 self.prefilling.append(admitted)
-            elif admitted is not None:
-                joining.setdefault(job.path, []).append(admitted)
+            else:
+                joining.setdefault(job.path, []).extend(admitted)
         self.admitting = 0
         for prefill in self._feed():
-            admitted = self._first_token(prefill.run, prefill.state, prefill.logits)
-            if admitted is not None:
-                joining.setdefault(prefill.run.job.path, []).append(admitted)
+            joining.setdefault(prefill.run.job.path, []).extend(
+                self._first_tokens(prefill.run, prefill.state, prefill.logits))
         for path, items in joining.items():
             self._join(path, items)
         for path in list(self.pools):
@@ -314,7 +386,7 @@ class Scheduler:
                 self.cache.put(job.path, job.ids, p.state, p.logits)
         except Exception as e:   # noqa: BLE001 -- a failed prefill fails this request only
             self.failures += 1
-            job.emit(Failure(f"prefill failed: {type(e).__name__}: {e}"))
+            job.fail(f"prefill failed: {type(e).__name__}: {e}")
             p.done, p.logits = len(job.ids), None
 
     def _prefill_together(self, jobs: list[Job]) -> dict:
@@ -343,29 +415,43 @@ class Scheduler:
 
     def _admit(self, job: Job, hit=None, ready=None):
         """Start `job`. With `ready` (state, logits: prefilled with others) or a prefix cache `hit`
-        (entry, tokens) holding its whole prompt, sample its first token now: (Running, batch-1 state),
-        or None when it is already finished. Otherwise a Prefill (a fresh state, or the cached
-        prefix's) for `_feed`."""
+        (entry, tokens) holding its whole prompt, sample its first token now (and its copies'): a
+        list of (Running, batch-1 state) for those that go on. Otherwise a Prefill (a fresh state,
+        or the cached prefix's) for `_feed`."""
         try:
             run = Running(job, self.tokenizer, self.model.config.vocab_size, self.model.device)
             need = len(job.ids) + job.max_tokens
             if ready is not None:
                 state, logits = ready
                 self.cache.put(job.path, job.ids, state, logits)
-                return self._first_token(run, state, logits)
+                return self._first_tokens(run, state, logits)
             if hit is not None:
                 entry, n = hit
                 state = entry.state.select_rows([0], max_len=need)
                 job.cached_tokens = n
                 if n == len(job.ids):
-                    return self._first_token(run, state, entry.logits)
+                    return self._first_tokens(run, state, entry.logits)
                 return Prefill(run, state, n)
             return Prefill(run, self.model.init_state(batch=1, max_len=need, attention=job.path,
                                                       feature_map=self.feature_map), 0)
         except Exception as e:   # noqa: BLE001 -- a failed prefill fails this request only
             self.failures += 1
-            job.emit(Failure(f"prefill failed: {type(e).__name__}: {e}"))
-            return None
+            job.fail(f"prefill failed: {type(e).__name__}: {e}")
+            return []
+
+    def _first_tokens(self, run: Running, state, logits) -> list:
+        """A prefilled job and its copies (n > 1: each gets a copy of the prompt's state; one prefill
+        for all) sample and send their first tokens: (Running, state) for each that goes on."""
+        starts = [(run, state)]
+        for copy in run.job.copies:
+            try:
+                copy.cached_tokens = run.job.cached_tokens
+                starts.append((Running(copy, self.tokenizer, self.model.config.vocab_size, self.model.device),
+                               state.select_rows([0], max_len=len(copy.ids) + copy.max_tokens)))
+            except Exception as e:   # noqa: BLE001
+                self.failures += 1
+                copy.emit(Failure(f"prefill failed: {type(e).__name__}: {e}"))
+        return [item for item in (self._first_token(r, st, logits) for r, st in starts) if item is not None]
 
     def _first_token(self, run: Running, state, logits):
         """Sample and send a prefilled job's first token: (Running, state) if it goes on, else None."""
@@ -475,5 +561,5 @@ class Scheduler:
             if run.decoder is not None:
                 text += run.stopper.push(run.decoder.finish()) + run.stopper.finish()
             job.finish_reason = reason
-        job.emit(Token(tok, text, reason, logprob, top))
+        job.emit(Token(tok, text, reason, logprob, top, job.index))
         return reason is None

@@ -2,18 +2,27 @@
 
 The fields OpenAI defines plus the engine's own (`top_k`, `min_p`, `repetition_penalty`,
 `attention`, `ignore_eos`). Fields OpenAI defines that this engine does not implement are accepted only at
-their neutral value (`presence_penalty`/`frequency_penalty` 0, `n` 1, `best_of` 1, no `echo`).
+their neutral value (`best_of` 1, no `echo`, `response_format` text: structured output is refused
+with a 400 naming it). `n` choices (up to MAX_N), `presence_penalty` / `frequency_penalty`,
+`logit_bias`, a negative `seed` (random) and `top_p` 0 (greedy) are OpenAI's.
 `ignore_eos` (vLLM's name) runs to max_tokens whatever is sampled: fixed-length benchmark runs.
 """
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from engine.serve.errors import bad_request
 
 MAX_TOP_LOGPROBS = 20
+MAX_N = 16        # choices per request (each is a batch row: the server refuses more than its max_batch)
+MAX_LOGIT_BIAS = 300   # tokens a logit_bias may name (OpenAI's limit)
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
 
 
 class StreamOptions(BaseModel):
@@ -26,19 +35,20 @@ class Sampling(BaseModel):
     """What both endpoints share."""
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    model: str
+    model: str | None = None          # None: the served model
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=0, lt=2 ** 63)
+    top_p: float = Field(default=1.0, ge=0.0, le=1.0)             # 0: greedy
+    seed: int | None = Field(default=None, ge=-(2 ** 63), lt=2 ** 63)   # negative: random
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
     user: str | None = None
     # the engine's own
     top_k: int = Field(default=0, ge=0)
@@ -47,14 +57,31 @@ class Sampling(BaseModel):
     attention: Literal["softmax", "linear", "hybrid"] | None = None
     ignore_eos: bool = False          # as vLLM: run to max_tokens (benchmarks)
 
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, fmt):
+        if fmt is not None and fmt.type != "text":
+            if fmt.type in ("json_object", "json_schema"):
+                raise ValueError(f"type {fmt.type!r} is not supported: this server has no structured "
+                                 "(JSON-constrained) output yet; send type 'text' or leave response_format out")
+            raise ValueError(f"type must be 'text', 'json_object' or 'json_schema', got {fmt.type!r}")
+        return fmt
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_biases(cls, bias):
+        if bias:
+            if len(bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}")
+            for key, value in bias.items():
+                if not key.strip().isdigit():
+                    raise ValueError(f"keys must be token ids (strings of digits), got {key!r}")
+                if not -100 <= value <= 100:
+                    raise ValueError(f"values must be in [-100, 100], got {value} for token {key}")
+        return bias
+
     @model_validator(mode="after")
     def _neutral_only(self):
-        if self.n != 1:
-            raise ValueError("only n=1 is supported")
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty and frequency_penalty are not supported (use repetition_penalty)")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
         if isinstance(self.stop, list) and len(self.stop) > 4:
             raise ValueError("stop takes at most 4 sequences")
         if self.stop is not None and any(not s for s in ([self.stop] if isinstance(self.stop, str) else self.stop)):
@@ -66,6 +93,11 @@ class Sampling(BaseModel):
     @property
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def token_bias(self) -> dict[int, float]:
+        """logit_bias with integer token ids."""
+        return {int(k): v for k, v in (self.logit_bias or {}).items()}
 
     @property
     def include_usage(self) -> bool:

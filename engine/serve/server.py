@@ -13,46 +13,63 @@ only the default cap on generated tokens. `max_prompt` bounds a prompt's tokens 
 (default: max_context, so a linear prompt costs no more prefill time and memory than the longest
 softmax one; 0: no limit): a longer one is a 400 `context_length_exceeded` before it is queued.
 A request that waits in the queue longer than `queue_timeout` seconds (0: forever) leaves it with
-a 503 and Retry-After.
+a 503 and Retry-After. `max_tokens_cap` bounds the tokens a request may generate, on every path:
+a larger `max_tokens` is clamped to it (finish_reason "length", as llama-server clamps n_predict;
+as the softmax context already clamps). Default (None): the context on a KV path (what fits), and
+DEFAULT_LINEAR_MAX_TOKENS_CAP on a linear one, where nothing else would bound it: 16 linear
+streams asking 10^12 tokens with ignore_eos would hold every row forever. 0: no cap (a KV path is
+still bounded by its context).
 """
 from __future__ import annotations
 
 from engine.errors import EngineError
-from engine.sampling import SamplingParams
-from engine.serve.errors import APIError, bad_request, model_not_found, over_capacity
+import hashlib
+import os
+
+from engine.sampling import SamplingParams, check_vocab
+from engine.serve.errors import APIError, bad_request, model_not_found, over_capacity, shutting_down
 from engine.serve.prefix_cache import PrefixCache
-from engine.serve.scheduler import Full, Job, Scheduler
+from engine.serve.scheduler import Closed, Full, Job, Scheduler
 from engine.serve.schemas import ChatRequest, CompletionRequest
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
 RETRY_AFTER_S = 1
 DEFAULT_QUEUE_TIMEOUT_S = 60.0
+DEFAULT_LINEAR_MAX_TOKENS_CAP = 4096   # tokens a linear request may generate unless --max-tokens-cap says
 
 
 class Server:
     def __init__(self, llm, name: str, max_batch: int = 16, max_context: int | None = None,
                  max_queue: int | None = None, cache: PrefixCache | None = None, max_prompt: int | None = None,
-                 queue_timeout: float = DEFAULT_QUEUE_TIMEOUT_S):
+                 queue_timeout: float = DEFAULT_QUEUE_TIMEOUT_S, max_tokens_cap: int | None = None,
+                 aliases: tuple[str, ...] = ()):
         if max_batch < 1:
             raise bad_request(f"max_batch must be >= 1, got {max_batch}")
         if max_queue is not None and max_queue < 0:
             raise bad_request(f"max_queue must be >= 0, got {max_queue}")
         if max_prompt is not None and max_prompt < 0:
             raise bad_request(f"max_prompt must be >= 0 (0 = no limit), got {max_prompt}")
+        if max_tokens_cap is not None and max_tokens_cap < 0:
+            raise bad_request(f"max_tokens_cap must be >= 0 (0 = no cap), got {max_tokens_cap}")
         if not queue_timeout >= 0:
             raise bad_request(f"queue_timeout must be >= 0 seconds (0 = no limit), got {queue_timeout}")
         self.llm, self.name = llm, name
+        self.names = (name,) + tuple(a for a in aliases if a != name)   # what clients may send as `model`
         self.max_context = max_context or llm.model.config.max_position_embeddings
         self.max_prompt = self.max_context if max_prompt is None else max_prompt
         self.queue_timeout, self.retry_after = queue_timeout, RETRY_AFTER_S
+        self.max_tokens_cap = max_tokens_cap
         self._chat_eos: frozenset | None = None
         self._token_texts: dict[int, str] = {}
         self.scheduler = Scheduler(llm.model, llm.tokenizer, llm.step, max_batch=max_batch, max_queue=max_queue,
                                    feature_map=llm.feature_map, cache=cache)
+        self.fingerprint = fingerprint(llm, name)
 
     # ------------------------------------------------------------------ requests -> jobs
-    def check_model(self, name: str) -> None:
-        if name != self.name:
+    def check_model(self, name: str | None) -> None:
+        """A request's `model` must be one of `names`; none given: the served model (as vLLM and
+        llama-server take it)."""
+        if name is not None and name not in self.names:
             raise model_not_found(name, self.name)
 
     def completion_ids(self, req: CompletionRequest) -> list[int]:
@@ -82,6 +99,8 @@ class Server:
             raise bad_request(f"{e}; use /v1/completions", "messages", "chat_unavailable") from None
 
     def make_job(self, req, ids: list[int], emit, default_max_tokens: int | None) -> Job:
+        """The Job for a parsed request (its `copies` are the other choices when n > 1; every choice's
+        Token goes to `emit`, with its index); a 400 APIError for what the request may not ask."""
         what = "messages" if isinstance(req, ChatRequest) else "prompt"
         if self.max_prompt and len(ids) > self.max_prompt:
             raise bad_request(f"The prompt has {len(ids)} tokens; this server takes at most {self.max_prompt} per "
@@ -97,14 +116,23 @@ class Server:
                 raise bad_request(f"This model's maximum context length is {self.max_context} tokens; the prompt "
                                   f"has {len(ids)}. Shorten it, or use attention=linear (no context limit).",
                                   what, "context_length_exceeded")
-            max_tokens = min(req.limit or default_max_tokens or room, room)
+            max_tokens = min(req.limit or default_max_tokens or room, room, self.tokens_cap(kv=True))
         else:
-            max_tokens = req.limit or default_max_tokens or self.max_context
+            max_tokens = min(req.limit or default_max_tokens or self.max_context, self.tokens_cap(kv=False))
+        if req.n > self.scheduler.max_batch:
+            raise bad_request(f"n={req.n} choices need {req.n} batch rows; this server decodes at most "
+                              f"{self.scheduler.max_batch} sequences at once (gen serve --max-batch)", "n")
+        seeds = choice_seeds(req.seed, req.n)
+        greedy = req.top_p == 0   # OpenAI's top_p 0: only the most likely token
         try:
-            params = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, min_p=req.min_p,
-                                    repetition_penalty=req.repetition_penalty, seed=req.seed)
+            params = [SamplingParams(temperature=0.0 if greedy else req.temperature, top_k=req.top_k,
+                                     top_p=1.0 if greedy else req.top_p, min_p=req.min_p,
+                                     repetition_penalty=req.repetition_penalty, seed=seed,
+                                     presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                                     logit_bias=req.token_bias) for seed in seeds]
+            check_vocab(params[0], self.llm.model.config.vocab_size)
         except EngineError as e:   # the message starts with the parameter's name
-            name = str(e).split(" ", 1)[0]
+            name = str(e).split(" ", 1)[0].rstrip(":")
             raise bad_request(str(e), name if name in type(req).model_fields else None, "invalid_value") from None
         stop = () if req.stop is None else ((req.stop,) if isinstance(req.stop, str) else tuple(req.stop))
         if stop and self.llm.tokenizer is None:
@@ -114,14 +142,30 @@ class Server:
         else:
             logprobs = req.logprobs
         eos = self._chat_eos if isinstance(req, ChatRequest) else None   # a reply also ends at the turn's end
-        return Job(ids=ids, path=path, params=params, max_tokens=max_tokens, emit=emit, stop=stop, logprobs=logprobs,
-                   ignore_eos=req.ignore_eos, eos_ids=eos)
+        jobs = [Job(ids=ids, path=path, params=p, max_tokens=max_tokens, emit=emit, stop=stop, logprobs=logprobs,
+                    ignore_eos=req.ignore_eos, eos_ids=eos, index=i) for i, p in enumerate(params)]
+        jobs[0].copies = jobs[1:]
+        return jobs[0]
+
+    def tokens_cap(self, kv: bool) -> float:
+        """The most tokens a request may generate on a path with (kv) or without a KV cache (inf: no cap)."""
+        cap = self.max_tokens_cap
+        if cap is None:
+            cap = 0 if kv else DEFAULT_LINEAR_MAX_TOKENS_CAP
+        return cap or float("inf")
 
     def submit(self, job: Job) -> None:
         try:
             self.scheduler.submit(job)
         except Full:
             raise over_capacity(RETRY_AFTER_S) from None
+        except Closed:
+            raise shutting_down(RETRY_AFTER_S) from None
+
+    @property
+    def draining(self) -> bool:
+        """A shutdown has begun: nothing more is admitted (engine.serve.shutdown)."""
+        return self.scheduler.closed
 
     def token_text(self, i: int) -> str:
         """One token's text as logprobs show it (memoised: every streamed token with logprobs asks)."""
@@ -130,6 +174,32 @@ class Server:
             tok = self.llm.tokenizer
             text = self._token_texts[i] = tok.decode_continuation([i]) if tok is not None else ""
         return text
+
+
+def choice_seeds(seed: int | None, n: int) -> list:
+    """The seeds of a request's n choices: seed + i (mod 2**63), so choice 0 is the n = 1 answer; a
+    negative seed (OpenAI clients send -1) or none: random (one OS draw for the n of them)."""
+    if seed is None or seed < 0:
+        if n == 1:
+            return [None]
+        seed = int.from_bytes(os.urandom(8), "little") >> 1
+    return [(seed + i) % 2 ** 63 for i in range(n)]
+
+
+def fingerprint(llm, name: str) -> str:
+    """OpenAI's system_fingerprint: what, besides the seed, decides the tokens (the model, its path,
+    dtype and step form, the prefill chunk, the engine's version): equal fingerprints and seeds,
+    equal answers."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        engine_version = version("gen-engine")
+    except PackageNotFoundError:
+        engine_version = "dev"
+    cfg = llm.model.config
+    parts = (engine_version, name, llm.attention, str(llm.feature_map), str(next(llm.model.parameters()).dtype),
+             getattr(llm.step, "backend", None), getattr(llm.step, "prefill_chunk", None), cfg.vocab_size,
+             cfg.num_hidden_layers, cfg.hidden_size)
+    return "fp_" + hashlib.sha256(repr(parts).encode()).hexdigest()[:10]
 
 
 __all__ = ["Server", "APIError", "COMPLETION_DEFAULT_MAX_TOKENS"]

@@ -198,7 +198,9 @@
       if (obj.gen) {
         this.stats = obj.gen;
         this.fresh = true;
-        this.points.push({context: obj.gen.context, state_bytes: obj.gen.state_bytes, token_ms: obj.gen.token_ms});
+        const last = this.points[this.points.length - 1];
+        if (!last || last.context !== obj.gen.context)   // the finish chunk repeats its token's numbers
+          this.points.push({context: obj.gen.context, state_bytes: obj.gen.state_bytes, token_ms: obj.gen.token_ms});
       }
       redraw();
     }
