@@ -1,0 +1,151 @@
+"""Log-likelihoods of continuations, each shared context prefilled once.
+
+    scorer = Scorer(model, attention="linear", feature_map=None, batch_tokens=2048)
+    scorer.score([(context_ids, continuation_ids), ...]) -> [(logprob, greedy), ...]
+
+What lm-eval asks of a model for its multiple-choice tasks: for each (context, continuation),
+the sum of log p(continuation token | everything before it), and whether greedy decoding would
+have produced the continuation. A task asks for 2-4 continuations of the same context, so the
+requests are grouped by context: a group's context (all of it but its last token) is prefilled
+once into a decoding state, the state is copied once per continuation (`State.select_rows`), and
+the continuations run as one block: [last context token] + continuation[:-1] per row, whose logits
+at position j predict continuation token j. Every attention path implements the same state
+protocol, so softmax, linear, hybrid and window layers are all scored this way.
+
+Batching: groups are sorted by context length and packed while the padded tokens of their prefill
+block (left-padded: a row's real tokens keep the positions they have alone) plus those of their
+continuation block stay under `batch_tokens`. The continuation block is right-padded with no mask:
+pads come after every real token of a row, so causality keeps them out of every score.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.errors import InvalidArgumentError
+from engine.generate import left_pad
+
+Request = tuple[list[int], list[int]]   # (context ids, continuation ids), both non-empty
+
+
+@dataclass
+class ScoreStats:
+    """What scoring ran: `request_tokens` is what scoring every request from scratch would feed
+    (context + continuation - 1 each); `fed_tokens` the real tokens fed (each shared context once);
+    `model_tokens` the model's work, pads included."""
+    requests: int = 0
+    request_tokens: int = 0
+    fed_tokens: int = 0
+    model_tokens: int = 0
+    seconds: float = 0.0
+
+    def add(self, other: "ScoreStats") -> None:
+        for name in ("requests", "request_tokens", "fed_tokens", "model_tokens", "seconds"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def to_dict(self) -> dict:
+        rate = self.request_tokens / self.seconds if self.seconds > 0 else 0.0
+        return {"requests": self.requests, "request_tokens": self.request_tokens, "fed_tokens": self.fed_tokens,
+                "model_tokens": self.model_tokens,
+                "seconds": round(self.seconds, 3), "request_tokens_per_s": round(rate, 1)}
+
+
+class Scorer:
+    """Scores requests on `model` (an engine Transformer) along one attention path.
+
+    attention, feature_map: the path and map to run (default: the model config's).
+    batch_tokens: padded tokens per model call (prefill block + continuation block); the logits of a
+    continuation block take batch_tokens / 2 x vocabulary x 4 bytes at most.
+    """
+
+    def __init__(self, model, attention: str | None = None, feature_map: str | None = None,
+                 batch_tokens: int = 2048):
+        if not isinstance(batch_tokens, int) or batch_tokens < 2:
+            raise InvalidArgumentError(f"batch_tokens must be an integer >= 2, got {batch_tokens!r}")
+        self.model, self.attention, self.feature_map = model, attention, feature_map
+        self.batch_tokens = batch_tokens
+        self.stats = ScoreStats()
+
+    def score(self, requests: list[Request], progress=None) -> list[tuple[float, bool]]:
+        """(log-likelihood, greedy) per request, in order. progress: called with the number of
+        requests finished after each batch (a tqdm's `update`)."""
+        reqs = [check_request(c, x, self.model.config.vocab_size) for c, x in requests]
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, (ctx, _) in enumerate(reqs):
+            groups.setdefault(tuple(ctx), []).append(i)
+        out: list[tuple[float, bool] | None] = [None] * len(reqs)
+        t0 = time.perf_counter()
+        for batch in self._batches(groups, reqs):
+            self._run(batch, groups, reqs, out)
+            if progress is not None:
+                progress(sum(len(groups[c]) for c in batch))
+        self.stats.add(ScoreStats(len(reqs), sum(len(c) + len(x) - 1 for c, x in reqs),
+                                  sum(len(c) - 1 for c in groups) + sum(len(x) for _, x in reqs), 0,
+                                  time.perf_counter() - t0))
+        return out
+
+    # ------------------------------------------------------------------ batching
+    def _batches(self, groups, reqs):
+        """Lists of contexts (group keys), shortest contexts first, each list's padded tokens
+        (prefill rows x longest prefix + continuation rows x longest block) within batch_tokens."""
+        batch, prefix, rows, block = [], 0, 0, 0
+        for ctx in sorted(groups, key=len):
+            conts = [len(reqs[i][1]) for i in groups[ctx]]
+            p, r, b = max(prefix, len(ctx) - 1), rows + len(conts), max(block, max(conts))
+            if batch and (len(batch) + 1) * p + r * b > self.batch_tokens:
+                yield batch
+                batch, p, r, b = [], len(ctx) - 1, len(conts), max(conts)
+            batch.append(ctx)
+            prefix, rows, block = p, r, b
+        if batch:
+            yield batch
+
+    @torch.inference_mode()
+    def _run(self, batch, groups, reqs, out) -> None:
+        model, dev = self.model, self.model.device
+        prefixes = [list(ctx[:-1]) for ctx in batch]
+        rows = [i for ctx in batch for i in groups[ctx]]                 # request index per block row
+        group_of = [g for g, ctx in enumerate(batch) for _ in groups[ctx]]
+        T = max(len(reqs[i][1]) for i in rows)
+        P = max(len(p) for p in prefixes)
+        if P:
+            state = model.init_state(batch=len(batch), max_len=P + T, attention=self.attention,
+                                     feature_map=self.feature_map, device=dev)
+            # a context of one token has an empty prefix: an all-pad row (pads attend only to themselves)
+            tokens, valid = left_pad([p or [0] for p in prefixes], dev)
+            if any(not p for p in prefixes):
+                valid = tokens.new_ones(tokens.shape, dtype=torch.bool) if valid is None else valid.clone()
+                for g, p in enumerate(prefixes):
+                    if not p:
+                        valid[g] = False
+            model.step(tokens, state, valid=valid, last_only=True)
+            self.stats.model_tokens += tokens.numel()
+            state = state.select_rows(group_of, max_len=P + T)
+        else:
+            state = model.init_state(batch=len(rows), max_len=T, attention=self.attention,
+                                     feature_map=self.feature_map, device=dev)
+        block = torch.zeros(len(rows), T, dtype=torch.long)
+        for r, i in enumerate(rows):
+            ctx, cont = reqs[i]
+            fed = [ctx[-1]] + cont[:-1]
+            block[r, :len(fed)] = torch.tensor(fed)
+        logits = model.step(block.to(dev), state)                       # (R, T, V)
+        self.stats.model_tokens += block.numel()
+        for r, i in enumerate(rows):
+            cont = torch.tensor(reqs[i][1], device=dev)
+            lg = logits[r, :len(cont)].float()                           # (n, V)
+            logprobs = lg.log_softmax(-1).gather(1, cont[:, None]).squeeze(1)
+            out[i] = (float(logprobs.sum()), bool((lg.argmax(-1) == cont).all()))
+
+
+def check_request(ctx, cont, vocab_size: int) -> Request:
+    ctx, cont = [int(t) for t in ctx], [int(t) for t in cont]
+    if not ctx or not cont:
+        raise InvalidArgumentError("a scoring request needs at least one context token and one continuation token "
+                                   "(an empty context: start it with the BOS or EOS id)")
+    bad = [t for t in ctx + cont if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidArgumentError(f"token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+    return ctx, cont
