@@ -12,10 +12,11 @@ the continuations run as one block: [last context token] + continuation[:-1] per
 at position j predict continuation token j. Every attention path implements the same state
 protocol, so softmax, linear, hybrid and window layers are all scored this way.
 
-Batching: groups are sorted by context length and packed while the padded tokens of their prefill
-block (left-padded: a row's real tokens keep the positions they have alone) plus those of their
-continuation block stay under `batch_tokens`. The continuation block is right-padded with no mask:
-pads come after every real token of a row, so causality keeps them out of every score.
+Batching: groups are sorted by context length and packed while their prefill block (left-padded: a
+row's real tokens keep the positions they have alone) stays within `batch_tokens` padded tokens; their
+continuations, sorted by length, then run in blocks within the same budget, each on copies of its
+rows' context states. A continuation block is right-padded with no mask: pads come after every real
+token of a row, so causality keeps them out of every score.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import torch
 from engine.errors import InvalidArgumentError
 from engine.generate import left_pad
 
+PAD_WASTE = 1.25     # a block holds at most this many padded tokens per real one
 Request = tuple[list[int], list[int]]   # (context ids, continuation ids), both non-empty
 
 
@@ -56,8 +58,8 @@ class Scorer:
     """Scores requests on `model` (an engine Transformer) along one attention path.
 
     attention, feature_map: the path and map to run (default: the model config's).
-    batch_tokens: padded tokens per model call (prefill block + continuation block); the logits of a
-    continuation block take batch_tokens / 2 x vocabulary x 4 bytes at most.
+    batch_tokens: padded tokens per model call (a prefill block or a continuation block); the logits of
+    a continuation block take batch_tokens x vocabulary x 4 bytes at most (2048 x 49152: 400 MB).
     """
 
     def __init__(self, model, attention: str | None = None, feature_map: str | None = None,
@@ -88,30 +90,31 @@ class Scorer:
 
     # ------------------------------------------------------------------ batching
     def _batches(self, groups, reqs):
-        """Lists of contexts (group keys), shortest contexts first, each list's padded tokens
-        (prefill rows x longest prefix + continuation rows x longest block) within batch_tokens."""
-        batch, prefix, rows, block = [], 0, 0, 0
+        """Lists of contexts (group keys), shortest first, whose left-padded prefill block (groups x
+        longest prefix) stays within batch_tokens and PAD_WASTE."""
+        batch, prefix, real = [], 0, 0
         for ctx in sorted(groups, key=len):
-            conts = [len(reqs[i][1]) for i in groups[ctx]]
-            p, r, b = max(prefix, len(ctx) - 1), rows + len(conts), max(block, max(conts))
-            if batch and (len(batch) + 1) * p + r * b > self.batch_tokens:
+            p, r = max(prefix, len(ctx) - 1), real + len(ctx) - 1
+            padded = (len(batch) + 1) * p
+            if batch and (padded > self.batch_tokens or padded > PAD_WASTE * r):
                 yield batch
-                batch, p, r, b = [], len(ctx) - 1, len(conts), max(conts)
+                batch, p, r = [], len(ctx) - 1, len(ctx) - 1
             batch.append(ctx)
-            prefix, rows, block = p, r, b
+            prefix, real = p, r
         if batch:
             yield batch
 
     @torch.inference_mode()
     def _run(self, batch, groups, reqs, out) -> None:
+        """Prefill the batch's contexts once, then run their continuations in blocks of similar lengths
+        (rows x longest continuation within batch_tokens and PAD_WASTE), each on copies of its rows'
+        context states."""
         model, dev = self.model, self.model.device
         prefixes = [list(ctx[:-1]) for ctx in batch]
-        rows = [i for ctx in batch for i in groups[ctx]]                 # request index per block row
-        group_of = [g for g, ctx in enumerate(batch) for _ in groups[ctx]]
-        T = max(len(reqs[i][1]) for i in rows)
         P = max(len(p) for p in prefixes)
+        state = None
         if P:
-            state = model.init_state(batch=len(batch), max_len=P + T, attention=self.attention,
+            state = model.init_state(batch=len(batch), max_len=P, attention=self.attention,
                                      feature_map=self.feature_map, device=dev)
             # a context of one token has an empty prefix: an all-pad row (pads attend only to themselves)
             tokens, valid = left_pad([p or [0] for p in prefixes], dev)
@@ -122,7 +125,24 @@ class Scorer:
                         valid[g] = False
             model.step(tokens, state, valid=valid, last_only=True)
             self.stats.model_tokens += tokens.numel()
-            state = state.select_rows(group_of, max_len=P + T)
+        group_of = {i: g for g, ctx in enumerate(batch) for i in groups[ctx]}
+        block, real = [], 0
+        for i in sorted(group_of, key=lambda i: len(reqs[i][1])):
+            n = len(reqs[i][1])
+            padded = (len(block) + 1) * n
+            if block and (padded > self.batch_tokens or padded > PAD_WASTE * (real + n)):
+                self._block(block, state, group_of, P, reqs, out)
+                block, real = [], 0
+            block.append(i)
+            real += n
+        self._block(block, state, group_of, P, reqs, out)
+
+    def _block(self, rows, state, group_of, P, reqs, out) -> None:
+        """Rows' continuations as one right-padded block: [last context token] + continuation[:-1]."""
+        model, dev = self.model, self.model.device
+        T = max(len(reqs[i][1]) for i in rows)
+        if state is not None:
+            state = state.select_rows([group_of[i] for i in rows], max_len=P + T)
         else:
             state = model.init_state(batch=len(rows), max_len=T, attention=self.attention,
                                      feature_map=self.feature_map, device=dev)
