@@ -16,7 +16,8 @@ longer than `max_length` + 1 tokens is cut from the left, as `hf` does.
 
 `loglikelihood_rolling` scores a text in disjoint windows of `max_length` tokens (lm-eval's
 `get_rolling_token_windows`); `generate_until` runs the engine's own generation loop (greedy unless
-the task asks for sampling) and cuts the text before the first stop string.
+the task asks for sampling) and returns the text as `hf` does: special tokens dropped, cut before
+the first stop string.
 """
 from __future__ import annotations
 
@@ -143,11 +144,21 @@ class GenLM(TemplateLM):
                 gen = Generation(self.llm.model, [prompts[i] for i in chunk], config, self.tokenizer,
                                  attention=self.llm.attention, feature_map=self.llm.feature_map, step=self.llm.step)
                 for i, result in zip(chunk, gen.run()):
-                    out[i] = result.text
+                    out[i] = self._text(result.ids, until)
                     self.cache_hook.add_partial("generate_until", requests[i].args, result.text)
                 bar.update(len(chunk))
         bar.close()
         return out
+
+
+    def _text(self, ids, until) -> str:
+        """As `hf` returns a generation: special tokens (EOS...) dropped, cut before the first stop string."""
+        special = set(getattr(self.tokenizer, "special_tokens", {}).values()) | {self.eot_token_id}
+        text = self.tokenizer.decode([i for i in ids if i not in special])
+        for stop in until:
+            if stop:
+                text = text.split(stop)[0]
+        return text
 
 
 def _arg(value):
