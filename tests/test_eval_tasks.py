@@ -125,10 +125,15 @@ def test_acc_and_acc_norm_equal_lm_evals_own_hf_model(llama_dir, hf_lm, tmp_path
 
 
 def test_greedy_generation_equals_lm_evals_own_hf_model(llama_dir, hf_lm):
-    args = [("Once upon a time", {"until": ["\n"], "max_gen_toks": 8, "do_sample": False}),
-            ("The dog ran to the", {"until": ["park"], "max_gen_toks": 6, "do_sample": False})]
-    assert gen_lm(llama_dir).generate_until(requests("generate_until", args)) == \
-        hf_lm.generate_until(requests("generate_until", args))
+    ours = gen_lm(llama_dir)
+    free = [("Once upon a time", {"until": ["\n"], "max_gen_toks": 8, "do_sample": False}),
+            ("The dog ran to the", {"until": ["\n"], "max_gen_toks": 6, "do_sample": False})]
+    texts = hf_lm.generate_until(requests("generate_until", free))
+    assert ours.generate_until(requests("generate_until", free)) == texts
+    stop = texts[0][len(texts[0]) // 2:][:2]           # a stop string the text is sure to contain: cut before it
+    cut = [(free[0][0], dict(free[0][1], until=[stop]))]
+    assert ours.generate_until(requests("generate_until", cut)) == hf_lm.generate_until(requests("generate_until", cut))
+    assert len(ours.generate_until(requests("generate_until", cut))[0]) < len(texts[0])
 
 
 def plain(model, attention, feature_map, ctx, cont):
