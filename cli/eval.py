@@ -96,7 +96,7 @@ def eval_cmd(model_name, attention, softmax_layers, window, feature_map, data, t
             dequantize_model(llm.model)                          # every task scores the float form of the weights
             conf = configuration(llm, model_name, dtype, quantize, context)
             store = ResultStore(results_dir, conf) if results_dir else None
-            results, lm = {}, None
+            results = {}
             try:
                 for name in [t for t in tasks if t != "passkey"] + [n for n in yamls if n not in tasks] + \
                         (["passkey"] if "passkey" in tasks else []):
@@ -109,10 +109,7 @@ def eval_cmd(model_name, attention, softmax_layers, window, feature_map, data, t
                         with tqdm(total=len(lengths_) * trials, desc="passkey", unit="trial", disable=as_json) as bar:
                             results[name] = run_passkey(llm, lengths_, depths_, trials, seed, progress=bar.update)
                     else:
-                        if lm is None:
-                            from engine.tasks.adapter import GenLM   # imports lm-eval (checked above)
-                            lm = GenLM(llm, max_length=context, dequantize=False)
-                        results[name] = run_lm_eval_task(lm, name, yamls[name], limit=limit)
+                        results[name] = run_lm_eval_task(llm, name, yamls[name], limit=limit, max_length=context)
                     if store and cached is None:
                         store.put(name, settings, results[name])
                     if not as_json:

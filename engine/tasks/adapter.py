@@ -6,6 +6,10 @@
     lm = GenLM(load("smollm2-linear", attention="linear"))
     lm_eval.simple_evaluate(model=lm, tasks=["piqa"], limit=100)
     lm_eval.simple_evaluate(model="gen", model_args="model=smollm2,attention=softmax", tasks=[...])   # by name
+    lm_eval.simple_evaluate(model="gen", model_args={"llm": llm}, tasks=[...])   # what `gen eval` does
+
+lm-eval finds "gen" once this module is imported, or lazily once `engine.tasks.harness.register()`
+has named it in lm-eval's registry (so `gen` itself never imports lm-eval before a task runs).
 
 An `lm_eval.api.model.TemplateLM`: requests are tokenized exactly as lm-eval's own `hf` model does
 (`TemplateLM.loglikelihood`: trailing spaces of a context moved onto the continuation, the pair
@@ -30,7 +34,7 @@ from engine.api import LLM, load, make_config
 from engine.errors import InvalidArgumentError
 from engine.generate import Generation
 from engine.quant import dequantize_model
-from engine.tasks.scoring import Scorer
+from engine.tasks.scoring import Scorer, ScoreStats
 
 GENERATE_BATCH = 8   # prompts per generation batch
 
@@ -40,16 +44,21 @@ class GenLM(TemplateLM):
     """llm: an `engine.api.LLM` (its model, tokenizer, attention path and feature map), or `model=`
     a registered name or path loaded with `load()`'s keyword arguments (attention, softmax_layers,
     window, feature_map, dtype, quantize, threads). max_length: tokens a request may hold (default:
-    the model's trained positions). batch_tokens: padded tokens per model call (engine.tasks.scoring).
-    A model holding quantized blocks is dequantized once (scoring runs the float form of the weights)."""
+    the model's trained positions). batch_tokens: padded tokens per model call (engine.tasks.scoring);
+    stats: a ScoreStats the scorer adds its counts to.
+    A model holding quantized blocks is dequantized once, in place (scoring runs the float form of the
+    weights). batch_size and max_batch_size, which lm-eval passes to every model, are not used: batches
+    are sized in tokens."""
 
     def __init__(self, llm: LLM | None = None, *, model: str | None = None, max_length: int | None = None,
-                 batch_tokens: int = 2048, dequantize: bool = True, batch_size=None, device=None, max_batch_size=None,
-                 **load_kwargs):
+                 batch_tokens: int = 2048, dequantize: bool = True, stats: ScoreStats | None = None, batch_size=None,
+                 device=None, max_batch_size=None, **load_kwargs):
         super().__init__()
         if llm is None:
             if model is None:
                 raise InvalidArgumentError("GenLM needs an LLM or model=<registered name or path>")
+            if device is not None:
+                load_kwargs["device"] = device
             llm = load(model, **{k: _arg(v) for k, v in load_kwargs.items()})
         elif model is not None or load_kwargs:
             raise InvalidArgumentError("GenLM: give an LLM or model=... with load() arguments, not both")
@@ -62,7 +71,7 @@ class GenLM(TemplateLM):
         if self._max_length is not None and self._max_length < 2:
             raise InvalidArgumentError(f"max_length must be at least 2 tokens, got {max_length}")
         self.scorer = Scorer(llm.model, attention=llm.attention, feature_map=llm.feature_map,
-                             batch_tokens=int(batch_tokens))
+                             batch_tokens=int(batch_tokens), stats=stats)
 
     # ------------------------------------------------------------------ what TemplateLM asks for
     @property

@@ -3,23 +3,27 @@
     conf = configuration(llm, model="smollm2", dtype="float32", quantize=None, context=None)
     store = ResultStore("results/", conf)               # results/<readable name>-<hash>.json
     store.get("piqa", {"limit": 100})                   # a finished result with these settings, or None
-    res = run_lm_eval_task(lm, "piqa", yaml_path, limit=100)
+    res = run_lm_eval_task(llm, "piqa", yaml_path, limit=100)
     store.put("piqa", {"limit": 100}, res)              # written at once (an interrupted grid resumes)
 
 `run_lm_eval_task` runs lm-eval's `simple_evaluate` on one task YAML (engine.tasks.data) with the
+`gen` model (engine.tasks.adapter, which lm-eval imports by name when the run asks for it) and the
 Hugging Face libraries offline, and keeps each metric with its standard error, the number of
 documents scored, the time and the scorer's token counts.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
+import sys
 import time
 from pathlib import Path
 
 from engine.errors import InvalidArgumentError
+from engine.tasks.scoring import ScoreStats
 
 BOOTSTRAP_ITERS = 1000   # lm-eval's bootstrap for the stderr of non-mean metrics (LAMBADA's perplexity)
 
@@ -56,11 +60,7 @@ class ResultStore:
 
     def __init__(self, directory: str | os.PathLike, conf: dict):
         self.directory = Path(directory)
-        if self.directory.exists() and not self.directory.is_dir():
-            raise InvalidArgumentError(f"{directory}: not a directory (--results takes a directory)")
-        self.directory.mkdir(parents=True, exist_ok=True)
-        if not os.access(self.directory, os.W_OK):
-            raise InvalidArgumentError(f"{directory}: not writable")
+        self.directory.mkdir(parents=True, exist_ok=True)   # (PermissionError: one line from the CLI)
         self.conf = conf
         self.path = self.directory / f"{slug(conf)}.json"
         self.data = {"configuration": conf, "tasks": {}}
@@ -84,19 +84,30 @@ class ResultStore:
         os.replace(tmp, self.path)
 
 
-def run_lm_eval_task(lm, name: str, yaml_path: str | os.PathLike, limit: int | None = None,
-                     bootstrap_iters: int = BOOTSTRAP_ITERS) -> dict:
-    """Score one task YAML with lm-eval on `lm` (engine.tasks.adapter.GenLM); Hugging Face offline."""
+def register() -> None:
+    """Name the `gen` model in lm-eval's registry, to be imported when a run asks for it."""
+    from lm_eval.api.registry import model_registry
+    if "gen" not in model_registry:
+        model_registry.register("gen", target="engine.tasks.adapter:GenLM")
+
+
+def run_lm_eval_task(llm, name: str, yaml_path: str | os.PathLike, limit: int | None = None,
+                     max_length: int | None = None, bootstrap_iters: int = BOOTSTRAP_ITERS) -> dict:
+    """Score one task YAML with lm-eval on `llm` (an engine.api.LLM, through engine.tasks.adapter.GenLM,
+    with its weights dequantized in place); Hugging Face libraries offline."""
     os.environ["HF_DATASETS_OFFLINE"] = os.environ["HF_HUB_OFFLINE"] = "1"
     import datasets   # noqa: F401  (read the variables above before lm-eval imports it)
     datasets.config.HF_DATASETS_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    before = dict(vars(lm.scorer.stats))
+    register()
+    stats = ScoreStats()
     t0 = time.perf_counter()
-    out = lm_eval.simple_evaluate(model=lm, tasks=[str(yaml_path)], task_manager=TaskManager(include_defaults=False),
-                                  limit=limit, bootstrap_iters=bootstrap_iters, log_samples=False)
+    with contextlib.redirect_stdout(sys.stderr):     # lm-eval prints progress notes; stdout is the caller's
+        out = lm_eval.simple_evaluate(model="gen", model_args={"llm": llm, "max_length": max_length, "stats": stats},
+                                      tasks=[str(yaml_path)], task_manager=TaskManager(include_defaults=False),
+                                      limit=limit, bootstrap_iters=bootstrap_iters, log_samples=False)
     seconds = time.perf_counter() - t0
     (task_name, metrics), = out["results"].items()
     result = {"task": task_name, "metrics": {}}
@@ -108,12 +119,5 @@ def run_lm_eval_task(lm, name: str, yaml_path: str | os.PathLike, limit: int | N
         result["metrics"][metric] = {"value": value, "stderr": stderr if isinstance(stderr, (int, float)) else None}
     n = out.get("n-samples", {}).get(task_name, {})
     result.update(documents=n.get("effective"), documents_available=n.get("original"), seconds=round(seconds, 2),
-                  lm_eval=lm_eval.__version__ if hasattr(lm_eval, "__version__") else None)
-    stats = vars(lm.scorer.stats)
-    result["scoring"] = {k: (stats[k] - before[k]) for k in ("requests", "request_tokens", "fed_tokens",
-                                                               "model_tokens")}
-    scored_s = stats["seconds"] - before["seconds"]
-    result["scoring"]["seconds"] = round(scored_s, 2)
-    result["scoring"]["request_tokens_per_s"] = round(result["scoring"]["request_tokens"] / scored_s, 1) \
-        if scored_s > 0 else None
+                  lm_eval=getattr(lm_eval, "__version__", None), scoring=stats.to_dict())
     return result

@@ -93,11 +93,11 @@ def common_prefix(rows: list[list[int]]) -> int:
 
 
 def run_passkey(llm, lengths: list[int], depths=DEPTHS, trials: int = 20, seed: int = 0,
-                batch_tokens: int = 16384, progress=None) -> dict:
+                batch_tokens: int = 8192, progress=None) -> dict:
     """Accuracy per length and per (length, depth) of `llm` (an engine.api.LLM) at greedy decoding.
 
-    batch_tokens: trials run together while rows x prompt length stays under it (a softmax row's KV
-    cache is one prompt long). progress: called with the number of trials finished."""
+    batch_tokens: trials run together while rows x prompt length stays within it (a softmax row's KV
+    cache is one prompt long; SmolLM2's: 46 KB a token). progress: called with the number of trials finished."""
     if llm.tokenizer is None:
         raise InvalidArgumentError("passkey needs a tokenizer to write its prompts; this model ships none")
     if not isinstance(trials, int) or trials < 1:
@@ -130,10 +130,11 @@ def run_passkey(llm, lengths: list[int], depths=DEPTHS, trials: int = 20, seed: 
                 llm.step(torch.tensor([ids[len(base_ids):]], device=model.device), base, last_only=True)
                 fed += len(ids) - len(base_ids)
                 base_ids = ids
-            rows = max(1, batch_tokens // max(len(p.ids) for p in prompts))
+            longest = max(len(p.ids) for p in prompts)
+            rows = max(1, batch_tokens // longest)
             for b in range(0, len(prompts), rows):
                 chunk = prompts[b:b + rows]
-                state = base.select_rows([0] * len(chunk), max_len=capacity)
+                state = base.select_rows([0] * len(chunk), max_len=longest + MAX_NEW_TOKENS)
                 gen = Generation(model, [p.ids[P:] for p in chunk], make_config(max_new_tokens=MAX_NEW_TOKENS,
                                  temperature=0.0), llm.tokenizer, attention=llm.attention,
                                  feature_map=llm.feature_map, step=llm.step, state=state)

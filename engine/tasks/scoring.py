@@ -60,15 +60,16 @@ class Scorer:
     attention, feature_map: the path and map to run (default: the model config's).
     batch_tokens: padded tokens per model call (a prefill block or a continuation block); the logits of
     a continuation block take batch_tokens x vocabulary x 4 bytes at most (2048 x 49152: 400 MB).
+    stats: a ScoreStats to add this scorer's counts to (default: its own).
     """
 
     def __init__(self, model, attention: str | None = None, feature_map: str | None = None,
-                 batch_tokens: int = 2048):
+                 batch_tokens: int = 2048, stats: ScoreStats | None = None):
         if not isinstance(batch_tokens, int) or batch_tokens < 2:
             raise InvalidArgumentError(f"batch_tokens must be an integer >= 2, got {batch_tokens!r}")
         self.model, self.attention, self.feature_map = model, attention, feature_map
         self.batch_tokens = batch_tokens
-        self.stats = ScoreStats()
+        self.stats = stats if stats is not None else ScoreStats()   # counts add up over calls
 
     def score(self, requests: list[Request], progress=None) -> list[tuple[float, bool]]:
         """(log-likelihood, greedy) per request, in order. progress: called with the number of
