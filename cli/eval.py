@@ -21,7 +21,7 @@ from engine.tasks.data import TASK_FILE_HELP, TASKS, require_lm_eval, task_file_
     write_task_yamls
 from engine.tasks.harness import ResultStore, configuration, run_lm_eval_task
 from engine.tasks.passkey import DEPTHS, run_passkey
-from engine.threads import set_threads
+from engine.threads import available_cores, set_threads
 
 PASSKEY_LENGTHS = (512, 1024, 2048, 4096)
 TASK_NAMES = (*TASKS, "passkey")
@@ -58,7 +58,8 @@ TASK_NAMES = (*TASKS, "passkey")
 @click.option("--quantize", type=click.Choice(["q8_0", "q4_0", "q4_1"]),
               help="quantize the matrices at load (a GGUF's own Q8_0/Q4_0/Q4_1 blocks are kept as they are); "
                    "scored on the dequantized weights")
-@click.option("--threads", type=int, help="CPU threads (default: torch's, all cores: scoring is batched matmuls)")
+@click.option("--threads", type=int, help="CPU threads (default: all cores: scoring is batched matmuls; on a busy "
+              "machine fewer may be faster)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def eval_cmd(model_name, attention, softmax_layers, window, feature_map, data, task_list, task_file, limit, lengths,
              depths, trials, seed, results_dir, context, max_docs, batch_size, device, dtype, quantize, threads,
@@ -84,7 +85,8 @@ def eval_cmd(model_name, attention, softmax_layers, window, feature_map, data, t
                 if task_file:
                     name, path = write_task_file_yaml(task_file, Path(tmp))
                     yamls[name if name not in TASK_NAMES else f"{name}_file"] = path
-            llm = load_quietly(model_name, attention, feature_map, device, dtype, threads=threads, quantize=quantize,
+            llm = load_quietly(model_name, attention, feature_map, device, dtype, quantize=quantize,
+                               threads=threads or available_cores(),   # as for perplexity: all cores by default
                                softmax_layers=softmax_layers, window=window)
             trained = llm.model.config.max_position_embeddings
             if context is not None and context > trained:

