@@ -94,7 +94,8 @@ def run_guarded(fn):
 
 
 FEATURE_MAP_HELP = ("linear attention feature map: elu1, relu, softmax, cos1, or hedgehog (the learned maps a "
-                    "model such as smollm2-linear ships)")
+                    "model such as smollm2-linear ships); zero switches the linear branch off (with --window: "
+                    "sliding-window attention alone, an ablation)")
 
 KV_DTYPE_HELP = ("the KV cache's dtype (default: the model's): float32, float16, bfloat16; float16 under fp32 "
                  "weights halves the cache, as llama.cpp keeps it")

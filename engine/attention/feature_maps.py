@@ -90,6 +90,20 @@ class Cos1(FeatureMap):
         return torch.cat([x, x.new_ones(*x.shape[:-1], 1)], dim=-1)
 
 
+class Zero(FeatureMap):
+    """phi = 0 (width 1): the linear branch switched off, an ablation. With a window (`--window W`) a
+    linear layer is then sliding-window softmax attention alone: num / (sum of the window's scores +
+    EPS), the same normalisation with nothing from the keys that left the window; without one, its
+    output is 0."""
+    name = "zero"
+
+    def out_dim(self, d):
+        return 1
+
+    def apply(self, x):
+        return x.new_zeros(*x.shape[:-1], 1)
+
+
 class Hedgehog(FeatureMap, nn.Module):
     """A learned map per layer and head (Hedgehog, Zhang et al. 2024, arXiv 2402.04347):
 
@@ -203,7 +217,8 @@ def hedgehog_phi(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> torch.
     return torch.cat([torch.softmax(y, -1), torch.softmax(-y, -1)], dim=-1)
 
 
-FEATURE_MAPS: dict[str, FeatureMap] = {m.name: m for m in (Elu1(), Relu(), Softmax(), Cos1(), Hedgehog())}
+FEATURE_MAPS: dict[str, FeatureMap] = {m.name: m for m in (Elu1(), Relu(), Softmax(), Cos1(), Hedgehog(),
+                                                              Zero())}
 
 
 def get_feature_map(name: str) -> FeatureMap:

@@ -1,0 +1,123 @@
+"""Tasks on one configuration, and their results kept per configuration on disk.
+
+    conf = configuration(llm, model="smollm2", dtype="float32", quantize=None, context=None)
+    store = ResultStore("results/", conf)               # results/<readable name>-<hash>.json
+    store.get("piqa", {"limit": 100})                   # a finished result with these settings, or None
+    res = run_lm_eval_task(llm, "piqa", yaml_path, limit=100)
+    store.put("piqa", {"limit": 100}, res)              # written at once (an interrupted grid resumes)
+
+`run_lm_eval_task` runs lm-eval's `simple_evaluate` on one task YAML (engine.tasks.data) with the
+`gen` model (engine.tasks.adapter, which lm-eval imports by name when the run asks for it) and the
+Hugging Face libraries offline, and keeps each metric with its standard error, the number of
+documents scored, the time and the scorer's token counts.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+from engine.errors import InvalidArgumentError
+from engine.tasks.scoring import ScoreStats
+
+BOOTSTRAP_ITERS = 1000   # lm-eval's bootstrap for the stderr of non-mean metrics (LAMBADA's perplexity)
+
+
+def configuration(llm, model: str, dtype: str | None = None, quantize: str | None = None,
+                  context: int | None = None) -> dict:
+    """What decides a configuration's scores: model, path per layer, window, feature map, weights, context."""
+    cfg = llm.model.config
+    paths = list(llm.model.layer_paths(llm.attention))
+    return {"model": str(model), "attention": llm.attention,
+            "softmax_layers": [i for i, p in enumerate(paths) if p == "softmax"] if llm.attention == "hybrid" else None,
+            "window": int(cfg.window or 0), "feature_map": llm.feature_map or (cfg.feature_map if "linear" in paths
+                                                                                 else None),
+            "dtype": str(dtype or "float32"), "quantize": quantize, "context": context}
+
+
+def slug(conf: dict) -> str:
+    """A readable file name for a configuration, with a hash of all of it."""
+    name = Path(conf["model"]).name or "model"
+    parts = [name, conf["attention"]]
+    if conf.get("softmax_layers") is not None:
+        parts.append(f"{len(conf['softmax_layers'])}sm")
+    if conf.get("window"):
+        parts.append(f"w{conf['window']}")
+    for key in ("feature_map", "quantize"):
+        if conf.get(key):
+            parts.append(str(conf[key]))
+    digest = hashlib.sha256(json.dumps(conf, sort_keys=True).encode()).hexdigest()[:8]
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", "-".join(parts)) + f"-{digest}"
+
+
+class ResultStore:
+    """One JSON file per configuration: {"configuration": {...}, "tasks": {name: {"settings", "result"}}}."""
+
+    def __init__(self, directory: str | os.PathLike, conf: dict):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)   # (PermissionError: one line from the CLI)
+        self.conf = conf
+        self.path = self.directory / f"{slug(conf)}.json"
+        self.data = {"configuration": conf, "tasks": {}}
+        if self.path.is_file():
+            try:
+                data = json.loads(self.path.read_text(encoding="utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise InvalidArgumentError(f"{self.path}: not a results file ({e}); move it away to start over") \
+                    from None
+            if isinstance(data, dict) and data.get("configuration") == conf and isinstance(data.get("tasks"), dict):
+                self.data = data
+
+    def get(self, task: str, settings: dict) -> dict | None:
+        entry = self.data["tasks"].get(task)
+        return entry["result"] if entry and entry.get("settings") == settings else None
+
+    def put(self, task: str, settings: dict, result: dict) -> None:
+        self.data["tasks"][task] = {"settings": settings, "result": result}
+        tmp = self.path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.data, indent=1) + "\n", encoding="utf-8")
+        os.replace(tmp, self.path)
+
+
+def register() -> None:
+    """Name the `gen` model in lm-eval's registry, to be imported when a run asks for it."""
+    from lm_eval.api.registry import model_registry
+    if "gen" not in model_registry:
+        model_registry.register("gen", target="engine.tasks.adapter:GenLM")
+
+
+def run_lm_eval_task(llm, name: str, yaml_path: str | os.PathLike, limit: int | None = None,
+                     max_length: int | None = None, bootstrap_iters: int = BOOTSTRAP_ITERS) -> dict:
+    """Score one task YAML with lm-eval on `llm` (an engine.api.LLM, through engine.tasks.adapter.GenLM,
+    with its weights dequantized in place); Hugging Face libraries offline."""
+    os.environ["HF_DATASETS_OFFLINE"] = os.environ["HF_HUB_OFFLINE"] = "1"
+    import datasets   # noqa: F401  (read the variables above before lm-eval imports it)
+    datasets.config.HF_DATASETS_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    register()
+    stats = ScoreStats()
+    t0 = time.perf_counter()
+    with contextlib.redirect_stdout(sys.stderr):     # lm-eval prints progress notes; stdout is the caller's
+        out = lm_eval.simple_evaluate(model="gen", model_args={"llm": llm, "max_length": max_length, "stats": stats},
+                                      tasks=[str(yaml_path)], task_manager=TaskManager(include_defaults=False),
+                                      limit=limit, bootstrap_iters=bootstrap_iters, log_samples=False)
+    seconds = time.perf_counter() - t0
+    (task_name, metrics), = out["results"].items()
+    result = {"task": task_name, "metrics": {}}
+    for key, value in metrics.items():
+        metric, _, filt = key.partition(",")
+        if not filt or metric.endswith("_stderr"):
+            continue
+        stderr = metrics.get(f"{metric}_stderr,{filt}")
+        result["metrics"][metric] = {"value": value, "stderr": stderr if isinstance(stderr, (int, float)) else None}
+    n = out.get("n-samples", {}).get(task_name, {})
+    result.update(documents=n.get("effective"), documents_available=n.get("original"), seconds=round(seconds, 2),
+                  lm_eval=getattr(lm_eval, "__version__", None), scoring=stats.to_dict())
+    return result
