@@ -30,7 +30,8 @@ from engine.loader import load_parts
 from engine.sampling import SamplingParams, chat_sampling
 from engine.state_io import SavedState, load as load_state_file, save as save_state_file
 from engine.attention.hybrid import runtime_config
-from engine.steps import DEFAULT_PREFILL_CHUNK, Stepper, check_backend, check_prefill_chunk
+from engine.steps import (DEFAULT_ACTIVATIONS, DEFAULT_PREFILL_CHUNK, Stepper, check_activations, check_backend,
+                          check_prefill_chunk)
 from engine.quant import check_kind, quantize_model
 from engine.threads import available_cores, set_threads
 from models.registry import path_warning
@@ -50,7 +51,8 @@ def load(model: str = "tiny", attention: str | None = None, feature_map: str | N
          device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
          backend: str = "auto", threads: int | None = None, native: bool = False,
          quantize: str | None = None, softmax_layers=None, window: int | None = None,
-         kv_dtype: str | torch.dtype | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> "LLM":
+         kv_dtype: str | torch.dtype | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+         activations: str = DEFAULT_ACTIVATIONS) -> "LLM":
     """Load a registered model name (`tiny`) or a checkpoint path; attention None = the model's own.
 
     backend: which form runs one-token decode steps (engine.steps): "auto" (default: the C step
@@ -62,6 +64,8 @@ def load(model: str = "tiny", attention: str | None = None, feature_map: str | N
     (engine.attention.hybrid.runtime_config says what each combination means).
     kv_dtype: the KV cache's dtype (default: the model's), e.g. "float16" under fp32 weights, as
     llama.cpp keeps its cache: half the cache's bytes, keys and values rounded to 16 bits.
+    activations: what quantized weights multiply in the native step: "f32" (default; PyTorch's
+    arithmetic) or "q8" (activations rounded to q8 blocks, llama.cpp's: faster, less exact).
     prefill_chunk: prompts are prefilled in blocks of at most this many tokens (0: one block), as
     `gen --prefill-chunk` and `gen serve` do, so the same request gives the same tokens everywhere.
 
@@ -73,6 +77,7 @@ def load(model: str = "tiny", attention: str | None = None, feature_map: str | N
         get_feature_map(feature_map)
     backend = "native" if native else check_backend(backend)
     check_prefill_chunk(prefill_chunk)
+    check_activations(activations)
     if quantize is not None:
         check_kind(quantize)
     if threads is not None and isinstance(threads, int) and threads > available_cores():
@@ -85,7 +90,8 @@ def load(model: str = "tiny", attention: str | None = None, feature_map: str | N
     if quantize is not None:
         quantize_model(net, quantize)
     return LLM(net, tokenizer, attention=attention, feature_map=feature_map, name=str(model), backend=backend,
-               chat_template=template, prefill_chunk=prefill_chunk, sampling=sampling, _stacklevel=3)
+               chat_template=template, prefill_chunk=prefill_chunk, sampling=sampling, activations=activations,
+               _stacklevel=3)
 
 
 class LLM:
@@ -96,11 +102,13 @@ class LLM:
 
     def __init__(self, model, tokenizer=None, attention: str | None = None, feature_map: str | None = None,
                  name: str | None = None, backend: str = "auto", chat_template=None,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, sampling: dict | None = None, _stacklevel: int = 2):
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, sampling: dict | None = None,
+                 activations: str = DEFAULT_ACTIVATIONS, _stacklevel: int = 2):
         self.model, self.tokenizer, self.name = model, tokenizer, name
         self.chat_template = chat_template       # models.chat_template.ChatTemplate or None
         self.sampling = dict(sampling or {})
-        self.step = Stepper(model, backend, prefill_chunk=prefill_chunk)   # what the generation loop calls
+        self.step = Stepper(model, backend, prefill_chunk=prefill_chunk,   # what the generation loop calls
+                            activations=activations)
         self.attention = check_path(attention or model.config.attention)
         self.feature_map = feature_map
         if feature_map is not None:

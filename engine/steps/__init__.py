@@ -26,7 +26,7 @@ from typing import Protocol
 import torch
 
 from engine.errors import InvalidArgumentError
-from engine.steps.native import NativeStep, NativeUnavailableError, pool_rest
+from engine.steps.native import ACTIVATIONS, NativeStep, NativeUnavailableError, check_activations, pool_rest
 from engine.steps.rows_alone import prefill_rows_alone, rows_alone_apply
 from engine.steps.torch_step import TorchStep
 
@@ -67,6 +67,9 @@ def check_backend(backend: str) -> str:
 # 16 measured best on SmolLM2 Q4_1 (2 cores, C step): 324 prefill tokens/s against 139 for 512-token
 # blocks, a chunk ~38 ms next to a 12 ms decode step (benchmarks/prefill_chunk.py).
 DEFAULT_PREFILL_CHUNK = 16
+# What quantized weights multiply in the native step (engine.steps.native.NativeStep): "f32" activations
+# (PyTorch's arithmetic) or "q8" (activations rounded to q8 blocks, llama.cpp's); see benchmarks/quant_activations.py.
+DEFAULT_ACTIVATIONS = "f32-prompt"
 
 
 def check_prefill_chunk(chunk) -> int:
@@ -85,14 +88,15 @@ class Stepper:
     the first form of `forms` that applies (the last one always does)."""
 
     def __init__(self, model, backend: str = "auto", threads: int | None = None,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, activations: str = DEFAULT_ACTIVATIONS):
         self.model, self.backend = model, check_backend(backend)
         self.prefill_chunk = check_prefill_chunk(prefill_chunk)
+        self.activations = check_activations(activations)
         self.forms: list[StepForm] = []
         self.fallback: str | None = None
         if backend in ("auto", "native"):
             try:
-                self.forms.append(NativeStep(model, threads=threads))
+                self.forms.append(NativeStep(model, threads=threads, activations=activations))
             except NativeUnavailableError as e:
                 if backend == "native":
                     raise
@@ -169,9 +173,10 @@ class Stepper:
 
 
 def make_step(model, backend: str = "auto", threads: int | None = None,
-              prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> Stepper:
-    return Stepper(model, backend, threads, prefill_chunk)
+              prefill_chunk: int = DEFAULT_PREFILL_CHUNK, activations: str = DEFAULT_ACTIVATIONS) -> Stepper:
+    return Stepper(model, backend, threads, prefill_chunk, activations)
 
 
 __all__ = ["BACKENDS", "StepForm", "Stepper", "ModuleStep", "TorchStep", "NativeStep", "NativeUnavailableError",
-           "make_step", "check_backend", "check_prefill_chunk", "DEFAULT_PREFILL_CHUNK"]
+           "make_step", "check_backend", "check_prefill_chunk", "DEFAULT_PREFILL_CHUNK", "ACTIVATIONS",
+           "DEFAULT_ACTIVATIONS", "check_activations"]

@@ -33,6 +33,7 @@ import weakref
 import torch
 
 from engine.attention.linear import EPS
+from engine.errors import InvalidArgumentError
 from engine.quant import QuantLinear, weights_label
 from engine.steps.native.build import NativeUnavailableError, library
 from engine.threads import current_threads
@@ -68,7 +69,8 @@ class Plan(ctypes.Structure):   # gen.h Plan, field for field
                 + [(n, ctypes.POINTER(ctypes.c_int)) for n in ("layer_mode", "layer_index")]
                 + [("linear_rope", ctypes.c_int)]
                 + [("wk", _V), ("wv", _V), ("wreal", _V), ("W", ctypes.c_int), ("w_type", ctypes.c_int)]
-                + [("hh_decay", _P), ("hh_logit", _P), ("hh_gate", _P)])
+                + [("hh_decay", _P), ("hh_logit", _P), ("hh_gate", _P)]
+                + [("q8_acts", ctypes.c_int)])
 
 
 def _bind(lib):
@@ -281,15 +283,32 @@ def why_not(model, state, tokens) -> str | None:
     return None
 
 
+ACTIVATIONS = ("f32-prompt", "f32", "q8")
+
+
+def check_activations(activations) -> str:
+    if activations not in ACTIVATIONS:
+        raise InvalidArgumentError(f"activations must be one of {', '.join(ACTIVATIONS)} (what quantized weights "
+                                   f"multiply in the native step), got {activations!r}")
+    return activations
+
+
 class NativeStep:
     """The native form: `why_not(state, tokens)`, then `step(tokens, state)` via `__call__`.
 
-    threads: the pool's thread count (the caller's included); None: engine.threads' current setting."""
+    threads: the pool's thread count (the caller's included); None: engine.threads' current setting.
+    activations: what quantized matrices (q8_0, q4_0, q4_1 blocks) multiply: "f32", the activations as
+    they are against the blocks decoded in the dots (PyTorch's arithmetic), "q8", the activations
+    rounded to q8 blocks and integer dots (llama.cpp's: ~3x faster here, and a greedy answer can
+    flip: PITFALLS 28), or "f32-prompt": prompt blocks in f32, decode steps in q8 (the prompt read as
+    PyTorch reads it, the tokens decoded at q8's speed). Float weights are the same either way."""
     name = "native"
 
-    def __init__(self, model, threads: int | None = None):
+    def __init__(self, model, threads: int | None = None, activations: str = "f32"):
         self.library = _bind(library())          # raises NativeUnavailableError without a compiler
         self.model, self.threads = model, threads
+        self.q8, self.q8_prompt = {"f32": (False, False), "q8": (True, True),
+                                   "f32-prompt": (True, False)}[check_activations(activations)]
         self.plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # state -> NativeDecoder
 
     def why_not(self, state, tokens) -> str | None:
@@ -302,7 +321,7 @@ class NativeStep:
         threads = self.threads or current_threads()
         plan = self.plans.get(state)
         if plan is None or not plan.still_valid(state, threads):
-            plan = self.plans[state] = NativeDecoder(self.model, state, threads)
+            plan = self.plans[state] = NativeDecoder(self.model, state, threads, q8=self.q8, q8_prompt=self.q8_prompt)
         return plan
 
     def __call__(self, tokens: torch.Tensor, state) -> torch.Tensor:
@@ -346,7 +365,7 @@ def _ptr(t: torch.Tensor):
 class NativeDecoder:
     """The Plan for one (model, state) pair: weight and state pointers, scratch, made once."""
 
-    def __init__(self, model, state, threads: int = 1):
+    def __init__(self, model, state, threads: int = 1, q8: bool = True, q8_prompt: bool | None = None):
         self.library = _bind(library())
         cfg = model.config
         self.model, self.epoch, self.threads = model, model.weights_epoch, threads
@@ -355,7 +374,12 @@ class NativeDecoder:
         embed, head = _matrix(model.embed_tokens), _matrix(model.lm_head)
         # fp32 weights holding only 16-bit values, q4_1 / q8_0 blocks: read from copies made once;
         # the weights behind a copy (only those) are checked for in-place edits before every step
-        grouped = REGROUP and bool(self.library.gen_has_q4_1r())
+        grouped = REGROUP and q8 and bool(self.library.gen_has_q4_1r())   # the regrouped kernels are q8 dots
+        self.q8_prompt = q8 if q8_prompt is None else q8_prompt
+        # prompt blocks in fp32 activations under q8 decode steps: their own tables of the blocks as stored
+        plain = (None if not grouped or self.q8_prompt else
+                 {n: [self._narrow(model, m, False) for m in ms] for n, ms in mats.items()},
+                 self._narrow(model, embed, False), self._narrow(model, head, False))
         originals = [m for ms in mats.values() for m in ms] + [embed, head]
         mats = {n: [self._narrow(model, m, grouped) for m in ms] for n, ms in mats.items()}
         embed, head = self._narrow(model, embed, grouped), self._narrow(model, head, grouped)
@@ -398,6 +422,10 @@ class NativeDecoder:
         self.scratch = {n: torch.zeros(B, size) for n, size in self.widths}
         self.tables = {n: (Mat * cfg.num_hidden_layers)(*[Mat(m[0].data_ptr(), m[1], m[2], m[3]) for m in ms])
                        for n, ms in mats.items()}
+        self.plain_tables = None if plain[0] is None else (
+            {n: (Mat * cfg.num_hidden_layers)(*[Mat(m[0].data_ptr(), m[1], m[2], m[3]) for m in ms])
+             for n, ms in plain[0].items()},
+            Mat(plain[1][0].data_ptr(), *plain[1][1:]), Mat(plain[2][0].data_ptr(), *plain[2][1:]))
         self.norm_tables = {n: (_V * cfg.num_hidden_layers)(*[layer[i].data_ptr() for layer in layers])
                             for i, n in ((0, "ln1"), (3, "ln2"))}
         self.flat, self.tensors = flat, tensors
@@ -407,7 +435,8 @@ class NativeDecoder:
         self.storages = [t.untyped_storage() for t in flat + tensors]
         self.pointers = self._pointers()
         mode = MODES[lin.feature_map.name] if lin is not None else 0
-        fields = dict(mode=mode, F=F_, S_max=kv.max_len if kv is not None else 0, linear_rope=int(cfg.linear_rope))
+        fields = dict(mode=mode, F=F_, S_max=kv.max_len if kv is not None else 0, linear_rope=int(cfg.linear_rope),
+                      q8_acts=int(q8))
         if lin is not None:
             fields.update(S=_ptr(lin.S), z=_ptr(lin.z))
         if lin is not None and lin.path == "window":
@@ -456,6 +485,11 @@ class NativeDecoder:
             ctypes.memmove(ctypes.byref(plan), self.plan_ref, ctypes.sizeof(Plan))   # every field, then rows and scratch
             plan.tscratch, plan.tscratch_floats = None, 0
             plan.B, plan.Bc = PREFILL_ROWS, self.B
+            plan.q8_acts = int(self.q8_prompt)
+            if self.plain_tables is not None:   # fp32 activations read the blocks as stored, not regrouped
+                tables, plan.embed, plan.head = self.plain_tables
+                for n, t in tables.items():
+                    setattr(plan, n, t)
             for n, t in self.prefill_scratch.items():
                 setattr(plan, n, _ptr(t))
             ref = ctypes.byref(plan)

@@ -61,7 +61,7 @@ static void mat_fn(const void *ctx, int r0, int r1, float *out, int os, int add,
 static void matmul(const Plan *p, const Mat *m, const float *x, int xs, float *out, int os, int add) {
     long long macs = (long long)m->rows * m->cols * p->B;
     const void *qx = NULL;
-    if (m->type >= T_Q8_0) {   /* quantized weights: x rounded to q8 blocks once, integer dots (qdot.c) */
+    if (m->type >= T_Q8_0 && p->q8_acts) {   /* quantized weights: x rounded to q8 blocks once, integer dots (qdot.c) */
         void *buf = p->tscratch + p->tscratch_floats * p->nthreads;
         quantize_x(x, xs, p->B, m->cols, buf, m->type);
         qx = buf;

@@ -71,6 +71,10 @@ typedef struct {
      * g = exp(-sigmoid(hh_logit + rms(v) hh_gate)), rms(v) = v / sqrt(mean(v^2) + 1e-6), from the
      * decay logits hh_logit (L, Hkv, F) and the gate hh_gate (L, Hkv, D, F), fp32. */
     const float *hh_logit, *hh_gate;
+    /* Quantized matrices (type >= T_Q8_0): 1 = the activations rounded to q8 blocks once per matmul and
+     * integer dots (qdot.c, llama.cpp's arithmetic; regrouped types allowed); 0 = fp32 activations
+     * against the blocks decoded in the row dots (kernels.c; T_Q8_0, T_Q4_0, T_Q4_1 only). */
+    int q8_acts;
 } Plan;
 
 enum { MODE_SOFTMAX = 0, MODE_ELU1 = 1, MODE_RELU = 2, MODE_SOFTMAX_MAP = 3, MODE_COS1 = 4, MODE_HEDGEHOG = 5 };
