@@ -14,7 +14,7 @@ import sys
 
 import click
 
-from cli.common import (FEATURE_MAP_HELP, KV_DTYPE_HELP, check_stdio, given, prefill_chunk_option, run_guarded,
+from cli.common import (FEATURE_MAP_HELP, KV_DTYPE_HELP, check_stdio, given, prefill_chunk_option, run_guarded, activations_option,
                         sampling_options, threads_option, user_text, writing_stdout)
 from cli.generate import load_quietly, summary, turn_timing
 from engine.api import make_config
@@ -44,8 +44,10 @@ HELP_LINE = "/reset starts over, /exit or Ctrl-D leaves, Ctrl-C stops a reply"
 @threads_option()
 @click.option("-v", "--verbose", is_flag=True, help="the full summary line (prompt, speed, memory) after each reply")
 @prefill_chunk_option
+@activations_option
 def chat_cmd(model_name, attention, softmax_layers, window, feature_map, system, max_new_tokens, temperature, top_k, top_p, min_p,
-             repetition_penalty, seed, device, dtype, kv_dtype, max_context, backend, threads, verbose, prefill_chunk):
+             repetition_penalty, seed, device, dtype, kv_dtype, max_context, backend, threads, verbose, prefill_chunk,
+             activations):
     """Chat with a model that has a chat template: each line you type is a message, the reply streams back.
 
     /reset starts a new conversation, /exit or Ctrl-D leaves, Ctrl-C stops a reply (the conversation
@@ -64,7 +66,7 @@ def chat_cmd(model_name, attention, softmax_layers, window, feature_map, system,
         make_config(**settings)                      # bad settings fail before the model loads
         llm = load_quietly(model_name, attention, feature_map, device, dtype, backend, threads,
                            softmax_layers=softmax_layers, window=window, kv_dtype=kv_dtype,
-                           prefill_chunk=prefill_chunk)
+                           prefill_chunk=prefill_chunk, activations=activations)
         session = llm.chat_session(system=system, max_context=max_context)
         sampling = describe_sampling({**llm.chat_sampling, **settings})   # a bad generation config fails here
         tty = sys.stdin.isatty()

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 import click
 
 from engine.errors import EngineError
-from engine.steps import DEFAULT_PREFILL_CHUNK
+from engine.steps import ACTIVATIONS, DEFAULT_ACTIVATIONS, DEFAULT_PREFILL_CHUNK
 from engine.threads import available_cores
 
 
@@ -150,3 +150,12 @@ def sampling_options(defaults: dict[str, str]):
 def given(**settings) -> dict:
     """The settings the user gave (None: not given, so the engine's default applies)."""
     return {k: v for k, v in settings.items() if v is not None}
+
+
+def activations_option(fn):
+    """`--activations`, one declaration for gen, chat and serve."""
+    return click.option("--activations", type=click.Choice(ACTIVATIONS), default=DEFAULT_ACTIVATIONS,
+                        show_default=True,
+                        help="what quantized weights (q8_0/q4_0/q4_1 blocks) multiply in the C step: f32-prompt "
+                             "reads the prompt with fp32 activations and decodes with q8 ones; f32 is PyTorch's "
+                             "arithmetic throughout (slowest); q8 is llama.cpp's throughout (fastest prompt)")(fn)

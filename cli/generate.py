@@ -10,11 +10,11 @@ import warnings
 import click
 from tqdm import tqdm
 
-from cli.common import (FEATURE_MAP_HELP, KV_DTYPE_HELP, check_stdio, fail, given, prefill_chunk_option, run_guarded,
+from cli.common import (FEATURE_MAP_HELP, KV_DTYPE_HELP, check_stdio, fail, given, prefill_chunk_option, run_guarded, activations_option,
                         sampling_options, threads_option, writing_stdout)
 from engine.api import check_text, load, make_config
 from engine.errors import InvalidArgumentError
-from engine.steps import DEFAULT_PREFILL_CHUNK
+from engine.steps import DEFAULT_ACTIVATIONS, DEFAULT_PREFILL_CHUNK
 
 
 @click.command("generate")
@@ -50,10 +50,11 @@ from engine.steps import DEFAULT_PREFILL_CHUNK
 @click.option("-v", "--verbose", is_flag=True, help="say which step form ran and why a faster one did not")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object (text, ids, finish_reason, stats)")
 @prefill_chunk_option
+@activations_option
 def generate_cmd(prompt, prompt_opt, ids, chat_message, model_name, attention, softmax_layers, window, feature_map, max_new_tokens,
                  temperature,
                  top_k, top_p, min_p, repetition_penalty, seed, stop, device, dtype, kv_dtype, max_context, echo, backend, native,
-                 threads, quantize, verbose, as_json, prefill_chunk):
+                 threads, quantize, verbose, as_json, prefill_chunk, activations):
     """Generate a continuation of PROMPT ('-' reads it from stdin) and stream it to stdout.
 
     A prompt equal to a subcommand's name goes after `--` (`gen -- bench`) or in --prompt.
@@ -72,7 +73,7 @@ def generate_cmd(prompt, prompt_opt, ids, chat_message, model_name, attention, s
         make_config(**settings)                      # bad settings fail before the model loads
         llm = load_quietly(model_name, attention, feature_map, device, dtype, "native" if native else backend,
                           threads, quantize, softmax_layers=softmax_layers, window=window, kv_dtype=kv_dtype,
-                          prefill_chunk=prefill_chunk)
+                          prefill_chunk=prefill_chunk, activations=activations)
         if chat_message is None and isinstance(the_prompt, str) and llm.tokenizer is None:
             fail(f"{model_name} ships no tokenizer, so it cannot read text; give the prompt as token ids: --ids 1,2,3")
         if chat_message is not None:   # keep the stream: dropping it would close its generation
@@ -164,7 +165,8 @@ def prefill_progress():
 
 
 def load_quietly(model_name, attention, feature_map, device, dtype, backend="auto", threads=None, quantize=None,
-                 softmax_layers=None, window=None, kv_dtype=None, prefill_chunk=DEFAULT_PREFILL_CHUNK):
+                 softmax_layers=None, window=None, kv_dtype=None, prefill_chunk=DEFAULT_PREFILL_CHUNK,
+                 activations=DEFAULT_ACTIVATIONS):
     """Load; a warning (weights not trained for this attention path) becomes one stderr line. On a
     terminal, a load that takes over LOADING_NOTICE_S says "loading NAME ..." once that time has
     passed, then how long it took (logs and pipes get neither: they wait for nobody)."""
@@ -179,7 +181,7 @@ def load_quietly(model_name, attention, feature_map, device, dtype, backend="aut
             warnings.simplefilter("always")
             llm = load(model_name, attention=attention, feature_map=feature_map, device=device, dtype=dtype,
                        backend=backend, threads=threads, quantize=quantize, softmax_layers=softmax_layers,
-                       window=window, kv_dtype=kv_dtype, prefill_chunk=prefill_chunk)
+                       window=window, kv_dtype=kv_dtype, prefill_chunk=prefill_chunk, activations=activations)
     finally:
         notice.cancel()
     took = time.perf_counter() - t0

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from cli.common import FEATURE_MAP_HELP, KV_DTYPE_HELP, fail, prefill_chunk_option, run_guarded
+from cli.common import FEATURE_MAP_HELP, KV_DTYPE_HELP, activations_option, fail, prefill_chunk_option, run_guarded
 from cli.open_page import open_when_ready, page_url
 from engine.serve import Policy, open_server, run
 from engine.serve.guard import (DEFAULT_KEEP_ALIVE_S, DEFAULT_MAX_BODY, DEFAULT_MAX_CONNECTIONS,
@@ -67,12 +67,13 @@ ANY_ADDRESS = ("0.0.0.0", "::", "")
                    "(default: CORS off, foreign Origins refused)")
 @click.option("--docs", is_flag=True, help="serve /docs, /redoc and /openapi.json (off by default)")
 @prefill_chunk_option
+@activations_option
 @click.option("--open", "open_page", is_flag=True, help="open the comparison page (/) in the browser once the "
                                                         "server answers")
 def serve_cmd(model_name, attention, softmax_layers, window, feature_map, host, port, max_batch, max_queue,
               max_context, dtype, kv_dtype, backend, threads, max_prompt, queue_timeout, max_body, api_key,
               allow_hosts, cors_origins, docs, prefill_chunk, max_tokens_cap, max_connections, read_timeout,
-              timeout_keep_alive, shutdown_grace, served_names, open_page=False):
+              timeout_keep_alive, shutdown_grace, served_names, activations, open_page=False):
     """Serve MODEL over HTTP: /v1/models, /v1/completions, /v1/chat/completions (OpenAI format, SSE streams),
     and a page at / comparing attention configurations side by side."""
     if max_batch < 1:
@@ -116,7 +117,8 @@ def serve_cmd(model_name, attention, softmax_layers, window, feature_map, host, 
     server = run_guarded(lambda: open_server(model_name, attention, feature_map, dtype, backend, threads,
                                              max_batch, max_context, max_queue, softmax_layers, window,
                                              kv_dtype, max_prompt=max_prompt, queue_timeout=queue_timeout,
-                                             prefill_chunk=prefill_chunk, max_tokens_cap=max_tokens_cap,
+                                             prefill_chunk=prefill_chunk, activations=activations,
+                                             max_tokens_cap=max_tokens_cap,
                                              aliases=served_names))
     if open_page:
         open_when_ready(page_url(host, port))

@@ -17,7 +17,7 @@ from engine.serve.prefix_cache import PrefixCache
 from engine.serve.scheduler import Job, Scheduler
 from engine.serve.server import Server
 from engine.serve.shutdown import DEFAULT_GRACE_S, GracefulServer
-from engine.steps import DEFAULT_PREFILL_CHUNK
+from engine.steps import DEFAULT_ACTIVATIONS, DEFAULT_PREFILL_CHUNK
 
 
 def open_server(model: str, attention: str | None = None, feature_map: str | None = None, dtype=None,
@@ -25,6 +25,7 @@ def open_server(model: str, attention: str | None = None, feature_map: str | Non
                 max_context: int | None = None, max_queue: int | None = None, softmax_layers=None,
                 window: int | None = None, kv_dtype=None, max_prompt: int | None = None,
                 queue_timeout: float | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                activations: str = DEFAULT_ACTIVATIONS,
                 max_tokens_cap: int | None = None, aliases: tuple[str, ...] = ()) -> Server:
     """Load `model` (a registered name or a path) and wrap it in a Server named `model` (chat through
     the model's own chat template, when it has one: see `LLM.chat`).
@@ -39,7 +40,8 @@ def open_server(model: str, attention: str | None = None, feature_map: str | Non
     decode steps.
     """
     llm = load(model, attention=attention, feature_map=feature_map, dtype=dtype, backend=backend, threads=threads,
-               softmax_layers=softmax_layers, window=window, kv_dtype=kv_dtype, prefill_chunk=prefill_chunk)
+               softmax_layers=softmax_layers, window=window, kv_dtype=kv_dtype, prefill_chunk=prefill_chunk,
+               activations=activations)
     limits = {} if queue_timeout is None else {"queue_timeout": queue_timeout}
     names = tuple(aliases) or (str(model),)
     return Server(llm, name=names[0], aliases=names[1:], max_batch=max_batch, max_context=max_context,
