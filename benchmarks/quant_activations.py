@@ -23,6 +23,26 @@ from engine import load
 from models.corpus import read_documents
 
 QUESTION = "What is the capital of France?"
+# a small factual check (greedy, 24 tokens; right when the answer holds the expected word)
+QA = [("What is the capital of France?", "paris"), ("What is the capital of Italy?", "rome"),
+      ("What is the capital of Japan?", "tokyo"), ("What is the capital of Germany?", "berlin"),
+      ("What is the capital of Spain?", "madrid"), ("What is 2 + 2?", "4"),
+      ("What color is the sky on a clear day?", "blue"), ("How many days are in a week?", "7"),
+      ("What is the largest planet in the solar system?", "jupiter"), ("Who wrote Romeo and Juliet?", "shakespeare"),
+      ("What is the boiling point of water in Celsius?", "100"), ("What gas do plants absorb from the air?", "carbon"),
+      ("How many legs does a spider have?", "8"), ("What is the capital of Canada?", "ottawa"),
+      ("What is the chemical symbol for gold?", "au"), ("What is the freezing point of water in Celsius?", "0")]
+WORDS = {"eight": "8", "seven": "7", "four": "4"}
+
+
+def questions_right(llm) -> int:
+    right = 0
+    for q, a in QA:
+        ans = "".join(llm.chat([{"role": "user", "content": q}], temperature=0, max_new_tokens=24)).lower()
+        for word, digit in WORDS.items():
+            ans = ans.replace(word, digit)
+        right += a in ans
+    return right
 
 
 def score(llm, docs: list[str], max_tokens: int) -> tuple[float, float, int]:
@@ -52,21 +72,24 @@ def main() -> None:
     ap.add_argument("--threads", type=int)
     ap.add_argument("--json", dest="json_path")
     a = ap.parse_args()
-    forms = [("native", "f32"), ("native", "q8"), ("torch", "f32")]
+    forms = [("native", "f32"), ("native", "q8"), ("native", "f32-prompt"), ("torch", "f32")]
     records = []
-    print("| step | activations | data | perplexity | tokens | decode ms/token | greedy answer |")
-    print("| --- | --- | --- | ---: | ---: | ---: | --- |")
+    print("| step | activations | data | perplexity | tokens | decode ms/token | greedy answer | questions right |")
+    print("| --- | --- | --- | ---: | ---: | ---: | --- | ---: |")
     for backend, acts in forms:
         llm = load(a.model, backend=backend, activations=acts, threads=a.threads)
         answer = "".join(llm.chat([{"role": "user", "content": QUESTION}], temperature=0, max_new_tokens=12))
         answer = answer.strip().replace("\n", " ")
+        right = questions_right(llm)
         for path in a.data:
             docs = read_documents(path)[:a.docs]
             ppl, ms, n = score(llm, docs, a.max_tokens)
             rec = {"step": backend, "activations": acts, "data": path, "perplexity": ppl, "tokens": n,
-                   "decode_ms_per_token": ms, "answer": answer, "form_ran": llm.step.last_form}
+                   "decode_ms_per_token": ms, "answer": answer, "questions_right": right, "questions": len(QA),
+                   "form_ran": llm.step.last_form}
             records.append(rec)
-            print(f"| {llm.step.last_form} | {acts} | {path} | {ppl:.3f} | {n} | {ms:.2f} | {answer[:40]} |", flush=True)
+            print(f"| {llm.step.last_form} | {acts} | {path} | {ppl:.3f} | {n} | {ms:.2f} | {answer[:40]} | "
+                  f"{right}/{len(QA)} |", flush=True)
     if a.json_path:
         with open(a.json_path, "w") as f:
             json.dump({"model": a.model, "records": records}, f, indent=1)
