@@ -15,6 +15,7 @@ from engine.sampling import SamplingParams
 from engine.serve import PrefixCache, Scheduler
 from engine.serve.scheduler import Job, Token
 from engine.steps import Stepper
+from engine.serve.schemas import CompletionRequest, parse
 
 MIXES = {
     "window": dict(attention="linear", window=3, num_hidden_layers=2),
@@ -164,13 +165,10 @@ def test_gen_serve_accepts_a_hybrid_window_default(tmp_path, small_tokenizer):
     assert len(got["a"]) == 8
 
 
-class _Req:
-    """The fields Server.make_job reads from a request body."""
-
-    def __init__(self, attention):
-        self.attention, self.limit, self.temperature, self.top_k, self.top_p = attention, 8, 0.0, 0, 1.0
-        self.min_p, self.repetition_penalty, self.seed, self.stop, self.logprobs, self.ignore_eos = \
-            0.0, 1.0, None, None, None, True
+def _Req(attention):
+    """A completion request body as the server parses it (every field Server.make_job reads)."""
+    body = {"prompt": [1, 5, 9, 20], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    return parse(CompletionRequest, {**body, **({"attention": attention} if attention else {})})
 
 
 @pytest.mark.parametrize("kind", ["softmax", "linear", "window", "hybrid-hedgehog"])
