@@ -17,6 +17,7 @@ from models.config import ModelConfig
 from models.errors import ConfigError
 
 transformers = pytest.importorskip("transformers", reason="transformers not installed (test extra)")
+from tests.test_families import max_diff, stepwise  # noqa: E402 (after the skip: it needs transformers)
 
 TOL = 1e-4
 T = 48
@@ -42,17 +43,6 @@ def sequence(vocab=97, seed=0):
     return torch.randint(0, vocab, (1, T), generator=torch.Generator().manual_seed(seed))
 
 
-def max_diff(a, b):
-    d = (a.float() - b.float()).abs().max().item()
-    print(f"max |logit diff| = {d:.3e}")
-    return d
-
-
-def stepwise(model, x, backend):
-    """Logits at every position, one token a call through the chosen step form."""
-    step = make_step(model, backend=backend)
-    state = model.init_state(x.shape[0], x.shape[1], "softmax")
-    return torch.stack([step(x[:, t:t + 1], state)[:, -1] for t in range(x.shape[1])], 1)
 
 
 def llama_cpp_rope_freqs(scaling: dict, head_dim: int, theta: float) -> np.ndarray:
@@ -79,6 +69,11 @@ def test_hf_directory_with_rope_scaling_matches_transformers(tmp_path, scaling):
     theirs.save_pretrained(tmp_path)
     ours, _ = load_model(tmp_path, dtype="float32")
     assert ours.config.rope_scaling["rope_type"] == scaling["rope_type"]
+    every_form_matches(ours, theirs)
+
+
+def every_form_matches(ours, theirs):
+    """The module forward, and every step form token by token, give transformers' logits."""
     x = sequence()
     with torch.no_grad():
         ref = theirs(x).logits
@@ -166,12 +161,7 @@ def test_llama3_gguf_rope_freqs_match_transformers(tmp_path):
     assert "rope_freqs.weight" in names     # llama.cpp's own reader sees the tensor where llama.cpp looks
     ours, _ = load_model(path, dtype="float32")
     assert ours.config.rope_freq_factors == pytest.approx(freqs.tolist())
-    x = sequence()
-    with torch.no_grad():
-        ref = theirs(x).logits
-        assert max_diff(ours(x), ref) <= TOL
-        for backend in ours_backends(ours):
-            assert max_diff(stepwise(ours, x, backend), ref) <= TOL, backend
+    every_form_matches(ours, theirs)
 
 
 def test_llama3_gguf_without_its_tensor_is_plain_rope(tmp_path):
