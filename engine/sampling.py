@@ -30,7 +30,9 @@ probabilities) takes the greedy token instead (`greedy_ids`), in both samplers.
 """
 from __future__ import annotations
 
+import math
 import os
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -240,9 +242,91 @@ def check_vocab(params: SamplingParams, vocab_size: int) -> None:
         raise InvalidArgumentError(f"logit_bias: token id {outside[0]} is outside the vocabulary (0..{vocab_size - 1})")
 
 
-# ---------------------------------------------------------------------- the stateful sampler
+# ---------------------------------------------------------------------- the one sampler
+# Every caller draws the same way (the API, `gen`, chat and the server's batches): a row draws ONE
+# uniform number from its own torch.Generator, seeded with the request's seed, and inverts its own
+# CDF (fp64 cumulative sum, `searchsorted`); rows that share settings are filtered as one (k, V)
+# block. So a request's tokens depend on its seed and its logits only, alone or in any batch, in the
+# API or on the server. (torch.multinomial, the draw before, spent V exponential numbers a token:
+# ~1 ms a row at V = 49152.) A row's uniforms come UNIFORM_BLOCK at a time (CPU generators fill a
+# tensor serially: the same numbers, in the same order, as one draw per token; a test holds this).
+
+UNIFORM_BLOCK = 64   # uniforms a sampled row draws from its generator at a time
+
+
+class RowSampler:
+    """One request's sampling state: its settings, its generator, the tokens it has seen (for the
+    repetition penalty: the prompt and every token drawn) and how often it drew each (for the
+    presence and frequency penalties)."""
+
+    def __init__(self, params: SamplingParams, prompt_ids: list[int], vocab_size: int, device="cpu"):
+        self.params = params
+        self.key = (params.temperature, params.top_k, params.top_p, params.min_p, params.repetition_penalty,
+                    params.presence_penalty, params.frequency_penalty, params.logit_bias)
+        self.seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        self.generator = None
+        if not params.greedy:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(self.seed)
+        self._uniforms: list[float] = []
+        self.seen = None
+        if params.repetition_penalty != 1.0:
+            self.seen = torch.zeros(1, vocab_size, dtype=torch.bool, device=device)   # (1, V)
+            self.seen[0, torch.as_tensor(prompt_ids, dtype=torch.long, device=device)] = True
+        self.counts = (torch.zeros(1, vocab_size, dtype=torch.int32, device=device)   # (1, V)
+                       if params.counts_tokens else None)
+
+    def observe(self, token: int) -> None:
+        if self.seen is not None:
+            self.seen[0, token] = True
+        if self.counts is not None:
+            self.counts[0, token] += 1
+
+    def uniform(self) -> float:
+        """The row's next uniform number in [0, 1) (fp64), as torch.rand(1, generator=...) would give it."""
+        if not self._uniforms:
+            block = torch.rand(UNIFORM_BLOCK, generator=self.generator, dtype=torch.float64).tolist()
+            self._uniforms = block[::-1]   # popped from the end: in draw order
+        return self._uniforms.pop()
+
+
+def sample_rows(samplers: list["RowSampler"], logits: torch.Tensor) -> list[int]:
+    """logits (B, V), row b for samplers[b] -> B token ids; each sampler observes its token."""
+    B, V = logits.shape
+    groups: dict[tuple, list[int]] = {}
+    for b, s in enumerate(samplers):
+        groups.setdefault(s.key, []).append(b)
+    out = [0] * B
+    for rows in groups.values():
+        first = samplers[rows[0]]
+        raw = logits if len(rows) == B else logits[rows]                                # (k, V)
+        seen = torch.cat([samplers[b].seen for b in rows]) if first.seen is not None else None
+        counts = torch.cat([samplers[b].counts for b in rows]) if first.counts is not None else None
+        x = filtered_logits(raw, first.params, seen, counts)
+        if first.params.greedy:
+            tokens = greedy_ids(x, raw).tolist()
+        else:
+            cdf = x.softmax(-1).double().cumsum(-1)                                     # (k, V)
+            # u < 1, so u * total < total: the first index whose CDF passes the target is a token of
+            # nonzero weight; the target is kept below total against rounding
+            totals = cdf[:, -1].tolist()
+            targets = [min(samplers[b].uniform() * total, math.nextafter(total, 0.0))
+                       for b, total in zip(rows, totals)]
+            target = torch.tensor(targets, dtype=torch.float64, device=cdf.device)[:, None]   # (k, 1)
+            tokens = [min(t, V - 1) for t in torch.searchsorted(cdf, target, right=True)[:, 0].tolist()]
+            if not all(total > 0 for total in totals):   # NaN probabilities (a NaN, +inf or no token left in
+                # the row: the CDF would land on the last id): the greedy token
+                fallback = greedy_ids(x, raw).tolist()
+                tokens = [t if total > 0 else f for t, f, total in zip(tokens, fallback, totals)]
+        for b, t in zip(rows, tokens):
+            out[b] = t
+            samplers[b].observe(t)
+    return out
+
+
 class Sampler:
-    """Samples one token per sequence per step and remembers which tokens each sequence holds.
+    """The rows of one batch (`gen`, the API): a RowSampler each, all with the same settings and seed
+    (a batched request samples exactly what the same prompt alone would, given equal logits).
 
     batch: number of sequences; vocab_size: V. Call `observe(prompt ids, valid)` once with the
     prompt, then `sample(logits)` each step (it observes the token it returns).
@@ -253,40 +337,21 @@ class Sampler:
         self.params = params
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         self.seed = seed
-        self.generators = []
-        if not params.greedy:   # greedy never draws: no generator to make
-            for _ in range(batch):
-                g = torch.Generator(device=device)
-                g.manual_seed(seed)
-                self.generators.append(g)
-        self.seen = (torch.zeros(batch, vocab_size, dtype=torch.bool, device=device)
-                     if params.repetition_penalty != 1.0 else None)
-        self.counts = (torch.zeros(batch, vocab_size, dtype=torch.int32, device=device)
-                       if params.counts_tokens else None)   # generated tokens, per sequence
+        fixed = dataclasses.replace(params, seed=seed)
+        self.rows = [RowSampler(fixed, [], vocab_size, device) for _ in range(batch)]
 
     def observe(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        """tokens (B, T) int64; valid (B, T) bool, False at pads (not counted as seen)."""
-        if self.seen is None:
-            return
-        hit = torch.ones_like(tokens, dtype=torch.int32) if valid is None else valid.int()
-        # OR the hits in: a pad's id is not marked by the pad itself
-        marks = torch.zeros_like(self.seen, dtype=torch.int32).scatter_add_(1, tokens, hit)
-        self.seen |= marks > 0
+        """Prompt tokens (B, T) int64; valid (B, T) bool, False at pads (not counted as seen)."""
+        if self.rows and self.rows[0].seen is not None:
+            for b, row in enumerate(self.rows):
+                ids = tokens[b] if valid is None else tokens[b][valid[b]]
+                row.seen[0, ids] = True
+
+    @property
+    def seen(self) -> torch.Tensor | None:
+        """(B, V) bool: the tokens each row has held (prompt and sampled), with a repetition penalty."""
+        return torch.cat([row.seen for row in self.rows]) if self.rows and self.rows[0].seen is not None else None
 
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
         """logits (B, V) -> next tokens (B,) int64."""
-        x = filtered_logits(logits, self.params, self.seen, self.counts)
-        if self.params.greedy:
-            tokens = greedy_ids(x, logits)
-        else:
-            probs = x.softmax(-1)
-            bad = unsampleable(x)
-            if bad.any():   # a one-hot at the greedy token: the row's draw still advances its generator
-                onehot = torch.zeros_like(probs).scatter_(-1, greedy_ids(x, logits)[:, None], 1.0)
-                probs = torch.where(bad[:, None], onehot, probs)
-            tokens = torch.cat([torch.multinomial(probs[b], 1, generator=g)
-                                for b, g in enumerate(self.generators)])
-        self.observe(tokens[:, None])
-        if self.counts is not None:
-            self.counts.scatter_add_(1, tokens[:, None], torch.ones_like(tokens[:, None], dtype=torch.int32))
-        return tokens
+        return torch.tensor(sample_rows(self.rows, logits), dtype=torch.long, device=logits.device)

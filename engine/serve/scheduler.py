@@ -30,7 +30,7 @@ A request for n choices is one job with n - 1 `copies`: queued, admitted and can
 (`State.select_rows`), with its own sampler (the server gives choice i the seed + i).
 
 A request's tokens do not depend on what else runs: each job has its own `RowSampler` (its own
-seeded torch.Generator; a step samples every row in one pass, engine.serve.batch_sampling), its
+seeded torch.Generator; a step samples every row in one pass, engine.sampling.sample_rows), its
 prompt's positions are its own, and decode rows never mix (per-row
 positions, masked pads; linear rows are independent by construction). An exception in a
 step fails that pool's jobs only; the loop goes on.
@@ -46,8 +46,7 @@ import torch
 
 from engine.detokenize import StreamDecoder
 from engine.generate import eos_set
-from engine.sampling import SamplingParams
-from engine.serve.batch_sampling import RowSampler, sample_rows
+from engine.sampling import RowSampler, SamplingParams, sample_rows
 from engine.serve.prefix_cache import PrefixCache
 from engine.stopping import StopText
 
