@@ -102,8 +102,7 @@ def test_hf_directory_matches_transformers(family):
 
 
 def backends(model):
-    """The step forms to hold to the reference: module, torch, and native where it is built here (it runs
-    Mistral; for Qwen it hands the step to torch, see test_native_step_declines...)."""
+    """The step forms to hold to the reference: module, torch, and native where it is built here."""
     return ["module", "torch"] + (["native"] if "native" in make_step(model).forms_available else [])
 
 
@@ -144,20 +143,26 @@ def test_every_attention_path_agrees_across_step_forms(family, path):
         assert max_diff(full, theirs(x).logits) > 100 * TOL   # not the softmax model: the path did change
 
 
-def test_native_step_declines_biases_and_norms_in_one_line(family):
+def test_the_native_step_runs_every_family(family):
+    """Qwen2's biases and Qwen3's q/k norms run in the C step too (no fallback), decode and prompt
+    blocks, on softmax and linear, and equal transformers / the module path (the test above holds
+    the softmax logits; here the form that ran, and the linear path)."""
     name, theirs, directory = family
     ours, _ = load_model(directory)
     try:
         step = make_step(ours, backend="native")
-    except Exception as e:   # no C compiler here: nothing to decline
+    except Exception as e:   # no C compiler here
         pytest.skip(f"the native step cannot be built here: {e}")
-    state = ours.init_state(1, 8)
-    step(sequence(length=1), state)
-    if name == "mistral":    # Llama-shaped: the C step runs it
-        assert step.last_form == "native" and step.fallback is None
-    else:
-        words = {"qwen2": "q/k/v biases", "qwen3": "q/k norms"}[name]
-        assert step.last_form == "torch" and words in step.fallback and "\n" not in step.fallback
+    x = sequence(seed=5, length=12)
+    for path in ("softmax", "linear"):
+        state = ours.init_state(1, 16, path)
+        step(x[:, :8], state, last_only=True)
+        got = torch.stack([step(x[:, t:t + 1], state)[:, -1] for t in range(8, 12)], 1)
+        assert step.last_form == "native" and step.last_prefill_form == "native" and step.fallback is None
+        ref_state = ours.init_state(1, 16, path)
+        with torch.no_grad():
+            ref = ours.step(x, ref_state)[:, 8:]
+        assert max_diff(got, ref) <= TOL, path
 
 
 @pytest.mark.parametrize("kind", ["q8_0", "q4_1"])

@@ -4,8 +4,8 @@
 
 It runs the one-token step of a CPU state (a KV cache; a linear state with any of the four fixed
 feature maps or learned hedgehog maps; a sliding window + linear state; a hybrid of a KV cache and
-one of those, per layer) of a Llama-shaped model (Llama, Mistral; not Qwen2's q/k/v biases or
-Qwen3's q/k norms), any batch size, left-padded rows included, on weights in fp32, f16, bf16 or
+one of those, per layer) of a Llama-shaped model (Llama, Mistral, Qwen2's q/k/v biases, Qwen3's
+per-head q/k norms), any batch size, left-padded rows included, on weights in fp32, f16, bf16 or
 quantized blocks (engine.quant: q8_0, q4_0, q4_1), on `threads` threads (engine.threads); `why_not`
 names every other case and the Stepper hands it to the torch form. The C code reads the model's
 weight tensors and writes the state's own tensors in place through their data pointers, so a
@@ -70,7 +70,8 @@ class Plan(ctypes.Structure):   # gen.h Plan, field for field
                 + [("linear_rope", ctypes.c_int)]
                 + [("wk", _V), ("wv", _V), ("wreal", _V), ("W", ctypes.c_int), ("w_type", ctypes.c_int)]
                 + [("hh_decay", _P), ("hh_logit", _P), ("hh_gate", _P)]
-                + [("q8_acts", ctypes.c_int)])
+                + [("q8_acts", ctypes.c_int)]
+                + [("qkv_bias", ctypes.POINTER(_P)), ("q_norm", ctypes.POINTER(_V)), ("k_norm", ctypes.POINTER(_V))])
 
 
 def _bind(lib):
@@ -238,16 +239,6 @@ def _parts(state) -> tuple:
             next((p for p in parts if p.path != "softmax"), None))
 
 
-def attention_extras(model) -> str | None:
-    """What the model's attention has beyond Llama's that the C step does not compute (Qwen2's q/k/v
-    biases, Qwen3's per-head q/k norms), in words; None for a Llama-shaped model."""
-    attn = model.layers[0].self_attn if len(model.layers) else None
-    if attn is None:
-        return None
-    parts = (["q/k/v biases"] if attn.qkv.bias is not None else []) + (["q/k norms"] if attn.q_norm is not None else [])
-    return " or ".join(parts) or None
-
-
 def why_not(model, state, tokens) -> str | None:
     """None for the cases the C step covers; otherwise the reason (the caller falls back)."""
     if tokens.device.type != "cpu":
@@ -257,9 +248,6 @@ def why_not(model, state, tokens) -> str | None:
     dtype = model.embed_tokens.weight.dtype
     if dtype not in FLOAT_TYPES:
         return f"the native step reads fp32, f16 or bf16 weights, not {str(dtype).removeprefix('torch.')}"
-    extra = attention_extras(model)
-    if extra:
-        return f"the native step has no {extra} ({model.config.model_type}); the torch step runs this model"
     kv, lin = _parts(state)
     if lin is not None:
         if lin.S.dtype != torch.float32 or lin.z.dtype != torch.float32:
@@ -386,8 +374,19 @@ class NativeDecoder:
         used = [m[0] for ms in mats.values() for m in ms] + [embed[0], head[0]]
         self.sources = [o[0] for o, u in zip(originals, used) if u is not o[0]]
         self.source_versions = self._versions()
-        norms = [layer[i] for layer in layers for i in (0, 3)] + [model.norm.weight]
-        flat = [m[0] for ms in mats.values() for m in ms] + [embed[0], head[0]] + norms
+        attns = [b.self_attn for b in model.layers]
+        qk_norms = ([a.q_norm.weight for a in attns], [a.k_norm.weight for a in attns]) \
+            if attns and attns[0].q_norm is not None else None
+        norms = [layer[i] for layer in layers for i in (0, 3)] + [model.norm.weight] + \
+            ([w for ws in qk_norms for w in ws] if qk_norms else [])
+        # Qwen2's q/k/v biases as fp32 (copies when the model's are not: checked like every copy)
+        biases = [layer[1].bias for layer in layers] if layers and layers[0][1].bias is not None else None
+        self.biases = None
+        if biases is not None:
+            self.biases = [b.detach().float().contiguous() for b in biases]
+            self.sources += [b.detach() for b, c in zip(biases, self.biases) if c.data_ptr() != b.data_ptr()]
+            self.source_versions = self._versions()
+        flat = [m[0] for ms in mats.values() for m in ms] + [embed[0], head[0]] + norms + (self.biases or [])
         if any(t.device.type != "cpu" or not t.is_contiguous() for t in flat) or \
                 any(m[1] < 0 for ms in mats.values() for m in ms) or embed[1] < 0 or head[1] < 0:
             raise NativeUnavailableError("the native step needs contiguous CPU weights in fp32, f16, bf16 "
@@ -428,6 +427,11 @@ class NativeDecoder:
             Mat(plain[1][0].data_ptr(), *plain[1][1:]), Mat(plain[2][0].data_ptr(), *plain[2][1:]))
         self.norm_tables = {n: (_V * cfg.num_hidden_layers)(*[layer[i].data_ptr() for layer in layers])
                             for i, n in ((0, "ln1"), (3, "ln2"))}
+        if qk_norms is not None:
+            self.norm_tables.update({n: (_V * cfg.num_hidden_layers)(*[w.data_ptr() for w in ws])
+                                     for n, ws in zip(("q_norm", "k_norm"), qk_norms)})
+        if self.biases is not None:
+            self.bias_table = (_P * cfg.num_hidden_layers)(*[_ptr(b) for b in self.biases])
         self.flat, self.tensors = flat, tensors
         self.checked = flat + tensors
         # The storages themselves: memory the plan points into is never freed while it lives, even
@@ -451,6 +455,8 @@ class NativeDecoder:
             fields.update(hh_logit=_ptr(self.gate[0]), hh_gate=_ptr(self.gate[1]))
         elif self.decay is not None:
             fields.update(hh_decay=_ptr(self.decay))
+        if self.biases is not None:
+            fields.update(qkv_bias=self.bias_table)
         if state.path == "hybrid":   # per model layer: its mode, and its layer inside its part
             self.layer_mode = (ctypes.c_int * len(state.where))(
                 *[0 if p == "softmax" else mode for p in state.layer_paths])

@@ -116,6 +116,18 @@ static void layers(const Plan *p, const int64_t *tokens, int slot, const float *
     for (int l = 0; l < p->L; l++) {
         for (int b = 0; b < B; b++) rms_norm(p->xb + (size_t)b * C, p->x + (size_t)b * C, p->ln1[l], p->norm_type, C, p->eps);
         matmul(p, &p->qkv[l], p->xb, C, p->qkv_out, QKV, 0);
+        if (p->qkv_bias)
+            for (int b = 0; b < B; b++) {
+                float *q = p->qkv_out + (size_t)b * QKV;
+                const float *bias = p->qkv_bias[l];
+                for (int i = 0; i < QKV; i++) q[i] += bias[i];
+            }
+        if (p->q_norm)   /* per head, queries then keys (rms_norm reads a row whole before writing it) */
+            for (int b = 0; b < B; b++) {
+                float *q = p->qkv_out + (size_t)b * QKV;
+                for (int h = 0; h < H + Hkv; h++)
+                    rms_norm(q + h * D, q + h * D, h < H ? p->q_norm[l] : p->k_norm[l], p->norm_type, D, p->eps);
+            }
         const int mode = p->layer_mode ? p->layer_mode[l] : p->mode, li = p->layer_index ? p->layer_index[l] : l;
         if (cos && (mode == MODE_SOFTMAX || p->linear_rope))
             for (int b = 0; b < B; b++) {

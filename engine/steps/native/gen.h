@@ -75,6 +75,11 @@ typedef struct {
      * integer dots (qdot.c, llama.cpp's arithmetic; regrouped types allowed); 0 = fp32 activations
      * against the blocks decoded in the row dots (kernels.c; T_Q8_0, T_Q4_0, T_Q4_1 only). */
     int q8_acts;
+    /* Qwen2: per model layer the q/k/v bias ((H + 2 Hkv) D, fp32), added after the qkv matmul; Qwen3:
+     * per model layer the per-head RMSNorm weights of queries and keys (D each, in norm_type), applied
+     * to every head before rotary. NULL: none (Llama). */
+    const float *const *qkv_bias;
+    const void *const *q_norm, *const *k_norm;
 } Plan;
 
 enum { MODE_SOFTMAX = 0, MODE_ELU1 = 1, MODE_RELU = 2, MODE_SOFTMAX_MAP = 3, MODE_COS1 = 4, MODE_HEDGEHOG = 5 };
