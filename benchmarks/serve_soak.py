@@ -118,6 +118,9 @@ class Soak:
         self.long_ttft: list[float] = []
         self.bad_by_case: dict[str, dict] = {}
         self.flushes = 0
+        self.long_starts: list[float] = []
+        self.stalls: list[dict] = []   # completed full-speed streams with a gap over 100 ms
+        self.t0 = time.perf_counter()
 
     def fail(self, kind: str, **info) -> None:
         self.counts["failures"] += 1
@@ -140,7 +143,12 @@ class Soak:
             return False
         self.counts["matched"] += 1
         if not slow:
-            self.gaps += [b - a for a, b in zip(got["times"], got["times"][1:])]
+            gaps = [b - a for a, b in zip(got["times"], got["times"][1:])]
+            self.gaps += gaps
+            if gaps and max(gaps) > 0.1:   # where the long stalls were: when, on which path
+                k = max(range(len(gaps)), key=gaps.__getitem__)
+                self.stalls.append({"gap_ms": round(1e3 * gaps[k], 1), "at_s": round(got["times"][k] - self.t0, 1),
+                                    "what": what, "path": ref.get("attention")})
         return True
 
     async def reference(self, client) -> None:
@@ -222,6 +230,7 @@ class Soak:
                 self.counts["requests"] += 1
                 self.counts["long_requests"] += 1
                 await self.flush(client)
+                self.long_starts.append(round(time.perf_counter() - self.t0, 1))
                 got = await stream_one(client, self.url, self.long[j])
                 if self.check(got, self.long_ref[j], f"long prompt {j}", slow=True):
                     self.counts["completed"] += 1
@@ -258,7 +267,7 @@ async def run(server: ServerProcess, a, paths: list[str]) -> dict:
             await asyncio.sleep(10)
     sampler = asyncio.create_task(sample())
     deadline = time.monotonic() + 60 * a.minutes
-    t = time.perf_counter()
+    t = soak.t0 = time.perf_counter()
     with RssSampler(server) as peak:
         tasks = [soak.client(w, deadline) for w in range(a.clients)]
         if soak.long:
@@ -274,7 +283,8 @@ async def run(server: ServerProcess, a, paths: list[str]) -> dict:
     after = server.rss()
     g = soak.gaps
     return {"seconds": seconds, "reference_s": reference_s, "counts": soak.counts, "failures": soak.failures,
-            "bad_by_case": soak.bad_by_case, "server_after": idle, "prefix_cache": cache,
+            "bad_by_case": soak.bad_by_case, "stalls_over_100ms": sorted(soak.stalls, key=lambda x: -x["gap_ms"]),
+            "long_prompt_starts_s": soak.long_starts, "server_after": idle, "prefix_cache": cache,
             "gaps_ms": {"streams_timed": soak.counts["completed"] - soak.counts["slow_completed"]
                         - soak.counts["long_completed"], "gaps": len(g),
                         "median": 1e3 * statistics.median(g) if g else None, "p99": 1e3 * pct(g, 99) if g else None,
@@ -301,6 +311,7 @@ def table(r: dict, a) -> str:
             ("inter-token gap median / p99 / worst ms",
              f"{g['median'] or float('nan'):.1f} / {g['p99'] or float('nan'):.1f} / {g['worst'] or float('nan'):.1f}"
              f" ({g['streams_timed']} streams at full speed)"),
+            ("full-speed streams with a gap over 100 ms", len(r["stalls_over_100ms"])),
             ("long prompt TTFT median / worst s", f"{r['long_ttft_s']['median'] or float('nan'):.1f} / "
                                                   f"{r['long_ttft_s']['worst'] or float('nan'):.1f}"),
             ("server RSS MiB: baseline / peak / idle after",
