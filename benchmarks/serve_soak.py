@@ -127,7 +127,7 @@ class Soak:
         if len(self.failures) < 50:
             self.failures.append({"kind": kind, **info})
 
-    def check(self, got: dict, ref: dict, what: str, slow: bool = False) -> bool:
+    def check(self, got: dict, ref: dict, what: str, slow: bool = False, path: str | None = None) -> bool:
         """A finished stream: it must be whole and equal its reference; True when it counts as completed."""
         if got["status"] == 429:
             self.counts["rejected_429"] += 1
@@ -148,7 +148,7 @@ class Soak:
             if gaps and max(gaps) > 0.1:   # where the long stalls were: when, on which path
                 k = max(range(len(gaps)), key=gaps.__getitem__)
                 self.stalls.append({"gap_ms": round(1e3 * gaps[k], 1), "at_s": round(got["times"][k] - self.t0, 1),
-                                    "what": what, "path": ref.get("attention")})
+                                    "what": what, "path": path})
         return True
 
     async def reference(self, client) -> None:
@@ -204,7 +204,8 @@ class Soak:
                 slow = x < self.a.bad + self.a.disconnect + self.a.slow
                 delay = rng.uniform(0.02, 0.2) if slow else 0.0
                 got = await stream_one(client, self.url, spec, read_delay=delay)
-                if self.check(got, self.ref[i], f"spec {i}" + (" (slow reader)" if slow else ""), slow):
+                if self.check(got, self.ref[i], f"spec {i}" + (" (slow reader)" if slow else ""), slow,
+                              spec["attention"]):
                     self.counts["completed"] += 1
                     self.counts["slow_completed"] += slow
 
