@@ -462,6 +462,8 @@ class Scheduler:
             return None
 
     def _join(self, path: str, items: list) -> None:
+        if not items:   # every job admitted on this path ended at its first token: nothing joins
+            return
         pool = self.pools.setdefault(path, Pool())
         rows = pool.rows + [run for run, _ in items]
         states = ([pool.state] if pool.state is not None else []) + [state for _, state in items]
