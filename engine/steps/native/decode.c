@@ -48,12 +48,24 @@ void gen_plan_free(Plan *p) {
 }
 
 /* ------------------------------------------------------------------ matrices on the pool */
-typedef struct { Mat m; const float *x; int xs, B; const void *qx; } MatCtx;
+typedef struct { Mat m; const float *x; int xs, B; const void *qx; int dq; } MatCtx;
+
+/* Quantized rows [r0, r1) against fp32 inputs, DQ_ROWS rows at a time widened into buf (the values
+ * dequantize() gives) and run by the float kernels: a prompt block's rows share each widened row. */
+static void dq_rows(const Mat *m, int r0, int r1, const float *x, int xs, int B, float *out, int os, int add,
+                    float *buf) {
+    for (int r = r0; r < r1; r += DQ_ROWS) {
+        const int n = r1 - r < DQ_ROWS ? r1 - r : DQ_ROWS;
+        for (int i = 0; i < n; i++) row_to_f32(m, r + i, buf + (size_t)i * m->cols);
+        Mat t = {buf, T_F32, n, m->cols};
+        mat_rows(&t, 0, n, x, xs, B, out + (r - r0), os, add);
+    }
+}
 
 static void mat_fn(const void *ctx, int r0, int r1, float *out, int os, int add, float *scratch) {
     const MatCtx *c = ctx;
-    (void)scratch;
     if (c->qx) qmat_rows(&c->m, r0, r1, c->qx, c->B, out, os, add);
+    else if (c->dq) dq_rows(&c->m, r0, r1, c->x, c->xs, c->B, out, os, add, scratch);
     else mat_rows(&c->m, r0, r1, c->x, c->xs, c->B, out, os, add);
 }
 
@@ -66,15 +78,18 @@ static void matmul(const Plan *p, const Mat *m, const float *x, int xs, float *o
         quantize_x(x, xs, p->B, m->cols, buf, m->type);
         qx = buf;
     }
+    /* a prompt plan's fp32 activations on q8_0 / q4_0 / q4_1 blocks: widened DQ_ROWS rows at a time */
+    const int dq = !qx && dq_scratch(p) > 0 && p->B >= 4 && m->type >= T_Q8_0 && m->type <= T_Q4_1;
     if (p->nthreads <= 1 || macs < gen_par_min_macs) {
         if (qx) qmat_rows(m, 0, m->rows, qx, p->B, out, os, add);
+        else if (dq) dq_rows(m, 0, m->rows, x, xs, p->B, out, os, add, p->tscratch);
         else mat_rows(m, 0, m->rows, x, xs, p->B, out, os, add);
         return;
     }
     int chunks = p->nthreads * CHUNKS_PER_THREAD, rows = (m->rows + chunks - 1) / chunks;
     rows = (rows + 7) & ~7;
     if ((m->rows + rows - 1) / rows > 64) rows = (m->rows + 63) / 64;
-    MatCtx c = {*m, x, xs, p->B, qx};
+    MatCtx c = {*m, x, xs, p->B, qx, dq};
     pool_run(p->nthreads, mat_fn, &c, sizeof c, m->rows, 1, rows, p->B, out, os, add,
              p->tscratch, p->tscratch_floats, fn_scratch(p));
 }

@@ -259,8 +259,20 @@ static inline size_t att_scratch(const Plan *p) {
     return G * p->S_max + (2 + G + KCH) * (size_t)p->D;
 }
 
+/* A prompt plan with fp32 activations on quantized weights (q8_acts 0, Bc > 0) widens DQ_ROWS rows of
+ * a matrix at a time into the thread's scratch and runs the float row kernels on them (decode.c). */
+#define DQ_ROWS 16
+static inline size_t dq_scratch(const Plan *p) {
+    if (p->q8_acts || p->Bc <= 0) return 0;
+    size_t w = (size_t)p->C;
+    if ((size_t)p->H * p->D > w) w = (size_t)p->H * p->D;
+    if ((size_t)p->I > w) w = (size_t)p->I;
+    return DQ_ROWS * w;
+}
+
 static inline size_t fn_scratch(const Plan *p) {
-    return att_scratch(p) + 3 * (size_t)(p->F + 1) + (size_t)p->W + 1 + 2 * (size_t)p->D + 16;
+    size_t att = att_scratch(p) + 3 * (size_t)(p->F + 1) + (size_t)p->W + 1 + 2 * (size_t)p->D + 16, dq = dq_scratch(p);
+    return att > dq ? att : dq;
 }
 
 void softmax_attention(const Plan *p, int l, int slot, const uint8_t *slot_real);   /* attention.c */
