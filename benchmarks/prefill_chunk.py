@@ -61,7 +61,11 @@ def gaps(llm, path: str, chunk: int, streams: int, n: int, before: int = 20) -> 
     sched.start()
     params = SamplingParams(temperature=0.0)
     runs = [Stream() for _ in range(streams)]
-    jobs = [Job(prompt_ids(8, llm.model.config.vocab_size, seed=i + 1), path, params, max_tokens=100_000,
+    # enough tokens to outlast the admission (one token per stream per chunk fed, plus a margin), and no
+    # more: a softmax row's KV cache is allocated for its whole max_tokens (16 rows x 100k tokens of
+    # SmolLM2's f32 KV is ~74 GB)
+    max_tokens = before + n // (chunk or n) + 512
+    jobs = [Job(prompt_ids(8, llm.model.config.vocab_size, seed=i + 1), path, params, max_tokens=max_tokens,
                 emit=r, ignore_eos=True) for i, r in enumerate(runs)]
     try:
         for job in jobs:
