@@ -5,17 +5,10 @@ import json
 
 import pytest
 
-from test_serve_support import NAME, LiveServer, chat_model_dir, client, make_server  # noqa: F401 (a fixture)
+from test_serve_support import NAME, LiveServer, chat_model_dir, client, make_server, live  # noqa: F401 (fixtures)
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
-
-
-@pytest.fixture(scope="module")
-def live(small_model_dir):
-    srv = LiveServer(make_server(small_model_dir))
-    yield srv
-    srv.stop()
 
 
 @pytest.fixture(scope="module")

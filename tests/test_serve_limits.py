@@ -4,6 +4,7 @@ CLI's checks of its limit flags. Servers run in-process on 127.0.0.1 (tests/test
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -326,17 +327,16 @@ def test_a_stalled_body_gets_408_and_idle_connections_close(small_model_dir):
 
 
 # ---------------------------------------------------------------------- the queue
-def hold_the_row(live):
-    """A stream that holds the server's only row until closed (linear, ignore_eos, a huge max_tokens: the
-    server needs max_tokens_cap=0)."""
+@contextlib.contextmanager
+def row_held(live):
+    """A stream that holds the server's only row while the block runs (linear, ignore_eos, a huge
+    max_tokens: the server needs max_tokens_cap=0); closed after it."""
     body = {"model": NAME, "prompt": "the cat", "max_tokens": 10 ** 6, "stream": True, "attention": "linear",
             "ignore_eos": True}
-    h = httpx.Client(timeout=30)
-    cm = h.stream("POST", live.url + "/v1/completions", json=body)
-    r = cm.__enter__()
-    lines = r.iter_lines()
-    assert next(lines).startswith("data: {")
-    return h, cm, lines
+    with httpx.Client(timeout=30) as h, h.stream("POST", live.url + "/v1/completions", json=body) as r:
+        lines = r.iter_lines()                  # kept alive: a dropped iterator closes the stream
+        assert next(lines).startswith("data: {")
+        yield lines
 
 
 def queued(live) -> int:
@@ -359,8 +359,7 @@ def test_clients_that_gave_up_while_queued_leave_the_queue_at_once(small_model_d
     srv = LiveServer(make_server(small_model_dir, max_batch=1, max_queue=n, queue_timeout=1.0,
                                   max_tokens_cap=0))
     try:
-        h, cm, _ = hold_the_row(srv)
-        try:
+        with row_held(srv):
             def give_up(i):
                 with pytest.raises(httpx.ReadTimeout):
                     if i % 2:
@@ -376,9 +375,6 @@ def test_clients_that_gave_up_while_queued_leave_the_queue_at_once(small_model_d
             err = error_of(r, 503)
             assert err["code"] == "queue_timeout" and int(r.headers["retry-after"]) >= 1
             assert queued(srv) == 0
-        finally:
-            cm.__exit__(None, None, None)
-            h.close()
         assert srv.wait_idle()
         assert post(srv).status_code == 200
     finally:
@@ -392,16 +388,12 @@ def test_queued_requests_time_out_with_503_and_retry_after(small_model_dir):
     srv = LiveServer(make_server(small_model_dir, max_batch=1, max_queue=n, queue_timeout=0.5,
                                   max_tokens_cap=0))
     try:
-        h, cm, _ = hold_the_row(srv)
-        try:
+        with row_held(srv):
             with ThreadPoolExecutor(n) as pool:
                 answers = list(pool.map(lambda i: post(srv, stream=bool(i % 2)), range(n)))
             for r in answers:
                 assert error_of(r, 503)["code"] == "queue_timeout" and r.headers["retry-after"] == "1"
             assert queued(srv) == 0
-        finally:
-            cm.__exit__(None, None, None)
-            h.close()
         assert srv.wait_idle()
         assert post(srv).status_code == 200
     finally:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from test_serve_support import NAME, LiveServer, chat_model_dir, make_server  # noqa: F401 (a fixture)
+from test_serve_support import NAME, LiveServer, chat_model_dir, make_server, live  # noqa: F401 (fixtures)
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
@@ -28,13 +28,6 @@ def openai_error(r: httpx.Response, status: int, code: str | None = None) -> dic
     if code is not None:
         assert err["code"] == code, err
     return err
-
-
-@pytest.fixture(scope="module")
-def live(small_model_dir):
-    srv = LiveServer(make_server(small_model_dir))
-    yield srv
-    srv.stop()
 
 
 @pytest.fixture(scope="module")

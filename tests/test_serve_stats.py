@@ -7,16 +7,9 @@ from importlib import resources
 
 import pytest
 
-from test_serve_support import NAME, LiveServer, chat_model_dir, make_server  # noqa: F401 (a fixture)
+from test_serve_support import NAME, LiveServer, chat_model_dir, make_server, live  # noqa: F401 (fixtures)
 
 httpx = pytest.importorskip("httpx")
-
-
-@pytest.fixture(scope="module")
-def live(small_model_dir):
-    srv = LiveServer(make_server(small_model_dir))
-    yield srv
-    srv.stop()
 
 
 def stream(live, body: dict) -> list[dict]:

@@ -26,6 +26,14 @@ def chat_model_dir(tmp_path_factory):
     return bpe_model_dir(tmp_path_factory.mktemp("chat_model"))
 
 
+@pytest.fixture(scope="module")
+def live(small_model_dir):
+    """The default server on the small model, one per test module."""
+    srv = LiveServer(make_server(small_model_dir))
+    yield srv
+    srv.stop()
+
+
 class LiveServer:
     """`server` behind uvicorn in a daemon thread; `.url`, `.stop()`. Starts and stops within seconds."""
 
