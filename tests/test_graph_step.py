@@ -302,6 +302,12 @@ class RecordedGraph:
     def __init__(self):
         self.run = self.out = None
 
+    def capture_begin(self, pool=None, capture_error_mode="global"):
+        RecordedGraph.capturing = self
+
+    def capture_end(self):
+        RecordedGraph.capturing = None
+
     def replay(self):
         self.out.copy_(self.run())
 
@@ -324,14 +330,6 @@ def recorded_graphs(monkeypatch):
         graph.run = lambda: real(plan, tokens, state, slot, bucket, rope_rows)
         return graph.out
 
-    @contextlib.contextmanager
-    def graph(g, pool=None, stream=None, capture_error_mode=None):
-        RecordedGraph.capturing = g
-        try:
-            yield
-        finally:
-            RecordedGraph.capturing = None
-
     class Stream:
         def __init__(self, device=None):
             pass
@@ -340,9 +338,8 @@ def recorded_graphs(monkeypatch):
             pass
 
     monkeypatch.setattr(gs, "decode_static", decode_static)
-    for name, value in (("CUDAGraph", RecordedGraph), ("graph", graph), ("Stream", Stream),
-                        ("stream", lambda s: contextlib.nullcontext()), ("current_stream", Stream),
-                        ("graph_pool_handle", object)):
+    for name, value in (("CUDAGraph", RecordedGraph), ("Stream", Stream), ("stream", lambda s: contextlib.nullcontext()),
+                        ("current_stream", Stream), ("graph_pool_handle", object), ("synchronize", lambda: None)):
         monkeypatch.setattr(torch.cuda, name, value)
     return gs
 
@@ -391,16 +388,28 @@ def test_graph_step_swaps_evicts_and_follows_new_weights(recorded_graphs):
         assert_same_state(a, b, 1e-5)
 
 
-def test_a_failed_capture_runs_the_torch_step_and_refuses_after(recorded_graphs, monkeypatch):
-    model, path = make_model("window")
+@pytest.mark.parametrize("where", ["in-the-step", "at-capture-end"])
+def test_a_failed_capture_runs_the_torch_step_and_refuses_after(recorded_graphs, monkeypatch, where):
+    """An op that cannot be captured (a host sync) fails the capture: that step runs the torch step on the state as
+    it was before the warm-up runs, and the form refuses from then on with the error as its reason."""
+    model, path = make_model("hybrid-window")
     tokens = tokens_for(2)
     s_graph, s_torch = prefilled(model, path, tokens), prefilled(model, path, tokens)
     step, torch_form = GraphStep(model), TorchStep(model)
+    error = RuntimeError("operation not permitted when stream is capturing\n(a second line)")
+    if where == "at-capture-end":
+        def refuse(self):
+            RecordedGraph.capturing = None
+            raise error
+        monkeypatch.setattr(RecordedGraph, "capture_end", refuse)
+    else:
+        route = recorded_graphs.layer_route
 
-    def refuse(*a, **k):
-        raise RuntimeError("operation not permitted when stream is capturing\n(a second line)")
-
-    monkeypatch.setattr(torch.cuda, "graph", refuse)
+        def refuse(state, layers):
+            if RecordedGraph.capturing is not None:
+                raise error
+            return route(state, layers)
+        monkeypatch.setattr(recorded_graphs, "layer_route", refuse)
     got = step(tokens[:, PROMPT:PROMPT + 1], s_graph)
     assert max_diff(got, torch_form(tokens[:, PROMPT:PROMPT + 1], s_torch)) <= 1e-5
     assert_same_state(s_graph, s_torch, 1e-5)          # the warm-up runs left no trace

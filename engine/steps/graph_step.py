@@ -180,7 +180,7 @@ class GraphStep:
         self.model, self.torch_step = model, torch_step or TorchStep(model)
         self.min_bucket, self.keep = min_bucket, keep
         self.graphs: OrderedDict = OrderedDict()
-        self.pool = None            # one CUDA graph memory pool for every capture
+        self.pool = self.stream = None   # one CUDA graph memory pool and one capture stream for every capture
         self.plan: DecodePlan | None = None
         self.captures = 0           # graphs captured so far (tests: a swap recaptures, a replay does not)
         self.broken: str | None = None   # why a capture failed: the form then refuses for good
@@ -251,19 +251,31 @@ class GraphStep:
         def run():
             return decode_static(plan, static_tokens, state, slot, bucket, rope_rows)
 
-        if self.pool is None:
+        if self.pool is None:   # one pool and one side stream for every capture (PyTorch's recipe)
             self.pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(device=tokens.device)
+            self.stream = torch.cuda.Stream(device=tokens.device)
+        stream = self.stream
         stream.wait_stream(torch.cuda.current_stream())
         try:
             with torch.cuda.stream(stream):
                 for _ in range(WARMUP):
                     run()
                     restore()
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                # capture_begin/end rather than `with torch.cuda.graph(...)`: its exit leaves the side stream
+                # current when ending the capture raises
+                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                try:
+                    logits = run()
+                except BaseException:
+                    try:
+                        graph.capture_end()
+                    except Exception:  # noqa: BLE001, S110 - the capture's own error is the one to report
+                        pass
+                    raise
+                graph.capture_end()
             torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
-                logits = run()
         except Exception as e:  # noqa: BLE001 - an op that cannot be captured: refuse from now on, say why, run eagerly
             torch.cuda.current_stream().wait_stream(stream)
             restore()
