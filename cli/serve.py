@@ -34,8 +34,9 @@ ANY_ADDRESS = ("0.0.0.0", "::", "")
                                                "(default: the model's max_position_embeddings)")
 @click.option("--dtype", help="float32 (default), bfloat16, float16")
 @click.option("--kv-dtype", help=KV_DTYPE_HELP)
-@click.option("--backend", type=click.Choice(["auto", "torch", "native", "module"]), default="auto",
-              show_default=True, help="decode step form: auto = the C step where it applies, else PyTorch")
+@click.option("--backend", type=click.Choice(["auto", "torch", "native", "module", "graph"]), default="auto",
+              show_default=True,
+              help="decode step form: auto = the CUDA graph step on a GPU, the C step where it applies, else PyTorch")
 @click.option("--threads", type=int, help="CPU threads (default: 1)")
 @click.option("--max-prompt", type=int, help="prompt tokens per request on every path, else 400 "
                                               "context_length_exceeded (default: --max-context; 0 = no limit)")

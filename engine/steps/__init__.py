@@ -1,14 +1,16 @@
 """The forms of the one-token decode step, side by side behind one protocol; the caller picks one.
 
-    step = make_step(model, backend="auto", threads=None)   # "auto" | "torch" | "native" | "module"
+    step = make_step(model, backend="auto", threads=None)   # "auto" | "torch" | "native" | "module" | "graph"
     logits = step(tokens, state)          # (B, T) -> (B, T, V); prompt blocks run model.step
     step.last_form                        # the form that ran the last one-token step
     step.fallback                         # why a faster form did not run it (None: it did)
+                                          # ("graph: ...; native: ...": each form that refused, in order)
 
 Forms, each held to the module reference by tests:
   module  `Transformer.step` itself: nn.Module calls per layer, the reference every form equals
   torch   `engine.steps.torch_step`: the same arithmetic with the per-token overheads removed
   native  `engine.steps.native`: the step in C, on the model's own weights and the state's tensors
+  graph   `engine.steps.graph_step`: the torch form's arithmetic captured as a CUDA graph and replayed
 
 A form is any object with `name`, `why_not(state, tokens) -> str | None` (None: it can run this
 step) and `__call__(tokens, state) -> logits (B, 1, V)`. It owns whatever it caches (plans, raw
@@ -17,7 +19,8 @@ pointers) and re-checks it before every step; nothing is hung on the model or th
 Backends: "torch" runs the torch form; "native" the native form where it applies and torch where
 it does not (the reason is kept in `fallback`), and it raises if the C step cannot be built;
 "auto" (the default) is "native" that falls back to torch when the C step cannot be built
-either; "module" runs the reference for every step.
+either, with the graph form first on a CUDA model (the C step runs on the CPU only); "graph" runs the
+graph form where it applies (CUDA) and torch elsewhere; "module" runs the reference for every step.
 """
 from __future__ import annotations
 
@@ -26,11 +29,12 @@ from typing import Protocol
 import torch
 
 from engine.errors import InvalidArgumentError
+from engine.steps.graph_step import GraphStep
 from engine.steps.native import ACTIVATIONS, NativeStep, NativeUnavailableError, check_activations, pool_rest
 from engine.steps.rows_alone import prefill_rows_alone, rows_alone_apply
 from engine.steps.torch_step import TorchStep
 
-BACKENDS = ("auto", "torch", "native", "module")
+BACKENDS = ("auto", "torch", "native", "module", "graph")
 
 
 class StepForm(Protocol):
@@ -94,6 +98,9 @@ class Stepper:
         self.activations = check_activations(activations)
         self.forms: list[StepForm] = []
         self.fallback: str | None = None
+        torch_form = TorchStep(model)
+        if backend == "graph" or (backend == "auto" and model.embed_tokens.weight.device.type == "cuda"):
+            self.forms.append(GraphStep(model, torch_form))    # shares the torch form's plan
         if backend in ("auto", "native"):
             try:
                 self.forms.append(NativeStep(model, threads=threads, activations=activations))
@@ -101,10 +108,11 @@ class Stepper:
                 if backend == "native":
                     raise
                 self.fallback = str(e)
+        self._built_fallback = self.fallback   # why the native form could not be built (kept while the first form runs)
         if backend == "module":
             self.forms.append(ModuleStep(model))
         else:
-            self.forms.append(TorchStep(model))
+            self.forms.append(torch_form)
         self.last_form: str | None = None
         self.last_prefill_form: str | None = None   # the form that ran the last prompt block
 
@@ -152,12 +160,14 @@ class Stepper:
         return self.model.step(tokens, state, valid=valid, last_only=last_only)
 
     def _one_token(self, tokens: torch.Tensor, state) -> torch.Tensor:
+        refused = []
         for form in self.forms:
             reason = form.why_not(state, tokens)
             if reason is None:
                 self.last_form = form.name
+                self.fallback = "; ".join(refused) if refused else self._built_fallback
                 return form(tokens, state)
-            self.fallback = f"{form.name}: {reason}"
+            refused.append(f"{form.name}: {reason}")
         raise AssertionError("the last step form applies to every state")   # TorchStep / ModuleStep
 
     def _block(self, tokens: torch.Tensor, state, valid: torch.Tensor | None) -> torch.Tensor:
@@ -177,6 +187,6 @@ def make_step(model, backend: str = "auto", threads: int | None = None,
     return Stepper(model, backend, threads, prefill_chunk, activations)
 
 
-__all__ = ["BACKENDS", "StepForm", "Stepper", "ModuleStep", "TorchStep", "NativeStep", "NativeUnavailableError",
+__all__ = ["BACKENDS", "StepForm", "Stepper", "ModuleStep", "TorchStep", "GraphStep", "NativeStep", "NativeUnavailableError",
            "make_step", "check_backend", "check_prefill_chunk", "DEFAULT_PREFILL_CHUNK", "ACTIVATIONS",
            "DEFAULT_ACTIVATIONS", "check_activations"]

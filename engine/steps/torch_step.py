@@ -120,11 +120,16 @@ class TorchStep:
     def why_not(self, state, tokens) -> str | None:
         return None
 
-    @torch.inference_mode()
-    def __call__(self, tokens: torch.Tensor, state) -> torch.Tensor:
-        """tokens (B, 1) int64 -> logits (B, 1, V)."""
+    def plan_for(self, tokens: torch.Tensor) -> DecodePlan:
+        """The plan for a step on `tokens`' device, rebuilt when the weights, dtype or device moved
+        (shared with the graph form, engine.steps.graph_step)."""
         model, plan = self.model, self.plan
         dtype = model.embed_tokens.weight.dtype
         if plan is None or not plan.valid_for(model, tokens.device, dtype):
             plan = self.plan = DecodePlan(model, tokens.device, dtype)
-        return decode_one(plan, tokens, state)
+        return plan
+
+    @torch.inference_mode()
+    def __call__(self, tokens: torch.Tensor, state) -> torch.Tensor:
+        """tokens (B, 1) int64 -> logits (B, 1, V)."""
+        return decode_one(self.plan_for(tokens), tokens, state)
