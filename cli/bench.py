@@ -61,7 +61,7 @@ def parse_attention(ctx, param, value):
 @click.option("--hf-repeats", default=3, show_default=True, help="timed runs per side (median counts)")
 @click.option("--isolate/--no-isolate", default=True, show_default=True,
               help="a fresh subprocess per configuration, so peak RSS is that configuration's own")
-@click.option("--backend", type=click.Choice(["auto", "torch", "native", "module", "graph"]), default="auto", show_default=True,
+@click.option("--backend", type=click.Choice(["auto", "torch", "native", "module", "graph", "compiled"]), default="auto", show_default=True,
               help="decode step form: auto = the CUDA graph step on a GPU, the C step where it applies, else PyTorch")
 @click.option("--native", is_flag=True, help="alias of --backend native")
 @click.option("--weights", type=click.Choice(["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1"]),

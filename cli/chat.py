@@ -40,7 +40,7 @@ HELP_LINE = "/reset starts over, /exit or Ctrl-D leaves, Ctrl-C stops a reply"
 @click.option("--kv-dtype", help=KV_DTYPE_HELP)
 @click.option("-c", "--max-context", type=int, help="softmax KV cache capacity in tokens for the whole conversation "
                                                       "(default: the model's context)")
-@click.option("--backend", type=click.Choice(["auto", "torch", "native", "module", "graph"]), default="auto", show_default=True)
+@click.option("--backend", type=click.Choice(["auto", "torch", "native", "module", "graph", "compiled"]), default="auto", show_default=True)
 @threads_option()
 @click.option("-v", "--verbose", is_flag=True, help="the full summary line (prompt, speed, memory) after each reply")
 @prefill_chunk_option

@@ -41,7 +41,7 @@ from engine.steps import DEFAULT_ACTIVATIONS, DEFAULT_PREFILL_CHUNK
 @click.option("-c", "--max-context", type=int, help="softmax context in tokens, prompt included "
                                                       "(default: the model's max_position_embeddings)")
 @click.option("--echo", is_flag=True, help="print the prompt before the streamed continuation (not with --json)")
-@click.option("--backend", type=click.Choice(["auto", "torch", "native", "module", "graph"]), default="auto", show_default=True,
+@click.option("--backend", type=click.Choice(["auto", "torch", "native", "module", "graph", "compiled"]), default="auto", show_default=True,
               help="decode step form: auto = the CUDA graph step on a GPU, the C step where it applies, else PyTorch")
 @click.option("--native", is_flag=True, help="alias of --backend native")
 @threads_option()

@@ -34,7 +34,7 @@ ANY_ADDRESS = ("0.0.0.0", "::", "")
                                                "(default: the model's max_position_embeddings)")
 @click.option("--dtype", help="float32 (default), bfloat16, float16")
 @click.option("--kv-dtype", help=KV_DTYPE_HELP)
-@click.option("--backend", type=click.Choice(["auto", "torch", "native", "module", "graph"]), default="auto",
+@click.option("--backend", type=click.Choice(["auto", "torch", "native", "module", "graph", "compiled"]), default="auto",
               show_default=True,
               help="decode step form: auto = the CUDA graph step on a GPU, the C step where it applies, else PyTorch")
 @click.option("--threads", type=int, help="CPU threads (default: 1)")

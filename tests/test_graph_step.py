@@ -551,3 +551,51 @@ def test_cuda_graph_refuses_a_cpu_state_with_its_reason():
     step = GraphStep(model)
     state = KVState.allocate(model.config, 1, 16, "cpu", torch.float32)
     assert step.why_not(state, torch.tensor([[1]], device="cuda")) == "the state is on cpu, the tokens on cuda:0"
+
+
+@pytest.mark.parametrize("case", ["hybrid"])   # softmax and linear layers in one trace (a compile is ~10 s here)
+def test_the_compiled_static_step_equals_the_eager_one(case):
+    """Backend "compiled": decode_static through torch.compile (fullgraph, so a graph break fails here,
+    not silently on a GPU) gives the eager static step's logits and state, step by step (on the CPU:
+    inductor's C++ code; the same trace is what a GPU compiles to Triton before its capture)."""
+    model, path = make_model(case)
+    form = GraphStep(model, compile=True)
+    assert form.name == "compiled" and GraphStep(model).name == "graph"
+    compiled = form._static_fn()
+    assert compiled is not step_static and compiled is form._static_fn()      # built once
+    from engine.steps.graph_step import decode_static
+    tokens = tokens_for(2, seed=5)
+    plan = TorchStep(model).plan_for(tokens)
+    s_eager, s_comp = prefilled(model, path, tokens[:, :PROMPT]), prefilled(model, path, tokens[:, :PROMPT])
+    with torch.inference_mode():
+        for t in range(PROMPT, PROMPT + 4):
+            outs = []
+            for fn, state in ((decode_static, s_eager), (compiled, s_comp)):
+                span = state.open(tokens[:, t:t + 1])
+                slot = torch.full((1,), span.start, dtype=torch.long)
+                outs.append(fn(plan, tokens[:, t:t + 1], state, slot, *static_shape(state, span.start, 8)))
+                state.commit(span)
+            assert max_diff(*outs) <= 1e-4
+    assert_same_state(s_eager, s_comp, 1e-4)
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", ["softmax", "linear-elu1"])
+def test_cuda_compiled_greedy_ids_equal_the_torch_step(case):
+    """Backend "compiled" on CUDA: the compiled step is captured and replayed; 30 greedy ids equal the torch step's."""
+    model, path = make_model(case, device="cuda")
+    prompt = tokens_for(2, seed=3, T=6).cuda()
+    runs = {}
+    for backend in ("compiled", "torch"):
+        step = Stepper(model, backend)
+        state = model.init_state(2, 64, attention=path)
+        logits = step(prompt, state, last_only=True)
+        ids = []
+        for _ in range(30):
+            tok = logits[:, -1].argmax(-1, keepdim=True)
+            ids.append(tok)
+            logits = step(tok, state)
+        runs[backend] = torch.cat(ids, 1)
+        if backend == "compiled":
+            assert step.last_form == "compiled", step.fallback
+    assert torch.equal(runs["compiled"], runs["torch"])

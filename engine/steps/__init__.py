@@ -20,7 +20,8 @@ Backends: "torch" runs the torch form; "native" the native form where it applies
 it does not (the reason is kept in `fallback`), and it raises if the C step cannot be built;
 "auto" (the default) is "native" that falls back to torch when the C step cannot be built
 either, with the graph form first on a CUDA model (the C step runs on the CPU only); "graph" runs the
-graph form where it applies (CUDA) and torch elsewhere; "module" runs the reference for every step.
+graph form where it applies (CUDA) and torch elsewhere; "compiled" is "graph" with the step compiled by
+torch.compile before its capture (fused kernels; the first step of each shape pays the compile); "module" runs the reference for every step.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from engine.steps.native import ACTIVATIONS, NativeStep, NativeUnavailableError,
 from engine.steps.rows_alone import prefill_rows_alone, rows_alone_apply
 from engine.steps.torch_step import TorchStep
 
-BACKENDS = ("auto", "torch", "native", "module", "graph")
+BACKENDS = ("auto", "torch", "native", "module", "graph", "compiled")
 
 
 class StepForm(Protocol):
@@ -99,8 +100,8 @@ class Stepper:
         self.forms: list[StepForm] = []
         self.fallback: str | None = None
         torch_form = TorchStep(model)
-        if backend == "graph" or (backend == "auto" and model.embed_tokens.weight.device.type == "cuda"):
-            self.forms.append(GraphStep(model, torch_form))    # shares the torch form's plan
+        if backend in ("graph", "compiled") or (backend == "auto" and model.embed_tokens.weight.device.type == "cuda"):
+            self.forms.append(GraphStep(model, torch_form, compile=backend == "compiled"))   # shares the torch form's plan
         if backend in ("auto", "native"):
             try:
                 self.forms.append(NativeStep(model, threads=threads, activations=activations))

@@ -176,8 +176,14 @@ class GraphStep:
     name = "graph"
 
     def __init__(self, model, torch_step: TorchStep | None = None, min_bucket: int = BUCKET_MIN,
-                 keep: int = GRAPHS_KEPT):
+                 keep: int = GRAPHS_KEPT, compile: bool = False):
         self.model, self.torch_step = model, torch_step or TorchStep(model)
+        # compile: the static step goes through torch.compile (inductor fuses its elementwise kernels:
+        # the norms, rotary, SiLU) before it is captured; the first step of each shape then takes the
+        # compile's seconds to minutes (backend "compiled"); without it the eager kernels are captured.
+        self.compile = compile
+        self.name = "compiled" if compile else "graph"
+        self._static = None
         self.min_bucket, self.keep = min_bucket, keep
         self.graphs: OrderedDict = OrderedDict()
         self.pool = self.stream = None   # one CUDA graph memory pool and one capture stream for every capture
@@ -227,6 +233,14 @@ class GraphStep:
         state.commit(span)
         return entry.logits.clone()
 
+    def _static_fn(self):
+        """decode_static, or its torch.compile'd form (built once; dynamo recompiles per new shape)."""
+        if not self.compile:
+            return decode_static
+        if self._static is None:
+            self._static = torch.compile(decode_static, fullgraph=True, dynamic=False)
+        return self._static
+
     def _key(self, plan, state, tokens, bucket, rope_rows) -> tuple:
         table = plan.rotary._cos if state.path in plan.rope_paths else None
         fm = getattr(state, "feature_map", None)
@@ -248,8 +262,10 @@ class GraphStep:
             for t, s in zip(moving_tensors(state), saved):
                 t.copy_(s)
 
+        static = self._static_fn()
+
         def run():
-            return decode_static(plan, static_tokens, state, slot, bucket, rope_rows)
+            return static(plan, static_tokens, state, slot, bucket, rope_rows)
 
         if self.pool is None:   # one pool and one side stream for every capture (PyTorch's recipe)
             self.pool = torch.cuda.graph_pool_handle()
