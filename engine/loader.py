@@ -18,45 +18,13 @@ import torch
 from engine.adapters import merge
 from engine.attention.feature_maps import Hedgehog
 from engine.quant import QuantLinear
+from engine.runspec import DTYPES, parse_device, parse_dtype  # noqa: F401 (re-exported)
 from engine.transformer import Transformer
 from models.config import ModelConfig
 from models.errors import InvalidArgumentError
 from models.linearized import read_set
 from models.registry import read_checkpoint, resolve
 from models.weights import FUSED, hf_shapes, hf_to_runtime, interleaved_to_half
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-
-
-def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
-    if name is None or isinstance(name, torch.dtype):
-        return name
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise InvalidArgumentError(f"unknown dtype {name!r}; valid: float32, float16, bfloat16") from None
-
-
-def parse_device(device: str | torch.device) -> torch.device:
-    """A torch device this machine has; otherwise an InvalidArgumentError saying what it has."""
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise InvalidArgumentError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidArgumentError(f"device {device!r} asked for, but this torch build or machine has no CUDA; "
-                                   f"use --device cpu")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise InvalidArgumentError(f"device {device!r} does not exist; this machine has "
-                                   f"{torch.cuda.device_count()} CUDA device(s)")
-    if dev.type not in ("cpu", "cuda"):
-        backend = getattr(torch.backends, dev.type, None) or getattr(torch, dev.type, None)
-        has = backend is not None and getattr(backend, "is_available", lambda: False)()
-        what = "is not available on this machine" if not has else "is not supported by this engine"
-        raise InvalidArgumentError(f"device {device!r} {what}; use --device cpu (or cuda where a GPU exists)")
-    return dev
-
 
 def load_model(model: str | os.PathLike, device: str | torch.device = "cpu",
                dtype: str | torch.dtype | None = None, kv_dtype: str | torch.dtype | None = None,
