@@ -57,7 +57,7 @@ from engine.attention.linear import linear_attention
 from engine.attention.softmax import softmax_attention
 from engine.attention.window import window_attention
 from engine.errors import InvalidArgumentError
-from engine.runspec import check_no_decay_with_window, check_window
+from engine.runspec import RunSpec, check_no_decay_with_window, check_window
 from engine.loader import build
 from engine.quant import dequantize_model
 from models.corpus import read_documents
@@ -488,8 +488,9 @@ def finetune(model, a, state, progress, saved, rows, layer_attention, deadline, 
     params = params + decay + gate
     if saved is not None and "opt" in saved:
         opt.load_state_dict(saved["opt"])
-    teacher = cfg.replace(attention="softmax", layer_attention=None)
-    student_at = step_configs(cfg, a, layer_attention)
+    teacher = RunSpec.from_config(cfg, attention="softmax")   # runs, not configs: model.config stays as built
+    student_configs = step_configs(cfg, a, layer_attention)
+    student_at = lambda step: RunSpec.from_config(student_configs(step))  # noqa: E731
     precision = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16, enabled=a.finetune_dtype == "bfloat16")
     bar = tqdm(total=a.finetune_steps, initial=state["finetune_done"], desc="finetune", unit="step",
                dynamic_ncols=True)
@@ -497,16 +498,14 @@ def finetune(model, a, state, progress, saved, rows, layer_attention, deadline, 
     for step in range(state["finetune_done"] + 1, a.finetune_steps + 1):
         g = torch.Generator().manual_seed(a.seed * 1_000_003 + 7_777_777 + step)
         batch = rows[torch.randint(0, rows.shape[0], (a.finetune_batch,), generator=g)]
-        model.config = student = student_at(step)
+        student = student_at(step)
         with precision():
-            logits = model(batch[:, :-1]).float()
+            logits = model(batch[:, :-1], spec=student).float()
         if a.finetune_loss == "lm":
             loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
         else:
             with torch.no_grad(), precision():
-                model.config = teacher
-                target = F.log_softmax(model(batch[:, :-1]).float(), -1)
-                model.config = student
+                target = F.log_softmax(model(batch[:, :-1], spec=teacher).float(), -1)
             loss = F.kl_div(F.log_softmax(logits, -1), target, log_target=True, reduction="batchmean") / logits.shape[1]
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -536,7 +535,6 @@ def finetune(model, a, state, progress, saved, rows, layer_attention, deadline, 
         p.requires_grad_(False)
     if lora is not None:
         detach(model)
-    model.config = cfg
 
 
 def write_output(model, a, state, used, layer_attention, t0, rows_used, lora=None) -> dict:

@@ -198,7 +198,7 @@ class RunSpec:
     kv_dtype: torch.dtype | None = None             # None: dtype
     device: torch.device = torch.device("cpu")
     backend: str = "auto"
-    threads: int = 1                                # the native step's pool (the caller included)
+    threads: int = dataclasses.field(default_factory=default_threads)   # the native pool (the caller included)
     torch_threads: int = 1                          # PyTorch's intra-op pool
     quantize: str | None = None
     activations: str = DEFAULT_ACTIVATIONS
@@ -237,9 +237,20 @@ class RunSpec:
             if cfg.layer_attention is None:
                 raise InvalidArgumentError(HYBRID_NEEDS_LAYERS)
             layers = tuple(cfg.layer_attention)
-        window = cfg.window if path != "softmax" else 0
-        return cls(attention=path, layer_attention=layers, window=window, map_set=map_set_for(path, window),
-                   feature_map=feature_map or cfg.feature_map, **settings)
+        return cls(attention=path, layer_attention=layers, window=cfg.window,   # (a softmax run reads none)
+                   map_set=map_set_for(path, cfg.window), feature_map=feature_map or cfg.feature_map, **settings)
+
+    def with_path(self, cfg: ModelConfig, attention: str | None = None, feature_map: str | None = None) -> "RunSpec":
+        """This run on another path with the same window (hybrid: this run's layers, else the config's)
+        and map set, or with another feature map: what `init_state(attention=...)` without a spec means."""
+        path = check_attention(attention or self.attention)
+        layers = None
+        if path == "hybrid":
+            layers = self.layer_attention if self.layer_attention is not None else cfg.layer_attention
+            if layers is None:
+                raise InvalidArgumentError(HYBRID_NEEDS_LAYERS)
+        return dataclasses.replace(self, attention=path, layer_attention=None if layers is None else tuple(layers),
+                                   feature_map=feature_map or self.feature_map)
 
     def for_request(self, cfg: ModelConfig, attention: str | None = None, softmax_layers=None,
                     window: int | None = None) -> "RunSpec":
@@ -250,12 +261,17 @@ class RunSpec:
         return dataclasses.replace(self, **resolve_mode(cfg, attention, softmax_layers, window))
 
     def layer_paths(self, num_layers: int) -> tuple[str, ...]:
-        """Per layer "softmax" or "linear"."""
+        """Per layer "softmax" or "linear" (a window does not change a layer's path)."""
         return self.layer_attention if self.attention == "hybrid" else (self.attention,) * num_layers
 
     def run_config(self, cfg: ModelConfig) -> ModelConfig:
         """`cfg` with this run's attention, layers and window (for formulas that read a config)."""
-        return cfg.replace(attention=self.attention, layer_attention=self.layer_attention, window=self.window)
+        return cfg.replace(attention=self.attention, layer_attention=self.layer_attention, window=self.linear_window)
+
+    @property
+    def linear_window(self) -> int:
+        """The window the linear layers run with (0: none, and always 0 on the softmax path)."""
+        return self.window if self.attention != "softmax" else 0
 
     @property
     def mode(self) -> tuple:
