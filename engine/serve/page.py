@@ -45,7 +45,7 @@ def configurations(llm) -> list[dict]:
     softmax layers). A window or softmax layers per request are not offered: they are the server's."""
     cfg = llm.model.config
     trained = set(cfg.trained_for)
-    window = f" + window {cfg.window}" if cfg.window else ""
+    window = f" + window {llm.spec.linear_window}" if llm.spec.linear_window else ""
 
     def note(path):
         return "" if path in trained or (path == "hybrid" and "linear" in trained) else " (untrained)"
@@ -68,7 +68,7 @@ def page_config(server) -> dict:
         chat = False
     cfg = llm.model.config
     return {"model": server.name, "chat": chat, "default_attention": llm.attention,
-            "configurations": configurations(llm), "window": cfg.window, "max_context": server.max_context,
+            "configurations": configurations(llm), "window": llm.spec.linear_window, "max_context": server.max_context,
             "layers": cfg.num_hidden_layers, "trained_for": list(cfg.trained_for)}
 
 
