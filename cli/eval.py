@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 from tqdm import tqdm
 
-from cli.common import FEATURE_MAP_HELP, fail, run_guarded
+from cli.common import run_options, fail, run_guarded
 from cli.generate import load_quietly
 from engine.evaluate import evaluate_file
 from engine.loader import load_model
@@ -29,10 +29,7 @@ TASK_NAMES = (*TASKS, "passkey")
 
 @click.command("eval")
 @click.option("--model", "model_name", default="tiny", show_default=True, help="registered name or path")
-@click.option("--attention", type=click.Choice(["softmax", "linear", "hybrid"]), help="default: the model's own")
-@click.option("--softmax-layers", help="hybrid: layers that keep a KV cache, e.g. 2,9,11, or auto:K")
-@click.option("--window", type=int, help="linear layers also attend exactly to the last W keys")
-@click.option("--feature-map", help=FEATURE_MAP_HELP)
+@run_options()
 @click.option("--data", type=click.Path(dir_okay=False),
               help="perplexity of a corpus file: documents separated by '<|endoftext|>' lines")
 @click.option("--task", "task_list", help=f"tasks, comma-separated: {', '.join(TASKS)} (lm-eval's definitions, "

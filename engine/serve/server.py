@@ -155,8 +155,9 @@ class Server:
             spec = self.llm.spec.for_request(self.llm.model.config, req.attention, req.softmax_layers, req.window)
         except EngineError as e:
             text = str(e)
-            param = ("window" if "window" in text.split(" ", 1)[0] else
-                     "softmax_layers" if "softmax layer" in text or "--softmax-layers" in text.split(":")[0]
+            first = text.split(" ", 1)[0]
+            param = ("window" if first == "--window" else
+                     "softmax_layers" if first == "--softmax-layers" or text.startswith("softmax layer ")
                      else "attention")
             raise bad_request(text, param, "invalid_value") from None
         held, wants = self.map_set_of(self.llm.spec), self.map_set_of(spec)
