@@ -48,7 +48,7 @@ from engine.steps import Stepper
 from engine.steps.native import NativeUnavailableError, pool_adapt, pool_stats
 from engine.threads import set_threads
 job = json.loads(sys.argv[1])
-set_threads(None if job["threads"] == "default" else int(job["threads"]))
+threads = set_threads(None if job["threads"] == "default" else int(job["threads"]))   # PyTorch's; the native count:
 dtype = {"f16": "float16", "bf16": "bfloat16"}.get(job["weights"], "float32")
 model, _ = load_model(job["model"], dtype=dtype)
 if job["weights"].startswith("q"):
@@ -58,7 +58,7 @@ try:
     native = True
 except NativeUnavailableError:
     native = False
-step, B, depth, n = Stepper(model, "auto"), job["batch"], job["depth"], job["steps"]
+step, B, depth, n = Stepper(model, "auto", threads=threads), job["batch"], job["depth"], job["steps"]
 prompt = torch.randint(0, model.config.vocab_size, (B, depth), generator=torch.Generator().manual_seed(0))
 
 MODES = {"on": {"window": 32}, "off": {}}   # off: the default (pool_adapt())

@@ -14,7 +14,7 @@ import sys
 
 import click
 
-from cli.common import (FEATURE_MAP_HELP, KV_DTYPE_HELP, check_stdio, given, prefill_chunk_option, run_guarded, activations_option,
+from cli.common import (run_options, KV_DTYPE_HELP, check_stdio, given, prefill_chunk_option, run_guarded, activations_option,
                         sampling_options, threads_option, user_text, writing_stdout)
 from cli.generate import load_quietly, summary, turn_timing
 from engine.api import make_config
@@ -27,10 +27,7 @@ HELP_LINE = "/reset starts over, /exit or Ctrl-D leaves, Ctrl-C stops a reply"
 @click.command("chat")
 @click.option("-m", "--model", "model_name", default="smollm2", show_default=True,
               help="registered name or path of a model with a chat template (GGUF, tokenizer_config.json)")
-@click.option("--attention", type=click.Choice(["softmax", "linear", "hybrid"]), help="default: the model's own")
-@click.option("--softmax-layers", help="hybrid: layers that keep a KV cache, e.g. 2,9,11, or auto:K")
-@click.option("--window", type=int, help="linear layers also attend exactly to the last W keys")
-@click.option("--feature-map", help=FEATURE_MAP_HELP)
+@run_options()
 @click.option("--system", help="a system message for the conversation (default: the template's own, if any)")
 @click.option("-n", "--max-new-tokens", default=512, show_default=True, type=int, help="per reply")
 @sampling_options({k: f"the model's, else {v:g}" for k, v in {**CHAT_DEFAULTS, "repetition_penalty": 1.0}.items()})

@@ -10,9 +10,10 @@ from contextlib import contextmanager
 
 import click
 
+from engine.attention import PATHS
 from engine.errors import EngineError
 from engine.steps import ACTIVATIONS, DEFAULT_ACTIVATIONS, DEFAULT_PREFILL_CHUNK
-from engine.threads import available_cores
+from engine.threads import available_cores, default_threads
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -122,9 +123,29 @@ def check_threads(ctx, param, value):
     return value
 
 
-def threads_option(help: str = "CPU threads, at most the cores this process may run on (default: every core for "
-                               "the C step, 1 for PyTorch)"):
+def threads_option(help: str | None = None):
+    """`-t/--threads N`; its help states the default from where it lives (engine.threads.default_threads,
+    what RunSpec.resolve takes when none is given)."""
+    if help is None:
+        help = (f"CPU threads, at most the cores this process may run on (default: every core for the C step, "
+                f"{default_threads()} here, and 1 for PyTorch)")
     return click.option("-t", "--threads", type=int, callback=check_threads, help=help)
+
+
+def run_options(attention_help: str = "default: the model's own"):
+    """The run's attention options, declared once for gen, chat, eval and serve: --attention,
+    --softmax-layers, --window, --feature-map. Their values go to engine.runspec.RunSpec.resolve
+    unchanged, so a bad one is the rule's own line (exit 2), the same as a server request's 400."""
+    options = [click.option("--attention", metavar="PATH", help=f"{', '.join(PATHS)} ({attention_help})"),
+               click.option("--softmax-layers", help="hybrid: layers that keep a KV cache, e.g. 2,9,11, or auto:K"),
+               click.option("--window", type=int, help="linear layers also attend exactly to the last W keys (W >= 1)"),
+               click.option("--feature-map", help=FEATURE_MAP_HELP)]
+
+    def decorate(fn):
+        for option in reversed(options):
+            fn = option(fn)
+        return fn
+    return decorate
 
 
 SAMPLING_HELP = {"temperature": "0 = greedy", "top_k": "0 = off", "top_p": "1 = off", "min_p": "0 = off",

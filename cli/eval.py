@@ -11,12 +11,12 @@ from pathlib import Path
 import click
 from tqdm import tqdm
 
-from cli.common import FEATURE_MAP_HELP, fail, run_guarded
+from cli.common import run_options, fail, run_guarded
 from cli.generate import load_quietly
-from engine.attention.hybrid import runtime_config
 from engine.evaluate import evaluate_file
 from engine.loader import load_model
 from engine.quant import dequantize_model, quantize_model
+from engine.runspec import RunSpec
 from engine.tasks.data import TASK_FILE_HELP, TASKS, require_lm_eval, task_file_name, write_task_file_yaml, \
     write_task_yamls
 from engine.tasks.harness import ResultStore, configuration, run_lm_eval_task
@@ -29,10 +29,7 @@ TASK_NAMES = (*TASKS, "passkey")
 
 @click.command("eval")
 @click.option("--model", "model_name", default="tiny", show_default=True, help="registered name or path")
-@click.option("--attention", type=click.Choice(["softmax", "linear", "hybrid"]), help="default: the model's own")
-@click.option("--softmax-layers", help="hybrid: layers that keep a KV cache, e.g. 2,9,11, or auto:K")
-@click.option("--window", type=int, help="linear layers also attend exactly to the last W keys")
-@click.option("--feature-map", help=FEATURE_MAP_HELP)
+@run_options()
 @click.option("--data", type=click.Path(dir_okay=False),
               help="perplexity of a corpus file: documents separated by '<|endoftext|>' lines")
 @click.option("--task", "task_list", help=f"tasks, comma-separated: {', '.join(TASKS)} (lm-eval's definitions, "
@@ -133,15 +130,15 @@ def perplexity(model_name, attention, softmax_layers, window, feature_map, data,
     def run():
         if threads is not None:
             set_threads(threads)
-        model, tokenizer = load_model(model_name, device=device, dtype=dtype,
-                                      configure=lambda cfg: runtime_config(cfg, attention, softmax_layers, window))
+        model, tokenizer = load_model(model_name, spec=lambda cfg: RunSpec.resolve(
+            cfg, attention=attention, softmax_layers=softmax_layers, window=window, device=device, dtype=dtype))
         trained = model.config.max_position_embeddings
         if context is not None and context > trained:
             warn(f"--context {context} is beyond the model's trained positions ({trained}): scored, but the model's "
                  f"outputs there are not meaningful")
         if quantize:
             quantize_model(model, quantize)
-        res = evaluate_file(model, tokenizer, data, attention=model.config.attention, feature_map=feature_map,
+        res = evaluate_file(model, tokenizer, data, attention=model.spec.attention, feature_map=feature_map,
                             context=context, batch_size=batch_size, progress=not as_json, max_docs=max_docs)
         if as_json:
             click.echo(json.dumps({"model": str(model_name), "data": data, **res.to_dict()}))

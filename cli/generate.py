@@ -10,7 +10,7 @@ import warnings
 import click
 from tqdm import tqdm
 
-from cli.common import (FEATURE_MAP_HELP, KV_DTYPE_HELP, check_stdio, fail, given, prefill_chunk_option, run_guarded, activations_option,
+from cli.common import (run_options, KV_DTYPE_HELP, check_stdio, fail, given, prefill_chunk_option, run_guarded, activations_option,
                         sampling_options, threads_option, writing_stdout)
 from engine.api import check_text, load, make_config
 from engine.errors import InvalidArgumentError
@@ -25,10 +25,7 @@ from engine.steps import DEFAULT_ACTIVATIONS, DEFAULT_PREFILL_CHUNK
 @click.option("--chat", "chat_message", metavar="TEXT",
               help="answer this one user message with the model's chat template, then exit (see `gen chat`)")
 @click.option("-m", "--model", "model_name", default="tiny", show_default=True, help="registered name or path")
-@click.option("--attention", type=click.Choice(["softmax", "linear", "hybrid"]), help="default: the model's own")
-@click.option("--softmax-layers", help="hybrid: layers that keep a KV cache, e.g. 2,9,11, or auto:K")
-@click.option("--window", type=int, help="linear layers also attend exactly to the last W keys")
-@click.option("--feature-map", help=FEATURE_MAP_HELP)
+@run_options()
 @click.option("-n", "--max-new-tokens", default=256, show_default=True, type=int)
 @sampling_options({"temperature": "0.8; with --chat as gen chat", "top_k": "0; with --chat as gen chat",
                    "top_p": "1; with --chat as gen chat", "min_p": "0; with --chat as gen chat",

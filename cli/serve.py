@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import click
 
-from cli.common import FEATURE_MAP_HELP, KV_DTYPE_HELP, activations_option, fail, prefill_chunk_option, run_guarded
+from cli.common import (KV_DTYPE_HELP, activations_option, fail, prefill_chunk_option, run_guarded, run_options,
+                        threads_option)
 from cli.open_page import open_when_ready, page_url
 from engine.serve import Policy, open_server, run
 from engine.serve.guard import (DEFAULT_KEEP_ALIVE_S, DEFAULT_MAX_BODY, DEFAULT_MAX_CONNECTIONS,
@@ -20,11 +21,8 @@ ANY_ADDRESS = ("0.0.0.0", "::", "")
 @click.option("--served-model-name", "served_names", multiple=True, metavar="NAME",
               help="the name clients send as `model` and responses carry (repeatable: the first is reported, "
                    "all are accepted; default: --model's value). A request without `model` gets the served model")
-@click.option("--attention", type=click.Choice(["softmax", "linear", "hybrid"]),
-              help="default path (default: the model's own); requests may pick another with `attention`")
-@click.option("--softmax-layers", help="hybrid: layers that keep a KV cache, e.g. 2,9,11, or auto:K")
-@click.option("--window", type=int, help="linear layers also attend exactly to the last W keys")
-@click.option("--feature-map", help=FEATURE_MAP_HELP)
+@run_options("the default run, default: the model's own; a request may pick its own attention, "
+             "softmax_layers and window, resolved as these options are")
 @click.option("--host", default="127.0.0.1", show_default=True, help="address to bind (loopback by default)")
 @click.option("--port", default=8000, show_default=True, type=int)
 @click.option("--max-batch", default=16, show_default=True, type=int, help="sequences decoded at once")
@@ -37,7 +35,7 @@ ANY_ADDRESS = ("0.0.0.0", "::", "")
 @click.option("--backend", type=click.Choice(["auto", "torch", "native", "module", "graph", "compiled"]), default="auto",
               show_default=True,
               help="decode step form: auto = the CUDA graph step on a GPU, the C step where it applies, else PyTorch")
-@click.option("--threads", type=int, help="CPU threads (default: 1)")
+@threads_option()
 @click.option("--max-prompt", type=int, help="prompt tokens per request on every path, else 400 "
                                               "context_length_exceeded (default: --max-context; 0 = no limit)")
 @click.option("--max-tokens-cap", type=int,

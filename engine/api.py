@@ -17,22 +17,23 @@ its own state and its own sampler, so streams on one `LLM` are independent of ea
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Sequence
 
 import torch
 
-from engine.attention import check_path, get_feature_map
+from engine.attention import get_feature_map
 from engine.errors import ConfigError, InvalidArgumentError
 from engine.chat import ChatSession
 from engine.generate import Closing, Generation, GenerationConfig, Result, eos_set
 from engine.loader import load_parts
 from engine.sampling import SamplingParams, chat_sampling
 from engine.state_io import SavedState, load as load_state_file, save as save_state_file
-from engine.attention.hybrid import runtime_config
-from engine.steps import (DEFAULT_ACTIVATIONS, DEFAULT_PREFILL_CHUNK, Stepper, check_activations, check_backend,
-                          check_prefill_chunk)
-from engine.quant import check_kind, quantize_model
+from engine.runspec import (DEFAULT_ACTIVATIONS, DEFAULT_PREFILL_CHUNK, RunSpec, check_activations, check_attention,
+                            check_backend, check_prefill_chunk, check_threads, check_window)
+from engine.steps import Stepper
+from engine.quant import quantize_model
 from engine.threads import available_cores, set_threads
 from models.registry import path_warning
 
@@ -61,7 +62,7 @@ def load(model: str = "tiny", attention: str | None = None, feature_map: str | N
     quantize: "q8_0", "q4_0" or "q4_1" keeps the matrices as quantized blocks (engine.quant).
     attention="hybrid", softmax_layers=[2, 9, 11] (or "auto:K"): those layers keep a KV cache, the
     rest run linear; window=W: linear layers also attend exactly to the last W keys
-    (engine.attention.hybrid.runtime_config says what each combination means).
+    (engine.runspec.RunSpec.resolve says what each combination means).
     kv_dtype: the KV cache's dtype (default: the model's), e.g. "float16" under fp32 weights, as
     llama.cpp keeps its cache: half the cache's bytes, keys and values rounded to 16 bits.
     activations: what quantized weights multiply in the native step: "f32" (default; PyTorch's
@@ -69,29 +70,32 @@ def load(model: str = "tiny", attention: str | None = None, feature_map: str | N
     prefill_chunk: prompts are prefilled in blocks of at most this many tokens (0: one block), as
     `gen --prefill-chunk` and `gen serve` do, so the same request gives the same tokens everywhere.
 
-    Warns (UntrainedPathWarning) when `attention` is a path the weights were not trained for.
+    Every option is resolved once, with the checkpoint's config, into `LLM.spec` (engine.runspec.RunSpec,
+    where the rules live); warns (UntrainedPathWarning) when `attention` is a path the weights were
+    not trained for.
     """
     if attention is not None:
-        check_path(attention)
+        check_attention(attention)
     if feature_map is not None:
         get_feature_map(feature_map)
-    backend = "native" if native else check_backend(backend)
-    check_prefill_chunk(prefill_chunk)
-    check_activations(activations)
-    if quantize is not None:
-        check_kind(quantize)
-    if threads is not None and isinstance(threads, int) and threads > available_cores():
+    options = dict(attention=attention, softmax_layers=softmax_layers, window=window, feature_map=feature_map,
+                   dtype=dtype, kv_dtype=kv_dtype, device=device, backend=backend, native=native, threads=threads,
+                   quantize=quantize, activations=activations, prefill_chunk=prefill_chunk)
+    check_window(window)
+    check_threads(threads)
+    if threads is not None and threads > available_cores():
         warnings.warn(f"threads={threads} is more than the {available_cores()} cores this process may run on; "
                       f"the threads wait on each other at every step (each token much slower)", ThreadsWarning,
                       stacklevel=2)
-    set_threads(threads)
-    net, tokenizer, template, sampling = load_parts(model, device=device, dtype=dtype, kv_dtype=kv_dtype,
-                                          configure=lambda cfg: runtime_config(cfg, attention, softmax_layers, window))
-    if quantize is not None:
-        quantize_model(net, quantize)
-    return LLM(net, tokenizer, attention=attention, feature_map=feature_map, name=str(model), backend=backend,
-               chat_template=template, prefill_chunk=prefill_chunk, sampling=sampling, activations=activations,
-               _stacklevel=3)
+    net, tokenizer, template, sampling, map_sets = load_parts(model, spec=lambda cfg: RunSpec.resolve(cfg, **options))
+    spec = net.spec
+    set_threads(threads)   # PyTorch's own pool is process-wide; the native step's count travels in the spec
+    if spec.quantize is not None:
+        quantize_model(net, spec.quantize)
+    llm = LLM(net, tokenizer, name=str(model), chat_template=template, sampling=sampling, spec=spec,
+              feature_map=feature_map, _stacklevel=3)
+    llm.map_sets = map_sets
+    return llm
 
 
 class LLM:
@@ -103,16 +107,24 @@ class LLM:
     def __init__(self, model, tokenizer=None, attention: str | None = None, feature_map: str | None = None,
                  name: str | None = None, backend: str = "auto", chat_template=None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, sampling: dict | None = None,
-                 activations: str = DEFAULT_ACTIVATIONS, _stacklevel: int = 2):
+                 activations: str = DEFAULT_ACTIVATIONS, _stacklevel: int = 2, spec: RunSpec | None = None):
+        """spec: the run (what `load` resolves); without it, the model's default run on `attention`
+        with `feature_map`, `backend`, `prefill_chunk` and `activations`."""
         self.model, self.tokenizer, self.name = model, tokenizer, name
         self.chat_template = chat_template       # models.chat_template.ChatTemplate or None
         self.sampling = dict(sampling or {})
-        self.step = Stepper(model, backend, prefill_chunk=prefill_chunk,   # what the generation loop calls
-                            activations=activations)
-        self.attention = check_path(attention or model.config.attention)
-        self.feature_map = feature_map
         if feature_map is not None:
             get_feature_map(feature_map)
+        if spec is None:
+            spec = dataclasses.replace(model.run_spec(attention, feature_map), backend=check_backend(backend),
+                                       prefill_chunk=check_prefill_chunk(prefill_chunk),
+                                       activations=check_activations(activations))
+        self.spec = spec
+        self.step = Stepper(model, spec.backend, threads=spec.threads, prefill_chunk=spec.prefill_chunk,
+                            activations=spec.activations)   # what the generation loop calls
+        self.attention = spec.attention
+        self.feature_map = feature_map   # as given (None: the model's); the run's: spec.feature_map
+        self.map_sets: tuple[str, ...] = ()   # the checkpoint's other sets of learned maps (load() fills it)
         message = path_warning(model.config, self.attention)
         if message:
             warnings.warn(message.removeprefix("warning: "), UntrainedPathWarning, stacklevel=_stacklevel)
@@ -150,7 +162,7 @@ class LLM:
         if isinstance(prompts, (str, torch.Tensor)) or not isinstance(prompts, Sequence) or not prompts:
             raise InvalidArgumentError(f"{call}: expected a list of prompts, got {describe(prompts)}")
         return Generation(self.model, [self.encode(p, call) for p in prompts], config, self.tokenizer,
-                          attention=self.attention, feature_map=self.feature_map, step=self.step)
+                          spec=self.spec, step=self.step)
 
     def stream(self, prompt: Prompt, **settings) -> "TextStream":
         """Iterate text chunks as they are generated; `.result` afterwards. Settings: see `make_config`."""
@@ -175,7 +187,7 @@ class LLM:
         ids = self.encode(prompt, "prefill()")
         state = self.model.init_state(batch=1, max_len=max(max_len or self.model.config.max_position_embeddings,
                                                            len(ids)),
-                                      attention=self.attention, feature_map=self.feature_map)
+                                      spec=self.spec)
         if len(ids) > 1:
             self.step(torch.tensor([ids[:-1]], device=self.model.device), state, last_only=True)
         return SavedState(state, ids[:-1], ids[-1:])
@@ -199,7 +211,7 @@ class LLM:
         config = make_config_for("resume()", settings)
         return Generation(self.model, [list(saved.next_ids) + self.encode(list(more), "resume()") if more
                                        else list(saved.next_ids)], config, self.tokenizer,
-                          attention=self.attention, feature_map=self.feature_map, step=self.step, state=saved.state)
+                          spec=self.spec, step=self.step, state=saved.state)
 
     # ------------------------------------------------------------------ chat
     @property
@@ -229,7 +241,7 @@ class LLM:
         return ChatSession(self.model, self.tokenizer, self._template(),
                            lambda s: make_config_for("chat_session().send()", {**self.chat_sampling, **s}),
                            self.chat_eos_ids(), attention=self.attention, feature_map=self.feature_map,
-                           step=self.step, system=system, max_context=max_context)
+                           step=self.step, system=system, max_context=max_context, spec=self.spec)
 
     def chat_eos_ids(self) -> tuple[int, ...]:
         """The ids that end a reply: the config's and tokenizer's EOS plus the template's turn end."""

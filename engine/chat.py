@@ -33,12 +33,13 @@ class ChatSession:
 
     def __init__(self, model, tokenizer, template: ChatTemplate, configure: Callable[[dict], GenerationConfig],
                  eos_ids, attention: str, feature_map: str | None = None, step=None, system: str | None = None,
-                 max_context: int | None = None):
+                 max_context: int | None = None, spec=None):
         if max_context is not None and (not isinstance(max_context, int) or max_context < 1):
             raise InvalidArgumentError(f"max_context must be an integer >= 1, got {max_context!r}")
         self.model, self.tokenizer, self.template = model, tokenizer, template
         self.configure, self.eos_ids = configure, tuple(eos_ids)
         self.attention, self.feature_map, self.step = attention, feature_map, step
+        self.spec = model.run_spec(attention, feature_map, spec)   # the run (engine.runspec.RunSpec)
         self.system, self.max_context = system, max_context or model.config.max_position_embeddings
         self.rebuilds = 0
         self.reply: ChatReply | None = None
@@ -72,12 +73,12 @@ class ChatSession:
         else:
             if self.state is not None:
                 self.rebuilds += 1
-            self.state = self.model.init_state(batch=1, max_len=self.max_context, attention=self.attention,
-                                               feature_map=self.feature_map, device=self.model.device)
+            self.state = self.model.init_state(batch=1, max_len=self.max_context, spec=self.spec,
+                                               device=self.model.device)
             self.dirty = False
             ids = encode_segments(self.tokenizer, segments)
-        generation = Generation(self.model, [ids], config, self.tokenizer, attention=self.attention,
-                                feature_map=self.feature_map, step=self.step, state=self.state)
+        generation = Generation(self.model, [ids], config, self.tokenizer, spec=self.spec, step=self.step,
+                                state=self.state)
         self.reply = ChatReply(self, generation, messages, full)
         return self.reply
 

@@ -109,10 +109,11 @@ class Generation(Closing):
     """
 
     def __init__(self, model, prompts: list[list[int]], config: GenerationConfig, tokenizer=None,
-                 attention: str | None = None, feature_map: str | None = None, step=None, state=None):
+                 attention: str | None = None, feature_map: str | None = None, step=None, state=None, spec=None):
         self.model, self.config, self.tokenizer = model, config, tokenizer
         self.step = step or model.step   # an engine.steps.Stepper picks the step form; default: the module path
-        self.attention = attention or model.config.attention
+        self.spec = model.run_spec(attention, feature_map, spec)   # the run (engine.runspec.RunSpec)
+        self.attention = self.spec.attention
         self.feature_map = feature_map
         self.prompts = check_prompts(prompts, model.config.vocab_size)
         if config.stop and tokenizer is None:
@@ -126,8 +127,7 @@ class Generation(Closing):
         # prompt longer than the context is refused below: it gets a one-slot cache, not one of its size.
         if state is None:
             max_len = 1 if P > context else max(P, min(P - shortest + context, P + N - 1))
-            self.state = allocate(model, batch=B, max_len=max_len, attention=self.attention,
-                                  feature_map=feature_map, device=model.device)
+            self.state = allocate(model, batch=B, max_len=max_len, spec=self.spec, device=model.device)
             self.offset = 0      # tokens already in the state before the prompt
         else:
             self.state, self.offset = state, state.slots

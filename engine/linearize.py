@@ -57,6 +57,7 @@ from engine.attention.linear import linear_attention
 from engine.attention.softmax import softmax_attention
 from engine.attention.window import window_attention
 from engine.errors import InvalidArgumentError
+from engine.runspec import RunSpec, check_no_decay_with_window, check_window
 from engine.loader import build
 from engine.quant import dequantize_model
 from models.corpus import read_documents
@@ -135,8 +136,7 @@ def check_args(a: LinearizeArgs) -> None:
                     ("lora_rank", a.lora_rank), ("finetune_linear_every", a.finetune_linear_every)):
         if v < 0:
             raise InvalidArgumentError(f"--{name.replace('_', '-')} must be 0 or more, got {v}")
-    if a.window < 0:
-        raise InvalidArgumentError(f"--window must be at least 1, got {a.window}")
+    check_window(a.window or None)   # 0: no window
     if a.finetune_loss not in ("lm", "kl"):
         raise InvalidArgumentError(f"--finetune-loss must be lm or kl, got {a.finetune_loss!r}")
     if a.finetune_dtype not in FINETUNE_DTYPES:
@@ -151,10 +151,7 @@ def check_args(a: LinearizeArgs) -> None:
         raise InvalidArgumentError(f"--decay-lr must be positive, got {a.decay_lr}")
     if a.gate_lr <= 0:
         raise InvalidArgumentError(f"--gate-lr must be positive, got {a.gate_lr}")
-    if (a.decay or a.gate) and a.window:
-        flag = "--gate" if a.gate else "--decay"
-        raise InvalidArgumentError(f"{flag} runs without a window: the sliding window + linear form has no decay; "
-                                   f"drop one of {flag} and --window")
+    check_no_decay_with_window(a.decay or a.gate, a.window, "--gate" if a.gate else "--decay")
     if a.budget is not None and a.budget <= 0:
         raise InvalidArgumentError(f"--budget must be a positive number of minutes, got {a.budget}")
     out = Path(a.out)
@@ -197,9 +194,8 @@ def init_config(a: LinearizeArgs) -> None:
     rank = cfg.get("lora_rank", 0) if (d / "adapters.safetensors").is_file() else 0
     if rank != a.lora_rank:
         raise InvalidArgumentError(f"--init {d}: its adapters have rank {rank}; give --lora-rank {rank}")
-    if a.window and maps_have_decay(d / "maps.safetensors"):
-        raise InvalidArgumentError(f"--init {d}: its maps carry a decay, which the sliding window + linear form "
-                                   f"does not run; drop --window")
+    if a.window:
+        check_no_decay_with_window(maps_have_decay(d / "maps.safetensors"), a.window, f"--init {d}: its maps")
 
 
 # ---------------------------------------------------------------------- data
@@ -492,8 +488,9 @@ def finetune(model, a, state, progress, saved, rows, layer_attention, deadline, 
     params = params + decay + gate
     if saved is not None and "opt" in saved:
         opt.load_state_dict(saved["opt"])
-    teacher = cfg.replace(attention="softmax", layer_attention=None)
-    student_at = step_configs(cfg, a, layer_attention)
+    teacher = RunSpec.from_config(cfg, attention="softmax")   # runs, not configs: model.config stays as built
+    student_configs = step_configs(cfg, a, layer_attention)
+    student_at = lambda step: RunSpec.from_config(student_configs(step))  # noqa: E731
     precision = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16, enabled=a.finetune_dtype == "bfloat16")
     bar = tqdm(total=a.finetune_steps, initial=state["finetune_done"], desc="finetune", unit="step",
                dynamic_ncols=True)
@@ -501,16 +498,14 @@ def finetune(model, a, state, progress, saved, rows, layer_attention, deadline, 
     for step in range(state["finetune_done"] + 1, a.finetune_steps + 1):
         g = torch.Generator().manual_seed(a.seed * 1_000_003 + 7_777_777 + step)
         batch = rows[torch.randint(0, rows.shape[0], (a.finetune_batch,), generator=g)]
-        model.config = student = student_at(step)
+        student = student_at(step)
         with precision():
-            logits = model(batch[:, :-1]).float()
+            logits = model(batch[:, :-1], spec=student).float()
         if a.finetune_loss == "lm":
             loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
         else:
             with torch.no_grad(), precision():
-                model.config = teacher
-                target = F.log_softmax(model(batch[:, :-1]).float(), -1)
-                model.config = student
+                target = F.log_softmax(model(batch[:, :-1], spec=teacher).float(), -1)
             loss = F.kl_div(F.log_softmax(logits, -1), target, log_target=True, reduction="batchmean") / logits.shape[1]
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -540,7 +535,6 @@ def finetune(model, a, state, progress, saved, rows, layer_attention, deadline, 
         p.requires_grad_(False)
     if lora is not None:
         detach(model)
-    model.config = cfg
 
 
 def write_output(model, a, state, used, layer_attention, t0, rows_used, lora=None) -> dict:

@@ -18,95 +18,64 @@ import torch
 from engine.adapters import merge
 from engine.attention.feature_maps import Hedgehog
 from engine.quant import QuantLinear
+from engine.runspec import DTYPES, RunSpec, check_no_decay_with_window, map_set_for, parse_device, parse_dtype  # noqa: F401
 from engine.transformer import Transformer
 from models.config import ModelConfig
-from models.errors import InvalidArgumentError
 from models.linearized import read_set
 from models.registry import read_checkpoint, resolve
 from models.weights import FUSED, hf_shapes, hf_to_runtime, interleaved_to_half
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-
-
-def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
-    if name is None or isinstance(name, torch.dtype):
-        return name
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise InvalidArgumentError(f"unknown dtype {name!r}; valid: float32, float16, bfloat16") from None
-
-
-def parse_device(device: str | torch.device) -> torch.device:
-    """A torch device this machine has; otherwise an InvalidArgumentError saying what it has."""
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise InvalidArgumentError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidArgumentError(f"device {device!r} asked for, but this torch build or machine has no CUDA; "
-                                   f"use --device cpu")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise InvalidArgumentError(f"device {device!r} does not exist; this machine has "
-                                   f"{torch.cuda.device_count()} CUDA device(s)")
-    if dev.type not in ("cpu", "cuda"):
-        backend = getattr(torch.backends, dev.type, None) or getattr(torch, dev.type, None)
-        has = backend is not None and getattr(backend, "is_available", lambda: False)()
-        what = "is not available on this machine" if not has else "is not supported by this engine"
-        raise InvalidArgumentError(f"device {device!r} {what}; use --device cpu (or cuda where a GPU exists)")
-    return dev
-
-
 def load_model(model: str | os.PathLike, device: str | torch.device = "cpu",
                dtype: str | torch.dtype | None = None, kv_dtype: str | torch.dtype | None = None,
-               configure: Callable[[ModelConfig], ModelConfig] | None = None):
-    """Load weights (+ tokenizer when one ships) onto `device` in `dtype` (default: fp32).
+               configure: Callable[[ModelConfig], ModelConfig] | None = None,
+               spec: RunSpec | Callable[[ModelConfig], RunSpec] | None = None):
+    """Load weights (+ tokenizer when one ships) for a run. Returns (Transformer, tokenizer or None).
 
-    Returns (Transformer, tokenizer or None). The model computes in `dtype` whatever dtype the
-    checkpoint stores; its states keep the KV cache in `kv_dtype` (default: `dtype`).
-    configure: the checkpoint's config -> the config the run asks for (e.g. `runtime_config` with
-    the run's attention, softmax layers and window); the model gets it, and it chooses which of a
-    linearized directory's sets of maps loads (`maps_variant`). None: the checkpoint's own.
+    spec: the run (engine.runspec.RunSpec), or a function of the checkpoint's config that resolves
+    it (`lambda cfg: RunSpec.resolve(cfg, attention="linear")`); it picks the device, dtype, KV
+    dtype and which of a linearized directory's sets of maps loads (`RunSpec.map_set`), and the
+    model keeps it as its default run (`Transformer.spec`). The model's config stays the
+    checkpoint's. Without a spec: device, dtype (default fp32) and kv_dtype as given, and
+    configure (the checkpoint's config -> the config whose mode the run takes, the older form of
+    `spec`) or the checkpoint's own mode.
     """
-    net, tokenizer, *_ = load_parts(model, device, dtype, kv_dtype, configure)
+    net, tokenizer, *_ = load_parts(model, device, dtype, kv_dtype, configure, spec)
     return net, tokenizer
 
 
 def maps_variant(cfg: ModelConfig) -> str | None:
-    """Which set of learned maps a run's config asks for (`models.linearized.VARIANTS`): "no_window"
-    when its linear layers run without a window (all linear, or a hybrid without one), else None
-    (the directory's default set)."""
-    return "no_window" if cfg.attention in ("linear", "hybrid") and not cfg.window else None
+    """Which set of learned maps a run's config asks for (RunSpec.map_set, `engine.runspec.map_set_for`)."""
+    return map_set_for(cfg.attention, cfg.window)
 
 
 def load_parts(model: str | os.PathLike, device: str | torch.device = "cpu",
                dtype: str | torch.dtype | None = None, kv_dtype: str | torch.dtype | None = None,
-               configure: Callable[[ModelConfig], ModelConfig] | None = None):
-    """`load_model` plus the checkpoint's chat template and the sampling defaults it names:
-    (Transformer, tokenizer or None, template or None, dict: models.generation_config)."""
+               configure: Callable[[ModelConfig], ModelConfig] | None = None,
+               spec: RunSpec | Callable[[ModelConfig], RunSpec] | None = None):
+    """`load_model` plus the checkpoint's chat template, the sampling defaults it names and the sets of
+    learned maps it ships besides its default (RunSpec.map_set names):
+    (Transformer, tokenizer or None, template or None, dict: models.generation_config, tuple)."""
     path = resolve(model)
-    dtype = parse_dtype(dtype) or torch.float32
-    kv_dtype = parse_dtype(kv_dtype)
-    device = parse_device(device)
+    if spec is None:
+        dtype, kv_dtype, device = parse_dtype(dtype) or torch.float32, parse_dtype(kv_dtype), parse_device(device)
     ckpt = read_checkpoint(path)
-    run_cfg = configure(ckpt.config) if configure is not None else ckpt.config
+    if callable(spec):
+        spec = spec(ckpt.config)
+    elif spec is None:
+        spec = RunSpec.from_config(configure(ckpt.config) if configure is not None else ckpt.config,
+                                   dtype=dtype, kv_dtype=kv_dtype, device=device)
     maps, adapters = ckpt.maps, ckpt.adapters
-    variant = maps_variant(run_cfg)
-    if variant in ckpt.variants:     # the set trained for this kind of run
-        maps, adapters = read_set(ckpt.variants[variant], ckpt.config)
-    if run_cfg.window and maps is not None and "hedgehog.decay_logit" in maps:
-        raise InvalidArgumentError(f"{model}: its learned maps carry a decay, which the sliding window + linear "
-                                   f"form does not run: run them without --window")
-    net = build(ckpt.config, ckpt.tensors, device, dtype, interleaved_rotary=ckpt.interleaved_rotary, maps=maps,
-                adapters=adapters, adapters_into_base=ckpt.adapters_on == "all")
-    net.config = run_cfg
-    net.kv_dtype = kv_dtype
-    return net, ckpt.tokenizer, ckpt.chat_template, ckpt.sampling
+    if spec.map_set in ckpt.variants:     # the set trained for this kind of run
+        maps, adapters = read_set(ckpt.variants[spec.map_set], ckpt.config)
+    check_no_decay_with_window(maps is not None and "hedgehog.decay_logit" in maps, spec.linear_window, str(model))
+    net = build(ckpt.config, ckpt.tensors, spec.device, spec.dtype, interleaved_rotary=ckpt.interleaved_rotary,
+                maps=maps, adapters=adapters, adapters_into_base=ckpt.adapters_on == "all", spec=spec)
+    return net, ckpt.tokenizer, ckpt.chat_template, ckpt.sampling, tuple(ckpt.variants)
 
 
 def build(cfg: ModelConfig, hf_tensors, device, dtype, interleaved_rotary: bool = False,
-          maps: dict | None = None, adapters: dict | None = None, adapters_into_base: bool = False) -> Transformer:
+          maps: dict | None = None, adapters: dict | None = None, adapters_into_base: bool = False,
+          spec: RunSpec | None = None) -> Transformer:
     """Instantiate the runtime model from Hugging Face-named tensors, without a random init.
 
     interleaved_rotary: q/k rows in Meta's layout (llama2.c); permuted once, while fusing.
@@ -114,9 +83,10 @@ def build(cfg: ModelConfig, hf_tensors, device, dtype, interleaved_rotary: bool 
     hedgehog map without them gets fresh (identity) maps.
     adapters: low-rank adapters of the linear layers (`engine.adapters`), merged into the layers'
     adapted projections (adapters_into_base: into their own projections, a softmax control's).
+    spec: the run the model is built for (its default run, `Transformer.spec`; None: its config's).
     """
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = Transformer(cfg, spec)
         if maps is not None and model.hedgehog is not None:
             model.hedgehog.add_parts_of(maps)
     quantized = quantized_matrices(hf_tensors, cfg, device, interleaved_rotary)

@@ -33,16 +33,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from engine.errors import InvalidArgumentError
+from engine.runspec import QUANT_KINDS, check_quantize
 
 QK = 32
 BLOCK_BYTES = {"q8_0": 2 + QK, "q4_0": 2 + QK // 2, "q4_1": 4 + QK // 2}
 KINDS = tuple(BLOCK_BYTES)
+assert KINDS == QUANT_KINDS, "engine.runspec.QUANT_KINDS names the kinds BLOCK_BYTES sizes"
 
 
-def check_kind(kind: str) -> str:
-    if kind not in BLOCK_BYTES:
-        raise InvalidArgumentError(f"unknown quantization {kind!r}; valid: {', '.join(KINDS)}")
-    return kind
+check_kind = check_quantize   # the rule lives in engine.runspec (QUANT_KINDS == KINDS)
 
 
 def _half_bytes(x: torch.Tensor) -> torch.Tensor:   # (..., 1) float -> (..., 2) uint8, fp16 bits

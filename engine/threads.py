@@ -21,7 +21,6 @@ import torch
 
 from engine.errors import InvalidArgumentError
 
-_CURRENT: int | None = None
 
 
 def available_cores() -> int:
@@ -36,20 +35,31 @@ def default_threads() -> int:
     return available_cores()
 
 
+class ThreadsError(InvalidArgumentError):
+    """A thread count that is not an integer >= 1."""
+
+
+def check_threads(threads) -> int | None:
+    """None (the defaults) or an integer >= 1: the rule, once (RunSpec.resolve, set_threads)."""
+    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+        raise ThreadsError(f"threads must be an integer >= 1, got {threads!r}")
+    return threads
+
+
 def set_threads(threads: int | None) -> int:
-    """Set PyTorch's intra-op threads and the native step's; returns the native step's count.
+    """Set PyTorch's intra-op threads (its own process-wide setting) for `threads`; returns the count
+    the native step runs on for the same setting. The native count is not kept here: it travels in
+    the run's spec (RunSpec.threads) to the step that uses it.
 
     None: the defaults (native: default_threads(); PyTorch: 1, steady under load)."""
-    global _CURRENT
-    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
-        raise InvalidArgumentError(f"threads must be an integer >= 1, got {threads!r}")
+    check_threads(threads)
     torch_threads = 1 if threads is None else threads
     if torch.get_num_threads() != torch_threads:
         torch.set_num_threads(torch_threads)
-    _CURRENT = default_threads() if threads is None else threads
-    return _CURRENT
+    return default_threads() if threads is None else threads
 
 
 def current_threads() -> int:
-    """The native step's thread count (set_threads' last setting; before any, the default)."""
-    return _CURRENT if _CURRENT is not None else default_threads()
+    """The native step's thread count where a run gives none: default_threads() (kept for callers
+    of the old module-global setting, which is gone: a run's count is RunSpec.threads)."""
+    return default_threads()

@@ -17,13 +17,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from engine.attention import (State, check_path, get_feature_map,
+from engine.attention import (State, get_feature_map,
                               linear_attention, linear_attention_reference,
                               softmax_attention, softmax_attention_reference)
 from engine.attention.feature_maps import FeatureMap, Hedgehog
 from engine.attention.hybrid import allocate_state
 from engine.attention.window import window_attention, window_linear_reference
 from engine.errors import InvalidArgumentError
+from engine.runspec import RunSpec
 from models.config import ModelConfig
 
 
@@ -216,9 +217,15 @@ class DecoderLayer(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """The model. `config` is the checkpoint's, never reassigned; what a run uses (the path per layer,
+    window, feature map, KV dtype) comes from a RunSpec given to `init_state` / `forward`, by default
+    `spec`: the one the model was built for (engine.loader: it decides which learned maps it holds),
+    else the mode its config names."""
+
+    def __init__(self, cfg: ModelConfig, spec: RunSpec | None = None):
         super().__init__()
         self.config = cfg
+        self._spec = spec
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -228,7 +235,6 @@ class Transformer(nn.Module):
         self.rotary = Rotary.for_config(cfg) if cfg.position_encoding == "rope" else None
         # learned feature maps (gen linearize), present when the config names them
         self.hedgehog = Hedgehog.for_config(cfg) if cfg.feature_map == "hedgehog" else None
-        self.kv_dtype = None     # the KV cache's dtype when not the model's (load(kv_dtype=...), --kv-dtype)
         self.weights_epoch = 0   # moves whenever the weights may have moved: step forms rebuild their plans
 
     def _apply(self, fn, *args, **kwargs):   # .to(), .half(), .float(), .cuda(): new storage
@@ -261,10 +267,36 @@ class Transformer(nn.Module):
     def dtype(self):
         return self.embed_tokens.weight.dtype
 
-    def uses_rope(self, path: str) -> bool:
-        """path: "softmax", "linear", "window", or "hybrid" (then: whether any layer does)."""
-        return self.rotary is not None and (path == "softmax" or self.config.linear_rope
-                                            or (path == "hybrid" and "softmax" in self.config.layer_attention))
+    @property
+    def spec(self) -> RunSpec:
+        """The run this model was built for (the loader's spec), else the mode its config names."""
+        return self._spec if self._spec is not None else RunSpec.from_config(self.config)
+
+    @property
+    def kv_dtype(self):
+        """The KV cache's dtype of the default run (None: the model's dtype); read-only: RunSpec.kv_dtype."""
+        return self.spec.kv_dtype
+
+    def run_spec(self, attention: str | None = None, feature_map: str | None = None,
+                 spec: RunSpec | None = None) -> RunSpec:
+        """`spec` when given; else the default run (`spec`), on another path `attention` (same layers and
+        window) or with another feature map when given (what the old keyword arguments ask)."""
+        if spec is not None:
+            return spec
+        base = self.spec
+        if attention is None and feature_map is None:
+            return base
+        return base.with_path(self.config, attention, feature_map)
+
+    def uses_rope(self, path: str, layer_paths=None) -> bool:
+        """path: "softmax", "linear", "window", or "hybrid" (then: whether any layer does; layer_paths:
+        the run's per-layer paths, default the default run's)."""
+        if self.rotary is None:
+            return False
+        if path == "hybrid":
+            layers = layer_paths if layer_paths is not None else self.spec.layer_paths(self.config.num_hidden_layers)
+            return "softmax" in layers or self.config.linear_rope
+        return path == "softmax" or self.config.linear_rope
 
     def feature_map(self, name: str | None = None) -> FeatureMap:
         """The feature map `name` (default: the config's); "hedgehog" is this model's learned maps."""
@@ -276,15 +308,9 @@ class Transformer(nn.Module):
             return self.hedgehog
         return get_feature_map(name)
 
-    def layer_paths(self, attention: str | None = None) -> tuple[str, ...]:
-        """Per layer "softmax" or "linear" for `attention` (default: the config's; hybrid: layer_attention)."""
-        path = check_path(attention or self.config.attention)
-        if path == "hybrid":
-            if self.config.layer_attention is None:
-                raise InvalidArgumentError("hybrid attention needs the softmax layers: pass softmax_layers=[...] "
-                                           "(--softmax-layers 2,9,11) or set layer_attention in config.json")
-            return self.config.layer_attention
-        return (path,) * self.config.num_hidden_layers
+    def layer_paths(self, attention: str | None = None, spec: RunSpec | None = None) -> tuple[str, ...]:
+        """Per layer "softmax" or "linear" for the run (`run_spec`)."""
+        return self.run_spec(attention, spec=spec).layer_paths(self.config.num_hidden_layers)
 
     def paths_of(self, state) -> tuple[str, ...]:
         """Per layer "softmax" or "linear" as `state` runs them (window layers are linear)."""
@@ -295,21 +321,21 @@ class Transformer(nn.Module):
 
     # ------------------------------------------------------------------ decoding
     def init_state(self, batch: int = 1, max_len: int | None = None, attention: str | None = None,
-                   feature_map: str | None = None, device=None, dtype=None, kv_dtype=None) -> State:
-        """Allocate a decoding state once. `attention` picks the path (default: the config's).
+                   feature_map: str | None = None, device=None, dtype=None, kv_dtype=None,
+                   spec: RunSpec | None = None) -> State:
+        """Allocate a decoding state once for the run `spec` (default: `run_spec(attention, feature_map)`).
 
         max_len: the KV cache's capacity in slots (softmax; default max_position_embeddings);
         the linear state has no capacity limit and ignores it.
         """
-        path = check_path(attention or self.config.attention)
         if feature_map is not None:
             get_feature_map(feature_map)   # validate even when the path is softmax
-        fmap = self.feature_map(feature_map) if path != "softmax" else None
-        return allocate_state(self.config, path, batch, max_len or self.config.max_position_embeddings,
+        run = self.run_spec(attention, feature_map, spec)
+        fmap = self.feature_map(run.feature_map) if run.attention != "softmax" else None
+        return allocate_state(self.config, run.attention, batch, max_len or self.config.max_position_embeddings,
                               device or self.device, dtype or self.dtype, feature_map=fmap,
-                              layer_attention=self.layer_paths(path) if path == "hybrid" else None,
-                              window=self.config.window,
-                              kv_dtype=kv_dtype or (self.kv_dtype if dtype is None else None))
+                              layer_attention=run.layer_attention, window=run.window,
+                              kv_dtype=kv_dtype or (run.kv_dtype if dtype is None else None))
 
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor, state: State, valid: torch.Tensor | None = None,
@@ -322,12 +348,12 @@ class Transformer(nn.Module):
         span = state.open(tokens, valid)
         x = self.embed_tokens(tokens)
         rope = None
-        if self.uses_rope(state.path):
+        mixed = getattr(state, "layer_paths", None)    # a hybrid state: rotary per layer
+        if self.uses_rope(state.path, mixed):
             if state.padded:   # sequences sit at different positions: gather per sequence
                 rope = self.rotary(span.positions, x.dtype)
             else:              # every sequence at start..start+T-1: slice, no gather, no sync
                 rope = self.rotary.for_range(span.start, span.length, x.device, x.dtype)
-        mixed = getattr(state, "layer_paths", None)    # a hybrid state: rotary per layer
         for i, (layer, path) in enumerate(zip(self.layers, self.paths_of(state))):
             layer_rope = rope if mixed is None or self.uses_rope(mixed[i]) else None
             x = layer(x, layer_rope, lambda q, k, v, i=i: state.attend(i, q, k, v, span), path != "softmax")
@@ -338,15 +364,16 @@ class Transformer(nn.Module):
 
     # ------------------------------------------------------------------ full sequences
     def forward(self, tokens: torch.Tensor, attention: str | None = None, valid: torch.Tensor | None = None,
-                feature_map: str | None = None, reference: bool = False) -> torch.Tensor:
+                feature_map: str | None = None, reference: bool = False, spec: RunSpec | None = None) -> torch.Tensor:
         """Stateless causal forward over whole sequences (training, evaluation, tests).
 
         `reference=True` runs the plain-torch twins (uncached full attention; the naive masked
         quadratic form of linear attention). Returns logits (B, T, V).
         """
-        paths = self.layer_paths(attention)
-        fmap = self.feature_map(feature_map) if "linear" in paths else None
-        window = self.config.window
+        run = self.run_spec(attention, feature_map, spec)
+        paths = run.layer_paths(self.config.num_hidden_layers)
+        fmap = self.feature_map(run.feature_map) if "linear" in paths else None
+        window = run.window
         if window:
             linear_fn = window_linear_reference if reference else window_attention
             linear = lambda q, k, v, i: linear_fn(q, k, v, fmap, window, valid, i)  # noqa: E731
@@ -357,7 +384,7 @@ class Transformer(nn.Module):
         softmax = softmax_attention_reference if reference else softmax_attention
         x = self.embed_tokens(tokens)
         rope = None
-        if self.uses_rope(check_path(attention or self.config.attention)):
+        if self.uses_rope(run.attention, paths):
             T = tokens.shape[1]
             positions = (torch.arange(T, device=tokens.device).expand_as(tokens) if valid is None
                          else (valid.long().cumsum(1) - 1).clamp_min(0))

@@ -127,7 +127,12 @@ class ScriptedModel:
         self.device = torch.device("cpu")
         self.calls: list[tuple[tuple[int, ...], bool]] = []   # (tokens shape, last_only) per step
 
-    def init_state(self, batch=1, max_len=None, attention=None, feature_map=None, device=None, dtype=None):
+    def run_spec(self, attention=None, feature_map=None, spec=None):
+        from engine.runspec import RunSpec
+        return spec if spec is not None else RunSpec.from_config(self.config, attention, feature_map)
+
+    def init_state(self, batch=1, max_len=None, attention=None, feature_map=None, device=None, dtype=None,
+                   spec=None):
         return ScriptState(batch)
 
     def step(self, tokens, state, valid=None, last_only=False):

@@ -184,7 +184,7 @@ BAD = {
     "ids-outside-vocab": (["--ids", "1,100000"], "outside the vocabulary"),
     "prompt-longer-than-context": (["--max-context", "3", "the cat sat on the mat"], "context holds 3"),
     "empty-stop": (["--stop", "", "hi"], "stop"),
-    "unknown-attention": (["--attention", "fast", "hi"], "--attention"),
+    "unknown-attention": (["--attention", "fast", "hi"], "unknown attention 'fast'"),   # the rule's own line
     "unknown-feature-map": (["--attention", "linear", "--feature-map", "tanh", "hi"], "feature map"),
     "unknown-dtype": (["--dtype", "int8", "hi"], "dtype"),
     "unknown-kv-dtype": (["--kv-dtype", "f8", "hi"], "unknown dtype 'f8'"),

@@ -1,5 +1,7 @@
 """A KV cache in another dtype than the weights (load(kv_dtype=...), --kv-dtype): float16 under fp32
 weights, as llama.cpp keeps its cache. Every step form reads the same rounded keys and values."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -36,9 +38,9 @@ def test_f16_cache_under_fp32_weights_every_form_agrees(native_built, attention)
     model = tiny_model(num_key_value_heads=2)
     if attention == "hybrid":
         model.config = model.config.replace(attention="hybrid", layer_attention=("softmax", "linear"))
-    model.kv_dtype = torch.float16
+    spec = dataclasses.replace(model.run_spec(), kv_dtype=torch.float16)   # the run's, not a model attribute
     prompt, real, follow = prompt_and_follow(3, padded=True)
-    ref, fast = model.init_state(3, 32), model.init_state(3, 32)
+    ref, fast = model.init_state(3, 32, spec=spec), model.init_state(3, 32, spec=spec)
     kv = ref if ref.path == "softmax" else ref.parts[0]
     assert kv.path == "softmax" and kv.k.dtype == kv.v.dtype == torch.float16
     if attention == "hybrid":

@@ -71,12 +71,14 @@ def test_hybrid_and_window_rows(small_model_dir):
     try:
         model = srv.server.llm.model
         for path in ("hybrid", "linear"):
-            chunks = stream(srv, {"prompt": "the cat sat on", "max_tokens": 8, "ignore_eos": True, "attention": path,
-                                  "stream_options": {"include_stats": True}})
+            run = {"attention": path, "window": 4, **({"softmax_layers": [0]} if path == "hybrid" else {})}
+            chunks = stream(srv, {"prompt": "the cat sat on", "max_tokens": 8, "ignore_eos": True, **run,
+                                  "stream_options": {"include_stats": True}})   # a request names its whole run
             seen = [c["gen"]["state_bytes"] for c in chunks if not c["choices"][0]["finish_reason"]]
             for c in chunks:
                 held = c["gen"]["state_tokens"]
-                assert c["gen"]["state_bytes"] == model.init_state(batch=1, max_len=held, attention=path).nbytes
+                spec = srv.server.llm.spec.for_request(model.config, **run)
+                assert c["gen"]["state_bytes"] == model.init_state(batch=1, max_len=held, spec=spec).nbytes
             if path == "hybrid":
                 assert seen == sorted(set(seen))
             else:

@@ -12,16 +12,16 @@ from engine.attention.linear import (LinearState, linear_attention,
 from engine.attention.softmax import (KVState, softmax_attention,
                                       softmax_attention_reference)
 from engine.attention.window import WindowState
-from engine.errors import InvalidArgumentError
+from engine.runspec import check_attention
+from models.config import ATTENTION_PATHS
 
 STATES = {"softmax": KVState, "linear": LinearState, "window": WindowState, "hybrid": HybridState}
-PATHS = ("softmax", "linear", "hybrid")     # hybrid: per layer softmax or linear (engine.attention.hybrid)
+PATHS = ATTENTION_PATHS     # hybrid: per layer softmax or linear (engine.attention.hybrid)
 
 
 def check_path(name: str) -> str:
-    if name not in PATHS:
-        raise InvalidArgumentError(f"unknown attention {name!r}; valid: {', '.join(PATHS)}")
-    return name
+    """An attention path's name (engine.runspec.check_attention: the rule, once)."""
+    return check_attention(name)
 
 
 __all__ = ["Span", "State", "KVState", "LinearState", "WindowState", "HybridState", "STATES", "PATHS",

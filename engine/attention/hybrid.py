@@ -19,6 +19,8 @@ from engine.attention.linear import LinearState
 from engine.attention.softmax import KVState
 from engine.attention.window import WindowState
 from engine.errors import InvalidArgumentError
+from engine.runspec import (HYBRID_NEEDS_LAYERS, check_attention, highest_loss_layers, layer_attention_for,  # noqa: F401
+                            parse_softmax_layers, resolve_mode)
 
 LAYER_PATHS = ("softmax", "linear")
 PART_STATES = {"softmax": KVState, "linear": LinearState, "window": WindowState}
@@ -149,58 +151,17 @@ def allocate_state(cfg, path: str, batch: int, max_len, device, dtype, feature_m
                    layer_attention=None, window: int = 0, kv_dtype=None) -> State:
     """The state for `path` ("softmax", "linear", "hybrid"); a window turns linear layers into WindowState.
     kv_dtype: the KV cache's dtype (default `dtype`), e.g. float16 under fp32 weights as llama.cpp keeps it."""
+    check_attention(path)
     if path == "softmax":
         return KVState.allocate(cfg, batch, max_len, device, kv_dtype or dtype)
     if path == "linear":
         if window:
             return WindowState.allocate(cfg, batch, max_len, device, dtype, feature_map=feature_map, window=window)
         return LinearState.allocate(cfg, batch, max_len, device, dtype, feature_map=feature_map)
-    if path == "hybrid":
-        if layer_attention is None:
-            raise InvalidArgumentError("hybrid attention needs the softmax layers: pass softmax_layers=[...] "
-                                       "(--softmax-layers 2,9,11 or auto:K) or set layer_attention in config.json")
-        return HybridState.allocate(cfg, batch, max_len, device, dtype, feature_map=feature_map,
-                                    layer_attention=layer_attention, window=window, kv_dtype=kv_dtype)
-    raise InvalidArgumentError(f"unknown attention {path!r}; valid: softmax, linear, hybrid")
-
-
-def layer_attention_for(num_layers: int, softmax_layers) -> tuple[str, ...]:
-    """Per-layer paths from the list of softmax layers (checked: one line naming a bad layer)."""
-    for i in softmax_layers:
-        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < num_layers:
-            raise InvalidArgumentError(f"softmax layer {i!r} does not exist; the model has {num_layers} layers "
-                                       f"(0-{num_layers - 1})")
-    twice = sorted({i for i in softmax_layers if list(softmax_layers).count(i) > 1})
-    if twice:
-        raise InvalidArgumentError(f"softmax layer {twice[0]} is listed twice; list each layer once")
-    return tuple("softmax" if i in set(softmax_layers) else "linear" for i in range(num_layers))
-
-
-def highest_loss_layers(relative, k: int) -> list[int]:
-    """The k layers with the highest relative transfer loss (what `--softmax-layers auto:K` keeps)."""
-    return sorted(sorted(range(len(relative)), key=lambda j: (-relative[j], j))[:k])
-
-
-def parse_softmax_layers(spec, cfg) -> tuple[str, ...]:
-    """"2,9,11", [2, 9, 11] or "auto:K" (needs the config's transfer_loss) -> per-layer paths."""
-    L = cfg.num_hidden_layers
-    if isinstance(spec, str) and spec.startswith("auto:"):
-        try:
-            k = int(spec[5:])
-        except ValueError:
-            raise InvalidArgumentError(f"--softmax-layers {spec}: auto:K needs a whole number K") from None
-        if not 0 <= k <= L:
-            raise InvalidArgumentError(f"--softmax-layers {spec}: K must be 0..{L} (the model has {L} layers)")
-        if cfg.transfer_loss is None:
-            raise InvalidArgumentError(f"--softmax-layers {spec} needs the transfer losses gen linearize records; "
-                                       f"this model has none: list the layers (e.g. 2,9,11)")
-        return layer_attention_for(L, highest_loss_layers(cfg.transfer_loss, k))
-    if isinstance(spec, str):
-        try:
-            spec = [int(x) for x in spec.split(",") if x.strip()]
-        except ValueError:
-            raise InvalidArgumentError(f"--softmax-layers {spec}: give layer numbers like 2,9,11 or auto:K") from None
-    return layer_attention_for(L, list(spec))
+    if layer_attention is None:
+        raise InvalidArgumentError(HYBRID_NEEDS_LAYERS)
+    return HybridState.allocate(cfg, batch, max_len, device, dtype, feature_map=feature_map,
+                                layer_attention=layer_attention, window=window, kv_dtype=kv_dtype)
 
 
 def state_bytes(cfg, layer_attention, context: int, batch: int = 1, dtype_bytes: int = 4,
@@ -219,33 +180,10 @@ def state_bytes(cfg, layer_attention, context: int, batch: int = 1, dtype_bytes:
 
 
 def runtime_config(cfg, attention: str | None = None, softmax_layers=None, window: int | None = None):
-    """The config a run asks for on the same weights (API load(), --attention/--softmax-layers/--window).
-
-    Nothing given: the checkpoint's own default. `attention="softmax"`: the base model unchanged.
-    `attention="linear"` without `window`: every layer a pure linear RNN. `softmax_layers` ("2,9,11",
-    [2, 9, 11] or "auto:K") implies hybrid; hybrid without it uses the config's layer_attention.
-    """
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise InvalidArgumentError(f"--window must be at least 1 (the keys each linear layer sees exactly), "
-                                   f"got {window!r}; leave it out for pure linear layers")
+    """The config a run asks for on the same weights: `cfg` with the attention, layers and window of
+    `RunSpec.resolve(cfg, attention=..., softmax_layers=..., window=...)` (engine.runspec, where the
+    rules live). Kept for callers that want a ModelConfig; nothing given: `cfg` itself."""
     if attention is None and softmax_layers is None and window is None:
         return cfg
-    path = attention or ("hybrid" if softmax_layers is not None else cfg.attention)
-    if path not in ("softmax", "linear", "hybrid"):
-        raise InvalidArgumentError(f"unknown attention {path!r}; valid: softmax, linear, hybrid")
-    if softmax_layers is not None and path != "hybrid":
-        raise InvalidArgumentError(f"--softmax-layers needs --attention hybrid (got {path})")
-    if path == "softmax":
-        if window is not None:
-            raise InvalidArgumentError("--window applies to linear layers; softmax attention has none")
-        return cfg.replace(attention="softmax", layer_attention=None, window=0)
-    if path == "linear":
-        return cfg.replace(attention="linear", layer_attention=None, window=window or 0)
-    if softmax_layers is None:
-        if cfg.layer_attention is None:
-            raise InvalidArgumentError("hybrid attention needs the softmax layers: --softmax-layers 2,9,11 or "
-                                       "auto:K (API: softmax_layers=[...])")
-        layers = cfg.layer_attention
-    else:
-        layers = parse_softmax_layers(softmax_layers, cfg)
-    return cfg.replace(attention="hybrid", layer_attention=layers, window=window or 0)
+    mode = resolve_mode(cfg, attention, softmax_layers, window)
+    return cfg.replace(attention=mode["attention"], layer_attention=mode["layer_attention"], window=mode["window"])

@@ -27,7 +27,7 @@ import torch
 from engine.attention.base import State, take_rows
 from engine.attention.feature_maps import FeatureMap, get_feature_map, state_dtype
 from engine.attention.linear import CHUNK, EPS, as_feature_map, fp32_under_autocast
-from engine.errors import InvalidArgumentError
+from engine.runspec import check_no_decay_with_window
 
 NEG = float("-inf")
 
@@ -144,9 +144,7 @@ class WindowState(State):
 def refuse_decay(fmap: FeatureMap) -> FeatureMap:
     """This form has no decay: maps that carry one are refused (one line), never run without it.
     Checked where a window run starts (a state's allocation, the stateless forms), not per token."""
-    if fmap.has_decay:
-        raise InvalidArgumentError("these learned maps carry a decay, which the sliding window + linear form "
-                                   "does not run: run them without --window")
+    check_no_decay_with_window(fmap.has_decay, True, "these learned maps")
     return fmap
 
 

@@ -23,7 +23,7 @@ from engine.bench.memory import available_bytes, check_fits, run_bytes
 from engine.bench.report import decode_crossover, machine_info, memory_crossover, relative_to_softmax
 from engine.loader import load_model
 from engine.quant import quantize_model
-from engine.threads import current_threads, set_threads
+from engine.threads import default_threads, set_threads
 from models.registry import resolve
 from engine.bench.sweep import (DEFAULT_CONTEXTS, BenchError, BenchSettings, run_in_process,
                                 run_isolated)
@@ -90,7 +90,7 @@ def run_bench(settings: BenchSettings, compare_hf: bool = False, hf_new_tokens: 
 
     report = {
         "settings": {**settings.to_dict(), "model_path": str(path), "feature_map": fmap,
-                     "machine": machine_info(current_threads()), "model_info": info,
+                     "machine": machine_info(settings.threads or default_threads()), "model_info": info,
                      "available_bytes_at_start": available_bytes()},
         "rss_method": results[0]["rss_method"] if results else None,
         "results": results,

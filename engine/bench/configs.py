@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from engine.attention.hybrid import runtime_config
 from engine.errors import InvalidArgumentError
+from engine.runspec import check_attention, check_window
 
 ENTRIES = ("softmax", "linear", "hybrid", "window", "default")
 ALIASES = {"both": ("softmax", "linear"), "all": ("softmax", "linear", "hybrid", "window")}
@@ -30,9 +31,7 @@ def parse_attentions(value) -> tuple[str, ...]:
     for item in items:
         if not item:
             continue
-        if item not in ENTRIES and item not in ALIASES:
-            raise InvalidArgumentError(f"unknown attention {item!r} for gen bench; valid: "
-                                       f"{', '.join(ENTRIES + tuple(ALIASES))} (comma-separated)")
+        check_attention(item, ENTRIES + tuple(ALIASES), " for gen bench (comma-separated)")
         for e in ALIASES.get(item, (item,)):
             if e not in out:
                 out.append(e)
@@ -54,9 +53,7 @@ def check_entries(entries, softmax_layers, window) -> None:
     if softmax_layers is not None and "hybrid" not in entries:
         raise InvalidArgumentError("--softmax-layers applies to hybrid configurations: add hybrid to --attention "
                                    "(e.g. --attention softmax,hybrid)")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise InvalidArgumentError(f"--window must be at least 1 (the keys each linear layer sees exactly), "
-                                   f"got {window!r}; leave it out for pure linear layers")
+    check_window(window)
     if window is not None and not {"linear", "hybrid", "window"} & set(entries):
         raise InvalidArgumentError("--window applies to linear layers: add linear, hybrid or window to --attention")
 
@@ -77,7 +74,7 @@ def runtime_for(cfg, entry: str, softmax_layers=None, window: int | None = None)
         return runtime_config(cfg, "linear", window=w)
     if entry == "default":
         return cfg
-    raise InvalidArgumentError(f"unknown attention {entry!r}; valid: {', '.join(ENTRIES)}")
+    check_attention(entry, ENTRIES)
 
 
 def describe(rt) -> dict:

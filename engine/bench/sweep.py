@@ -33,6 +33,7 @@ from engine.bench.memory import config_state_bytes, peak_rss_bytes
 from engine.errors import EngineError, InvalidArgumentError
 from engine.loader import parse_dtype
 from engine.quant import weights_label
+from engine.runspec import RunSpec
 from engine.steps import Stepper, check_backend
 from engine.steps.native import weights_read
 
@@ -148,11 +149,11 @@ def _clock(device: torch.device) -> float:
 
 def measure(model, attention: str, context: int, steps: int, warmup: int,
             feature_map: str | None = None, seed: int = 0, backend: str = "auto", batch: int = 1,
-            prefill_tokens: int | None = None) -> dict:
+            prefill_tokens: int | None = None, spec=None, threads: int | None = None) -> dict:
     """Prefill `context` tokens, then time `steps` decode steps (after `warmup`). In-process.
 
-    attention: the path of `model.config` to run (a hybrid or window config: set model.config
-    first, `BenchSettings.runtime`). prefill_tokens P < context: prefill P tokens, then repeat
+    attention: the path to run on the model's default run; spec: the run itself (a RunSpec: hybrid
+    layers, a window; `measure_entry` makes it from the entry). threads: the native pool's (None: default). prefill_tokens P < context: prefill P tokens, then repeat
     their keys/values up to the depth (`engine.bench.depth`); prefill_s times the P tokens.
 
     The steps run through a `Stepper` for `backend`; the record names the form that ran them.
@@ -160,19 +161,21 @@ def measure(model, attention: str, context: int, steps: int, warmup: int,
     is their aggregate (batch / seconds per step), decode_ms_per_token the time of one step.
     """
     cfg = model.config
-    step = Stepper(model, backend)
+    run = model.run_spec(attention, feature_map, spec)
+    attention = run.attention
+    step = Stepper(model, backend, threads=threads)
     slots = context + warmup + steps
     if model.rotary is not None:   # grow the rotary table once, outside every timing
         model.rotary.table(slots, model.device, model.dtype)
     real = context if prefill_tokens is None else min(context, prefill_tokens)
     prompt = torch.randint(0, cfg.vocab_size, (batch, real), generator=torch.Generator().manual_seed(seed))
-    scratch = model.init_state(batch, max_len=16 + warmup, attention=attention, feature_map=feature_map)
+    scratch = model.init_state(batch, max_len=16 + warmup, spec=run)
     tok = _next_token(step(prompt[:, :16].to(model.device), scratch, last_only=True))   # warm the kernels
     for _ in range(warmup):
         tok = _next_token(step(tok, scratch))
     del scratch
 
-    state = model.init_state(batch, max_len=slots, attention=attention, feature_map=feature_map)
+    state = model.init_state(batch, max_len=slots, spec=run)
     gc.collect()
     gc.disable()
     dev = model.device
@@ -196,9 +199,8 @@ def measure(model, attention: str, context: int, steps: int, warmup: int,
         gc.enable()
     times.sort()
     median = statistics.median(times)
-    fmap = (feature_map or cfg.feature_map) if attention != "softmax" else None
-    rt = cfg if attention == cfg.attention else cfg.replace(
-        attention=attention, **({} if attention == "hybrid" else {"layer_attention": None}))
+    fmap = run.feature_map if attention != "softmax" else None
+    rt = run.run_config(cfg)
     return {
         "attention": attention, "feature_map": fmap, "context": context,
         "state_slots": slots if "softmax" in layer_paths(rt) else None,
@@ -209,8 +211,8 @@ def measure(model, attention: str, context: int, steps: int, warmup: int,
         "decode_ms_per_token": median * 1e3, "decode_ms_per_token_p90": percentile(times, 90) * 1e3,
         "decode_ms_per_token_min": times[0] * 1e3, "decode_tokens_per_s": batch / median,
         "state_bytes": state.nbytes,
-        "state_bytes_formula": config_state_bytes(rt, slots, model.dtype, fmap, batch, model.kv_dtype),
-        "kv_dtype": str(model.kv_dtype or model.dtype).removeprefix("torch."),
+        "state_bytes_formula": config_state_bytes(rt, slots, model.dtype, fmap, batch, run.kv_dtype),
+        "kv_dtype": str(run.kv_dtype or model.dtype).removeprefix("torch."),
         "beyond_trained_positions": slots > cfg.max_position_embeddings,
         "steps": steps, "warmup": warmup,
         "step_form": step.last_form, "fallback": step.fallback,
@@ -219,17 +221,14 @@ def measure(model, attention: str, context: int, steps: int, warmup: int,
 
 def measure_entry(model, entry: str, context: int, steps: int, warmup: int, feature_map=None, seed: int = 0,
                   backend: str = "auto", batch: int = 1, prefill_tokens=None, softmax_layers=None,
-                  window=None) -> dict:
-    """`measure` for one bench entry (softmax, linear, hybrid, window, default): the model runs the
-    entry's runtime config for this one measurement, then gets its own config back."""
-    base = model.config
-    rt, keys = configure(base, entry, softmax_layers, window)
-    model.config = rt
-    try:
-        rec = measure(model, rt.attention, context, steps, warmup, feature_map, seed, backend, batch,
-                      prefill_tokens)
-    finally:
-        model.config = base
+                  window=None, threads: int | None = None) -> dict:
+    """`measure` for one bench entry (softmax, linear, hybrid, window, default): the entry's run (a
+    RunSpec made from its runtime config, the model's config untouched), on `threads` native threads."""
+    rt, keys = configure(model.config, entry, softmax_layers, window)
+    spec = RunSpec.from_config(rt, feature_map=feature_map, kv_dtype=model.kv_dtype, dtype=model.dtype,
+                               device=model.device)
+    rec = measure(model, rt.attention, context, steps, warmup, feature_map, seed, backend, batch,
+                  prefill_tokens, spec=spec, threads=threads)
     rec.update(keys)
     rec["weights_stored"] = weights_label(model)
     if rec["step_form"] == "native":   # fp32 weights of 16-bit values are read from 16-bit copies
@@ -241,7 +240,8 @@ def run_in_process(model, settings: BenchSettings, attention: str, context: int)
     """attention: one entry of settings.attentions."""
     rec = measure_entry(model, attention, context, settings.steps, settings.warmup, settings.feature_map,
                         settings.seed, settings.backend, settings.batch, settings.prefill_tokens,
-                        settings.softmax_layers if attention == "hybrid" else None, settings.window_for(attention))
+                        settings.softmax_layers if attention == "hybrid" else None, settings.window_for(attention),
+                        threads=settings.threads)
     rec["weights"] = settings.weights or rec["weights_stored"]
     rec["peak_rss_bytes"] = peak_rss_bytes()
     rec["rss_method"] = ("VmHWM of the bench process itself (--no-isolate): the peak over everything "

@@ -27,7 +27,7 @@ def main() -> int:
         rec = measure_entry(model, job["attention"], job["context"], job["steps"], job["warmup"],
                             job.get("feature_map"), job.get("seed", 0), job.get("backend", "auto"),
                             job.get("batch", 1), job.get("prefill_tokens"), job.get("softmax_layers"),
-                            job.get("window"))
+                            job.get("window"), threads=job.get("threads"))
     except EngineError as e:
         print(f"gen: error: {e}", file=sys.stderr)
         return 2

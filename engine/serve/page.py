@@ -40,22 +40,26 @@ def asset(name: str) -> bytes:
 
 
 def configurations(llm) -> list[dict]:
-    """The configurations a request may pick on this server: `attention` omitted (the server's default),
-    softmax, linear (with the server's --window, when it has one) and hybrid (when the model names its
-    softmax layers). A window or softmax layers per request are not offered: they are the server's."""
-    cfg = llm.model.config
+    """The configurations a pane may pick on this server, each with the request options that ask for
+    it (a request's attention, softmax_layers and window resolve as gen's options do on this model,
+    RunSpec.for_request): `attention` omitted (the server's default), softmax, linear (with the
+    server's window, when it runs one) and hybrid (the server's softmax layers, else the model's)."""
+    cfg, spec = llm.model.config, llm.spec
     trained = set(cfg.trained_for)
-    window = f" + window {cfg.window}" if cfg.window else ""
+    w = spec.linear_window
+    window = f" + window {w}" if w else ""
+    extra = {"window": w} if w else {}
 
     def note(path):
         return "" if path in trained or (path == "hybrid" and "linear" in trained) else " (untrained)"
     out = [{"id": "default", "attention": None, "label": f"default: {llm.attention}"},
            {"id": "softmax", "attention": "softmax", "label": "softmax" + note("softmax")},
-           {"id": "linear", "attention": "linear", "label": "linear" + window + note("linear")}]
-    if cfg.layer_attention is not None:
-        soft = ",".join(str(i) for i, p in enumerate(cfg.layer_attention) if p == "softmax")
-        out.append({"id": "hybrid", "attention": "hybrid",
-                    "label": f"hybrid (softmax layers {soft}){window}{note('hybrid')}"})
+           {"id": "linear", "attention": "linear", **extra, "label": "linear" + window + note("linear")}]
+    layers = spec.layer_attention if spec.layer_attention is not None else cfg.layer_attention
+    if layers is not None:
+        soft = [i for i, p in enumerate(layers) if p == "softmax"]
+        out.append({"id": "hybrid", "attention": "hybrid", "softmax_layers": soft, **extra,
+                    "label": f"hybrid (softmax layers {','.join(map(str, soft))}){window}{note('hybrid')}"})
     return out
 
 
@@ -68,7 +72,7 @@ def page_config(server) -> dict:
         chat = False
     cfg = llm.model.config
     return {"model": server.name, "chat": chat, "default_attention": llm.attention,
-            "configurations": configurations(llm), "window": cfg.window, "max_context": server.max_context,
+            "configurations": configurations(llm), "window": llm.spec.linear_window, "max_context": server.max_context,
             "layers": cfg.num_hidden_layers, "trained_for": list(cfg.trained_for)}
 
 

@@ -36,16 +36,17 @@ class RowBytes:
     def __init__(self, model, feature_map=None):
         self.model, self.feature_map, self.known = model, feature_map, {}
 
-    def parts(self, path: str) -> tuple[int, int]:
-        """(fixed bytes, bytes per token) of a `path` row."""
+    def parts(self, path: str, spec=None) -> tuple[int, int]:
+        """(fixed bytes, bytes per token) of a `path` row (spec: the row's run, when it has its own;
+        `path` is then its key, Job.key)."""
         if path not in self.known:
-            one, two = (self.model.init_state(batch=1, max_len=n, attention=path, feature_map=self.feature_map).nbytes
-                        for n in (1, 2))
+            one, two = (self.model.init_state(batch=1, max_len=n, attention=None if spec else path,
+                                              feature_map=self.feature_map, spec=spec).nbytes for n in (1, 2))
             self.known[path] = (2 * one - two, two - one)
         return self.known[path]
 
-    def __call__(self, path: str, tokens: int) -> int:
-        fixed, per_token = self.parts(path)
+    def __call__(self, path: str, tokens: int, spec=None) -> int:
+        fixed, per_token = self.parts(path, spec)
         return fixed + per_token * tokens
 
 
@@ -107,12 +108,12 @@ class WithStats:
         job, n = self.job, self.tokens
         prompt = len(job.ids)
         held = prompt + max(n - 1, 0)
-        pool = self.server.scheduler.pools.get(job.path)
+        pool = self.server.scheduler.pools.get(job.key)
         state = getattr(pool, "state", None)
         decoded = self.last - self.first if self.first is not None else 0.0
         mean = decoded * 1e3 / (n - 1) if n > 1 and decoded > 0 else None
         return {"attention": job.path, "prompt_tokens": prompt, "completion_tokens": n, "context": prompt + n,
-                "state_tokens": held, "state_bytes": self.row_bytes(job.path, held),
+                "state_tokens": held, "state_bytes": self.row_bytes(job.key, held, job.spec),
                 "batch_state_bytes": state.nbytes if state is not None else 0,
                 "batch_rows": len(pool.rows) if pool is not None else 0,
                 "ttft_ms": (self.first - job.submitted) * 1e3 if self.first is not None else None,

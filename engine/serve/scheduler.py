@@ -101,6 +101,16 @@ class Job:
     submitted: float = field(default_factory=time.perf_counter)
     _cancelled: threading.Event = field(default_factory=threading.Event)
     _withdraw: object = None                  # set by Scheduler.submit: takes the job out of its queue
+    spec: object = None                       # its run (engine.runspec.RunSpec; None: the model's on `path`)
+
+    @property
+    def key(self) -> str:
+        """What its batch, prefix cache entries and stats are keyed on: the path, with a hybrid's
+        softmax layers and a window when it has them (rows of one key share a batch state)."""
+        s = self.spec
+        if s is None or (s.attention != "hybrid" and not s.linear_window):
+            return self.path
+        return s.describe()
 
     def cancel(self) -> None:
         self._cancelled.set()
@@ -331,7 +341,7 @@ class Scheduler:
         long one), then one decode step per path."""
         joining: dict[str, list] = {}
         live = [job for job in new if not job.cancelled]
-        hits = {id(job): self.cache.lookup(job.path, job.ids) for job in live}
+        hits = {id(job): self.cache.lookup(job.key, job.ids) for job in live}
         ready = self._prefill_together([job for job in live if hits[id(job)] is None
                                         and (not self.chunk or len(job.ids) <= self.chunk)])
         # the cheap first: a cache hit or a job prefilled with others sends its first token before the
@@ -342,10 +352,10 @@ class Scheduler:
             if isinstance(admitted, Prefill):
                 self.prefilling.append(admitted)
             else:
-                joining.setdefault(job.path, []).extend(admitted)
+                joining.setdefault(job.key, []).extend(admitted)
         self.admitting = 0
         for prefill in self._feed():
-            joining.setdefault(prefill.run.job.path, []).extend(
+            joining.setdefault(prefill.run.job.key, []).extend(
                 self._first_tokens(prefill.run, prefill.state, prefill.logits))
         for path, items in joining.items():
             self._join(path, items)
@@ -382,7 +392,7 @@ class Scheduler:
             p.done += n
             self.cache.record_prefill(n, time.perf_counter() - t0)
             if p.left == 0:
-                self.cache.put(job.path, job.ids, p.state, p.logits)
+                self.cache.put(job.key, job.ids, p.state, p.logits)
         except Exception as e:   # noqa: BLE001 -- a failed prefill fails this request only
             self.failures += 1
             job.fail(f"prefill failed: {type(e).__name__}: {e}")
@@ -394,15 +404,15 @@ class Scheduler:
         a group that fails is left to `_admit`, which prefills (and fails) each job on its own."""
         groups: dict[tuple, list[Job]] = {}
         for job in jobs:
-            groups.setdefault((job.path, len(job.ids)), []).append(job)
+            groups.setdefault((job.key, len(job.ids)), []).append(job)
         ready = {}
         for (path, T), group in groups.items():
             if len(group) < 2:
                 continue
             try:
                 t0 = time.perf_counter()
-                state = self.model.init_state(batch=len(group), max_len=T, attention=path,
-                                              feature_map=self.feature_map)
+                state = self.model.init_state(batch=len(group), max_len=T, attention=group[0].path,
+                                              feature_map=self.feature_map, spec=group[0].spec)
                 tokens = torch.tensor([job.ids for job in group], device=self.model.device)   # (k, T)
                 logits = self.stepper(tokens, state, last_only=True)[:, -1]                 # (k, V)
                 self.cache.record_prefill(T * len(group), time.perf_counter() - t0)
@@ -422,7 +432,7 @@ class Scheduler:
             need = len(job.ids) + job.max_tokens
             if ready is not None:
                 state, logits = ready
-                self.cache.put(job.path, job.ids, state, logits)
+                self.cache.put(job.key, job.ids, state, logits)
                 return self._first_tokens(run, state, logits)
             if hit is not None:
                 entry, n = hit
@@ -432,7 +442,7 @@ class Scheduler:
                     return self._first_tokens(run, state, entry.logits)
                 return Prefill(run, state, n)
             return Prefill(run, self.model.init_state(batch=1, max_len=need, attention=job.path,
-                                                      feature_map=self.feature_map), 0)
+                                                      feature_map=self.feature_map, spec=job.spec), 0)
         except Exception as e:   # noqa: BLE001 -- a failed prefill fails this request only
             self.failures += 1
             job.fail(f"prefill failed: {type(e).__name__}: {e}")

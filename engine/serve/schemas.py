@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI endpoints, checked strictly (wrong types and unknown fields are 400s).
 
 The fields OpenAI defines plus the engine's own (`top_k`, `min_p`, `repetition_penalty`,
-`attention`, `ignore_eos`). Fields OpenAI defines that this engine does not implement are accepted only at
+`attention`, `softmax_layers`, `window`, `ignore_eos`). Fields OpenAI defines that this engine does not implement are accepted only at
 their neutral value (`best_of` 1, no `echo`, `response_format` text: structured output is refused
 with a 400 naming it). `n` choices (up to MAX_N), `presence_penalty` / `frequency_penalty`,
 `logit_bias`, a negative `seed` (random) and `top_p` 0 (greedy) are OpenAI's.
@@ -54,7 +54,11 @@ class Sampling(BaseModel):
     top_k: int = Field(default=0, ge=0)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0)
-    attention: Literal["softmax", "linear", "hybrid"] | None = None
+    # the run's attention, as gen's --attention / --softmax-layers / --window on the served model, checked
+    # by the same rules (engine.runspec: a bad value is a 400 with the CLI's one-line message)
+    attention: str | None = None
+    softmax_layers: str | list[int] | None = None
+    window: int | None = None
     ignore_eos: bool = False          # as vLLM: run to max_tokens (benchmarks)
 
     @field_validator("response_format")

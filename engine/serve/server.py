@@ -105,11 +105,9 @@ class Server:
         if self.max_prompt and len(ids) > self.max_prompt:
             raise bad_request(f"The prompt has {len(ids)} tokens; this server takes at most {self.max_prompt} per "
                               "request (gen serve --max-prompt). Shorten it.", what, "context_length_exceeded")
-        path = req.attention or self.llm.attention
-        try:
-            layers = self.llm.model.layer_paths(path)
-        except EngineError as e:   # hybrid asked of a model that names no softmax layers
-            raise bad_request(str(e), "attention") from None
+        spec = self.request_spec(req)
+        path = spec.attention
+        layers = spec.layer_paths(self.llm.model.config.num_hidden_layers)
         if "softmax" in layers:    # a KV cache on some layer: the context limit holds
             room = self.max_context - len(ids)
             if room < 1:
@@ -142,10 +140,38 @@ class Server:
         else:
             logprobs = req.logprobs
         eos = self._chat_eos if isinstance(req, ChatRequest) else None   # a reply also ends at the turn's end
-        jobs = [Job(ids=ids, path=path, params=p, max_tokens=max_tokens, emit=emit, stop=stop, logprobs=logprobs,
+        jobs = [Job(ids=ids, path=path, spec=spec, params=p, max_tokens=max_tokens, emit=emit, stop=stop, logprobs=logprobs,
                     ignore_eos=req.ignore_eos, eos_ids=eos, index=i) for i, p in enumerate(params)]
         jobs[0].copies = jobs[1:]
         return jobs[0]
+
+    def request_spec(self, req):
+        """The run a request asks for: its attention, softmax_layers and window resolved against the
+        checkpoint's config by the rules `gen --attention ...` goes through (RunSpec.for_request), so
+        `attention: linear` means on this model what `gen --attention linear` means; none given: the
+        server's own run. A bad value, or a run needing a set of learned maps this server did not
+        load, is a 400 naming the field."""
+        try:
+            spec = self.llm.spec.for_request(self.llm.model.config, req.attention, req.softmax_layers, req.window)
+        except EngineError as e:
+            text = str(e)
+            first = text.split(" ", 1)[0]
+            param = ("window" if first == "--window" else
+                     "softmax_layers" if first == "--softmax-layers" or text.startswith("softmax layer ")
+                     else "attention")
+            raise bad_request(text, param, "invalid_value") from None
+        held, wants = self.map_set_of(self.llm.spec), self.map_set_of(spec)
+        if wants != held:
+            raise bad_request(f"{spec.describe()} runs {self.name}'s {wants or 'default'} set of learned maps; this "
+                              f"server holds its {held or 'default'} set (for {self.llm.spec.describe()}): serve it "
+                              f"with gen serve --attention {spec.attention}"
+                              + (f" --window {spec.window}" if spec.linear_window else ""),
+                              "window" if req.window is not None else "attention", "invalid_value")
+        return spec
+
+    def map_set_of(self, spec) -> str | None:
+        """The set of learned maps `spec` runs on this checkpoint (None: its default set)."""
+        return spec.map_set if spec.map_set in getattr(self.llm, "map_sets", ()) else None
 
     def tokens_cap(self, kv: bool) -> float:
         """The most tokens a request may generate on a path with (kv) or without a KV cache (inf: no cap)."""

@@ -29,14 +29,12 @@ from typing import Protocol
 
 import torch
 
-from engine.errors import InvalidArgumentError
+from engine.runspec import (BACKENDS, DEFAULT_ACTIVATIONS, DEFAULT_PREFILL_CHUNK, check_backend,  # noqa: F401
+                            check_prefill_chunk)
 from engine.steps.graph_step import GraphStep
 from engine.steps.native import ACTIVATIONS, NativeStep, NativeUnavailableError, check_activations, pool_rest
 from engine.steps.rows_alone import prefill_rows_alone, rows_alone_apply
 from engine.steps.torch_step import TorchStep
-
-BACKENDS = ("auto", "torch", "native", "module", "graph", "compiled")
-
 
 class StepForm(Protocol):
     name: str
@@ -58,31 +56,6 @@ class ModuleStep:
 
     def __call__(self, tokens, state):
         return self.model.step(tokens, state)
-
-
-def check_backend(backend: str) -> str:
-    if backend not in BACKENDS:
-        raise InvalidArgumentError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
-    return backend
-
-
-# Prompt blocks run in chunks of at most this many tokens (`prefill_chunk`, `--prefill-chunk`): the
-# server runs one chunk between decode steps so a long prompt cannot freeze the streams already running,
-# and every caller chunks alike, so a request gives the same tokens from the API, the CLI and the server.
-# 16 measured best on SmolLM2 Q4_1 (2 cores, C step): 324 prefill tokens/s against 139 for 512-token
-# blocks, a chunk ~38 ms next to a 12 ms decode step (benchmarks/prefill_chunk.py).
-DEFAULT_PREFILL_CHUNK = 16
-# What quantized weights multiply in the native step (engine.steps.native.NativeStep): "f32" activations
-# (PyTorch's arithmetic) or "q8" (activations rounded to q8 blocks, llama.cpp's); see benchmarks/quant_activations.py.
-DEFAULT_ACTIVATIONS = "f32-prompt"
-
-
-def check_prefill_chunk(chunk) -> int:
-    """0 = whole prompts in one block; else a positive token count."""
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
-        raise InvalidArgumentError(f"prefill_chunk must be a non-negative integer (0: the whole prompt in one "
-                                   f"block), got {chunk!r}")
-    return chunk
 
 
 class Stepper:

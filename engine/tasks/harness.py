@@ -31,12 +31,12 @@ BOOTSTRAP_ITERS = 1000   # lm-eval's bootstrap for the stderr of non-mean metric
 def configuration(llm, model: str, dtype: str | None = None, quantize: str | None = None,
                   context: int | None = None) -> dict:
     """What decides a configuration's scores: model, path per layer, window, feature map, weights, context."""
-    cfg = llm.model.config
-    paths = list(llm.model.layer_paths(llm.attention))
+    spec = llm.spec
+    paths = list(spec.layer_paths(llm.model.config.num_hidden_layers))
     return {"model": str(model), "attention": llm.attention,
             "softmax_layers": [i for i, p in enumerate(paths) if p == "softmax"] if llm.attention == "hybrid" else None,
-            "window": int(cfg.window or 0), "feature_map": llm.feature_map or (cfg.feature_map if "linear" in paths
-                                                                                 else None),
+            "window": spec.linear_window, "feature_map": llm.feature_map or (spec.feature_map if "linear" in paths
+                                                                                   else None),
             "dtype": str(dtype or "float32"), "quantize": quantize, "context": context}
 
 

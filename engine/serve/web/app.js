@@ -138,6 +138,8 @@
       const body = {model: cfg.model, stream: true, stream_options: {include_usage: true, include_stats: true},
                     max_tokens: intValue("#max-tokens", 128), temperature: floatValue("#temperature", 0)};
       if (conf.attention) body.attention = conf.attention;
+      if (conf.softmax_layers) body.softmax_layers = conf.softmax_layers;   // a request carries its whole run
+      if (conf.window) body.window = conf.window;
       if ($("#ignore-eos").checked) body.ignore_eos = true;
       let url;
       if (cfg.chat) {

@@ -33,10 +33,10 @@ import weakref
 import torch
 
 from engine.attention.linear import EPS
-from engine.errors import InvalidArgumentError
 from engine.quant import QuantLinear, weights_label
 from engine.steps.native.build import NativeUnavailableError, library
-from engine.threads import current_threads
+from engine.runspec import ACTIVATIONS, check_activations  # noqa: F401 (re-exported)
+from engine.threads import default_threads
 
 __all__ = ["NativeStep", "NativeDecoder", "NativeUnavailableError", "library", "pool_adapt", "pool_stats",
            "set_parallel_min", "PARALLEL_MIN_MACS", "weights_read", "why_not"]
@@ -271,20 +271,10 @@ def why_not(model, state, tokens) -> str | None:
     return None
 
 
-ACTIVATIONS = ("f32-prompt", "f32", "q8")
-
-
-def check_activations(activations) -> str:
-    if activations not in ACTIVATIONS:
-        raise InvalidArgumentError(f"activations must be one of {', '.join(ACTIVATIONS)} (what quantized weights "
-                                   f"multiply in the native step), got {activations!r}")
-    return activations
-
-
 class NativeStep:
     """The native form: `why_not(state, tokens)`, then `step(tokens, state)` via `__call__`.
 
-    threads: the pool's thread count (the caller's included); None: engine.threads' current setting.
+    threads: the pool's thread count (the caller's included; RunSpec.threads); None: default_threads().
     activations: what quantized matrices (q8_0, q4_0, q4_1 blocks) multiply: "f32", the activations as
     they are against the blocks decoded in the dots (PyTorch's arithmetic), "q8", the activations
     rounded to q8 blocks and integer dots (llama.cpp's: ~3x faster here, and a greedy answer can
@@ -306,7 +296,7 @@ class NativeStep:
         return why_not(self.model, state, tokens)
 
     def _plan(self, state) -> "NativeDecoder":
-        threads = self.threads or current_threads()
+        threads = self.threads or default_threads()
         plan = self.plans.get(state)
         if plan is None or not plan.still_valid(state, threads):
             plan = self.plans[state] = NativeDecoder(self.model, state, threads, q8=self.q8, q8_prompt=self.q8_prompt)
