@@ -24,8 +24,8 @@ import torch
 from engine.attention.base import State, take_rows
 from engine.attention.feature_maps import Elu1, FeatureMap, get_feature_map, state_dtype
 from engine.kernels import linear_decode, linear_decode_elu1
-from engine.kernels.linear_decode import EPS, linear_attention_step  # the torch step lives beside its kernel
-from engine.kernels.linear_decode import why_not as kernel_why_not
+from engine.kernels.linear import EPS, linear_attention_step  # the torch step lives beside its kernel
+from engine.kernels.linear import why_not as kernel_why_not
 
 CHUNK = 64          # block length of the chunked parallel form
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from engine.attention.base import Span, State, row_runs, take_rows
 from engine.errors import ContextFullError
 from engine.kernels import softmax_decode
-from engine.kernels.softmax_decode import why_not as softmax_why_not
+from engine.kernels.softmax import why_not as softmax_why_not
 
 # Decode (one query, no mask) from this many cached keys on uses two matmuls instead of SDPA:
 # measured on the 2-core dev VM, 1 thread: SDPA's kernel wins below ~1k keys, the matmuls above (2x at 32k).

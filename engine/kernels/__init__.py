@@ -10,9 +10,9 @@ runs (None: the kernel runs). The chunked prefill is not here: `linear_attention
 (engine.attention.linear) is already the blocked-matmul form (fla's chunked algorithm in torch ops).
 """
 from engine.kernels.backend import available, interpreting, why_not
-from engine.kernels.linear_decode import (EPS, linear_attention_step, linear_decode,
+from engine.kernels.linear import (EPS, linear_attention_step, linear_decode,
                                           linear_decode_elu1)
-from engine.kernels.softmax_decode import softmax_decode, softmax_decode_torch
+from engine.kernels.softmax import softmax_decode, softmax_decode_torch
 
 __all__ = ["EPS", "available", "interpreting", "why_not", "linear_attention_step", "linear_decode",
            "linear_decode_elu1", "softmax_decode", "softmax_decode_torch"]

@@ -2,9 +2,9 @@
 
 Triton is imported lazily (it is optional, and importing it costs ~0.5 s): `why_not()` answers
 without importing it where the tensors alone decide. The kernels run on CUDA tensors, or on CPU
-tensors under `TRITON_INTERPRET=1` (Triton's interpreter, which CI uses to check them without a GPU).
-The flag is read on each call, and the interpreted and compiled kernels are built and cached
-separately, so setting it for one test does not change what another runs.
+tensors under Triton's interpreter, which CI uses to check them without a GPU. Triton decides at
+its import whether its own library runs interpreted, so TRITON_INTERPRET=1 must be set before
+triton is first imported in the process (tests/test_kernels.py runs those tests in a subprocess).
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)   # the tensors the k
 
 
 def interpreting() -> bool:
-    """TRITON_INTERPRET set (Triton's own reading of it: 1, true, yes or on)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+    """TRITON_INTERPRET set (read as Triton reads it: 1, true or on)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
 
 
 @functools.cache
@@ -34,6 +34,13 @@ def triton_error() -> str | None:
     return None
 
 
+@functools.cache
+def triton_interpreted() -> bool:
+    """Whether triton was imported under TRITON_INTERPRET (its library then runs interpreted only)."""
+    import triton.language as tl
+    return type(tl.zeros).__name__ == "InterpretedFunction"
+
+
 def why_not(*tensors: torch.Tensor) -> str | None:
     """None when the Triton kernels run on these tensors; else the one-line reason the torch path runs."""
     device = tensors[0].device
@@ -42,7 +49,10 @@ def why_not(*tensors: torch.Tensor) -> str | None:
     for t in tensors:
         if t.dtype not in SUPPORTED:
             return f"{str(t.dtype).removeprefix('torch.')} tensors: the kernels read float32, float16 and bfloat16"
-    return triton_error()
+    reason = triton_error()
+    if reason is None and device.type != "cuda" and not triton_interpreted():
+        reason = "triton was imported before TRITON_INTERPRET=1 was set: set it before the first import"
+    return reason
 
 
 def available(*tensors: torch.Tensor) -> bool:
@@ -50,14 +60,10 @@ def available(*tensors: torch.Tensor) -> bool:
 
 
 @functools.cache
-def jit(fn, interpret: bool):
-    """`triton.jit(fn)`, compiled or for the interpreter, whatever TRITON_INTERPRET says now."""
+def kernel(fn):
+    """`triton.jit(fn)` (fn: a plain function written in triton.language), compiled or interpreted as
+    triton's own library is, whatever TRITON_INTERPRET says now."""
     import triton
     with triton.knobs.runtime.scope():     # restores the knob and the environment after
-        triton.knobs.runtime.interpret = interpret
+        triton.knobs.runtime.interpret = triton_interpreted()
         return triton.jit(fn)
-
-
-def kernel(fn):
-    """The launchable kernel for fn (a plain function written in triton.language) on this call."""
-    return jit(fn, interpreting())

@@ -83,7 +83,7 @@ def splits_for(N: int, rows: int, device) -> tuple[int, int]:
 
 def _launch(q, cache_k, cache_v, n_keys, key_real, scale):
     import triton
-    from engine.kernels.softmax_decode_triton import softmax_combine_kernel, softmax_split_kernel
+    from engine.kernels.softmax_triton import softmax_combine_kernel, softmax_split_kernel
     B, H, _, D = q.shape
     Hkv, N = cache_k.shape[1], cache_k.shape[2]
     G = H // Hkv

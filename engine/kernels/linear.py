@@ -16,7 +16,7 @@ from engine.kernels import backend
 EPS = 1e-6          # the denominator's eps: out = num / (phi(q)^T z + EPS)
 # 0-dim tensors in each state dtype: no scalar wrap and no dtype cast per decode step
 _EPS = {dt: torch.tensor(EPS, dtype=dt) for dt in (torch.float32, torch.float64)}
-MAX_DV = 256        # one program holds a head's whole Dv (see linear_decode_triton)
+MAX_DV = 256        # one program holds a head's whole Dv (see linear_triton)
 
 
 def linear_attention_step(phi_q, phi_k, v, S, z, decay=None):
@@ -87,7 +87,7 @@ def linear_decode_elu1(q, k, v, S, z, decay=None):
 def _launch(q, k, v, S, z, decay, out, elu: bool):
     """q (B, Hkv, G, F), k (B, Hkv, F), v (B, Hkv, Dv), S, z, decay, out (B, Hkv, G, Dv): any strides."""
     import triton
-    from engine.kernels.linear_decode_triton import linear_decode_kernel
+    from engine.kernels.linear_triton import linear_decode_kernel
     B, Hkv, G, F_ = q.shape
     Dv = S.shape[-1]
     if decay is not None:
