@@ -355,3 +355,25 @@ def test_cuda_model_decode_through_the_kernels_equals_cpu(path):
                 out.append(m.step(out[-1].argmax(-1), state))
         logits[device] = torch.cat(out, 1).cpu()
     assert max_diff(logits["cuda"], logits["cpu"]) <= 1e-4
+
+
+# ------------------------------------------------------------------------------ the benchmark
+
+def benchmark_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpu_kernels", ROOT / "benchmarks" / "gpu_kernels.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(CUDA, reason="this machine has CUDA: the benchmark would run")
+def test_gpu_benchmark_says_it_needs_cuda(capsys):
+    bench = benchmark_module()
+    assert bench.parse(["--shapes", "1x1024,32x8192"]).shapes == [(1, 1024), (32, 8192)]
+    with pytest.raises(SystemExit) as e:
+        bench.parse(["--shapes", "1x"])
+    assert e.value.code == 2 and "BATCHxDEPTH" in capsys.readouterr().err
+    assert bench.main(["--json", str(ROOT / "never-written.json")]) == 2
+    assert "needs CUDA" in capsys.readouterr().err
+    assert not (ROOT / "never-written.json").exists()
