@@ -95,7 +95,7 @@ def _launch(q, k, v, S, z, decay, out, elu: bool):
         sd = (decay.stride(0) if decay.shape[0] > 1 else 0, decay.stride(1), decay.stride(2))
     else:
         sd = (0, 0, 0)
-    GB = triton.next_power_of_2(G)
+    GB = max(2, triton.next_power_of_2(G))                             # (no block of one row)
     BLOCK_DV = triton.next_power_of_2(Dv)
     BLOCK_F = max(1, min(triton.next_power_of_2(F_), 8192 // (GB * BLOCK_DV)))   # <= 8k products a block
     backend.kernel(linear_decode_kernel)[(B * Hkv,)](

@@ -97,9 +97,10 @@ def _launch(q, cache_k, cache_v, n_keys, key_real, scale):
     # fp32 products for fp32 or mixed inputs, and under the interpreter, whose tl.dot multiplies
     # bfloat16's raw bits (Triton 3.6); 16-bit tensor-core products with fp32 sums on the GPU
     fp32_dot = q.dtype == torch.float32 or q.dtype != cache_k.dtype or backend.interpreting()
-    BLOCK_D = triton.next_power_of_2(D)
+    BLOCK_D = max(16, triton.next_power_of_2(D))            # tl.dot takes no side under 16
     backend.kernel(softmax_split_kernel)[(B * Hkv, splits)](
-        q3, cache_k, cache_v, n_keys if n_keys is not None else q3, key_real if key_real is not None else q3,
+        q3, cache_k, cache_v, n_keys if n_keys is not None else q3,
+        key_real.view(torch.uint8) if key_real is not None else q3,   # bytes, read as != 0
         scale if scale_is_tensor else q3, 1.0 if scale_is_tensor else float(scale),
         m, l, acc, Hkv, G, N, D, *q3.stride(), *cache_k.stride(), *cache_v.stride(),
         *(key_real.stride() if key_real is not None else (0, 0)),
@@ -108,5 +109,5 @@ def _launch(q, cache_k, cache_v, n_keys, key_real, scale):
     o3 = out[:, :, 0]
     backend.kernel(softmax_combine_kernel)[(B * H,)](
         m, l, acc, o3, H, G, D, splits, *o3.stride(),
-        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=BLOCK_D)
+        BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=BLOCK_D)
     return out
