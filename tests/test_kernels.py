@@ -62,21 +62,20 @@ def test_kernels_compile_for_hopper(kernel):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from engine.kernels.linear_triton import linear_decode_kernel
-    from engine.kernels.softmax_triton import softmax_combine_kernel, softmax_split_kernel
     fn, types, constexprs = {
-        "linear-elu1": (linear_decode_kernel, {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16"},
+        "linear-elu1": (("linear_triton", "linear_decode_kernel"), {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16"},
                         dict(F=64, ELU1=True, HAS_DECAY=True, GB=4, BLOCK_F=32, BLOCK_DV=64)),
-        "softmax-bf16": (softmax_split_kernel, {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "n_ptr": "*i64",
+        "softmax-bf16": (("softmax_triton", "softmax_split_kernel"), {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "n_ptr": "*i64",
                                                 "real_ptr": "*u8"},
                          dict(HAS_N=True, HAS_REAL=True, SCALE_PTR=True, FP32_DOT=False, KEYS_PER_SPLIT=512, GB=16,
                               BLOCK_N=64, BLOCK_D=64)),
-        "softmax-combine": (softmax_combine_kernel, {"out_ptr": "*bf16"}, dict(BLOCK_S=64, BLOCK_D=64)),
+        "softmax-combine": (("softmax_triton", "softmax_combine_kernel"), {"out_ptr": "*bf16"}, dict(BLOCK_S=64, BLOCK_D=64)),
     }[kernel]
-    names = list(inspect.signature(fn).parameters)
+    jitted = backend.kernel(*fn)
+    names = list(inspect.signature(jitted.fn).parameters)
     signature = {n: "constexpr" if n in constexprs else types.get(n, "*fp32" if n.endswith("_ptr") else
                  "fp32" if n in ("eps", "scale") else "i32") for n in names}
-    src = ASTSource(fn=backend.kernel(fn), signature=signature,
+    src = ASTSource(fn=jitted, signature=signature,
                     constexprs={(names.index(c),): v for c, v in constexprs.items()})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
     assert compiled.asm["cubin"]

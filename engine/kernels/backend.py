@@ -9,6 +9,7 @@ triton is first imported in the process (tests/test_kernels.py runs those tests 
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 
 import torch
@@ -60,10 +61,13 @@ def available(*tensors: torch.Tensor) -> bool:
 
 
 @functools.cache
-def kernel(fn):
-    """`triton.jit(fn)` (fn: a plain function written in triton.language), compiled or interpreted as
-    triton's own library is, whatever TRITON_INTERPRET says now."""
+def kernel(source: str, name: str):
+    """The launchable kernel `name` of the module engine.kernels.<source> (plain functions written in
+    triton.language), compiled or interpreted as triton's own library is. Those modules import triton
+    at their top, so they are imported here, on first use: triton is optional and slow to import (the
+    deferral hides no cycle: nothing they import imports back)."""
     import triton
+    fn = getattr(importlib.import_module(f"engine.kernels.{source}"), name)
     with triton.knobs.runtime.scope():     # restores the knob and the environment after
         triton.knobs.runtime.interpret = triton_interpreted()
         return triton.jit(fn)

@@ -87,7 +87,6 @@ def linear_decode_elu1(q, k, v, S, z, decay=None):
 def _launch(q, k, v, S, z, decay, out, elu: bool):
     """q (B, Hkv, G, F), k (B, Hkv, F), v (B, Hkv, Dv), S, z, decay, out (B, Hkv, G, Dv): any strides."""
     import triton
-    from engine.kernels.linear_triton import linear_decode_kernel
     B, Hkv, G, F_ = q.shape
     Dv = S.shape[-1]
     if decay is not None:
@@ -98,7 +97,7 @@ def _launch(q, k, v, S, z, decay, out, elu: bool):
     GB = max(2, triton.next_power_of_2(G))                             # (no block of one row)
     BLOCK_DV = triton.next_power_of_2(Dv)
     BLOCK_F = max(1, min(triton.next_power_of_2(F_), 8192 // (GB * BLOCK_DV)))   # <= 8k products a block
-    backend.kernel(linear_decode_kernel)[(B * Hkv,)](
+    backend.kernel("linear_triton", "linear_decode_kernel")[(B * Hkv,)](
         q, k, v, S, z, decay if decay is not None else S, out, EPS,
         Hkv, G, Dv, *q.stride(), *k.stride(), *v.stride(), *S.stride(), *z.stride(), *sd, *out.stride(),
         F=F_, ELU1=elu, HAS_DECAY=decay is not None, GB=GB, BLOCK_F=BLOCK_F, BLOCK_DV=BLOCK_DV)

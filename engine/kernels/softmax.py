@@ -83,7 +83,6 @@ def splits_for(N: int, rows: int, device) -> tuple[int, int]:
 
 def _launch(q, cache_k, cache_v, n_keys, key_real, scale):
     import triton
-    from engine.kernels.softmax_triton import softmax_combine_kernel, softmax_split_kernel
     B, H, _, D = q.shape
     Hkv, N = cache_k.shape[1], cache_k.shape[2]
     G = H // Hkv
@@ -98,7 +97,7 @@ def _launch(q, cache_k, cache_v, n_keys, key_real, scale):
     # bfloat16's raw bits (Triton 3.6); 16-bit tensor-core products with fp32 sums on the GPU
     fp32_dot = q.dtype == torch.float32 or q.dtype != cache_k.dtype or backend.interpreting()
     BLOCK_D = max(16, triton.next_power_of_2(D))            # tl.dot takes no side under 16
-    backend.kernel(softmax_split_kernel)[(B * Hkv, splits)](
+    backend.kernel("softmax_triton", "softmax_split_kernel")[(B * Hkv, splits)](
         q3, cache_k, cache_v, n_keys if n_keys is not None else q3,
         key_real.view(torch.uint8) if key_real is not None else q3,   # bytes, read as != 0
         scale if scale_is_tensor else q3, 1.0 if scale_is_tensor else float(scale),
@@ -107,7 +106,7 @@ def _launch(q, cache_k, cache_v, n_keys, key_real, scale):
         HAS_N=n_keys is not None, HAS_REAL=key_real is not None, SCALE_PTR=scale_is_tensor, FP32_DOT=fp32_dot,
         KEYS_PER_SPLIT=per, GB=max(16, triton.next_power_of_2(G)), BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
     o3 = out[:, :, 0]
-    backend.kernel(softmax_combine_kernel)[(B * H,)](
+    backend.kernel("softmax_triton", "softmax_combine_kernel")[(B * H,)](
         m, l, acc, o3, H, G, D, splits, *o3.stride(),
         BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=BLOCK_D)
     return out
