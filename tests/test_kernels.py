@@ -55,7 +55,7 @@ def test_kernels_under_the_interpreter():
 
 @needs_triton
 @pytest.mark.skipif(INTERPRETED, reason="this is the interpreted run")
-@pytest.mark.parametrize("kernel", ["linear-elu1", "softmax-bf16", "softmax-combine"])
+@pytest.mark.parametrize("kernel", ["linear-elu1", "softmax-bf16", "softmax-fp32", "softmax-combine"])
 def test_kernels_compile_for_hopper(kernel):
     """The compiled path, which the interpreter does not take (tl.dot on bfloat16 tensor cores, the
     constexpr branches), compiles for sm_90 on any machine: Triton ships its own ptxas."""
@@ -67,8 +67,11 @@ def test_kernels_compile_for_hopper(kernel):
                         dict(F=64, ELU1=True, HAS_DECAY=True, GB=4, BLOCK_F=32, BLOCK_DV=64)),
         "softmax-bf16": (("softmax_triton", "softmax_split_kernel"), {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "n_ptr": "*i64",
                                                 "real_ptr": "*u8"},
-                         dict(HAS_N=True, HAS_REAL=True, SCALE_PTR=True, FP32_DOT=False, KEYS_PER_SPLIT=512, GB=16,
-                              BLOCK_N=64, BLOCK_D=64)),
+                         dict(HAS_N=True, HAS_REAL=True, SCALE_PTR=True, FP32_DOT=False, INTERPRET=False,
+                              KEYS_PER_SPLIT=512, GB=16, BLOCK_N=64, BLOCK_D=64)),
+        "softmax-fp32": (("softmax_triton", "softmax_split_kernel"), {},
+                         dict(HAS_N=False, HAS_REAL=False, SCALE_PTR=False, FP32_DOT=True, INTERPRET=False,
+                              KEYS_PER_SPLIT=64, GB=16, BLOCK_N=64, BLOCK_D=16)),
         "softmax-combine": (("softmax_triton", "softmax_combine_kernel"), {"out_ptr": "*bf16"}, dict(BLOCK_S=64, BLOCK_D=64)),
     }[kernel]
     jitted = backend.kernel(*fn)

@@ -60,14 +60,17 @@ def available(*tensors: torch.Tensor) -> bool:
     return why_not(*tensors) is None
 
 
-@functools.cache
-def kernel(source: str, name: str):
-    """The launchable kernel `name` of the module engine.kernels.<source> (plain functions written in
-    triton.language), compiled or interpreted as triton's own library is. Those modules import triton
-    at their top, so they are imported here, on first use: triton is optional and slow to import (the
-    deferral hides no cycle: nothing they import imports back)."""
+def jit(fn):
+    """`triton.jit` for the kernel sources, compiled or interpreted as triton's own library is
+    (whatever TRITON_INTERPRET says by the time a source module is first imported)."""
     import triton
-    fn = getattr(importlib.import_module(f"engine.kernels.{source}"), name)
     with triton.knobs.runtime.scope():     # restores the knob and the environment after
         triton.knobs.runtime.interpret = triton_interpreted()
         return triton.jit(fn)
+
+
+def kernel(source: str, name: str):
+    """The launchable kernel `name` of the module engine.kernels.<source>. The kernel sources import
+    triton at their top, so they are imported here, on first use (a cached module lookup after): triton
+    is optional and slow to import. The deferral hides no cycle: nothing they import imports back."""
+    return getattr(importlib.import_module(f"engine.kernels.{source}"), name)

@@ -8,7 +8,10 @@ is updated in place and every Dv tile would need it before and after its update.
 """
 import triton.language as tl
 
+from engine.kernels.backend import jit
 
+
+@jit
 def linear_decode_kernel(
         q_ptr, k_ptr, v_ptr, S_ptr, z_ptr, d_ptr, out_ptr, eps,
         Hkv, G, Dv,

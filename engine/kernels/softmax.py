@@ -104,6 +104,7 @@ def _launch(q, cache_k, cache_v, n_keys, key_real, scale):
         m, l, acc, Hkv, G, N, D, *q3.stride(), *cache_k.stride(), *cache_v.stride(),
         *(key_real.stride() if key_real is not None else (0, 0)),
         HAS_N=n_keys is not None, HAS_REAL=key_real is not None, SCALE_PTR=scale_is_tensor, FP32_DOT=fp32_dot,
+        INTERPRET=backend.interpreting(),
         KEYS_PER_SPLIT=per, GB=max(16, triton.next_power_of_2(G)), BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
     o3 = out[:, :, 0]
     backend.kernel("softmax_triton", "softmax_combine_kernel")[(B * H,)](
