@@ -22,11 +22,11 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.base import State, take_rows
-from engine.attention.feature_maps import FeatureMap, get_feature_map, state_dtype
+from engine.attention.feature_maps import Elu1, FeatureMap, get_feature_map, state_dtype
+from engine.kernels import linear_decode, linear_decode_elu1
+from engine.kernels.linear import EPS, linear_attention_step  # the torch step lives beside its kernel
+from engine.kernels.linear import why_not as kernel_why_not
 
-EPS = 1e-6          # the denominator's eps: out = num / (phi(q)^T z + EPS)
-# 0-dim tensors in each state dtype: no scalar wrap and no dtype cast per decode step
-_EPS = {dt: torch.tensor(EPS, dtype=dt) for dt in (torch.float32, torch.float64)}
 CHUNK = 64          # block length of the chunked parallel form
 
 
@@ -111,6 +111,8 @@ class LinearState(State):
         model_layer = layer if self.layer_ids is None else self.layer_ids[layer]
         fm = self.feature_map
         if span.length == 1 and span.real is None:   # decode: featurize without the pad mask
+            if q.is_cuda and kernel_why_not(q, S, z, v) is None:
+                return self._fused_decode(model_layer, q, k, v, S, z)
             B, H, _, _ = q.shape
             phi_k = fm(k, model_layer, "k")                                 # (B, Hkv, 1, F)
             phi_q = fm(q, model_layer, "q").view(B, k.shape[1], H // k.shape[1], 1, phi_k.shape[-1])
@@ -129,6 +131,19 @@ class LinearState(State):
             S.copy_(S_new)
             z.copy_(z_new)
         return out.flatten(1, 2).to(q.dtype)
+
+    def _fused_decode(self, layer: int, q, k, v, S, z):
+        """The decode step as one Triton kernel (engine.kernels; CUDA): the elu+1 map applied inside
+        it, a learned map (a matmul and a softmax) in torch first. Same arithmetic as the torch step."""
+        fm = self.feature_map
+        ld = fm.decay(layer, v)                                             # (Hkv, F), gated (B, Hkv, 1, F)
+        decay = None if ld is None else (ld if ld.dim() == 2 else ld[:, :, 0]).exp()
+        if type(fm) is Elu1:
+            return linear_decode_elu1(q, k, v, S, z, decay)
+        B, H, _, _ = q.shape
+        phi_k = fm(k, layer, "k")                                           # (B, Hkv, 1, F)
+        phi_q = fm(q, layer, "q").view(B, k.shape[1], H // k.shape[1], 1, phi_k.shape[-1])
+        return linear_decode(phi_q, phi_k, v, S, z, decay, out_dtype=q.dtype).view(B, H, 1, -1)
 
 
 def as_feature_map(fmap: str | FeatureMap) -> FeatureMap:
@@ -156,22 +171,6 @@ def token_decay(ld, valid=None):
         return None
     ld = ld[None, :, None, :] if ld.dim() == 2 else ld
     return ld if valid is None else ld * valid[:, None, :, None]
-
-
-def linear_attention_step(phi_q, phi_k, v, S, z, decay=None):
-    """One token of the recurrence; updates S (B, Hkv, F, Dv) and z (B, Hkv, F) in place.
-
-    phi_q (B, Hkv, G, 1, F), phi_k (B, Hkv, 1, F), v (B, Hkv, 1, Dv) -> (B, Hkv, G, 1, Dv).
-    decay: None, or the factors exp(log decay) (Hkv, F) or (B, Hkv, F) that S and z take first.
-    """
-    if decay is not None:
-        S.mul_(decay.unsqueeze(-1))
-        z.mul_(decay)
-    S.addcmul_(phi_k.transpose(-1, -2), v)                          # (B, Hkv, F, 1) * (B, Hkv, 1, Dv)
-    z.add_(phi_k[:, :, 0])
-    num = phi_q @ S.unsqueeze(2)                                    # (B, Hkv, G, 1, Dv)
-    den = phi_q @ z[:, :, None, :, None]                            # (B, Hkv, G, 1, 1)
-    return num / (den + _EPS[den.dtype])
 
 
 def linear_attention_chunked(phi_q, phi_k, v, S=None, z=None, chunk: int = CHUNK, log_decay=None):

@@ -3,12 +3,14 @@ not move from token to token, so a captured CUDA graph replays it (engine.steps.
 
     out = softmax_decode(q, cache_k, cache_v, n_keys, key_real, scale)
 
-The one call site is `engine.steps.graph_step.kv_attend_static`; a kernel with this signature (a
-split-K Triton kernel, FlashInfer) replaces the plain-torch body here without touching it.
+The one call site is `engine.steps.graph_step.kv_attend_static`. On CUDA with triton it runs the
+split-K Triton kernel (engine.kernels.softmax_decode); elsewhere the plain-torch body below.
 """
 from __future__ import annotations
 
 import torch
+
+from engine.kernels import softmax as kernel
 
 
 def softmax_decode(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, n_keys: torch.Tensor,
@@ -23,6 +25,11 @@ def softmax_decode(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor
     (G = H / Hkv), as enable_gqa does. Scores and values in q's dtype (a cache of another dtype is read
     widened to it), softmax in fp32. Returns (B, H, 1, D) in q's dtype. No host syncs.
     """
+    if kernel.why_not(q, cache_k, cache_v) is None:
+        # split-K flash decoding (engine.kernels.softmax): reads only each row's n_keys keys. Its key_real
+        # has no own-key exception; none is needed: a slot not yet written is always real in slot_real
+        # (pads are only ever written below `slots`), and the query's own slot is the one being written.
+        return kernel.softmax_decode(q, cache_k, cache_v, n_keys, key_real, scale)
     B, H, _, D = q.shape
     Hkv, N = cache_k.shape[1], cache_k.shape[2]
     if cache_k.dtype != q.dtype:    # a 16-bit cache under fp32 weights (kv_dtype)
