@@ -7,7 +7,7 @@ import sys
 import click
 
 from cli.common import device_option, run_guarded, threads_option
-from engine.linearize import FINETUNE_DTYPES, FINETUNE_SCHEDULES, LinearizeArgs, linearize
+from engine.linearize import FINETUNE_DTYPES, FINETUNE_SCHEDULES, WEIGHT_DTYPES, LinearizeArgs, linearize
 from engine.threads import set_threads
 
 
@@ -65,9 +65,12 @@ from engine.threads import set_threads
                    "adapters that every layer reads (load it with --model OUT)")
 @threads_option()
 @device_option
+@click.option("--dtype", type=click.Choice(WEIGHT_DTYPES), default="float32", show_default=True,
+              help="the frozen model's weights: bfloat16 holds them in half the memory (an 8B model: 16 GB, not 32); "
+                   "maps, adapters and Adam stay fp32")
 def linearize_cmd(model_name, data, out, tokens, finetune_tokens, seq_len, layer_steps, batch_size, lr, finetune_steps,
                   finetune_batch, finetune_lr, finetune_loss, finetune_dtype, finetune_schedule, finetune_linear_every, finetune_clip, decay, decay_lr, gate, gate_lr, lora_rank, hybrid, window, budget, seed, resume, init, control, threads,
-                  device):
+                  device, dtype):
     """With the model frozen, train per-layer hedgehog maps (transfer), then finetune them end to end."""
     def run():
         set_threads(threads)
@@ -79,7 +82,7 @@ def linearize_cmd(model_name, data, out, tokens, finetune_tokens, seq_len, layer
                              decay=decay or gate, decay_lr=decay_lr, gate=gate, gate_lr=gate_lr,
                              lora_rank=lora_rank,
                              hybrid=hybrid, window=window, budget=budget, seed=seed, resume=resume, init=init,
-                             control=control, device=device, command="gen " + shlex.join(sys.argv[1:]))
+                             control=control, device=device, dtype=dtype, command="gen " + shlex.join(sys.argv[1:]))
         try:
             summary = linearize(args, log=lambda m: click.echo(m, err=True))
         except KeyboardInterrupt:

@@ -66,6 +66,7 @@ from models.registry import read_checkpoint, resolve
 
 WORK = ".linearize"
 FINETUNE_DTYPES = ("float32", "bfloat16")
+WEIGHT_DTYPES = ("float32", "bfloat16")   # the frozen model's weights (--dtype)
 FINETUNE_SCHEDULES = ("constant", "cosine")
 
 
@@ -103,6 +104,7 @@ class LinearizeArgs:
     init: str | None = None        # a linearized model directory: finetune from its maps (and adapters), no transfer
     control: bool = False          # the softmax control: the same finetune (adapters only) with softmax attention
     device: str = "cpu"            # where the model and the training run ("cuda": under torchrun, cuda:LOCAL_RANK)
+    dtype: str = "float32"         # the frozen weights: float32, or bfloat16 (half the memory; maps, adapters fp32)
     command: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -172,6 +174,8 @@ def check_args(a: LinearizeArgs) -> None:
     if a.finetune_dtype not in FINETUNE_DTYPES:
         raise InvalidArgumentError(f"--finetune-dtype must be one of {', '.join(FINETUNE_DTYPES)}, "
                                    f"got {a.finetune_dtype!r}")
+    if a.dtype not in WEIGHT_DTYPES:
+        raise InvalidArgumentError(f"--dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {a.dtype!r}")
     if a.finetune_schedule not in FINETUNE_SCHEDULES:
         raise InvalidArgumentError(f"--finetune-schedule must be one of {', '.join(FINETUNE_SCHEDULES)}, "
                                    f"got {a.finetune_schedule!r}")
@@ -290,7 +294,7 @@ def layer_targets(model, i, xs: np.ndarray, batch: int):
     """For every row: q, k, v (fp32) and the softmax target through o_proj."""
     qs, ks, vs, ys = [], [], [], []
     for s in range(0, xs.shape[0], batch):
-        x = torch.from_numpy(np.array(xs[s:s + batch])).to(model.device)
+        x = torch.from_numpy(np.array(xs[s:s + batch])).to(model.device, model.dtype)
         q, k, v = layer_qkv(model, i, x)
         ys.append(project(model, i, softmax_attention(q, k, v)))
         qs.append(q), ks.append(k), vs.append(v)
@@ -301,16 +305,16 @@ def layer_targets(model, i, xs: np.ndarray, batch: int):
 def advance(model, i, xs: np.ndarray, out: np.ndarray, batch: int) -> None:
     """The softmax model's residual stream after layer i (the next layer's input)."""
     for s in range(0, xs.shape[0], batch):
-        x = torch.from_numpy(np.array(xs[s:s + batch])).to(model.device)
+        x = torch.from_numpy(np.array(xs[s:s + batch])).to(model.device, model.dtype)
         T = x.shape[1]
         rope = (model.rotary(torch.arange(T, device=x.device).expand(x.shape[0], T), x.dtype)
                 if model.rotary is not None else None)
-        out[s:s + batch] = model.layers[i](x, rope, lambda q, k, v: softmax_attention(q, k, v)).cpu().numpy()
+        out[s:s + batch] = model.layers[i](x, rope, lambda q, k, v: softmax_attention(q, k, v)).float().cpu().numpy()
 
 
 def transfer_loss(model, i, maps, q, k, v, y, window):
     pred = project(model, i, linear_out(maps, q, k, v, window))
-    return F.mse_loss(pred, y)
+    return F.mse_loss(pred.float(), y.float())   # (16-bit weights: the loss in fp32)
 
 
 # ---------------------------------------------------------------------- the run
@@ -365,11 +369,11 @@ def _linearize(a: LinearizeArgs, g: Group, log, on_step) -> dict | None:
                               window=a.window, transfer_loss=None)
     if a.hybrid > cfg.num_hidden_layers:
         raise InvalidArgumentError(f"--hybrid {a.hybrid}: the model has only {cfg.num_hidden_layers} layers")
-    model = build(cfg, ckpt.tensors, g.device, torch.float32, interleaved_rotary=ckpt.interleaved_rotary)
+    model = build(cfg, ckpt.tensors, g.device, getattr(torch, a.dtype), interleaved_rotary=ckpt.interleaved_rotary)
     dequantize_model(model)   # the same fp32 math, without widening every block on every call
     for p in model.parameters():
         p.requires_grad_(False)
-    maps = model.hedgehog
+    maps = model.hedgehog.float()   # trained in fp32 whatever the frozen weights' dtype
     if a.gate:    # (a resumed or --init run also takes one below when its maps carry one)
         maps.add_gate()
     elif a.decay:
@@ -421,7 +425,7 @@ def _linearize(a: LinearizeArgs, g: Group, log, on_step) -> dict | None:
                                            (layer_rows.shape[0], a.seq_len, cfg.hidden_size))
             with torch.no_grad():
                 for s in range(0, layer_rows.shape[0], a.batch_size):
-                    x0[s:s + a.batch_size] = model.embed_tokens(layer_rows[s:s + a.batch_size].to(g.device)).cpu().numpy()
+                    x0[s:s + a.batch_size] = model.embed_tokens(layer_rows[s:s + a.batch_size].to(g.device)).float().cpu().numpy()
             x0.flush()
             del x0
         progress.save(state, {"maps": maps.state_dict()})
@@ -437,7 +441,7 @@ def _linearize(a: LinearizeArgs, g: Group, log, on_step) -> dict | None:
         q, k, v, y = layer_targets(model, i, xs, a.batch_size)
         n_train = transfer_rows.shape[0]
         ev = slice(n_train, n_train + a.eval_rows)
-        y_ms = float(y[ev].pow(2).mean())
+        y_ms = float(y[ev].float().pow(2).mean())
         step_net = TransferStep(model, i, maps, a.window)
         step_maps, params = step_net.maps, list(step_net.params)
         with torch.no_grad():

@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from cli.main import main
 from engine.linearize import LinearizeArgs, linearize
+from engine.loader import build as lin_build
 from engine.train import TrainArgs, train
 from tests.conftest import generated_sentences
 
@@ -42,6 +43,25 @@ def test_linearize_device_cpu_with_bf16_autocast(small_model_dir, corpus, tmp_pa
     assert all(loss == loss for _, loss in summary["finetune_log"])   # finite, not NaN
 
 
+def test_linearize_with_bf16_weights_tracks_fp32(small_model_dir, corpus, tmp_path, monkeypatch):
+    """--dtype bfloat16: the frozen model is built in bf16 (half the memory), the maps stay fp32, and
+    the transfer and finetune losses stay within bf16 rounding of the fp32 run's."""
+    import engine.linearize as lin
+    built = []
+    monkeypatch.setattr(lin, "build", lambda *a, **kw: built.append(a[3]) or lin_build(*a, **kw))
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        runs[dtype] = linearize(lin_args(small_model_dir, corpus, tmp_path / dtype, dtype=dtype), log=lambda m: None)
+    assert built == [torch.float32, torch.bfloat16]
+    for (_, a), (_, b) in zip(runs["float32"]["finetune_log"], runs["bfloat16"]["finetune_log"], strict=True):
+        assert a == pytest.approx(b, abs=1e-2)
+    losses = {d: json.loads((tmp_path / d / "transfer_losses.json").read_text())["layers"] for d in runs}
+    for a, b in zip(losses["float32"], losses["bfloat16"], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=5e-2)
+    maps = load_file(tmp_path / "bfloat16" / "maps.safetensors")
+    assert all(torch.isfinite(t.float()).all() for t in maps.values())
+
+
 @cuda
 def test_linearize_on_cuda_equals_the_cpu(small_model_dir, corpus, tmp_path):
     outs = {}
@@ -57,10 +77,10 @@ def test_linearize_on_cuda_equals_the_cpu(small_model_dir, corpus, tmp_path):
 
 
 @cuda
-def test_linearize_bf16_autocast_on_cuda(small_model_dir, corpus, tmp_path):
+def test_linearize_bf16_weights_and_autocast_on_cuda(small_model_dir, corpus, tmp_path):
     out = tmp_path / "bf16"
-    summary = linearize(lin_args(small_model_dir, corpus, out, device="cuda", finetune_dtype="bfloat16"),
-                        log=lambda m: None)
+    summary = linearize(lin_args(small_model_dir, corpus, out, device="cuda", dtype="bfloat16",
+                                 finetune_dtype="bfloat16"), log=lambda m: None)
     assert summary["finetune_steps_done"] == 3
     assert all(torch.isfinite(torch.tensor(loss)) for _, loss in summary["finetune_log"])
 
