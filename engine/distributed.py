@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from engine.errors import InvalidArgumentError
 
@@ -53,7 +54,6 @@ class Group:
         """DistributedDataParallel over `module` (its trainable parameters); one process: `module`."""
         if not self.distributed:
             return module
-        from torch.nn.parallel import DistributedDataParallel
         ids = [self.device.index] if self.device.type == "cuda" else None
         return DistributedDataParallel(module, device_ids=ids, find_unused_parameters=find_unused_parameters)
 
