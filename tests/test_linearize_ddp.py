@@ -1,7 +1,6 @@
-"""gen linearize across processes (engine.distributed): two gloo ranks on the CPU (NCCL ranks where two GPUs
-exist), each taking its slice
-of every global batch, give the maps and adapters one process gives on the same global batches (within
-1e-5); rank 0 alone writes and prints; a bad launch is one line, exit 2."""
+"""gen linearize across processes (engine.distributed): two gloo ranks on the CPU (NCCL ranks where two
+GPUs exist), each taking its slice of every global batch, give the maps and adapters one process gives
+on the same global batches (within 1e-5); rank 0 alone writes and prints; a bad launch is one line, exit 2."""
 import functools
 import json
 import os
