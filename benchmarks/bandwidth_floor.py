@@ -29,6 +29,7 @@ import time
 import engine  # noqa: F401  (before torch: its OpenMP setting, engine/__init__.py, applies)
 import torch
 
+from engine.bench.floor import weight_bytes_read
 from engine.loader import load_model
 from engine.quant import QuantLinear, dequantize_model, quantize_model
 from engine.steps import Stepper
@@ -64,20 +65,11 @@ def read_bandwidth(threads: int, reads: int = 8, mib: int = 256) -> float:
 
 
 def bytes_per_token(model) -> int:
-    """What one decode step at depth ~0 streams: matrices as stored, norms, one embedding row. A layer
-    that the model's default state runs linear reads its adapted projections where it has them
+    """What one decode step at depth ~0 streams (engine.bench.floor.weight_bytes_read, which `gen bench`'s
+    floor column uses): matrices as stored, norms, one embedding row, the learned maps of linear layers.
+    A layer that the model's default state runs linear reads its adapted projections where it has them
     (smollm2-linear: merged q8_0 copies beside the base Q4_1)."""
-    paths = model.paths_of(model.init_state(1, 8))
-    def size(module) -> int:
-        if isinstance(module, QuantLinear):
-            return module.blocks.numel()
-        return module.weight.numel() * module.weight.element_size()
-    total = size(model.lm_head) + model.norm.weight.numel() * model.norm.weight.element_size()
-    for b, path in zip(model.layers, paths):
-        total += sum(size(m) for m in (*b.self_attn.projections(path != "softmax"), b.mlp.gate_up, b.mlp.down_proj))
-        total += 2 * b.input_layernorm.weight.numel() * b.input_layernorm.weight.element_size()
-    emb = model.embed_tokens.weight
-    return total + emb.shape[1] * emb.element_size()
+    return weight_bytes_read(model, model.init_state(1, 8))
 
 
 def decode_rate(model, threads: list[int], rounds: int, steps: int = 128) -> dict[int, float]:

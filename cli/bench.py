@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from cli.common import KV_DTYPE_HELP, check_output_path, run_guarded, threads_option
+from cli.common import KV_DTYPE_HELP, check_output_path, device_option, run_guarded, threads_option
 from engine.bench import DEFAULT_CONTEXTS, BenchSettings, run_bench, write_json
 from engine.bench.configs import parse_attentions
 from engine.errors import InvalidArgumentError
@@ -53,7 +53,7 @@ def parse_attention(ctx, param, value):
 @threads_option()
 @click.option("--dtype", default="float32", show_default=True)
 @click.option("--kv-dtype", help=KV_DTYPE_HELP)
-@click.option("--device", default="cpu", show_default=True)
+@device_option
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write the report as JSON here")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="write the two-panel plot (PNG) here")
 @click.option("--compare-hf", is_flag=True, help="also time transformers' generate on the same checkpoint")

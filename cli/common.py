@@ -12,6 +12,7 @@ import click
 
 from engine.attention import PATHS
 from engine.errors import EngineError
+from engine.loader import parse_device
 from engine.steps import ACTIVATIONS, DEFAULT_ACTIVATIONS, DEFAULT_PREFILL_CHUNK
 from engine.threads import available_cores, default_threads
 
@@ -109,6 +110,21 @@ def prefill_chunk_option(fn):
                         help="prefill prompts in blocks of at most N tokens (0: one block); the server feeds "
                              "one block between decode steps. The same N gives the same tokens in gen, "
                              "the Python API and gen serve")(fn)
+
+
+def check_device(ctx, param, value):
+    """--device: one this machine has (cpu, cuda, cuda:N); else one line, exit 2, before any work."""
+    try:
+        parse_device(value)
+    except EngineError as e:
+        fail(user_text(e))
+    return value
+
+
+def device_option(fn):
+    """`--device`, one declaration for every command that runs a model."""
+    return click.option("--device", default="cpu", show_default=True, callback=check_device,
+                        help="where the model runs: cpu, cuda or cuda:N")(fn)
 
 
 def check_threads(ctx, param, value):

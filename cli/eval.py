@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 from tqdm import tqdm
 
-from cli.common import run_options, fail, run_guarded
+from cli.common import run_options, device_option, fail, run_guarded
 from cli.generate import load_quietly
 from engine.evaluate import evaluate_file
 from engine.loader import load_model
@@ -50,7 +50,7 @@ TASK_NAMES = (*TASKS, "passkey")
               "hold (cut from the left). Default: max_position_embeddings")
 @click.option("--max-docs", type=int, help="perplexity: score only the first N documents (default: all)")
 @click.option("--batch-size", default=8, show_default=True, help="perplexity: windows per batch")
-@click.option("--device", default="cpu", show_default=True)
+@device_option
 @click.option("--dtype", default="float32", show_default=True)
 @click.option("--quantize", type=click.Choice(["q8_0", "q4_0", "q4_1"]),
               help="quantize the matrices at load (a GGUF's own Q8_0/Q4_0/Q4_1 blocks are kept as they are); "

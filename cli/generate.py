@@ -11,7 +11,7 @@ import click
 from tqdm import tqdm
 
 from cli.common import (run_options, KV_DTYPE_HELP, check_stdio, fail, given, prefill_chunk_option, run_guarded, activations_option,
-                        sampling_options, threads_option, writing_stdout)
+                        device_option, sampling_options, threads_option, writing_stdout)
 from engine.api import check_text, load, make_config
 from engine.errors import InvalidArgumentError
 from engine.steps import DEFAULT_ACTIVATIONS, DEFAULT_PREFILL_CHUNK
@@ -32,7 +32,7 @@ from engine.steps import DEFAULT_ACTIVATIONS, DEFAULT_PREFILL_CHUNK
                    "repetition_penalty": "1; with --chat as gen chat"})
 @click.option("--seed", type=int, help="default: a fresh seed, shown in the summary")
 @click.option("--stop", multiple=True, help="stop before this string (repeatable)")
-@click.option("--device", default="cpu", show_default=True)
+@device_option
 @click.option("--dtype", help="float32 (default), bfloat16, float16")
 @click.option("--kv-dtype", help=KV_DTYPE_HELP)
 @click.option("-c", "--max-context", type=int, help="softmax context in tokens, prompt included "

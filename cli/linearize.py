@@ -6,8 +6,8 @@ import sys
 
 import click
 
-from cli.common import run_guarded, threads_option
-from engine.linearize import FINETUNE_DTYPES, FINETUNE_SCHEDULES, LinearizeArgs, linearize
+from cli.common import device_option, run_guarded, threads_option
+from engine.linearize import FINETUNE_DTYPES, FINETUNE_SCHEDULES, WEIGHT_DTYPES, LinearizeArgs, linearize
 from engine.threads import set_threads
 
 
@@ -64,8 +64,13 @@ from engine.threads import set_threads
                    "with softmax attention and no maps, for comparing a linearized model fairly; writes "
                    "adapters that every layer reads (load it with --model OUT)")
 @threads_option()
+@device_option
+@click.option("--dtype", type=click.Choice(WEIGHT_DTYPES), default="float32", show_default=True,
+              help="the frozen model's weights: bfloat16 holds them in half the memory (an 8B model: 16 GB, not 32); "
+                   "maps, adapters and Adam stay fp32")
 def linearize_cmd(model_name, data, out, tokens, finetune_tokens, seq_len, layer_steps, batch_size, lr, finetune_steps,
-                  finetune_batch, finetune_lr, finetune_loss, finetune_dtype, finetune_schedule, finetune_linear_every, finetune_clip, decay, decay_lr, gate, gate_lr, lora_rank, hybrid, window, budget, seed, resume, init, control, threads):
+                  finetune_batch, finetune_lr, finetune_loss, finetune_dtype, finetune_schedule, finetune_linear_every, finetune_clip, decay, decay_lr, gate, gate_lr, lora_rank, hybrid, window, budget, seed, resume, init, control, threads,
+                  device, dtype):
     """With the model frozen, train per-layer hedgehog maps (transfer), then finetune them end to end."""
     def run():
         set_threads(threads)
@@ -77,12 +82,14 @@ def linearize_cmd(model_name, data, out, tokens, finetune_tokens, seq_len, layer
                              decay=decay or gate, decay_lr=decay_lr, gate=gate, gate_lr=gate_lr,
                              lora_rank=lora_rank,
                              hybrid=hybrid, window=window, budget=budget, seed=seed, resume=resume, init=init,
-                             control=control, command="gen " + shlex.join(sys.argv[1:]))
+                             control=control, device=device, dtype=dtype, command="gen " + shlex.join(sys.argv[1:]))
         try:
             summary = linearize(args, log=lambda m: click.echo(m, err=True))
         except KeyboardInterrupt:
             click.echo(f"\ninterrupted; continue with the same command plus --resume", err=True)
             raise
+        if summary is None:   # a rank other than 0 of a torchrun launch: rank 0 reports
+            return
         click.echo(f"wrote {out}: mean relative transfer loss {summary['mean_relative_transfer_loss']:.3f}, "
                    f"{summary['finetune_steps_done']} finetune steps, {summary['wall_seconds_this_run']:.0f} s")
     run_guarded(run)

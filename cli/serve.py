@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import click
 
-from cli.common import (KV_DTYPE_HELP, activations_option, fail, prefill_chunk_option, run_guarded, run_options,
-                        threads_option)
+from cli.common import (KV_DTYPE_HELP, activations_option, device_option, fail, prefill_chunk_option, run_guarded,
+                        run_options, threads_option)
 from cli.open_page import open_when_ready, page_url
 from engine.serve import Policy, open_server, run
 from engine.serve.guard import (DEFAULT_KEEP_ALIVE_S, DEFAULT_MAX_BODY, DEFAULT_MAX_CONNECTIONS,
@@ -32,6 +32,7 @@ ANY_ADDRESS = ("0.0.0.0", "::", "")
                                                "(default: the model's max_position_embeddings)")
 @click.option("--dtype", help="float32 (default), bfloat16, float16")
 @click.option("--kv-dtype", help=KV_DTYPE_HELP)
+@device_option
 @click.option("--backend", type=click.Choice(["auto", "torch", "native", "module", "graph", "compiled"]), default="auto",
               show_default=True,
               help="decode step form: auto = the CUDA graph step on a GPU, the C step where it applies, else PyTorch")
@@ -70,7 +71,7 @@ ANY_ADDRESS = ("0.0.0.0", "::", "")
 @click.option("--open", "open_page", is_flag=True, help="open the comparison page (/) in the browser once the "
                                                         "server answers")
 def serve_cmd(model_name, attention, softmax_layers, window, feature_map, host, port, max_batch, max_queue,
-              max_context, dtype, kv_dtype, backend, threads, max_prompt, queue_timeout, max_body, api_key,
+              max_context, dtype, kv_dtype, device, backend, threads, max_prompt, queue_timeout, max_body, api_key,
               allow_hosts, cors_origins, docs, prefill_chunk, max_tokens_cap, max_connections, read_timeout,
               timeout_keep_alive, shutdown_grace, served_names, activations, open_page=False):
     """Serve MODEL over HTTP: /v1/models, /v1/completions, /v1/chat/completions (OpenAI format, SSE streams),
@@ -118,7 +119,7 @@ def serve_cmd(model_name, attention, softmax_layers, window, feature_map, host, 
                                              kv_dtype, max_prompt=max_prompt, queue_timeout=queue_timeout,
                                              prefill_chunk=prefill_chunk, activations=activations,
                                              max_tokens_cap=max_tokens_cap,
-                                             aliases=served_names))
+                                             aliases=served_names, device=device))
     if open_page:
         open_when_ready(page_url(host, port))
     run_guarded(lambda: run(server, host=host, port=port, policy=policy, grace=shutdown_grace))

@@ -56,9 +56,10 @@ from engine.attention.hybrid import highest_loss_layers, layer_attention_for
 from engine.attention.linear import linear_attention
 from engine.attention.softmax import softmax_attention
 from engine.attention.window import window_attention
+from engine.distributed import Group, join
 from engine.errors import InvalidArgumentError
 from engine.runspec import RunSpec, check_no_decay_with_window, check_window
-from engine.loader import build
+from engine.loader import build, parse_device
 from engine.quant import dequantize_model
 from models.corpus import read_documents
 from models.linearized import maps_have_decay, read_adapters, read_maps, write_adapters, write_json, write_maps
@@ -66,6 +67,7 @@ from models.registry import read_checkpoint, resolve
 
 WORK = ".linearize"
 FINETUNE_DTYPES = ("float32", "bfloat16")
+WEIGHT_DTYPES = ("float32", "bfloat16")   # the frozen model's weights (--dtype)
 FINETUNE_SCHEDULES = ("constant", "cosine")
 
 
@@ -102,6 +104,8 @@ class LinearizeArgs:
     resume: bool = False
     init: str | None = None        # a linearized model directory: finetune from its maps (and adapters), no transfer
     control: bool = False          # the softmax control: the same finetune (adapters only) with softmax attention
+    device: str = "cpu"            # where the model and the training run ("cuda": under torchrun, cuda:LOCAL_RANK)
+    dtype: str = "float32"         # the frozen weights: float32, or bfloat16 (half the memory; maps, adapters fp32)
     command: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -118,6 +122,34 @@ class StepMaps(FeatureMap):
 
     def __call__(self, x, layer=None, role="k"):
         return hedgehog_phi(x.float(), *self.p[role])
+
+
+class TransferStep(torch.nn.Module):
+    """Layer i's query and key maps as parameters, and their transfer loss on a batch: the module a
+    torchrun launch wraps in DistributedDataParallel (engine.distributed)."""
+
+    def __init__(self, model, i: int, maps, window: int):
+        super().__init__()
+        self.params = torch.nn.ParameterList([torch.nn.Parameter(t[i].detach().clone()) for t in
+                                              (maps.q_weight, maps.q_bias, maps.k_weight, maps.k_bias)])
+        self.__dict__["model"] = model    # not a submodule: the frozen model is not what trains
+        self.i, self.window = i, window
+        self.maps = StepMaps(*self.params)
+
+    def forward(self, q, k, v, y):
+        return transfer_loss(self.model, self.i, self.maps, q, k, v, y, self.window)
+
+
+class Trainee(torch.nn.Module):
+    """What the finetune trains: the model (its maps, decay, gate) and the adapters, as one module (the
+    unit DistributedDataParallel averages gradients over)."""
+
+    def __init__(self, model, lora):
+        super().__init__()
+        self.model, self.lora = model, lora
+
+    def forward(self, tokens, spec=None):
+        return self.model(tokens, spec=spec)
 
 
 def check_args(a: LinearizeArgs) -> None:
@@ -142,6 +174,8 @@ def check_args(a: LinearizeArgs) -> None:
     if a.finetune_dtype not in FINETUNE_DTYPES:
         raise InvalidArgumentError(f"--finetune-dtype must be one of {', '.join(FINETUNE_DTYPES)}, "
                                    f"got {a.finetune_dtype!r}")
+    if a.dtype not in WEIGHT_DTYPES:
+        raise InvalidArgumentError(f"--dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {a.dtype!r}")
     if a.finetune_schedule not in FINETUNE_SCHEDULES:
         raise InvalidArgumentError(f"--finetune-schedule must be one of {', '.join(FINETUNE_SCHEDULES)}, "
                                    f"got {a.finetune_schedule!r}")
@@ -236,7 +270,7 @@ def layer_qkv(model, i: int, x: torch.Tensor):
     """x (B, T, C) entering layer i -> post-rotary q (B, H, T, D), k, v (B, Hkv, T, D) and the layer's o_proj."""
     layer = model.layers[i]
     B, T, _ = x.shape
-    rope = model.rotary(torch.arange(T).expand(B, T), x.dtype) if model.rotary is not None else None
+    rope = model.rotary(torch.arange(T, device=x.device).expand(B, T), x.dtype) if model.rotary is not None else None
     return layer.self_attn.heads(layer.input_layernorm(x), rope)
 
 
@@ -256,7 +290,7 @@ def layer_targets(model, i, xs: np.ndarray, batch: int):
     """For every row: q, k, v (fp32) and the softmax target through o_proj."""
     qs, ks, vs, ys = [], [], [], []
     for s in range(0, xs.shape[0], batch):
-        x = torch.from_numpy(np.array(xs[s:s + batch]))
+        x = torch.from_numpy(np.array(xs[s:s + batch])).to(model.device, model.dtype)
         q, k, v = layer_qkv(model, i, x)
         ys.append(project(model, i, softmax_attention(q, k, v)))
         qs.append(q), ks.append(k), vs.append(v)
@@ -267,42 +301,63 @@ def layer_targets(model, i, xs: np.ndarray, batch: int):
 def advance(model, i, xs: np.ndarray, out: np.ndarray, batch: int) -> None:
     """The softmax model's residual stream after layer i (the next layer's input)."""
     for s in range(0, xs.shape[0], batch):
-        x = torch.from_numpy(np.array(xs[s:s + batch]))
+        x = torch.from_numpy(np.array(xs[s:s + batch])).to(model.device, model.dtype)
         T = x.shape[1]
-        rope = model.rotary(torch.arange(T).expand(x.shape[0], T), x.dtype) if model.rotary is not None else None
-        out[s:s + batch] = model.layers[i](x, rope, lambda q, k, v: softmax_attention(q, k, v)).numpy()
+        rope = (model.rotary(torch.arange(T, device=x.device).expand(x.shape[0], T), x.dtype)
+                if model.rotary is not None else None)
+        out[s:s + batch] = model.layers[i](x, rope, lambda q, k, v: softmax_attention(q, k, v)).float().cpu().numpy()
 
 
 def transfer_loss(model, i, maps, q, k, v, y, window):
     pred = project(model, i, linear_out(maps, q, k, v, window))
-    return F.mse_loss(pred, y)
+    return F.mse_loss(pred.float(), y.float())   # (16-bit weights: the loss in fp32)
 
 
 # ---------------------------------------------------------------------- the run
 class Progress:
     """OUT/.linearize: progress.json, maps.pt (maps + optimizer state), x_<layer>.npy."""
 
-    def __init__(self, out: Path):
+    def __init__(self, out: Path, writes: bool = True):
         self.dir = out / WORK
         self.file = self.dir / "progress.json"
+        self.writes = writes   # False: a rank other than 0 of a torchrun launch (it only reads)
 
     def load(self) -> dict:
         return json.loads(self.file.read_text()) if self.file.is_file() else {}
 
     def save(self, state: dict, tensors: dict) -> None:
+        if not self.writes:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
         tmp = self.dir / "maps.pt.tmp"
         torch.save(tensors, tmp)
         os.replace(tmp, self.dir / "maps.pt")
         write_json(self.file, state)
 
     def tensors(self) -> dict:
-        return torch.load(self.dir / "maps.pt", weights_only=True)
+        return torch.load(self.dir / "maps.pt", weights_only=True, map_location="cpu")
 
 
-def linearize(a: LinearizeArgs, log=print, on_step=None) -> dict:
+def linearize(a: LinearizeArgs, log=print, on_step=None) -> dict | None:
     """Run the recipe; returns the summary written to OUT/linearize.json. `on_step(phase, layer, step)`
-    is called after every optimizer step (tests raise KeyboardInterrupt from it)."""
+    is called after every optimizer step (tests raise KeyboardInterrupt from it).
+
+    Under torchrun (WORLD_SIZE > 1; engine.distributed) every rank runs this: each takes its slice of
+    every global batch (--batch-size, --finetune-batch: multiples of the world size), gradients are
+    averaged by DistributedDataParallel, and rank 0 alone writes OUT and logs; the other ranks return
+    None. OUT must be on a filesystem every rank sees (rank 0 writes the residual stream there)."""
     check_args(a)
+    g = join(parse_device(a.device))
+    try:
+        g.check_batch("--batch-size", a.batch_size)
+        g.check_batch("--finetune-batch", a.finetune_batch)
+        g.barrier()   # every rank has checked OUT before rank 0 writes to it
+        return _linearize(a, g, log if g.main else (lambda m: None), on_step)
+    finally:
+        g.close()
+
+
+def _linearize(a: LinearizeArgs, g: Group, log, on_step) -> dict | None:
     ckpt = read_checkpoint(resolve(a.model))
     if ckpt.tokenizer is None:
         raise InvalidArgumentError(f"{a.model}: ships no tokenizer; linearize needs one to encode the data")
@@ -310,17 +365,17 @@ def linearize(a: LinearizeArgs, log=print, on_step=None) -> dict:
                               window=a.window, transfer_loss=None)
     if a.hybrid > cfg.num_hidden_layers:
         raise InvalidArgumentError(f"--hybrid {a.hybrid}: the model has only {cfg.num_hidden_layers} layers")
-    model = build(cfg, ckpt.tensors, torch.device("cpu"), torch.float32, interleaved_rotary=ckpt.interleaved_rotary)
+    model = build(cfg, ckpt.tensors, g.device, getattr(torch, a.dtype), interleaved_rotary=ckpt.interleaved_rotary)
     dequantize_model(model)   # the same fp32 math, without widening every block on every call
     for p in model.parameters():
         p.requires_grad_(False)
-    maps = model.hedgehog
+    maps = model.hedgehog.float()   # trained in fp32 whatever the frozen weights' dtype
     if a.gate:    # (a resumed or --init run also takes one below when its maps carry one)
         maps.add_gate()
     elif a.decay:
         maps.add_decay()
     out = Path(a.out)
-    progress = Progress(out)
+    progress = Progress(out, writes=g.main)
     t0 = time.monotonic()
     deadline = t0 + a.budget * 60 if a.budget else None
     rows, used = build_rows(ckpt.tokenizer, a)
@@ -346,53 +401,54 @@ def linearize(a: LinearizeArgs, log=print, on_step=None) -> dict:
         losses = json.loads((d / "transfer_losses.json").read_text(encoding="utf-8"))
         if len(losses["layers"]) != L:
             raise InvalidArgumentError(f"--init {d}: {len(losses['layers'])} layers of transfer losses, the model has {L}")
-        progress.dir.mkdir(parents=True, exist_ok=True)
         state = {"layers_done": L, "finetune_done": 0, "losses": losses["layers"], "finetune_log": [], "seconds": 0.0,
                  "args": asdict(a), "losses_measured": f"{losses['loss']} (the transfer of --init {d})"}
         progress.save(state, {"maps": maps.state_dict(), **(saved or {})})
         log(f"starting from {d}: its maps{' and adapters' if a.lora_rank else ''}, no transfer")
     elif a.control:   # no maps, no transfer: the adapters alone, with softmax attention
-        progress.dir.mkdir(parents=True, exist_ok=True)
         state = {"layers_done": L, "finetune_done": 0, "losses": [], "finetune_log": [], "seconds": 0.0,
                  "args": asdict(a), "losses_measured": "none: a softmax control has no transfer"}
         saved = None
         progress.save(state, {"maps": maps.state_dict()})
     else:
-        progress.dir.mkdir(parents=True, exist_ok=True)
         state = {"layers_done": 0, "finetune_done": 0, "losses": [], "finetune_log": [], "seconds": 0.0,
                  "args": asdict(a)}
         saved = None
-        layer_rows = torch.cat([transfer_rows, eval_rows])
-        x0 = np.lib.format.open_memmap(progress.dir / "x_0.npy", "w+", np.float32,
-                                       (layer_rows.shape[0], a.seq_len, cfg.hidden_size))
-        with torch.no_grad():
-            for s in range(0, layer_rows.shape[0], a.batch_size):
-                x0[s:s + a.batch_size] = model.embed_tokens(layer_rows[s:s + a.batch_size]).numpy()
-        x0.flush()
-        del x0
+        if g.main:
+            layer_rows = torch.cat([transfer_rows, eval_rows])
+            progress.dir.mkdir(parents=True, exist_ok=True)
+            x0 = np.lib.format.open_memmap(progress.dir / "x_0.npy", "w+", np.float32,
+                                           (layer_rows.shape[0], a.seq_len, cfg.hidden_size))
+            with torch.no_grad():
+                for s in range(0, layer_rows.shape[0], a.batch_size):
+                    x0[s:s + a.batch_size] = model.embed_tokens(layer_rows[s:s + a.batch_size].to(g.device)).float().cpu().numpy()
+            x0.flush()
+            del x0
         progress.save(state, {"maps": maps.state_dict()})
+    g.barrier()   # rank 0's x_0.npy (and progress) are on disk
     # ----------------------------------------------------------------- transfer
     share = 0.5 if a.finetune_steps else 0.95
     per_layer = (a.budget * 60 * share / L) if a.budget else None
-    bar = tqdm(total=L, initial=state["layers_done"], desc="transfer", unit="layer", dynamic_ncols=True)
+    bar = tqdm(total=L, initial=state["layers_done"], desc="transfer", unit="layer", dynamic_ncols=True,
+               disable=not g.main)
     for i in range(state["layers_done"], L):
         t_layer = time.monotonic()
         xs = np.load(progress.dir / f"x_{i}.npy", mmap_mode="r")
         q, k, v, y = layer_targets(model, i, xs, a.batch_size)
         n_train = transfer_rows.shape[0]
         ev = slice(n_train, n_train + a.eval_rows)
-        y_ms = float(y[ev].pow(2).mean())
-        params = [t[i].detach().clone().requires_grad_() for t in (maps.q_weight, maps.q_bias,
-                                                                      maps.k_weight, maps.k_bias)]
-        step_maps = StepMaps(*params)
+        y_ms = float(y[ev].float().pow(2).mean())
+        step_net = TransferStep(model, i, maps, a.window)
+        step_maps, params = step_net.maps, list(step_net.params)
         with torch.no_grad():
             before = float(transfer_loss(model, i, step_maps, q[ev], k[ev], v[ev], y[ev], a.window))
+        net = g.wrap(step_net)
         opt = torch.optim.Adam(params, lr=a.lr)
         steps = 0
         for steps in range(1, a.layer_steps + 1):
-            g = torch.Generator().manual_seed(a.seed * 1_000_003 + i * 10_007 + steps)
-            idx = torch.randint(0, n_train, (a.batch_size,), generator=g)
-            loss = transfer_loss(model, i, step_maps, q[idx], k[idx], v[idx], y[idx], a.window)
+            gen = torch.Generator().manual_seed(a.seed * 1_000_003 + i * 10_007 + steps)
+            idx = g.shard(torch.randint(0, n_train, (a.batch_size,), generator=gen)).to(q.device)
+            loss = net(q[idx], k[idx], v[idx], y[idx])
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -400,25 +456,29 @@ def linearize(a: LinearizeArgs, log=print, on_step=None) -> dict:
                 bar.set_postfix_str(f"layer {i} step {steps} loss {loss.item():.4g}")
             if on_step:
                 on_step("transfer", i, steps)
-            if per_layer and time.monotonic() - t_layer > per_layer:
+            if per_layer and g.any(time.monotonic() - t_layer > per_layer):
                 break
         with torch.no_grad():
             for t, p in zip((maps.q_weight, maps.q_bias, maps.k_weight, maps.k_bias), params):
                 t[i].copy_(p)
             after = float(transfer_loss(model, i, step_maps, q[ev], k[ev], v[ev], y[ev], a.window))
-        del q, k, v, y
-        nxt = np.lib.format.open_memmap(progress.dir / f"x_{i + 1}.npy.tmp", "w+", np.float32, xs.shape)
-        advance(model, i, xs, nxt, a.batch_size)
-        nxt.flush()
-        del nxt
-        os.replace(progress.dir / f"x_{i + 1}.npy.tmp", progress.dir / f"x_{i + 1}.npy")
+        del q, k, v, y, net, step_net
+        if g.main:
+            nxt = np.lib.format.open_memmap(progress.dir / f"x_{i + 1}.npy.tmp", "w+", np.float32, xs.shape)
+            advance(model, i, xs, nxt, a.batch_size)
+            nxt.flush()
+            del nxt
+            os.replace(progress.dir / f"x_{i + 1}.npy.tmp", progress.dir / f"x_{i + 1}.npy")
+        del xs
         rec = {"layer": i, "steps": steps, "loss_before": before, "loss": after, "relative_before": before / y_ms,
                "relative": after / y_ms, "target_mean_square": y_ms, "seconds": round(time.monotonic() - t_layer, 1)}
         state["losses"].append(rec)
         state["layers_done"] = i + 1
         state["seconds"] += time.monotonic() - t_layer
         progress.save(state, {"maps": maps.state_dict()})
-        os.remove(progress.dir / f"x_{i}.npy")
+        g.barrier()   # every rank is done with x_i; x_{i+1} is on disk
+        if g.main:
+            os.remove(progress.dir / f"x_{i}.npy")
         bar.update(1)
         log(f"layer {i}: {steps} steps, transfer loss {before:.4g} -> {after:.4g} "
             f"(relative {before / y_ms:.3f} -> {after / y_ms:.3f}), {rec['seconds']:.0f} s")
@@ -433,15 +493,18 @@ def linearize(a: LinearizeArgs, log=print, on_step=None) -> dict:
     state["args"]["lora_rank"] = a.lora_rank   # what the finetune's saved progress holds from here on
     if a.lora_rank and not a.finetune_steps:
         log(f"--lora-rank {a.lora_rank} ignored: the adapters train in the finetune, and --finetune-steps is 0")
-    lora = LoRA.for_config(cfg, a.lora_rank, a.seed) if a.lora_rank and a.finetune_steps else None
+    lora = LoRA.for_config(cfg, a.lora_rank, a.seed).to(g.device) if a.lora_rank and a.finetune_steps else None
     if lora is not None and saved is not None and "lora" in saved:
         lora.load_state_dict(saved["lora"])
     if a.finetune_steps and state["finetune_done"] < a.finetune_steps:
-        finetune(model, a, state, progress, saved, finetune_rows, layer_attention, deadline, log, on_step, lora)
+        finetune(model, a, state, progress, saved, finetune_rows, layer_attention, deadline, log, on_step, lora, g)
     rows_used = {"transfer_rows": transfer_rows.shape[0], "finetune_rows": finetune_rows.shape[0],
                  "eval_rows": eval_rows.shape[0],
                  "finetune_tokens_seen": state["finetune_done"] * a.finetune_batch * a.seq_len}
-    summary = write_output(model, a, state, used, layer_attention if a.hybrid else None, t0, rows_used, lora)
+    g.barrier()
+    if not g.main:
+        return None
+    summary = write_output(model, a, state, used, layer_attention if a.hybrid else None, t0, rows_used, lora, g)
     shutil.rmtree(progress.dir, ignore_errors=True)
     return summary
 
@@ -468,7 +531,7 @@ def step_configs(cfg, a: LinearizeArgs, layer_attention):
     return lambda step: pure if a.finetune_linear_every and step % a.finetune_linear_every == 0 else mix
 
 
-def finetune(model, a, state, progress, saved, rows, layer_attention, deadline, log, on_step, lora):
+def finetune(model, a, state, progress, saved, rows, layer_attention, deadline, log, on_step, lora, g=Group()):
     cfg = model.config
     hh = model.hedgehog
     decay = [hh.decay_logit] if hh.decay_logit is not None else []
@@ -479,6 +542,8 @@ def finetune(model, a, state, progress, saved, rows, layer_attention, deadline, 
         p.requires_grad_(True)
     if lora is not None:
         attach(model, lora, into_base=a.control)
+    # some steps leave parameters unused (a hybrid's softmax steps read no decay; the control no maps)
+    net = g.wrap(Trainee(model, lora), find_unused_parameters=True)
     groups = [{"params": params, "base_lr": a.finetune_lr}]
     if decay:   # its own learning rate: a logit that starts at -8 must travel several units
         groups.append({"params": decay, "base_lr": a.decay_lr})
@@ -491,16 +556,17 @@ def finetune(model, a, state, progress, saved, rows, layer_attention, deadline, 
     teacher = RunSpec.from_config(cfg, attention="softmax")   # runs, not configs: model.config stays as built
     student_configs = step_configs(cfg, a, layer_attention)
     student_at = lambda step: RunSpec.from_config(student_configs(step))  # noqa: E731
-    precision = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16, enabled=a.finetune_dtype == "bfloat16")
+    precision = functools.partial(torch.autocast, g.device.type, dtype=torch.bfloat16,
+                                  enabled=a.finetune_dtype == "bfloat16")
     bar = tqdm(total=a.finetune_steps, initial=state["finetune_done"], desc="finetune", unit="step",
-               dynamic_ncols=True)
+               dynamic_ncols=True, disable=not g.main)
     t_last = time.monotonic()
     for step in range(state["finetune_done"] + 1, a.finetune_steps + 1):
-        g = torch.Generator().manual_seed(a.seed * 1_000_003 + 7_777_777 + step)
-        batch = rows[torch.randint(0, rows.shape[0], (a.finetune_batch,), generator=g)]
+        gen = torch.Generator().manual_seed(a.seed * 1_000_003 + 7_777_777 + step)
+        batch = g.shard(rows[torch.randint(0, rows.shape[0], (a.finetune_batch,), generator=gen)]).to(g.device)
         student = student_at(step)
         with precision():
-            logits = model(batch[:, :-1], spec=student).float()
+            logits = net(batch[:, :-1], spec=student).float()
         if a.finetune_loss == "lm":
             loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
         else:
@@ -514,13 +580,14 @@ def finetune(model, a, state, progress, saved, rows, layer_attention, deadline, 
         if a.finetune_clip:
             torch.nn.utils.clip_grad_norm_(params, a.finetune_clip)
         opt.step()
+        loss = g.mean(loss).item()   # the whole batch's loss (each rank's is its slice's)
         state["finetune_done"] = step
-        state["finetune_log"].append([step, round(loss.item(), 5)])
+        state["finetune_log"].append([step, round(loss, 5)])
         bar.update(1)
-        bar.set_postfix_str(f"{a.finetune_loss} loss {loss.item():.4f}")
+        bar.set_postfix_str(f"{a.finetune_loss} loss {loss:.4f}")
         if on_step:
             on_step("finetune", None, step)
-        out_of_time = deadline is not None and time.monotonic() > deadline
+        out_of_time = deadline is not None and g.any(time.monotonic() > deadline)
         if step % a.save_every == 0 or step == a.finetune_steps or out_of_time:
             now = time.monotonic()
             state["seconds"] += now - t_last
@@ -537,7 +604,7 @@ def finetune(model, a, state, progress, saved, rows, layer_attention, deadline, 
         detach(model)
 
 
-def write_output(model, a, state, used, layer_attention, t0, rows_used, lora=None) -> dict:
+def write_output(model, a, state, used, layer_attention, t0, rows_used, lora=None, g=Group()) -> dict:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     L = model.config.num_hidden_layers
@@ -570,7 +637,7 @@ def write_output(model, a, state, used, layer_attention, t0, rows_used, lora=Non
                "finetune_steps_done": state["finetune_done"], "finetune_loss": a.finetune_loss,
                "finetune_dtype": a.finetune_dtype, "finetune_clip": a.finetune_clip,
                "finetune_schedule": a.finetune_schedule, "finetune_linear_every": a.finetune_linear_every,
-               "finetune_log": state["finetune_log"],
+               "finetune_log": state["finetune_log"], "device": str(g.device), "processes": g.world,
                "compute_seconds": round(state["seconds"], 1),
                "wall_seconds_this_run": round(time.monotonic() - t0, 1),
                "mean_relative_transfer_loss": sum(relative) / max(len(relative), 1)}

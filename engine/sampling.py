@@ -250,6 +250,9 @@ def check_vocab(params: SamplingParams, vocab_size: int) -> None:
 # API or on the server. (torch.multinomial, the draw before, spent V exponential numbers a token:
 # ~1 ms a row at V = 49152.) A row's uniforms come UNIFORM_BLOCK at a time (CPU generators fill a
 # tensor serially: the same numbers, in the same order, as one draw per token; a test holds this).
+# The generator is a CPU one whatever the model's device: the uniforms are read on the CPU anyway
+# (`tolist`), a CUDA generator cannot fill a CPU tensor, and so a seed draws the same numbers on
+# every device.
 
 UNIFORM_BLOCK = 64   # uniforms a sampled row draws from its generator at a time
 
@@ -266,7 +269,7 @@ class RowSampler:
         self.seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         self.generator = None
         if not params.greedy:
-            self.generator = torch.Generator(device=device)
+            self.generator = torch.Generator()   # on the CPU: see UNIFORM_BLOCK's note
             self.generator.manual_seed(self.seed)
         self._uniforms: list[float] = []
         self.seen = None

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from engine.evaluate import evaluate
+from engine.loader import parse_device
 from engine.threads import set_threads
 from engine.transformer import Transformer
 from models.config import ModelConfig
@@ -62,6 +63,7 @@ class TrainArgs:
     threads: int | None = None
     export_dtype: str = "float16"
     amp: str | None = "bfloat16"          # autocast dtype for the forward pass; None: fp32
+    device: str = "cpu"                   # where the model trains (cpu, cuda, cuda:N)
     stop_after: int | None = None         # save and stop at this step (the schedule still spans `steps`)
     progress: bool = True
 
@@ -134,7 +136,8 @@ def train(a: TrainArgs, log=print) -> Transformer:
 
     cfg = a.model_config(tok)
     model = Transformer(cfg)
-    _init_weights(model, cfg)
+    _init_weights(model, cfg)   # on the CPU, from the seed: the same initial weights on every device
+    model.to(parse_device(a.device))
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": a.weight_decay},
@@ -185,8 +188,8 @@ def _one_step(model, opt, stream, a, step, end, bar, t_last, tok_since, history,
     """One optimizer step (+ checkpoint and evaluation when due); returns (step, t_last, tok_since)."""
     for g in opt.param_groups:
         g["lr"] = lr_at(step, a)
-    with torch.autocast(device_type="cpu", dtype=getattr(torch, a.amp or "float32"), enabled=bool(a.amp)):
-        losses = loss_fn(model, get_batch(stream, a, step), a.paths, a.feature_map)
+    with torch.autocast(device_type=model.device.type, dtype=getattr(torch, a.amp or "float32"), enabled=bool(a.amp)):
+        losses = loss_fn(model, get_batch(stream, a, step).to(model.device), a.paths, a.feature_map)
     loss = sum(losses.values()) / len(losses)
     opt.zero_grad(set_to_none=True)
     loss.backward()

@@ -19,6 +19,7 @@ from tqdm import tqdm
 from engine.bench.hf_compare import DEFAULT_PROMPT
 from engine.bench.hf_compare import compare_hf as run_compare
 from engine.bench.configs import layer_paths
+from engine.bench.floor import copy_bandwidth, floor_ms
 from engine.bench.memory import available_bytes, check_fits, run_bytes
 from engine.bench.report import decode_crossover, machine_info, memory_crossover, relative_to_softmax
 from engine.loader import load_model
@@ -74,6 +75,7 @@ def run_bench(settings: BenchSettings, compare_hf: bool = False, hf_new_tokens: 
                            model.dtype, info["weight_bytes"], fmap))
                 for a, c in configs])
 
+    bandwidth = copy_bandwidth(model.device)   # once per run, before the sweep (engine.bench.floor)
     results = []
     bar = tqdm(configs, desc="gen bench", unit="config", disable=not progress, leave=False)
     try:
@@ -87,11 +89,15 @@ def run_bench(settings: BenchSettings, compare_hf: bool = False, hf_new_tokens: 
     except KeyboardInterrupt:   # Ctrl-C: report the configurations that finished
         interrupted = {"finished": len(results), "configurations": len(configs)}
     bar.close()
+    for rec in results:
+        floor = floor_ms(rec, bandwidth["bytes_per_s"])
+        if floor is not None:
+            rec["floor_ms"], rec["x_floor"] = floor, rec["decode_ms_per_token"] / floor
 
     report = {
         "settings": {**settings.to_dict(), "model_path": str(path), "feature_map": fmap,
                      "machine": machine_info(settings.threads or default_threads()), "model_info": info,
-                     "available_bytes_at_start": available_bytes()},
+                     "available_bytes_at_start": available_bytes(), "copy_bandwidth": bandwidth},
         "rss_method": results[0]["rss_method"] if results else None,
         "results": results,
     }

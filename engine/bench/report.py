@@ -103,7 +103,8 @@ def summary_lines(report: dict) -> list[str]:
                  f"trained positions {model['max_position_embeddings']})")
     forms = sorted({r.get("step_form") or "?" for r in report["results"]})
     step_kind = f"backend {s.get('backend', 'auto')}, step form(s) that ran: {', '.join(forms)}"
-    lines.append(f"decode: {s['steps']} timed steps after {s['warmup']} warm-up steps, batch 1, greedy, EOS ignored, "
+    lines.append(f"decode: {s['steps']} timed steps after {s['warmup']} warm-up steps, batch {s.get('batch', 1)}, "
+                 f"greedy, EOS ignored, "
                  f"{step_kind}; "
                  f"peak RSS: {report['rss_method']}")
     cross = report["summary"].get("decode_crossover")
@@ -124,6 +125,10 @@ def summary_lines(report: dict) -> list[str]:
         cells = ", ".join(f"{c}: {v['decode_ms_per_token_ratio']:.2f}x decode, {v['state_bytes_ratio']:.3f}x state"
                           for c, v in rows.items())
         lines.append(f"{name} vs softmax: {cells}")
+    bw = s.get("copy_bandwidth")
+    if bw and any("floor_ms" in r for r in report["results"]):
+        lines.append(f"floor: (weight bytes + state bytes a step reads at the depth) / {bw['bytes_per_s'] / 1e9:.1f} "
+                     f"GB/s ({bw['method']}); x floor = decode ms/tok / floor ms")
     if any(r.get("depth_fill") == "repeat" for r in report["results"]):
         lines.append(f"depth: {s.get('prefill_tokens')} real tokens prefilled, the KV cache filled to the depth by "
                      f"repeating their keys/values (decode time depends on the depth, not the values)")
@@ -150,15 +155,18 @@ def step_label(r: dict) -> str:
 
 
 def format_table(results: list[dict]) -> str:
+    floors = any("floor_ms" in r for r in results)   # (records from before the floor have none)
     head = ["attention", "context", "prefill s", "prefill tok/s", "decode ms/tok", "p90 ms", "decode tok/s",
-            "state bytes", "peak RSS", "step"]
+            *(["floor ms", "x floor"] if floors else []), "state bytes", "peak RSS", "step"]
     rows = []
     for r in sorted(results, key=lambda r: (r["context"], label(r))):
+        floor = [f"{r['floor_ms']:.3f}", f"{r['x_floor']:.1f}"] if "floor_ms" in r else ["-", "-"]
         rows.append([label(r) + (f" ({r['feature_map']})" if r.get("feature_map") else ""),
                      f"{r['context']}{'*' if r['beyond_trained_positions'] else ''}",
                      f"{r['prefill_s']:.3f}", f"{r['prefill_tokens_per_s']:.0f}",
                      f"{r['decode_ms_per_token']:.3f}", f"{r['decode_ms_per_token_p90']:.3f}",
-                     f"{r['decode_tokens_per_s']:.0f}", f"{r['state_bytes']} ({human(r['state_bytes'])})",
+                     f"{r['decode_tokens_per_s']:.0f}", *(floor if floors else []),
+                     f"{r['state_bytes']} ({human(r['state_bytes'])})",
                      human(r["peak_rss_bytes"]), step_label(r)])
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
     fmt = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731

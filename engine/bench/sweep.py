@@ -29,6 +29,7 @@ import torch
 from engine.attention import get_feature_map
 from engine.bench.configs import check_entries, configure, entry_window, layer_paths, parse_attentions
 from engine.bench.depth import extend_to_depth
+from engine.bench.floor import weight_bytes_read
 from engine.bench.memory import config_state_bytes, peak_rss_bytes
 from engine.errors import EngineError, InvalidArgumentError
 from engine.loader import parse_dtype
@@ -212,6 +213,10 @@ def measure(model, attention: str, context: int, steps: int, warmup: int,
         "decode_ms_per_token_min": times[0] * 1e3, "decode_tokens_per_s": batch / median,
         "state_bytes": state.nbytes,
         "state_bytes_formula": config_state_bytes(rt, slots, model.dtype, fmap, batch, run.kv_dtype),
+        # what a step must read (engine.bench.floor): the weights, and the state at the median timed step's depth
+        "weight_bytes_read": weight_bytes_read(model, state),
+        "state_bytes_read": config_state_bytes(rt, context + warmup + steps // 2, model.dtype, fmap, batch,
+                                               run.kv_dtype),
         "kv_dtype": str(run.kv_dtype or model.dtype).removeprefix("torch."),
         "beyond_trained_positions": slots > cfg.max_position_embeddings,
         "steps": steps, "warmup": warmup,

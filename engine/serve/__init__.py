@@ -26,7 +26,7 @@ def open_server(model: str, attention: str | None = None, feature_map: str | Non
                 window: int | None = None, kv_dtype=None, max_prompt: int | None = None,
                 queue_timeout: float | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                 activations: str = DEFAULT_ACTIVATIONS,
-                max_tokens_cap: int | None = None, aliases: tuple[str, ...] = ()) -> Server:
+                max_tokens_cap: int | None = None, aliases: tuple[str, ...] = (), device="cpu") -> Server:
     """Load `model` (a registered name or a path) and wrap it in a Server named `model` (chat through
     the model's own chat template, when it has one: see `LLM.chat`).
 
@@ -37,9 +37,11 @@ def open_server(model: str, attention: str | None = None, feature_map: str | Non
     aliases: other names clients may send as `model` (the first of them, when given, is the name
     the server answers with). max_prompt / queue_timeout / max_tokens_cap: see Server (None: its
     defaults). prefill_chunk: see `load`; the scheduler feeds one such block of a long prompt between
-    decode steps.
+    decode steps. device: where the model, its states and the continuous batching run (cpu, cuda,
+    cuda:N); the scheduler puts every tensor it makes on the model's device.
     """
-    llm = load(model, attention=attention, feature_map=feature_map, dtype=dtype, backend=backend, threads=threads,
+    llm = load(model, attention=attention, feature_map=feature_map, device=device, dtype=dtype, backend=backend,
+               threads=threads,
                softmax_layers=softmax_layers, window=window, kv_dtype=kv_dtype, prefill_chunk=prefill_chunk,
                activations=activations)
     limits = {} if queue_timeout is None else {"queue_timeout": queue_timeout}

@@ -285,8 +285,10 @@ class Scheduler:
     def stats(self) -> dict:
         """Counts, and `timing`: the loop's iterations and tokens emitted; wall and thread-CPU seconds
         inside decode steps (step_s, step_cpu_s) and inside whole iterations (busy_s, busy_cpu_s: admission,
-        steps, sampling, delivery); CPU seconds sampling and delivering tokens; the loop's OS thread id."""
-        return {"active": self.active, "queued": len(self.pending), "prefilling": len(self.prefilling),
+        steps, sampling, delivery); CPU seconds sampling and delivering tokens; the loop's OS thread id;
+        the device the model, its states and the steps run on."""
+        return {"device": str(self.model.device),
+                "active": self.active, "queued": len(self.pending), "prefilling": len(self.prefilling),
                 "states": self.states,
                 "state_bytes": sum(p.state.nbytes for p in list(self.pools.values()) if p.state is not None),
                 "steps": self.steps, "failures": self.failures, "peak_active": self.peak_active,

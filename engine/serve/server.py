@@ -214,7 +214,7 @@ def choice_seeds(seed: int | None, n: int) -> list:
 
 def fingerprint(llm, name: str) -> str:
     """OpenAI's system_fingerprint: what, besides the seed, decides the tokens (the model, its path,
-    dtype and step form, the prefill chunk, the engine's version): equal fingerprints and seeds,
+    dtype, device and step form, the prefill chunk, the engine's version): equal fingerprints and seeds,
     equal answers."""
     from importlib.metadata import PackageNotFoundError, version
     try:
@@ -223,6 +223,7 @@ def fingerprint(llm, name: str) -> str:
         engine_version = "dev"
     cfg = llm.model.config
     parts = (engine_version, name, llm.attention, str(llm.feature_map), str(next(llm.model.parameters()).dtype),
+             str(llm.model.device),
              getattr(llm.step, "backend", None), getattr(llm.step, "prefill_chunk", None), cfg.vocab_size,
              cfg.num_hidden_layers, cfg.hidden_size)
     return "fp_" + hashlib.sha256(repr(parts).encode()).hexdigest()[:10]
