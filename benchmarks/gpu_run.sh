@@ -40,7 +40,7 @@ step device 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version 
   python3 -c "import torch, triton, transformers; print(\"torch\", torch.__version__, \"triton\", triton.__version__, \"transformers\", transformers.__version__)"'
 TAIL=30 step tests 200 python3 -m pytest -q -n 4 -p no:cacheprovider -rs \
   tests/test_graph_step.py tests/test_kernels.py tests/test_bench_floor.py tests/test_device_training.py \
-  tests/test_serve_device.py -k "cuda or compile or device"
+  tests/test_serve_device.py -k "(cuda or compile or bandwidth) and not bad_device and not needs_cuda and not compiled_static"
 step model 120 python3 benchmarks/random_checkpoint.py $M --device cuda
 TAIL=30 step kernels 90 python3 benchmarks/gpu_kernels.py --json $W/gpu_kernels.json
 if [ "$MODE" = quick ]; then
