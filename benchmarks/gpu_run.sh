@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 35's GPU checks and figures in one run, on a machine with one CUDA GPU and no network:
-#   OUT=dir bash benchmarks/gpu_run.sh [full|quick]     (everything lands in $OUT/gpu.tgz and $OUT/run.log)
+#   OUT=dir bash benchmarks/gpu_run.sh [full|compiled]     (everything lands in $OUT/gpu.tgz and $OUT/run.log)
 # 1. the CUDA tests (graph step, Triton kernels, serve/linearize/train/bench on --device cuda);
 # 2. a random checkpoint of Llama-3.2-1B's shape (benchmarks/random_checkpoint.py, bf16);
 # 3. the kernels alone (benchmarks/gpu_kernels.py);
@@ -38,14 +38,18 @@ bench() {   # name, args...
 
 step device 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader;
   python3 -c "import torch, triton, transformers; print(\"torch\", torch.__version__, \"triton\", triton.__version__, \"transformers\", transformers.__version__)"'
-TAIL=30 step tests 200 python3 -m pytest -q -n 4 -p no:cacheprovider -rs \
-  tests/test_graph_step.py tests/test_kernels.py tests/test_bench_floor.py tests/test_device_training.py \
-  tests/test_serve_device.py -k "(cuda or compile or bandwidth) and not bad_device and not needs_cuda and not compiled_static"
+if [ "$MODE" = compiled ]; then TESTS="tests/test_graph_step.py"; else
+  TESTS="tests/test_graph_step.py tests/test_kernels.py tests/test_bench_floor.py tests/test_device_training.py tests/test_serve_device.py"; fi
+TAIL=30 step tests 200 python3 -m pytest -q -n 4 -p no:cacheprovider -rs -p no:logging $TESTS \
+  -k "(cuda or compile or bandwidth) and not bad_device and not needs_cuda and not compiled_static"
 step model 120 python3 benchmarks/random_checkpoint.py $M --device cuda
-TAIL=30 step kernels 90 python3 benchmarks/gpu_kernels.py --json $W/gpu_kernels.json
-if [ "$MODE" = quick ]; then
+[ "$MODE" = compiled ] || TAIL=30 step kernels 90 python3 benchmarks/gpu_kernels.py --json $W/gpu_kernels.json
+if [ "$MODE" = compiled ]; then   # the second run: the compiled+captured step beside the captured one and the anchor
   bench b1_graph --batch 1 --contexts 1024 --attention softmax,linear --backend graph
-  bench b1_torch --batch 1 --contexts 1024 --attention softmax,linear --backend torch
+  bench b1_compiled --batch 1 --contexts 1024,32768 --attention softmax,linear --backend compiled
+  step hf_compile 180 python3 benchmarks/hf_static_compile.py $M --depth 1024 --steps 64 --json $W/hf_compile_b1_1k.json
+  TAIL=8 step maps_b1 120 python3 benchmarks/gpu_maps.py $M --batch 1 --depth 1024 --json $W/maps_b1_1k.json
+  TAIL=8 step maps_b32 120 python3 benchmarks/gpu_maps.py $M --batch 32 --depth 32768 --json $W/maps_b32_32k.json
 else
   bench b1_graph --batch 1 --contexts 1024,8192,32768 --attention softmax,linear --backend graph
   bench b32_graph --batch 32 --contexts 1024,8192,32768 --attention softmax,linear --backend graph

@@ -175,7 +175,7 @@ class KVState(State):
     def _one_query(self, q, keys, values):
         """One query per row, every key real: the decode attention of an unpadded batch. On CUDA,
         split-K flash decoding in Triton (engine.kernels) where it runs."""
-        if q.is_cuda and softmax_why_not(q, keys, values) is None:
+        if q.is_cuda and not torch.compiler.is_compiling() and softmax_why_not(q, keys, values) is None:
             return softmax_decode(q, keys, values, None, None, self._scale)
         if keys.shape[2] > ONE_QUERY_MATMUL_FROM:
             return one_query_attention(q, keys, values, self._scale)

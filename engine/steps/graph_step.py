@@ -210,6 +210,9 @@ class GraphStep:
         plan = self.torch_step.plan_for(tokens)
         if plan is not self.plan:       # new weights (or dtype, device): every graph read the old ones
             self.graphs.clear()
+            # and a new pool: the old one went with its last graph (capturing into its handle again trips
+            # the CUDA caching allocator's assert, `use_count > 0`, seen on an H100)
+            self.pool = None
             self.plan = plan
         span = state.open(tokens)       # checks shapes and capacity before anything runs
         bucket, rope_rows = static_shape(state, span.start, self.min_bucket)
