@@ -14,8 +14,6 @@ import torch.nn.functional as F
 
 from engine.attention.base import Span, State, row_runs, take_rows
 from engine.errors import ContextFullError
-from engine.kernels import softmax_decode
-from engine.kernels.softmax import why_not as softmax_why_not
 
 # Decode (one query, no mask) from this many cached keys on uses two matmuls instead of SDPA:
 # measured on the 2-core dev VM, 1 thread: SDPA's kernel wins below ~1k keys, the matmuls above (2x at 32k).
@@ -173,10 +171,13 @@ class KVState(State):
                                               is_causal=causal, enable_gqa=True)
 
     def _one_query(self, q, keys, values):
-        """One query per row, every key real: the decode attention of an unpadded batch. On CUDA,
-        split-K flash decoding in Triton (engine.kernels) where it runs."""
-        if q.is_cuda and not torch.compiler.is_compiling() and softmax_why_not(q, keys, values) is None:
-            return softmax_decode(q, keys, values, None, None, self._scale)
+        """One query per row, every key real: the decode attention of an unpadded batch. On CUDA, SDPA
+        (its flash kernel needs no mask here): on an H100 it beat the split-K Triton kernel at every
+        depth measured (benchmarks/gpu_kernels.py: 1 x 32k keys 0.065 ms against 0.18, 32 x 32k 0.70 against
+        0.84; docs/measurements.md), which serves the captured step (engine.steps.decode_attention), where
+        the row lengths live on the device and a mask over the whole bucket would cost the bucket's bytes."""
+        if q.is_cuda:
+            return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
         if keys.shape[2] > ONE_QUERY_MATMUL_FROM:
             return one_query_attention(q, keys, values, self._scale)
         return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
