@@ -48,6 +48,19 @@ static inline void k_scale_min(const unsigned char *s, int j, int *sc, int *mn) 
     }
 }
 
+/* All 8 at once: byte j of *sc is scale j, of *mn min j (k_scale_min's fields, moved as 32-bit words:
+ * the low 6 bits of words 0 and 1 are scales 0-3 and mins 0-3; word 2's nibbles are the low 4 bits
+ * of scales 4-7 (low) and mins 4-7 (high), the top 2 bits of words 0 / 1 their top 2 bits). */
+static inline void k_scales_mins(const unsigned char *s, uint64_t *sc, uint64_t *mn) {
+    uint32_t w[3];
+    memcpy(w, s, 12);
+    const uint32_t low6 = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, top2 = 0x03030303u;
+    const uint32_t sc_hi = (w[2] & low4) | (((w[0] >> 6) & top2) << 4);
+    const uint32_t mn_hi = ((w[2] >> 4) & low4) | (((w[1] >> 6) & top2) << 4);
+    *sc = (uint64_t)(w[0] & low6) | (uint64_t)sc_hi << 32;
+    *mn = (uint64_t)(w[1] & low6) | (uint64_t)mn_hi << 32;
+}
+
 typedef struct Mat {
     const void *data;   /* (rows, cols) in `type`; quantized: rows * cols/32 blocks (K-quants: cols/256) */
     int type, rows, cols;

@@ -219,10 +219,12 @@ static inline __attribute__((always_inline)) void ktile(const Mat *m, int r0, in
                     }
                 }
             } else {
-                int sc[8], mn[8];
-                for (int j = 0; j < 8; j++) k_scale_min(blk + 4, j, &sc[j], &mn[j]);
-                scale = _mm256_mul_ps(_mm256_set1_ps(f16_at(blk)), _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)sc)));
-                mins = _mm256_mul_ps(_mm256_set1_ps(f16_at(blk + 2)), _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)mn)));
+                uint64_t sc, mn;   /* the 8 scales, the 8 mins, a byte each */
+                k_scales_mins(blk + 4, &sc, &mn);
+                scale = _mm256_mul_ps(_mm256_set1_ps(f16_at(blk)),
+                                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc))));
+                mins = _mm256_mul_ps(_mm256_set1_ps(f16_at(blk + 2)),
+                                     _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn))));
                 const unsigned char *qs = blk + (type == T_Q5_K ? 48 : 16);
                 const __m256i m4 = _mm256_set1_epi8(0x0f);
                 const __m256i qh = type == T_Q5_K ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
