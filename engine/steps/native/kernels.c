@@ -145,13 +145,57 @@ static inline void nibbles(const unsigned char *qs, v8 w[4]) {
 }
 #endif
 
+#ifdef GEN_X86
+/* decode_ksub in vectors: the same values (the same fp32 operations per weight) */
+static inline __attribute__((always_inline)) void decode_ksub8(const unsigned char *row, const int type, int k,
+                                                              v8 w[4]) {
+    const unsigned char *sb = row + (size_t)(k / 8) * kblock_bytes(type);
+    const int j = k % 8;
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    __m128i part[4];
+    if (type == T_Q6_K) {
+        const int h = j / 4, g = j % 4;
+        const signed char *sc = (const signed char *)(sb + 192) + 8 * h + 2 * g;
+        const float d = f16_at(sb + 208), s0 = d * (float)sc[0], s1 = d * (float)sc[1];
+        __m256i l = _mm256_loadu_si256((const __m256i *)(sb + 64 * h + 32 * (g % 2)));
+        __m256i hb = _mm256_loadu_si256((const __m256i *)(sb + 128 + 32 * h));
+        l = _mm256_and_si256(g < 2 ? l : _mm256_srli_epi16(l, 4), m4);
+        hb = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * g), _mm256_set1_epi8(3));
+        const __m256i q = _mm256_sub_epi8(_mm256_or_si256(l, _mm256_slli_epi16(hb, 4)), _mm256_set1_epi8(32));
+        const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+        part[0] = lo, part[1] = _mm_srli_si128(lo, 8), part[2] = hi, part[3] = _mm_srli_si128(hi, 8);
+        for (int i = 0; i < 4; i++)
+            w[i] = (v8)_mm256_mul_ps(_mm256_set1_ps(i < 2 ? s0 : s1), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part[i])));
+        return;
+    }
+    int sc, mn;
+    k_scale_min(sb + 4, j, &sc, &mn);
+    const float ds = f16_at(sb) * (float)sc, dm = f16_at(sb + 2) * (float)mn;
+    __m256i q = _mm256_loadu_si256((const __m256i *)(sb + (type == T_Q5_K ? 48 : 16) + 32 * (j / 2)));
+    q = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(q, 4) : q, m4);
+    if (type == T_Q5_K) {   /* bit j of qh's byte i: weight i's 5th bit */
+        const __m256i bit = _mm256_set1_epi8((char)(1 << j)), qh = _mm256_loadu_si256((const __m256i *)(sb + 16));
+        q = _mm256_or_si256(q, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit), _mm256_set1_epi8(16)));
+    }
+    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    part[0] = lo, part[1] = _mm_srli_si128(lo, 8), part[2] = hi, part[3] = _mm_srli_si128(hi, 8);
+    for (int i = 0; i < 4; i++)   /* (d sc) q is exact: fused into the subtraction or not, one rounding */
+        w[i] = (v8)_mm256_sub_ps(_mm256_mul_ps(_mm256_set1_ps(ds), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part[i]))),
+                                 _mm256_set1_ps(dm));
+}
+#endif
+
 /* Block k of a quantized row (32 consecutive weights from element 32k) as fp32 in w[4]. */
 static inline __attribute__((always_inline)) void decode_block(const unsigned char *row, const int type, int k,
                                                               v8 w[4]) {
     float f[QK] __attribute__((aligned(32)));
     if (is_kquant(type)) {
+#ifdef GEN_X86
+        decode_ksub8(row, type, k, w);
+#else
         decode_ksub(row, type, k, f);
         for (int q = 0; q < 4; q++) w[q] = ld8(f + 8 * q);
+#endif
         return;
     }
     const unsigned char *blk = row + (size_t)k * block_bytes(type);
