@@ -49,7 +49,8 @@ def random_blocks(rows: int, cols: int, qtype, rng) -> np.ndarray:
         raw[..., nbytes - 2:] = half
     else:
         raw[..., 0:2] = half
-        raw[..., 2:4] = (d * (7.5 if qtype.name == "Q4_K" else 15.5)).astype(np.float16).view(np.uint8).reshape(half.shape)
+        dmin = (d * (7.5 if qtype.name == "Q4_K" else 15.5)).astype(np.float16)   # centres the weights near 0
+        raw[..., 2:4] = dmin.view(np.uint8).reshape(half.shape)
     return raw.reshape(rows, -1)
 
 

@@ -6,8 +6,8 @@ It runs the one-token step of a CPU state (a KV cache; a linear state with any o
 feature maps or learned hedgehog maps; a sliding window + linear state; a hybrid of a KV cache and
 one of those, per layer) of a Llama-shaped model (Llama, Mistral, Qwen2's q/k/v biases, Qwen3's
 per-head q/k norms), any batch size, left-padded rows included, on weights in fp32, f16, bf16 or
-quantized blocks (engine.quant: q8_0, q4_0, q4_1, a GGUF file's q4_k, q5_k, q6_k, and stacks of them), on `threads` threads (engine.threads); `why_not`
-names every other case and the Stepper hands it to the torch form. The C code reads the model's
+quantized blocks (engine.quant: q8_0, q4_0, q4_1, a GGUF file's q4_k, q5_k, q6_k, and stacks of
+them), on `threads` threads (engine.threads); `why_not` names every other case and the Stepper hands it to the torch form. The C code reads the model's
 weight tensors and writes the state's own tensors in place through their data pointers, so a
 prefill on either side and decode share one state (`prefill` runs prompt blocks on the pool too).
 fp32 weights that hold only 16-bit values (a checkpoint stored in f16 or bf16, loaded in fp32) are
