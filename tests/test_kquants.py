@@ -235,3 +235,12 @@ def test_batched_rows_equal_each_alone(native, k_m):
         alone = model.init_state(1, 40, "softmax")
         step(PROMPT, alone, last_only=True)
         assert torch.equal(step(rows[b:b + 1], alone), both[b:b + 1])
+
+
+def test_torch_step_equals_the_module_path(k_m):
+    """The PyTorch step form runs the same dequantized matrices (stacks included) as the module path."""
+    _, _, _, model = k_m
+    step = Stepper(model, "torch")
+    got, want, ids, ref_ids = run(step, model, model, "softmax", n=6)
+    assert step.last_form == "torch"
+    assert ((got - want).abs().amax(-1) / want.abs().amax(-1)).max().item() <= 1e-5 and ids == ref_ids
