@@ -2,9 +2,10 @@
 
 `build` maps Hugging Face-named tensors onto the runtime model (`models.weights.hf_to_runtime`),
 copying only what it must fuse or convert; the rest stay views of the file's memory map. A matrix
-whose parts a GGUF file stores as Q8_0 / Q4_0 / Q4_1 blocks of one kind becomes a QuantLinear on
-those very blocks (`quantized_matrices`: q/k rows permuted and parts fused by whole rows of
-blocks, never decoded), as llama.cpp runs them; other GGUF types are dequantized at load. The
+whose parts a GGUF file stores as Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K blocks becomes a
+QuantLinear on those very blocks (`quantized_matrices`: q/k rows permuted and parts fused by whole
+rows of blocks, never decoded; parts of different kinds, as Q4_K_M's, a QuantStack), as llama.cpp
+runs them; other GGUF types are dequantized at load. The
 token embedding is always dequantized (to `dtype`, the whole table: a lookup reads one row per
 token); a tied lm_head keeps the embedding's blocks for its dot products.
 """
@@ -17,7 +18,7 @@ import torch
 
 from engine.adapters import merge
 from engine.attention.feature_maps import Hedgehog
-from engine.quant import QuantLinear
+from engine.quant import QuantLinear, QuantStack
 from engine.runspec import DTYPES, RunSpec, check_no_decay_with_window, map_set_for, parse_device, parse_dtype  # noqa: F401
 from engine.transformer import Transformer
 from models.config import ModelConfig
@@ -112,9 +113,10 @@ def build(cfg: ModelConfig, hf_tensors, device, dtype, interleaved_rotary: bool 
 
 def quantized_matrices(hf_tensors, cfg: ModelConfig, device, interleaved_rotary: bool) -> dict[str, QuantLinear]:
     """Runtime matrices (path -> QuantLinear) whose every part the checkpoint holds as blocks of one
-    kind (`hf_tensors.blocks(name)`: GGUF Q8_0 / Q4_0 / Q4_1), on those blocks undecoded: q/k rows
-    permuted from the interleaved rotary layout and q/k/v, gate/up concatenated by rows (a row of
-    blocks is a row of weights). lm_head of tied embeddings reads the embedding's blocks."""
+    kind (`hf_tensors.blocks(name)`: GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K), on those blocks
+    undecoded: q/k rows permuted from the interleaved rotary layout and q/k/v, gate/up concatenated
+    by rows (a row of blocks is a row of weights); parts of different kinds (Q4_K_M's v in Q6_K next
+    to q/k in Q4_K) a QuantStack of them. lm_head of tied embeddings reads the embedding's blocks."""
     blocks_of = getattr(hf_tensors, "blocks", None)
     if blocks_of is None:
         return {}
@@ -130,14 +132,24 @@ def quantized_matrices(hf_tensors, cfg: ModelConfig, device, interleaved_rotary:
     out = {}
     for path, names in groups.items():
         parts = [blocks_of(n) for n in names]
-        if any(p is None for p in parts) or len({p[1] for p in parts}) != 1:
-            continue   # stored as floats, as another type, or parts of mixed kinds: dequantized at load
+        if any(p is None for p in parts):
+            continue   # stored as floats or as another type: dequantized at load
         rows = [interleaved_to_half(b, heads[n.split(".", 3)[-1]]).reshape(b.shape)
                 if n.split(".", 3)[-1] in heads else b for n, (b, _) in zip(names, parts)]
-        blocks = rows[0] if len(rows) == 1 else torch.cat(rows)
         out_features = sum(shapes[n][0] for n in names)
         bias = None   # Qwen2's q/k/v biases stay floats: a placeholder here, filled by build's load_state_dict
         if cfg.qkv_bias and path.endswith(".self_attn.qkv"):
             bias = torch.empty(out_features, device="meta")
-        out[path] = QuantLinear(blocks.to(device), parts[0][1], shapes[names[0]][1], out_features, bias=bias)
+        segments = []   # (kind, rows): consecutive parts of one kind are one segment
+        for n, (_, kind) in zip(names, parts):
+            if segments and segments[-1][0] == kind:
+                segments[-1] = (kind, segments[-1][1] + shapes[n][0])
+            else:
+                segments.append((kind, shapes[n][0]))
+        if len(segments) == 1:
+            blocks = rows[0] if len(rows) == 1 else torch.cat(rows)
+            out[path] = QuantLinear(blocks.to(device), segments[0][0], shapes[names[0]][1], out_features, bias=bias)
+        else:
+            flat = torch.cat([r.reshape(-1) for r in rows])
+            out[path] = QuantStack(flat.to(device), segments, shapes[names[0]][1], bias=bias)
     return out

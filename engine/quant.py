@@ -10,6 +10,18 @@ Blocks are llama.cpp's (ggml-quants.c), 32 weights along a row each:
   q4_1  fp16 d, fp16 m, 16 bytes          w = d * q + m      (m = min, d = (max - min) / 15)
 Nibbles: byte j holds weight j in its low 4 bits and weight j + 16 in its high 4 bits.
 
+K-quants (a GGUF file's Q4_K / Q5_K / Q6_K, kept as loaded: `K_BLOCK_BYTES`; not a `--quantize`
+target) are llama.cpp's super-blocks of 256 weights along a row, in 8 sub-blocks of 32 (Q6_K: 16
+scales of 16 weights):
+  q4_k  fp16 d, fp16 dmin, scales[12], qs[128]   w = (d sc_j) q - dmin m_j   (sc_j, m_j 6 bits, packed)
+  q5_k  ... scales[12], qh[32], qs[128]           the same with q's 5th bit from qh (bit j of byte l)
+  q6_k  ql[128], qh[64], int8 scales[16], fp16 d  w = (d s_i) (q - 32)        (q 6 bits: 4 in ql, 2 in qh)
+`dequantize` decodes them as the gguf package does (gguf.quants, the same fp32 operations: equal bit
+for bit). With q8 activations the native step takes their integer dots per 32-wide sub-block against
+the same q8 activation blocks as the other kinds (`linear_q8` is the twin for them too).
+A matrix fused from parts of different block kinds (Q4_K_M's q/k in Q4_K next to v in Q6_K) is a
+`QuantStack`: the parts' blocks one after another, each run on its own kind.
+
 A quantized layer is a `QuantLinear`: it keeps only the blocks (from `quantize`, or a GGUF file's
 own, byte for byte: engine.loader). PyTorch forms (prefill, the torch and module steps) run
 `F.linear` on `dequantize(...)`, fp32 weights. The native step computes as llama.cpp does
@@ -36,12 +48,33 @@ from engine.errors import InvalidArgumentError
 from engine.runspec import QUANT_KINDS, check_quantize
 
 QK = 32
+QK_K = 256   # a K-quant super-block
 BLOCK_BYTES = {"q8_0": 2 + QK, "q4_0": 2 + QK // 2, "q4_1": 4 + QK // 2}
-KINDS = tuple(BLOCK_BYTES)
+KINDS = tuple(BLOCK_BYTES)   # what `--quantize` makes
 assert KINDS == QUANT_KINDS, "engine.runspec.QUANT_KINDS names the kinds BLOCK_BYTES sizes"
+K_BLOCK_BYTES = {"q4_k": 4 + 12 + QK_K // 2, "q5_k": 4 + 12 + QK_K // 8 + QK_K // 2,
+                 "q6_k": QK_K // 2 + QK_K // 4 + QK_K // 16 + 2}
+K_KINDS = tuple(K_BLOCK_BYTES)   # held as a GGUF file stores them, never made here
 
 
 check_kind = check_quantize   # the rule lives in engine.runspec (QUANT_KINDS == KINDS)
+
+
+def check_block_kind(kind: str) -> str:
+    """A kind a QuantLinear can hold: one `quantize` makes, or a K-quant loaded from a file."""
+    if kind not in BLOCK_BYTES and kind not in K_BLOCK_BYTES:
+        raise InvalidArgumentError(f"unknown block kind {kind!r}; valid: {', '.join(KINDS + K_KINDS)}")
+    return kind
+
+
+def block_weights(kind: str) -> int:
+    """Weights per block of `kind` along a row: 32, or 256 for the K-quants."""
+    return QK_K if check_block_kind(kind) in K_BLOCK_BYTES else QK
+
+
+def row_bytes(kind: str, cols: int) -> int:
+    """Bytes of one row of `cols` weights in `kind`'s blocks."""
+    return cols // block_weights(kind) * {**BLOCK_BYTES, **K_BLOCK_BYTES}[kind]
 
 
 def _half_bytes(x: torch.Tensor) -> torch.Tensor:   # (..., 1) float -> (..., 2) uint8, fp16 bits
@@ -80,9 +113,46 @@ def quantize(w: torch.Tensor, kind: str) -> torch.Tensor:
     return torch.cat([_half_bytes(d), _half_bytes(lo), packed], -1).reshape(rows, -1)
 
 
+def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q4_k / q5_k's 12 packed bytes (..., 12) -> the 8 sub-blocks' 6-bit scales and mins (..., 8) int32:
+    bytes 0-3 hold scales 0-3 (low 6 bits), 4-7 mins 0-3, 8-11 the low 4 bits of scales 4-7 (low
+    nibble) and mins 4-7 (high nibble), whose top 2 bits are the top 2 bits of bytes 0-3 / 4-7."""
+    s = s.to(torch.int32)
+    d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = torch.cat([d & 63, (md & 15) | ((d >> 6) << 4)], -1)
+    mn = torch.cat([m & 63, (md >> 4) | ((m >> 6) << 4)], -1)
+    return sc, mn
+
+
+def _k_values(b: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Super-blocks (..., bytes) -> (q (..., 8, 32) or (..., 16, 16) int32, scale (..., n, 1) as
+    d * sc in fp32, offset (..., n, 1) fp32): w = scale * q - offset (q6_k: offset 0, q already
+    less 32), the fp32 operations and their order as gguf.quants'."""
+    if kind == "q6_k":
+        ql, qh, sc = b[..., :128].to(torch.int32), b[..., 128:192].to(torch.int32), b[..., 192:208]
+        d = _half_of(b[..., 208:210])                                               # (..., 1)
+        ql = ql.reshape(*b.shape[:-1], 2, 1, 64) >> torch.tensor([0, 4]).reshape(2, 1)
+        qh = qh.reshape(*b.shape[:-1], 2, 1, 32) >> torch.tensor([0, 2, 4, 6]).reshape(4, 1)
+        q = (ql & 15).reshape(*b.shape[:-1], 8, 32) | ((qh & 3).reshape(*b.shape[:-1], 8, 32) << 4)
+        scale = (d * sc.contiguous().view(torch.int8).float()).unsqueeze(-1)       # (..., 16, 1)
+        return (q - 32).reshape(*b.shape[:-1], 16, 16), scale, torch.zeros_like(scale)
+    d, dmin = _half_of(b[..., 0:2]), _half_of(b[..., 2:4])
+    sc, mn = _k_scales(b[..., 4:16])
+    qs = b[..., -128:].to(torch.int32).reshape(*b.shape[:-1], 4, 1, 32) >> torch.tensor([0, 4]).reshape(2, 1)
+    q = (qs & 15).reshape(*b.shape[:-1], 8, 32)
+    if kind == "q5_k":
+        qh = b[..., 16:48].to(torch.int32).reshape(*b.shape[:-1], 1, 32) >> torch.arange(8).reshape(8, 1)
+        q = q | ((qh & 1) << 4)
+    return q, (d * sc.float()).unsqueeze(-1), (dmin * mn.float()).unsqueeze(-1)
+
+
 def dequantize(blocks: torch.Tensor, kind: str, shape) -> torch.Tensor:
-    """blocks (out, in / 32 * bytes) uint8 -> (out, in) fp32, exactly as the native kernels decode them."""
+    """blocks (out, in / 32 * bytes) uint8 -> (out, in) fp32, exactly as the native kernels decode them
+    (K-quants: in / 256 super-blocks a row; bit for bit gguf.quants.dequantize)."""
     rows, cols = shape
+    if kind in K_BLOCK_BYTES:
+        q, scale, offset = _k_values(blocks.reshape(rows, cols // QK_K, K_BLOCK_BYTES[kind]), kind)
+        return (scale * q.float() - offset).reshape(rows, cols)
     b = blocks.reshape(rows, cols // QK, BLOCK_BYTES[check_kind(kind)])
     d = _half_of(b[..., 0:2])                                                        # (rows, nb, 1)
     if kind == "q8_0":
@@ -125,8 +195,12 @@ def linear_q8(x: torch.Tensor, blocks: torch.Tensor, kind: str, shape) -> torch.
     rounding (~1e-16) where the C code rounds its per-block scaling and sums to fp32."""
     rows, cols = shape
     qx, dx = quantize_activations(x.reshape(-1, cols))              # (N, nb, 32), (N, nb)
-    qw, dw, mw = block_integers(blocks, kind, shape)                 # (rows, nb, 32), (rows, nb) x2
     xs = (qx.double() * dx.double().unsqueeze(-1)).reshape(-1, cols)
+    if kind in K_BLOCK_BYTES:   # every product in the weights is exact in fp64
+        q, scale, offset = _k_values(blocks.reshape(rows, cols // QK_K, K_BLOCK_BYTES[kind]), kind)
+        ws = (scale.double() * q.double() - offset.double()).reshape(rows, cols)
+        return (xs @ ws.T).float().reshape(*x.shape[:-1], rows)
+    qw, dw, mw = block_integers(blocks, kind, shape)                 # (rows, nb, 32), (rows, nb) x2
     q = qw.double() - 8 if kind == "q4_0" else qw.double()
     ws = (q * dw.double().unsqueeze(-1) + mw.double().unsqueeze(-1)).reshape(rows, cols)
     return (xs @ ws.T).float().reshape(*x.shape[:-1], rows)
@@ -139,7 +213,7 @@ class QuantLinear(nn.Module):
     def __init__(self, blocks: torch.Tensor, kind: str, in_features: int, out_features: int,
                  bias: torch.Tensor | None = None):
         super().__init__()
-        self.kind, self.in_features, self.out_features = check_kind(kind), in_features, out_features
+        self.kind, self.in_features, self.out_features = check_block_kind(kind), in_features, out_features
         self.register_buffer("blocks", blocks)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
@@ -169,17 +243,61 @@ class QuantLinearQ8(QuantLinear):
         return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
 
 
+class QuantStack(QuantLinear):
+    """A matrix fused from row parts of different block kinds (a Q4_K_M file's q and k in Q4_K, v in
+    Q6_K): `parts` ((kind, rows), ...) top to bottom, `blocks` every part's rows of blocks one after
+    another (1-D uint8), `kind` their kinds joined by "+". Each part computes as a QuantLinear of its
+    kind; the native step runs the parts as segments of one matrix."""
+
+    def __init__(self, blocks: torch.Tensor, parts, in_features: int, bias: torch.Tensor | None = None):
+        nn.Module.__init__(self)
+        self.parts = tuple((check_block_kind(k), int(r)) for k, r in parts)
+        self.kind = "+".join(k for k, _ in self.parts)
+        self.in_features, self.out_features = in_features, sum(r for _, r in self.parts)
+        if blocks.numel() != sum(r * row_bytes(k, in_features) for k, r in self.parts):
+            raise InvalidArgumentError(f"{blocks.numel()} bytes of blocks do not hold parts {self.parts} "
+                                       f"of {in_features} columns")
+        self.register_buffer("blocks", blocks.reshape(-1))
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def segments(self) -> list[tuple[str, int, torch.Tensor]]:
+        """(kind, rows, that part's blocks (rows, row bytes)) top to bottom (views of `blocks`)."""
+        out, at = [], 0
+        for kind, rows in self.parts:
+            n = rows * row_bytes(kind, self.in_features)
+            out.append((kind, rows, self.blocks[at:at + n].view(rows, -1)))
+            at += n
+        return out
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return torch.cat([dequantize(b, k, (r, self.in_features)) for k, r, b in self.segments()])
+
+    def forward_q8(self, x):   # (..., in) -> (..., out), each part as linear_q8
+        y = torch.cat([linear_q8(x, b, k, (r, self.in_features)) for k, r, b in self.segments()], -1)
+        return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
+
+
+class QuantStackQ8(QuantStack):
+    """A QuantStack computing as the native step does (each part's `linear_q8`)."""
+
+    def forward(self, x):
+        return self.forward_q8(x)
+
+
 def q8_reference(model):
     """A deep copy of `model` whose QuantLinear layers round their activations to q8 blocks and take
     integer dot products, as the native step (tests run its module path as the reference)."""
     ref = copy.deepcopy(model)
 
     def q8(m):
+        if type(m) is QuantStack:
+            return QuantStackQ8(m.blocks, m.parts, m.in_features, m.bias)
         return QuantLinearQ8(m.blocks, m.kind, m.in_features, m.out_features, m.bias) if type(m) is QuantLinear else m
 
     for name, module in list(ref.named_modules()):
         for child_name, child in list(module.named_children()):
-            if type(child) is QuantLinear:
+            if type(child) in (QuantLinear, QuantStack):
                 setattr(module, child_name, q8(child))
     ref.map_adapted(q8)                                     # the linear layers' adapted projections
     return ref
@@ -231,6 +349,10 @@ def weights_label(model, view=None) -> str:
     step form reads instead of a float weight."""
     sizes: dict[str, int] = {}
     for module in [*model.modules(), *model.adapted_modules()]:   # with the linear layers' adapted copies
+        if isinstance(module, QuantStack):
+            for kind, _, b in module.segments():
+                sizes[kind] = sizes.get(kind, 0) + b.numel()
+            continue
         if isinstance(module, QuantLinear):
             name, size = module.kind, module.blocks.numel()
         elif isinstance(module, nn.Linear):

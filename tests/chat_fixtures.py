@@ -143,20 +143,26 @@ def write_gguf(path: Path, model, tok_dir: Path | None, qtype_of=None, arch: str
 
 
 def random_k_blocks(shape, qtype, seed: int = 0) -> np.ndarray:
-    """Random K-quant blocks with small finite fp16 scales (the gguf package cannot quantize K-quants:
-    its dequantizer is the reference these blocks are read back with)."""
+    """Random K-quant blocks (the gguf package cannot quantize K-quants: its dequantizer is the
+    reference these blocks are read back with): random quants and packed scales, and per super-block
+    a random fp16 d (and dmin ~ d times the mean quant, so the weights centre near 0) that gives
+    weights of std ~0.05, a trained model's scale."""
     import gguf
     from gguf import GGMLQuantizationType as Q
     block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
     rows, cols = shape
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(rows, cols // block, nbytes), dtype=np.uint8)
-    scale = np.full((rows, cols // block), 0.002, dtype=np.float16).view(np.uint8).reshape(rows, cols // block, 2)
+    std = {Q.Q4_K: 257.0, Q.Q5_K: 520.0, Q.Q6_K: 1370.0}[qtype]   # of a weight / d with random bytes
+    d = rng.uniform(0.5, 1.5, size=(rows, cols // block)) * 0.05 / std
+
+    def half(x):
+        return x.astype(np.float16).view(np.uint8).reshape(rows, cols // block, 2)
     if qtype in (Q.Q4_K, Q.Q5_K):      # d, dmin first
-        raw[..., 0:2] = scale
-        raw[..., 2:4] = scale
+        raw[..., 0:2] = half(d)
+        raw[..., 2:4] = half(d * (7.5 if qtype == Q.Q4_K else 15.5))
     else:                              # Q6_K: d last
-        raw[..., nbytes - 2:] = scale
+        raw[..., nbytes - 2:] = half(d)
     return raw.reshape(rows, cols // block * nbytes)
 
 

@@ -18,7 +18,7 @@ from chat_fixtures import hf_model_from, logits, train_bpe, write_gguf  # noqa: 
 from conftest import tiny_model  # noqa: E402
 from engine.loader import load_model  # noqa: E402
 from models.errors import CheckpointError, ConfigError  # noqa: E402
-from engine.quant import BLOCK_BYTES, QuantLinear  # noqa: E402
+from engine.quant import BLOCK_BYTES, QuantLinear, QuantStack  # noqa: E402
 from models.gguf import BLOCK_KINDS, SUPPORTED_TYPES, read_gguf  # noqa: E402
 
 # hidden and intermediate sizes are multiples of 256 so that every row fits K-quant blocks
@@ -113,7 +113,8 @@ def test_mixed_types_and_tied_embeddings(tmp_path, tok_dir):
 def test_blocks_are_the_files_bytes(tmp_path, model, tok_dir):
     """A Q8_0/Q4_0/Q4_1 matrix holds the file's bytes: q/k rows moved back to half-split pairs and
     q/k/v, gate/up concatenated, whole rows of blocks, never decoded (layouts byte-identical to
-    engine.quant's); parts of mixed kinds (here k as Q4_0 next to q/v as Q8_0) are dequantized."""
+    engine.quant's); parts of mixed kinds (here k as Q4_0 next to q/v as Q8_0) are a QuantStack of their
+    own bytes, q/k rows moved as well (segments q8_0, q4_0, q8_0)."""
     from models.weights import interleaved_to_half
     kinds = {"attn_q.weight": Q.Q8_0, "attn_k.weight": Q.Q8_0, "attn_v.weight": Q.Q8_0, "attn_output.weight": Q.Q4_0,
              "ffn_gate.weight": Q.Q4_1, "ffn_up.weight": Q.Q4_1, "ffn_down.weight": Q.Q8_0, "output.weight": Q.Q4_0}
@@ -131,7 +132,11 @@ def test_blocks_are_the_files_bytes(tmp_path, model, tok_dir):
     assert gu.kind == "q4_1" and torch.equal(gu.blocks, torch.cat([raw["blk.0.ffn_gate.weight"], raw["blk.0.ffn_up.weight"]]))
     assert torch.equal(loaded.layers[1].self_attn.o_proj.blocks, raw["blk.1.attn_output.weight"])
     assert torch.equal(loaded.lm_head.blocks, raw["output.weight"]) and loaded.lm_head.kind == "q4_0"
-    assert type(loaded.layers[1].self_attn.qkv) is torch.nn.Linear     # mixed kinds: dequantized at load
+    mixed = loaded.layers[1].self_attn.qkv
+    assert isinstance(mixed, QuantStack) and mixed.parts == (("q8_0", 256), ("q4_0", 128), ("q8_0", 128))
+    q1 = interleaved_to_half(raw["blk.1.attn_q.weight"], cfg.num_attention_heads).reshape(raw["blk.1.attn_q.weight"].shape)
+    k1 = interleaved_to_half(raw["blk.1.attn_k.weight"], cfg.num_key_value_heads).reshape(raw["blk.1.attn_k.weight"].shape)
+    assert torch.equal(mixed.blocks, torch.cat([q1.flatten(), k1.flatten(), raw["blk.1.attn_v.weight"].flatten()]))
     assert qkv.blocks.shape == (qkv.out_features, qkv.in_features // 32 * BLOCK_BYTES["q8_0"])
 
 

@@ -6,8 +6,8 @@ It runs the one-token step of a CPU state (a KV cache; a linear state with any o
 feature maps or learned hedgehog maps; a sliding window + linear state; a hybrid of a KV cache and
 one of those, per layer) of a Llama-shaped model (Llama, Mistral, Qwen2's q/k/v biases, Qwen3's
 per-head q/k norms), any batch size, left-padded rows included, on weights in fp32, f16, bf16 or
-quantized blocks (engine.quant: q8_0, q4_0, q4_1), on `threads` threads (engine.threads); `why_not`
-names every other case and the Stepper hands it to the torch form. The C code reads the model's
+quantized blocks (engine.quant: q8_0, q4_0, q4_1, a GGUF file's q4_k, q5_k, q6_k, and stacks of
+them), on `threads` threads (engine.threads); `why_not` names every other case and the Stepper hands it to the torch form. The C code reads the model's
 weight tensors and writes the state's own tensors in place through their data pointers, so a
 prefill on either side and decode share one state (`prefill` runs prompt blocks on the pool too).
 fp32 weights that hold only 16-bit values (a checkpoint stored in f16 or bf16, loaded in fp32) are
@@ -33,7 +33,7 @@ import weakref
 import torch
 
 from engine.attention.linear import EPS
-from engine.quant import QuantLinear, weights_label
+from engine.quant import QuantLinear, QuantStack, weights_label
 from engine.steps.native.build import NativeUnavailableError, library
 from engine.runspec import ACTIVATIONS, check_activations  # noqa: F401 (re-exported)
 from engine.threads import default_threads
@@ -43,7 +43,8 @@ __all__ = ["NativeStep", "NativeDecoder", "NativeUnavailableError", "library", "
 
 _P = ctypes.POINTER(ctypes.c_float)
 _V = ctypes.c_void_p
-TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, "q8_0": 3, "q4_0": 4, "q4_1": 5}
+TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, "q8_0": 3, "q4_0": 4, "q4_1": 5,
+         "q4_k": 8, "q5_k": 9, "q6_k": 10}
 FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
 MODES = {"elu1": 1, "relu": 2, "softmax": 3, "cos1": 4, "hedgehog": 5}   # linear feature maps; 0 is softmax attention
 HEDGEHOG_MAX_D = 256   # gen.h
@@ -51,7 +52,25 @@ PREFILL_ROWS = 64   # a prompt block runs this many tokens at a time (the rows o
 
 
 class Mat(ctypes.Structure):   # gen.h Mat
-    _fields_ = [("data", _V), ("type", ctypes.c_int), ("rows", ctypes.c_int), ("cols", ctypes.c_int)]
+    pass
+
+
+Mat._fields_ = [("data", _V), ("type", ctypes.c_int), ("rows", ctypes.c_int), ("cols", ctypes.c_int),
+                ("split", ctypes.c_int), ("rest", ctypes.POINTER(Mat))]
+
+
+def _mat(m: tuple, keep: list) -> Mat:
+    """The gen.h Mat of a `_matrix` tuple; a QuantStack's (5 items) chains its segments through
+    Mat.rest (the chained Mats go to `keep`, which must live as long as the Mat is used)."""
+    base = m[0].data_ptr()
+    if len(m) == 4:
+        return Mat(base, m[1], m[2], m[3])
+    mats = [Mat(base + off, t, rows, m[3]) for off, t, rows in m[4]]
+    for i in range(len(mats) - 2, -1, -1):   # each segment's rows = its own and those after it
+        mats[i].split, mats[i].rows = mats[i].rows, mats[i].rows + mats[i + 1].rows
+        mats[i].rest = ctypes.pointer(mats[i + 1])
+    keep.append(mats)
+    return mats[0]
 
 
 class Plan(ctypes.Structure):   # gen.h Plan, field for field
@@ -161,8 +180,15 @@ def _layer_modules(model, paths) -> list[tuple]:
              b.mlp.gate_up, b.mlp.down_proj) for b, p in zip(model.layers, paths)]
 
 
-def _matrix(module) -> tuple[torch.Tensor, int, int, int]:
-    """(tensor the C code reads, type code, rows, cols) of a Linear, QuantLinear or Embedding."""
+def _matrix(module) -> tuple:
+    """(tensor the C code reads, type code, rows, cols) of a Linear, QuantLinear or Embedding; a
+    QuantStack's adds its segments, (byte offset in its blocks, type code, rows) each."""
+    if isinstance(module, QuantStack):
+        segs, at = [], 0
+        for kind, rows, b in module.segments():
+            segs.append((at, TYPES[kind], rows))
+            at += b.numel()
+        return module.blocks, segs[0][1], module.out_features, module.in_features, segs
     if isinstance(module, QuantLinear):
         return module.blocks, TYPES[module.kind], module.out_features, module.in_features
     w = module.weight
@@ -409,12 +435,12 @@ class NativeDecoder:
         F_ = lin.feature_map.out_dim(D) if lin is not None else 0
         self.widths = (("x", C), ("xb", C), ("qkv_out", (H + 2 * Hkv) * D), ("att", H * D), ("gu_out", 2 * I), ("hb", I))
         self.scratch = {n: torch.zeros(B, size) for n, size in self.widths}
-        self.tables = {n: (Mat * cfg.num_hidden_layers)(*[Mat(m[0].data_ptr(), m[1], m[2], m[3]) for m in ms])
+        self.chains = []   # the segments of stacked matrices (Mat.rest): alive as long as the plan
+        self.tables = {n: (Mat * cfg.num_hidden_layers)(*[_mat(m, self.chains) for m in ms])
                        for n, ms in mats.items()}
         self.plain_tables = None if plain[0] is None else (
-            {n: (Mat * cfg.num_hidden_layers)(*[Mat(m[0].data_ptr(), m[1], m[2], m[3]) for m in ms])
-             for n, ms in plain[0].items()},
-            Mat(plain[1][0].data_ptr(), *plain[1][1:]), Mat(plain[2][0].data_ptr(), *plain[2][1:]))
+            {n: (Mat * cfg.num_hidden_layers)(*[_mat(m, self.chains) for m in ms]) for n, ms in plain[0].items()},
+            _mat(plain[1], self.chains), _mat(plain[2], self.chains))
         self.norm_tables = {n: (_V * cfg.num_hidden_layers)(*[layer[i].data_ptr() for layer in layers])
                             for i, n in ((0, "ln1"), (3, "ln2"))}
         if qk_norms is not None:
@@ -454,7 +480,7 @@ class NativeDecoder:
             fields.update(layer_mode=self.layer_mode, layer_index=self.layer_index)
         self.plan = Plan(L=cfg.num_hidden_layers, C=C, H=H, Hkv=Hkv, D=D, I=I, V=cfg.vocab_size, B=B,
                          eps=cfg.rms_norm_eps, scale=D ** -0.5,
-                         embed=Mat(embed[0].data_ptr(), *embed[1:]), head=Mat(head[0].data_ptr(), *head[1:]),
+                         embed=_mat(embed, self.chains), head=_mat(head, self.chains),
                          norm=model.norm.weight.data_ptr(), norm_type=norm_type, lin_eps=EPS,
                          nthreads=max(1, threads), **fields, **self.tables, **self.norm_tables,
                          **{n: _ptr(t) for n, t in self.scratch.items()})
@@ -525,7 +551,10 @@ class NativeDecoder:
     @staticmethod
     def _narrow(model, m: tuple, grouped: bool) -> tuple:
         """The tensor the C step reads for matrix m: a 16-bit copy of exactly-16-bit fp32 weights,
-        q4_1 / q8_0 blocks regrouped where `grouped` (this build has those kernels), else m's own."""
+        q4_1 / q8_0 blocks regrouped where `grouped` (this build has those kernels), else m's own
+        (a QuantStack's segments: as stored)."""
+        if len(m) > 4:
+            return m
         if m[1] in (TYPES["q4_1"], TYPES["q8_0"]) and grouped:
             q41 = m[1] == TYPES["q4_1"]
             return _regrouped(model, m[0], m[2], q41), T_Q4_1R if q41 else T_Q8_0R, m[2], m[3]

@@ -64,9 +64,20 @@ static void dq_rows(const Mat *m, int r0, int r1, const float *x, int xs, int B,
 
 static void mat_fn(const void *ctx, int r0, int r1, float *out, int os, int add, float *scratch) {
     const MatCtx *c = ctx;
-    if (c->qx) qmat_rows(&c->m, r0, r1, c->qx, c->B, out, os, add);
-    else if (c->dq) dq_rows(&c->m, r0, r1, c->x, c->xs, c->B, out, os, add, scratch);
-    else mat_rows(&c->m, r0, r1, c->x, c->xs, c->B, out, os, add);
+    int base = 0;   /* a stack's segments (gen.h Mat.rest): each its rows of [r0, r1) on its own kernel */
+    for (const Mat *m = &c->m; m && base < r1; m = m->rest) {
+        Mat seg = *m;
+        seg.rest = NULL;
+        if (m->rest) seg.rows = m->split;
+        const int a = r0 > base ? r0 : base, e = r1 < base + seg.rows ? r1 : base + seg.rows;
+        if (a < e) {
+            float *o = out + (a - r0);
+            if (c->qx) qmat_rows(&seg, a - base, e - base, c->qx, c->B, o, os, add);
+            else if (c->dq) dq_rows(&seg, a - base, e - base, c->x, c->xs, c->B, o, os, add, scratch);
+            else mat_rows(&seg, a - base, e - base, c->x, c->xs, c->B, o, os, add);
+        }
+        base += seg.rows;
+    }
 }
 
 /* out (B, os) (+)= x (B, xs) @ m^T */
@@ -78,18 +89,18 @@ static void matmul(const Plan *p, const Mat *m, const float *x, int xs, float *o
         quantize_x(x, xs, p->B, m->cols, buf, m->type);
         qx = buf;
     }
-    /* a prompt plan's fp32 activations on q8_0 / q4_0 / q4_1 blocks: widened DQ_ROWS rows at a time */
-    const int dq = !qx && dq_scratch(p) > 0 && p->B >= 4 && m->type >= T_Q8_0 && m->type <= T_Q4_1;
+    /* a prompt plan's fp32 activations on quantized blocks in natural order (q8_0 / q4_0 / q4_1, the
+     * K-quants; a stack's segments are): widened DQ_ROWS rows at a time */
+    const int dq = !qx && dq_scratch(p) > 0 && p->B >= 4 && m->type >= T_Q8_0 && m->type != T_Q4_1R
+                   && m->type != T_Q8_0R;
+    MatCtx c = {*m, x, xs, p->B, qx, dq};
     if (p->nthreads <= 1 || macs < gen_par_min_macs) {
-        if (qx) qmat_rows(m, 0, m->rows, qx, p->B, out, os, add);
-        else if (dq) dq_rows(m, 0, m->rows, x, xs, p->B, out, os, add, p->tscratch);
-        else mat_rows(m, 0, m->rows, x, xs, p->B, out, os, add);
+        mat_fn(&c, 0, m->rows, out, os, add, p->tscratch);
         return;
     }
     int chunks = p->nthreads * CHUNKS_PER_THREAD, rows = (m->rows + chunks - 1) / chunks;
     rows = (rows + 7) & ~7;
     if ((m->rows + rows - 1) / rows > 64) rows = (m->rows + 63) / 64;
-    MatCtx c = {*m, x, xs, p->B, qx, dq};
     pool_run(p->nthreads, mat_fn, &c, sizeof c, m->rows, 1, rows, p->B, out, os, add,
              p->tscratch, p->tscratch_floats, fn_scratch(p));
 }

@@ -22,15 +22,53 @@
 /* Element types of weights and KV caches. Quantized types are llama.cpp's blocks of 32
  * weights along a row: Q8_0 = fp16 d + 32 int8 (w = d*q); Q4_0 = fp16 d + 16 bytes, weight j
  * in the low nibble of byte j and weight j+16 in the high nibble (w = d*(q-8)); Q4_1 = fp16 d,
- * fp16 m + 16 bytes (w = d*q + m). */
+ * fp16 m + 16 bytes (w = d*q + m). K-quants are super-blocks of 256 weights (QK_K), 8 sub-blocks
+ * of 32 (layouts: engine/quant.py): Q4_K = fp16 d, dmin, 12 bytes of packed 6-bit scales and mins,
+ * 128 bytes of nibbles (w = d*sc_j * q - dmin*m_j); Q5_K = the same + 32 bytes of 5th bits;
+ * Q6_K = 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales (one per 16), fp16 d
+ * (w = d*s * (q - 32)). */
 enum { T_F32 = 0, T_F16 = 1, T_BF16 = 2, T_Q8_0 = 3, T_Q4_0 = 4, T_Q4_1 = 5,
        T_Q4_1R = 6, /* q4_1 blocks regrouped per row: every (d, m) pair, then every 16-byte nibble block (qdot.c) */
-       T_Q8_0R = 7  /* q8_0 blocks regrouped per row: every d, then every block's 32 weights + 128 as u8 (qdot.c) */ };
+       T_Q8_0R = 7, /* q8_0 blocks regrouped per row: every d, then every block's 32 weights + 128 as u8 (qdot.c) */
+       T_Q4_K = 8, T_Q5_K = 9, T_Q6_K = 10 };
 #define QK 32
+#define QK_K 256
+static inline int is_kquant(int type) { return type >= T_Q4_K && type <= T_Q6_K; }
+static inline size_t kblock_bytes(int type) { return type == T_Q4_K ? 144 : type == T_Q5_K ? 176 : 210; }
+/* Sub-block j (0..7) of a q4_k / q5_k super-block's packed 6-bit scale and min (llama.cpp's
+ * get_scale_min_k4): bytes 0-3 scales 0-3, 4-7 mins 0-3, 8-11 the low 4 bits of scales / mins 4-7,
+ * whose top 2 bits are the top 2 bits of bytes 0-3 / 4-7. */
+static inline void k_scale_min(const unsigned char *s, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
 
-typedef struct {
-    const void *data;   /* (rows, cols) in `type`; quantized: rows * cols/32 blocks */
+/* All 8 at once: byte j of *sc is scale j, of *mn min j (k_scale_min's fields, moved as 32-bit words:
+ * the low 6 bits of words 0 and 1 are scales 0-3 and mins 0-3; word 2's nibbles are the low 4 bits
+ * of scales 4-7 (low) and mins 4-7 (high), the top 2 bits of words 0 / 1 their top 2 bits). */
+static inline void k_scales_mins(const unsigned char *s, uint64_t *sc, uint64_t *mn) {
+    uint32_t w[3];
+    memcpy(w, s, 12);
+    const uint32_t low6 = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, top2 = 0x03030303u;
+    const uint32_t sc_hi = (w[2] & low4) | (((w[0] >> 6) & top2) << 4);
+    const uint32_t mn_hi = ((w[2] >> 4) & low4) | (((w[1] >> 6) & top2) << 4);
+    *sc = (uint64_t)(w[0] & low6) | (uint64_t)sc_hi << 32;
+    *mn = (uint64_t)(w[1] & low6) | (uint64_t)mn_hi << 32;
+}
+
+typedef struct Mat {
+    const void *data;   /* (rows, cols) in `type`; quantized: rows * cols/32 blocks (K-quants: cols/256) */
     int type, rows, cols;
+    /* A stack of row segments of different types (a Q4_K_M file's q, k in Q4_K and v in Q6_K): rest
+     * NULL, one type; else rows [0, split) are this Mat's and rows [split, rows) are rest's rows
+     * [0, rows - split) (its own data and type, and maybe its own rest). decode.c's matmul splits. */
+    int split;
+    const struct Mat *rest;
 } Mat;
 
 typedef struct {

@@ -87,11 +87,49 @@ void store_row(void *base, int type, size_t at, int n, const float *src) {
 }
 
 /* ------------------------------------------------------------------ blocks */
-static size_t block_bytes(int type) {
+/* The f16 scale stored (unaligned) at p. */
+static inline float f16_at(const unsigned char *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return load_f16(h);
+}
+
+static size_t block_bytes(int type) {   /* K-quants: a super-block of 256 */
     switch (type) {
     case T_Q8_0: return 2 + QK;
     case T_Q4_0: return 2 + QK / 2;
+    case T_Q4_K: case T_Q5_K: case T_Q6_K: return kblock_bytes(type);
     default: return 4 + QK / 2;          /* T_Q4_1 */
+    }
+}
+
+/* Weights 32k..32k+31 of a K-quant row into f, as engine/quant.py's dequantize: q4_k / q5_k
+ * (d*sc) * q - dmin*m (d*sc and (d*sc) * q are exact in fp32: one rounding, fused or not), q6_k
+ * (d*s) * (q - 32). */
+static inline void decode_ksub(const unsigned char *row, const int type, int k, float *f) {
+    const unsigned char *sb = row + (size_t)(k / 8) * kblock_bytes(type);
+    const int j = k % 8;
+    if (type == T_Q6_K) {
+        const int h = j / 4, g = j % 4;
+        const unsigned char *ql = sb + 64 * h + 32 * (g % 2), *qh = sb + 128 + 32 * h;
+        const signed char *sc = (const signed char *)(sb + 192) + 8 * h + 2 * g;
+        const float d = f16_at(sb + 208), s0 = d * (float)sc[0], s1 = d * (float)sc[1];
+        const int lo = 4 * (g / 2), hi = 2 * g;
+        for (int i = 0; i < QK; i++) {
+            const int q = ((ql[i] >> lo) & 15) | (((qh[i] >> hi) & 3) << 4);
+            f[i] = (i < 16 ? s0 : s1) * (float)(q - 32);
+        }
+        return;
+    }
+    int sc, mn;
+    k_scale_min(sb + 4, j, &sc, &mn);
+    const float ds = f16_at(sb) * (float)sc, dm = f16_at(sb + 2) * (float)mn;
+    const unsigned char *qs = sb + (type == T_Q5_K ? 48 : 16) + 32 * (j / 2), *qh = sb + 16;
+    const int shift = 4 * (j % 2);
+    for (int i = 0; i < QK; i++) {
+        int q = (qs[i] >> shift) & 15;
+        if (type == T_Q5_K) q |= ((qh[i] >> j) & 1) << 4;
+        f[i] = ds * (float)q - dm;
     }
 }
 
@@ -107,17 +145,59 @@ static inline void nibbles(const unsigned char *qs, v8 w[4]) {
 }
 #endif
 
-/* The f16 scale stored (unaligned) at p. */
-static inline float f16_at(const unsigned char *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return load_f16(h);
+#ifdef GEN_X86
+/* decode_ksub in vectors: the same values (the same fp32 operations per weight) */
+static inline __attribute__((always_inline)) void decode_ksub8(const unsigned char *row, const int type, int k,
+                                                              v8 w[4]) {
+    const unsigned char *sb = row + (size_t)(k / 8) * kblock_bytes(type);
+    const int j = k % 8;
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    __m128i part[4];
+    if (type == T_Q6_K) {
+        const int h = j / 4, g = j % 4;
+        const signed char *sc = (const signed char *)(sb + 192) + 8 * h + 2 * g;
+        const float d = f16_at(sb + 208), s0 = d * (float)sc[0], s1 = d * (float)sc[1];
+        __m256i l = _mm256_loadu_si256((const __m256i *)(sb + 64 * h + 32 * (g % 2)));
+        __m256i hb = _mm256_loadu_si256((const __m256i *)(sb + 128 + 32 * h));
+        l = _mm256_and_si256(g < 2 ? l : _mm256_srli_epi16(l, 4), m4);
+        hb = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * g), _mm256_set1_epi8(3));
+        const __m256i q = _mm256_sub_epi8(_mm256_or_si256(l, _mm256_slli_epi16(hb, 4)), _mm256_set1_epi8(32));
+        const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+        part[0] = lo, part[1] = _mm_srli_si128(lo, 8), part[2] = hi, part[3] = _mm_srli_si128(hi, 8);
+        for (int i = 0; i < 4; i++)
+            w[i] = (v8)_mm256_mul_ps(_mm256_set1_ps(i < 2 ? s0 : s1), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part[i])));
+        return;
+    }
+    int sc, mn;
+    k_scale_min(sb + 4, j, &sc, &mn);
+    const float ds = f16_at(sb) * (float)sc, dm = f16_at(sb + 2) * (float)mn;
+    __m256i q = _mm256_loadu_si256((const __m256i *)(sb + (type == T_Q5_K ? 48 : 16) + 32 * (j / 2)));
+    q = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(q, 4) : q, m4);
+    if (type == T_Q5_K) {   /* bit j of qh's byte i: weight i's 5th bit */
+        const __m256i bit = _mm256_set1_epi8((char)(1 << j)), qh = _mm256_loadu_si256((const __m256i *)(sb + 16));
+        q = _mm256_or_si256(q, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit), _mm256_set1_epi8(16)));
+    }
+    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    part[0] = lo, part[1] = _mm_srli_si128(lo, 8), part[2] = hi, part[3] = _mm_srli_si128(hi, 8);
+    for (int i = 0; i < 4; i++)   /* (d sc) q is exact: fused into the subtraction or not, one rounding */
+        w[i] = (v8)_mm256_sub_ps(_mm256_mul_ps(_mm256_set1_ps(ds), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part[i]))),
+                                 _mm256_set1_ps(dm));
 }
+#endif
 
 /* Block k of a quantized row (32 consecutive weights from element 32k) as fp32 in w[4]. */
 static inline __attribute__((always_inline)) void decode_block(const unsigned char *row, const int type, int k,
                                                               v8 w[4]) {
     float f[QK] __attribute__((aligned(32)));
+    if (is_kquant(type)) {
+#ifdef GEN_X86
+        decode_ksub8(row, type, k, w);
+#else
+        decode_ksub(row, type, k, f);
+        for (int q = 0; q < 4; q++) w[q] = ld8(f + 8 * q);
+#endif
+        return;
+    }
     const unsigned char *blk = row + (size_t)k * block_bytes(type);
     switch (type) {
     case T_Q8_0: {
@@ -174,7 +254,7 @@ static inline __attribute__((always_inline)) void decode_block(const unsigned ch
 static inline size_t row_bytes(const Mat *m) {
     if (m->type <= T_BF16)   /* float rows need not be a multiple of 32 long */
         return (size_t)m->cols * (m->type == T_F32 ? 4 : 2);
-    return (size_t)(m->cols / QK) * block_bytes(m->type);
+    return (size_t)(m->cols / (is_kquant(m->type) ? QK_K : QK)) * block_bytes(m->type);
 }
 
 static inline const unsigned char *row_ptr(const Mat *m, int r) {
@@ -341,6 +421,7 @@ static inline __attribute__((always_inline)) void frows_typed(const Mat *m, int 
 #define ROWS_OF(T) static void rows_##T(const Mat *m, int r0, int r1, const float *x, int xs, int B, float *out, \
                                         int os, int add) { rows_typed(m, r0, r1, x, xs, B, out, os, add, T); }
 FROWS_OF(T_F32) FROWS_OF(T_F16) FROWS_OF(T_BF16) ROWS_OF(T_Q8_0) ROWS_OF(T_Q4_0) ROWS_OF(T_Q4_1)
+ROWS_OF(T_Q4_K) ROWS_OF(T_Q5_K) ROWS_OF(T_Q6_K)
 
 void mat_rows(const Mat *m, int r0, int r1, const float *x, int xs, int B, float *out, int os, int add) {
     if (tile_rows(m, r0, r1, x, xs, B, out, os, add)) return;   /* float weights on AVX-512: tile.c */
@@ -350,6 +431,9 @@ void mat_rows(const Mat *m, int r0, int r1, const float *x, int xs, int B, float
     case T_BF16: rows_T_BF16(m, r0, r1, x, xs, B, out, os, add); break;
     case T_Q8_0: rows_T_Q8_0(m, r0, r1, x, xs, B, out, os, add); break;
     case T_Q4_0: rows_T_Q4_0(m, r0, r1, x, xs, B, out, os, add); break;
+    case T_Q4_K: rows_T_Q4_K(m, r0, r1, x, xs, B, out, os, add); break;
+    case T_Q5_K: rows_T_Q5_K(m, r0, r1, x, xs, B, out, os, add); break;
+    case T_Q6_K: rows_T_Q6_K(m, r0, r1, x, xs, B, out, os, add); break;
     default: rows_T_Q4_1(m, r0, r1, x, xs, B, out, os, add); break;
     }
 }

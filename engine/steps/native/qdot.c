@@ -157,6 +157,173 @@ static inline __attribute__((always_inline)) __m256 qblock(const unsigned char *
 }
 #endif
 
+/* ------------------------------------------------------------------ K-quants
+ * A super-block of 256 weights is 8 sub-blocks of 32, each against the input's q8 block of the same
+ * 32 columns (the activations are rounded as for every other kind), as exact int32 dots:
+ *   q4_k, q5_k  out += (d sc_j) dx_j sum(q qx) - (dmin m_j) (dx_j sum(qx))    (q 0..15 / 0..31)
+ *   q6_k        out += d dx_j (s_2j sum16(q - 32, qx) + s_2j+1 sum16'(q - 32, qx))
+ * (llama.cpp rounds the activations to one scale per 256, block_q8_K, and sums the whole super-block
+ * in integers; here each 32 keeps its own scale, as the 32-wide kinds: one activation rounding for
+ * every matrix of a step.) On x86 the 8 sub-blocks' integer dots end up in the 8 lanes of one vector
+ * (sum8x8), scaled by one multiply and one FMA per super-block and input. */
+#ifdef GEN_X86
+static inline __m256i sum8x8(const __m256i s[8]) {   /* lane k = the sum of s[k]'s 8 lanes */
+    const __m256i ab = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+    const __m256i cd = _mm256_hadd_epi32(_mm256_hadd_epi32(s[4], s[5]), _mm256_hadd_epi32(s[6], s[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31));
+}
+
+/* 8 (d, d * sum) pairs -> the 8 d in one vector, the 8 d * sum in another */
+static inline void split_pairs(const float *ds, __m256 *d, __m256 *dsum) {
+    const __m256 a = _mm256_loadu_ps(ds), b = _mm256_loadu_ps(ds + 8);
+    *d = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xd8));
+    *dsum = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xdd)), 0xd8));
+}
+#endif
+
+static inline __attribute__((always_inline)) void ktile(const Mat *m, int r0, int r1, const unsigned char *qx,
+                                                       size_t rs, const int n, float *out, int os, int add,
+                                                       const int type) {
+    const int K = m->cols, nsb = K / QK_K;
+    const size_t bb = kblock_bytes(type), stride = (size_t)nsb * bb;
+    const signed char *xq[4];
+    const float *xds[4];
+    for (int j = 0; j < n; j++) {
+        xq[j] = (const signed char *)(qx + j * rs);
+        xds[j] = (const float *)(qx + j * rs + K);
+    }
+    for (int r = r0; r < r1; r++) {
+        const unsigned char *row = (const unsigned char *)m->data + (size_t)r * stride;
+#ifdef GEN_X86
+        __m256 acc[4], macc[4];   /* per input: the sub-blocks' scaled dots, their min terms */
+        for (int j = 0; j < 4; j++) acc[j] = macc[j] = _mm256_setzero_ps();
+        for (int sb = 0; sb < nsb; sb++) {
+            const unsigned char *blk = row + (size_t)sb * bb;
+            __m256i w[8], sc16[8];
+            __m256 scale, mins = _mm256_setzero_ps();
+            if (type == T_Q6_K) {
+                const signed char *sc = (const signed char *)(blk + 192);
+                scale = _mm256_set1_ps(f16_at(blk + 208));
+                const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(0x03);
+                for (int h = 0; h < 2; h++) {
+                    const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+                    const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+                    const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+                    for (int g = 0; g < 4; g++) {
+                        const __m256i l = g % 2 ? l1 : l0;
+                        const __m256i lo = _mm256_and_si256(g < 2 ? l : _mm256_srli_epi16(l, 4), m4);
+                        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * g), m2);
+                        w[4 * h + g] = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+                        sc16[4 * h + g] = _mm256_set_m128i(_mm_set1_epi16(sc[8 * h + 2 * g + 1]),
+                                                           _mm_set1_epi16(sc[8 * h + 2 * g]));
+                    }
+                }
+            } else {
+                uint64_t sc, mn;   /* the 8 scales, the 8 mins, a byte each */
+                k_scales_mins(blk + 4, &sc, &mn);
+                scale = _mm256_mul_ps(_mm256_set1_ps(f16_at(blk)),
+                                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc))));
+                mins = _mm256_mul_ps(_mm256_set1_ps(f16_at(blk + 2)),
+                                     _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn))));
+                const unsigned char *qs = blk + (type == T_Q5_K ? 48 : 16);
+                const __m256i m4 = _mm256_set1_epi8(0x0f);
+                const __m256i qh = type == T_Q5_K ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
+                for (int p = 0; p < 4; p++) {
+                    const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
+                    w[2 * p] = _mm256_and_si256(q, m4);
+                    w[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+                }
+                if (type == T_Q5_K)
+                    for (int j = 0; j < 8; j++) {   /* bit j of qh's byte l is weight l's 5th bit: 16 or 0 */
+                        const __m256i bit = _mm256_set1_epi8((char)(1 << j));
+                        w[j] = _mm256_or_si256(w[j], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit),
+                                                                      _mm256_set1_epi8(16)));
+                    }
+            }
+            for (int j = 0; j < n; j++) {
+                const signed char *x = xq[j] + (size_t)sb * QK_K;
+                __m256i s[8];
+                for (int k = 0; k < 8; k++) {
+                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + QK * k));
+                    if (type == T_Q6_K) {   /* (q - 32) x in int16 pairs (|.| <= 8128), times the 16s' scales */
+                        const __m256i t = _mm256_sub_epi16(_mm256_maddubs_epi16(w[k], xv),
+                                                           _mm256_maddubs_epi16(_mm256_set1_epi8(32), xv));
+                        s[k] = _mm256_madd_epi16(t, sc16[k]);
+                    } else {
+                        s[k] = dpbusd(_mm256_setzero_si256(), w[k], xv);
+                    }
+                }
+                __m256 dx, dxs;
+                split_pairs(xds[j] + 16 * sb, &dx, &dxs);
+                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum8x8(s)), _mm256_mul_ps(scale, dx), acc[j]);
+                if (type != T_Q6_K) macc[j] = _mm256_fmadd_ps(mins, dxs, macc[j]);
+            }
+        }
+        for (int j = 0; j < n; j++) {
+            const float v = hsum8(acc[j]) - (type == T_Q6_K ? 0.0f : hsum8(macc[j]));
+            float *o = out + (size_t)j * os + (r - r0);
+            *o = add ? *o + v : v;
+        }
+#else
+        float acc[4] = {0, 0, 0, 0}, macc[4] = {0, 0, 0, 0};
+        for (int sb = 0; sb < nsb; sb++) {
+            const unsigned char *blk = row + (size_t)sb * bb;
+            for (int k = 0; k < 8; k++) {
+                int q[QK], s16[2] = {0, 0}, sc = 0, mn = 0;
+                float scale;
+                if (type == T_Q6_K) {
+                    const int h = k / 4, g = k % 4;
+                    const unsigned char *ql = blk + 64 * h + 32 * (g % 2), *qh = blk + 128 + 32 * h;
+                    for (int i = 0; i < QK; i++)
+                        q[i] = (((ql[i] >> (4 * (g / 2))) & 15) | (((qh[i] >> (2 * g)) & 3) << 4)) - 32;
+                    s16[0] = ((const signed char *)(blk + 192))[8 * h + 2 * g];
+                    s16[1] = ((const signed char *)(blk + 192))[8 * h + 2 * g + 1];
+                    scale = f16_at(blk + 208);
+                } else {
+                    k_scale_min(blk + 4, k, &sc, &mn);
+                    const unsigned char *qs = blk + (type == T_Q5_K ? 48 : 16) + 32 * (k / 2);
+                    for (int i = 0; i < QK; i++) {
+                        q[i] = (qs[i] >> (4 * (k % 2))) & 15;
+                        if (type == T_Q5_K) q[i] |= ((blk[16 + i] >> k) & 1) << 4;
+                    }
+                    scale = f16_at(blk) * (float)sc;
+                }
+                const int kb = sb * 8 + k;
+                for (int j = 0; j < n; j++) {
+                    const signed char *x = xq[j] + (size_t)kb * QK;
+                    int32_t a = 0, b = 0;
+                    for (int i = 0; i < 16; i++) a += q[i] * x[i];
+                    for (int i = 16; i < QK; i++) b += q[i] * x[i];
+                    const int32_t dot = type == T_Q6_K ? s16[0] * a + s16[1] * b : a + b;
+                    acc[j] += (scale * xds[j][2 * kb]) * (float)dot;
+                    if (type != T_Q6_K) macc[j] += (f16_at(blk + 2) * (float)mn) * xds[j][2 * kb + 1];
+                }
+            }
+        }
+        for (int j = 0; j < n; j++) {
+            const float v = acc[j] - macc[j];
+            float *o = out + (size_t)j * os + (r - r0);
+            *o = add ? *o + v : v;
+        }
+#endif
+    }
+}
+
+#define KROWS_OF(T) static void qrows_##T(const Mat *m, int r0, int r1, const void *qx, int B, float *out,  \
+                                          int os, int add) {                                              \
+        const size_t rs = qx_row_bytes(m->cols);                                                     \
+        const unsigned char *q = qx;                                                                 \
+        int b = 0;                                                                                   \
+        for (; b + 4 <= B; b += 4) ktile(m, r0, r1, q + b * rs, rs, 4, out + (size_t)b * os, os, add, T); \
+        switch (B - b) {                                                                             \
+        case 3: ktile(m, r0, r1, q + b * rs, rs, 3, out + (size_t)b * os, os, add, T); break;        \
+        case 2: ktile(m, r0, r1, q + b * rs, rs, 2, out + (size_t)b * os, os, add, T); break;        \
+        case 1: ktile(m, r0, r1, q + b * rs, rs, 1, out + (size_t)b * os, os, add, T); break;        \
+        default: break;                                                                              \
+        }                                                                                            \
+    }
+KROWS_OF(T_Q4_K) KROWS_OF(T_Q5_K) KROWS_OF(T_Q6_K)
+
 /* Rows [r0, r1) against n (1..4) quantized inputs; n and type are constants after inlining. Blocks go
  * in pairs, the even one into one accumulator, the odd one into another (no chain of dependent FMAs). */
 static inline __attribute__((always_inline)) void qtile(const Mat *m, int r0, int r1, const unsigned char *qx,
@@ -423,6 +590,9 @@ void qmat_rows(const Mat *m, int r0, int r1, const void *qx, int B, float *out, 
     switch (m->type) {
     case T_Q8_0: qrows_T_Q8_0(m, r0, r1, qx, B, out, os, add); break;
     case T_Q4_0: qrows_T_Q4_0(m, r0, r1, qx, B, out, os, add); break;
+    case T_Q4_K: qrows_T_Q4_K(m, r0, r1, qx, B, out, os, add); break;
+    case T_Q5_K: qrows_T_Q5_K(m, r0, r1, qx, B, out, os, add); break;
+    case T_Q6_K: qrows_T_Q6_K(m, r0, r1, qx, B, out, os, add); break;
 #ifdef GEN_Q41R
     case T_Q4_1R: qrows_q41r(m, r0, r1, qx, B, out, os, add); break;
     case T_Q8_0R: qrows_q80r(m, r0, r1, qx, B, out, os, add); break;
