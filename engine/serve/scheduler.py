@@ -44,11 +44,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.detokenize import StreamDecoder
-from engine.generate import eos_set
 from engine.sampling import RowSampler, SamplingParams, sample_rows
+from engine.sequence import Sequence, eos_set
 from engine.serve.prefix_cache import PrefixCache
-from engine.stopping import StopText
 
 
 class Full(Exception):
@@ -129,13 +127,14 @@ class Job:
 
 
 class Running:
-    """A job being decoded: its sampler, detokenizer and stop filter."""
+    """A job being decoded: its sampler and its finish rules (engine.sequence: detokenizer, stop
+    strings, EOS, length; `eos` is the model's set, used when the job names none)."""
 
-    def __init__(self, job: Job, tokenizer, vocab_size: int, device):
+    def __init__(self, job: Job, tokenizer, vocab_size: int, device, eos=frozenset()):
         self.job = job
         self.sampler = RowSampler(job.params, job.ids, vocab_size, device)
-        self.decoder = StreamDecoder(tokenizer) if tokenizer is not None else None
-        self.stopper = StopText(job.stop)
+        eos = frozenset() if job.ignore_eos else (job.eos_ids if job.eos_ids is not None else eos)
+        self.sequence = Sequence(tokenizer, job.stop, eos, job.max_tokens, ids=job.generated)
 
 
 @dataclass(eq=False)
@@ -418,7 +417,7 @@ class Scheduler:
         list of (Running, batch-1 state) for those that go on. Otherwise a Prefill (a fresh state,
         or the cached prefix's) for `_feed`."""
         try:
-            run = Running(job, self.tokenizer, self.model.config.vocab_size, self.model.device)
+            run = Running(job, self.tokenizer, self.model.config.vocab_size, self.model.device, self.eos)
             need = len(job.ids) + job.max_tokens
             if ready is not None:
                 state, logits = ready
@@ -445,7 +444,8 @@ class Scheduler:
         for copy in run.job.copies:
             try:
                 copy.cached_tokens = run.job.cached_tokens
-                starts.append((Running(copy, self.tokenizer, self.model.config.vocab_size, self.model.device),
+                starts.append((Running(copy, self.tokenizer, self.model.config.vocab_size, self.model.device,
+                                       self.eos),
                                state.select_rows([0], max_len=len(copy.ids) + copy.max_tokens)))
             except Exception as e:   # noqa: BLE001
                 self.failures += 1
@@ -546,21 +546,10 @@ class Scheduler:
         return going
 
     def _deliver(self, run: Running, tok: int, logprob: float | None, top) -> bool:
-        """Record and send one sampled token; False when the job is finished."""
+        """Record (in job.generated) and send one sampled token; False when the job is finished."""
         job = run.job
-        job.generated.append(tok)
-        reason, text = None, ""
-        if tok in (job.eos_ids if job.eos_ids is not None else self.eos) and not job.ignore_eos:
-            reason = "stop"
-        elif run.decoder is not None:
-            text = run.stopper.push(run.decoder.push(tok))
-            if run.stopper.matched is not None:
-                reason = "stop"
-        if reason is None and len(job.generated) >= job.max_tokens:
-            reason = "length"
+        text, reason = run.sequence.push(tok)
         if reason is not None:
-            if run.decoder is not None:
-                text += run.stopper.push(run.decoder.finish()) + run.stopper.finish()
             job.finish_reason = reason
         job.emit(Token(tok, text, reason, logprob, top, job.index))
         return reason is None
