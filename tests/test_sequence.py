@@ -2,8 +2,9 @@
 both call (their own tests, test_stopping.py and test_serve*.py, check the loops end to end)."""
 from __future__ import annotations
 
-from engine.sequence import Sequence
 from test_stopping import PieceTokenizer
+
+from engine.sequence import Sequence
 
 TOK = PieceTokenizer(["Hel", "lo", " wor", "ld", "!"])
 HEL, LO, WOR, LD, BANG = TOK.ids(["Hel", "lo", " wor", "ld", "!"])

@@ -12,9 +12,9 @@ import time
 import pytest
 
 httpx = pytest.importorskip("httpx")
-from test_serve_support import NAME, LiveServer, make_server   # noqa: E402
+from test_serve_support import NAME, LiveServer, make_server
 
-from engine.serve.guard import Policy   # noqa: E402
+from engine.serve.guard import Policy
 
 LIMIT = 1000
 BODY = json.dumps({"model": NAME, "prompt": "word " * (2 << 20), "max_tokens": 2}).encode()   # 10 MiB

@@ -48,7 +48,7 @@ class _Transport:
     """The connection's transport as uvicorn sees it: close() asks the protocol, which lingers while
     the client is still sending a body (Connections._close)."""
 
-    def __init__(self, transport, protocol: "Connections"):
+    def __init__(self, transport, protocol: Connections):
         self._transport, self._protocol = transport, protocol
 
     def __getattr__(self, name):
