@@ -380,8 +380,8 @@ class Scheduler:
             p.logits = self.stepper(tokens, p.state, last_only=True)[:, -1]                 # (1, V)
             p.done += n
             self.cache.record_prefill(n, time.perf_counter() - t0)
-            if p.left == 0:
-                self.cache.put(job.path, job.ids, p.state, p.logits)
+            if p.left == 0:   # the state is only read from now on (_admit): the cache keeps it as it is
+                self.cache.put(job.path, job.ids, p.state, p.logits, owned=True)
         except Exception as e:   # noqa: BLE001 -- a failed prefill fails this request only
             self.failures += 1
             job.fail(f"prefill failed: {type(e).__name__}: {e}")
@@ -406,7 +406,7 @@ class Scheduler:
                 logits = self.stepper(tokens, state, last_only=True)[:, -1]                 # (k, V)
                 self.cache.record_prefill(T * len(group), time.perf_counter() - t0)
                 for b, job in enumerate(group):
-                    ready[id(job)] = (state.select_rows([b], max_len=T + job.max_tokens), logits[b:b + 1])
+                    ready[id(job)] = (state.select_rows([b], max_len=T), logits[b:b + 1])
             except Exception:   # noqa: BLE001 -- each job of the group then prefills alone
                 continue
         return ready
@@ -415,22 +415,25 @@ class Scheduler:
         """Start `job`. With `ready` (state, logits: prefilled with others) or a prefix cache `hit`
         (entry, tokens) holding its whole prompt, sample its first token now (and its copies'): a
         list of (Running, batch-1 state) for those that go on. Otherwise a Prefill (a fresh state,
-        or the cached prefix's) for `_feed`."""
+        or the cached prefix's) for `_feed`.
+
+        A prompt's batch-1 state holds exactly its prompt (capacity = its length): it is only read once
+        complete (`_join` copies it into the pool's batch state, which gets the room to decode), so the
+        prefix cache keeps it as it is, without a copy, and a whole-prompt hit joins the cached state
+        itself (a copy of a 4k-token SmolLM2 KV row is ~190 MB)."""
         try:
             run = Running(job, self.tokenizer, self.model.config.vocab_size, self.model.device, self.eos)
-            need = len(job.ids) + job.max_tokens
             if ready is not None:
                 state, logits = ready
-                self.cache.put(job.path, job.ids, state, logits)
+                self.cache.put(job.path, job.ids, state, logits, owned=True)
                 return self._first_tokens(run, state, logits)
             if hit is not None:
                 entry, n = hit
-                state = entry.state.select_rows([0], max_len=need)
                 job.cached_tokens = n
                 if n == len(job.ids):
-                    return self._first_tokens(run, state, entry.logits)
-                return Prefill(run, state, n)
-            return Prefill(run, self.model.init_state(batch=1, max_len=need, attention=job.path,
+                    return self._first_tokens(run, entry.state, entry.logits)
+                return Prefill(run, entry.state.select_rows([0], max_len=len(job.ids)), n)
+            return Prefill(run, self.model.init_state(batch=1, max_len=len(job.ids), attention=job.path,
                                                       feature_map=self.feature_map), 0)
         except Exception as e:   # noqa: BLE001 -- a failed prefill fails this request only
             self.failures += 1
