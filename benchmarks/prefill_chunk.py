@@ -7,6 +7,9 @@ median time of one chunk. Part 2, per chunk size, path and number of running str
 scheduler (in-process) decodes N greedy streams; once they run, a `--prompt`-token prompt is
 admitted; the streams' inter-token gaps while it is fed are compared with their median gap before it
 came (issue 29's target: worst <= 3x median). Chunk 0 = the whole prompt in one block (no chunking).
+With `--long-tokens N` (> 1) the long prompt goes on decoding N tokens: its row joins the running
+streams' batch (the join copies every row, right-aligned to the long one), and the gaps are counted
+until it ends; the default (1) ends it at its first token, so the join is not measured.
 Prints one table per part and, with --json, writes the records.
 """
 from __future__ import annotations
@@ -55,7 +58,7 @@ class Stream:
         self.times.append(time.perf_counter())
 
 
-def gaps(llm, path: str, chunk: int, streams: int, n: int, before: int = 20) -> dict:
+def gaps(llm, path: str, chunk: int, streams: int, n: int, before: int = 20, long_tokens: int = 1) -> dict:
     step = make_step(llm.model, prefill_chunk=chunk)
     sched = Scheduler(llm.model, llm.tokenizer, step, max_batch=streams + 1)
     sched.start()
@@ -64,7 +67,7 @@ def gaps(llm, path: str, chunk: int, streams: int, n: int, before: int = 20) -> 
     # enough tokens to outlast the admission (one token per stream per chunk fed, plus a margin), and no
     # more: a softmax row's KV cache is allocated for its whole max_tokens (16 rows x 100k tokens of
     # SmolLM2's f32 KV is ~74 GB)
-    max_tokens = before + n // (chunk or n) + 512
+    max_tokens = before + n // (chunk or n) + 512 + long_tokens
     jobs = [Job(prompt_ids(8, llm.model.config.vocab_size, seed=i + 1), path, params, max_tokens=max_tokens,
                 emit=r, ignore_eos=True) for i, r in enumerate(runs)]
     try:
@@ -72,11 +75,18 @@ def gaps(llm, path: str, chunk: int, streams: int, n: int, before: int = 20) -> 
             sched.submit(job)
         while min(len(r.times) for r in runs) < before:
             time.sleep(0.005)
-        first = threading.Event()
+        first, last, firsts = threading.Event(), threading.Event(), []
+
+        def long_token(event):
+            firsts.append(time.perf_counter())
+            first.set()
+            if getattr(event, "finish_reason", "failed") is not None:
+                last.set()
         admitted = time.perf_counter()
-        sched.submit(Job(prompt_ids(n, llm.model.config.vocab_size, seed=99), path, params, max_tokens=1,
-                         emit=lambda e: first.set()))
+        sched.submit(Job(prompt_ids(n, llm.model.config.vocab_size, seed=99), path, params, max_tokens=long_tokens,
+                         emit=long_token, ignore_eos=True))
         first.wait(600)
+        last.wait(600)
         done = time.perf_counter()
     finally:
         for job in jobs:
@@ -90,7 +100,8 @@ def gaps(llm, path: str, chunk: int, streams: int, n: int, before: int = 20) -> 
     median = statistics.median(calm)
     worst = max(busy) if busy else float("nan")
     return {"chunk": chunk, "path": path, "streams": streams, "prompt": n, "median_gap_ms": 1e3 * median,
-            "worst_gap_ms": 1e3 * worst, "worst_over_median": worst / median, "ttft_s": done - admitted,
+            "worst_gap_ms": 1e3 * worst, "worst_over_median": worst / median, "ttft_s": firsts[0] - admitted,
+            "long_tokens": long_tokens,
             "tokens_while_admitting": len(busy)}
 
 
@@ -102,6 +113,8 @@ def main() -> None:
     ap.add_argument("--streams", default="1,16")
     ap.add_argument("--prompt", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--long-tokens", type=int, default=1, help="tokens the long prompt decodes (> 1: its row "
+                    "joins the running batch, and the join is measured)")
     ap.add_argument("--json", dest="json_path")
     a = ap.parse_args()
     chunks = [int(c) for c in a.chunks.split(",")]
@@ -120,7 +133,7 @@ def main() -> None:
     for path in paths:
         for s in streams:
             for chunk in chunks:
-                r = gaps(llm, path, chunk, s, a.prompt)
+                r = gaps(llm, path, chunk, s, a.prompt, long_tokens=a.long_tokens)
                 records.append(r)
                 print(f"| {path} | {s} | {chunk or 'whole'} | {r['median_gap_ms']:.1f} | {r['worst_gap_ms']:.1f} | "
                       f"{r['worst_over_median']:.1f}x | {r['ttft_s']:.1f} |", flush=True)

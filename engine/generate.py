@@ -18,10 +18,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from engine.detokenize import StreamDecoder
 from engine.errors import InvalidArgumentError
 from engine.sampling import Sampler, SamplingParams
-from engine.stopping import StopText, check_stop_strings
+from engine.sequence import Sequence, eos_set, flush  # noqa: F401 -- eos_set, flush: their old home
+from engine.stopping import check_stop_strings
 
 PROGRESS_BLOCK = 4096   # a longer prompt reports its prefill (Generation.on_prefill) about this often
 
@@ -146,8 +146,10 @@ class Generation(Closing):
                 f"shorten the prompt, raise max_context, or use linear attention (no limit)")
         self.state_bytes = self.state.nbytes
         self.eos = frozenset(() if config.ignore_eos else eos_set(model.config, tokenizer, config.eos_ids))
-        self.ids: list[list[int]] = [[] for _ in range(B)]
-        self.texts: list[str] = [""] * B      # text released so far, per sequence
+        # each sequence's finish rules (engine.sequence): EOS, stop strings, length, context
+        room = [None if self.context is None else self.context - self.offset - len(p) for p in self.prompts]
+        self.sequences = [Sequence(tokenizer, config.stop, self.eos, N, r) for r in room]
+        self.ids: list[list[int]] = [seq.ids for seq in self.sequences]
         self.results: list[Result | None] = [None] * B
         self.seed = config.sampling.seed
         self._t0 = time.perf_counter()
@@ -170,6 +172,11 @@ class Generation(Closing):
         self.state = None
 
     @property
+    def texts(self) -> list[str]:
+        """The text each sequence has released so far."""
+        return [seq.text for seq in self.sequences]
+
+    @property
     def done(self) -> bool:
         return all(r is not None for r in self.results)
 
@@ -188,13 +195,11 @@ class Generation(Closing):
         sampler = Sampler(cfg.sampling, B, model.config.vocab_size, model.device)
         self.seed = sampler.seed
         sampler.observe(tokens, valid)
-        decoders = [StreamDecoder(self.tokenizer) if self.tokenizer is not None else None for _ in range(B)]
-        stoppers = [StopText(cfg.stop) for _ in range(B)]
         try:
             t = time.perf_counter()
             logits = self._prefill(tokens, valid)                          # (B, V)
             self._prefill_s = time.perf_counter() - t
-            for n in range(1, N + 1):
+            for _ in range(N):   # each sequence's `max_new_tokens`-th id ends it ("length")
                 nxt = sampler.sample(logits)                                # (B,)
                 now = time.perf_counter()
                 if self._t_first is None:
@@ -202,21 +207,11 @@ class Generation(Closing):
                 for b, tok in enumerate(nxt.tolist()):
                     if self.results[b] is not None:
                         continue
-                    self.ids[b].append(tok)
-                    text, reason = self._text(tok, decoders[b], stoppers[b])
-                    if reason is None and n == N:
-                        reason = "length"
-                    if reason is None and self.context is not None and \
-                            self.offset + len(self.prompts[b]) + n > self.context:
-                        reason = "context"   # feeding `tok` back would need one more cache slot
-                    if reason is not None:
-                        text += flush(decoders[b], stoppers[b])
-                    self.texts[b] += text
+                    text, reason = self.sequences[b].push(tok)
                     if reason is not None:
                         self._t_last[b] = now
                         self.results[b] = self.result(b, reason)
-                        if reason == "stop":
-                            self.results[b].stop_reason = tok if tok in self.eos else stoppers[b].matched
+                        self.results[b].stop_reason = self.sequences[b].stop_reason
                     yield TokenEvent(b, tok, text, reason)
                 if self.done:
                     return
@@ -238,14 +233,6 @@ class Generation(Closing):
             self.on_prefill(min(start + block, P), P)
         return logits
 
-    def _text(self, tok: int, decoder, stopper) -> tuple[str, str | None]:
-        if tok in self.eos:
-            return "", "stop"
-        if decoder is None:
-            return "", None
-        text = stopper.push(decoder.push(tok))
-        return text, ("stop" if stopper.matched is not None else None)
-
     def result(self, b: int = 0, reason: str | None = None) -> Result:
         """Sequence b's result; before it finishes, what it holds so far (finish_reason None)."""
         if self.results[b] is not None:
@@ -260,7 +247,7 @@ class Generation(Closing):
                       decode_tokens_per_s=(len(ids) - 1) / decode_s if len(ids) > 1 and decode_s > 0 else 0.0,
                       state_bytes=self.state_bytes, attention=self.attention, batch=len(self.prompts),
                       seed=self.seed, step_form=getattr(self.step, "last_form", None))
-        return Result(self.texts[b], list(ids), reason, stats)
+        return Result(self.sequences[b].text, list(ids), reason, stats)
 
 
 def allocate(model, **kw):
@@ -273,23 +260,6 @@ def allocate(model, **kw):
             raise
         raise InvalidArgumentError(f"a state for {kw['max_len']} tokens per sequence does not fit in memory; "
                                    f"lower max_context or max_new_tokens, or use linear attention") from None
-
-
-def flush(decoder, stopper) -> str:
-    """At a sequence's end: release the detokenizer's tail, then the stop filter's held text."""
-    tail = decoder.finish() if decoder is not None else ""
-    return stopper.push(tail) + stopper.finish()
-
-
-def eos_set(model_config, tokenizer, eos_ids=None) -> set[int]:
-    """The ids that end a sequence: the given ones, else the config's and the tokenizer's together
-    (they disagree in some checkpoints: transformers #31362)."""
-    if eos_ids is not None:
-        return set(eos_ids)
-    ids = set(model_config.eos_ids)
-    if tokenizer is not None and tokenizer.eos_id is not None and tokenizer.eos_id >= 0:
-        ids.add(tokenizer.eos_id)
-    return ids
 
 
 def check_prompts(prompts, vocab_size: int) -> list[list[int]]:

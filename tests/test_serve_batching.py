@@ -8,6 +8,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 from test_serve_support import NAME, LiveServer, chat_model_dir, client, make_server  # noqa: F401 (a fixture)
 
@@ -294,3 +295,45 @@ def test_prompts_arriving_together_are_prefilled_as_one_batch_and_equal_their_so
     for i in range(6):
         alone, _ = run([i])
         assert together[i] == alone[i], f"prompt {i}"
+
+
+@pytest.mark.parametrize("path", ["softmax", "linear"])
+def test_a_prompt_state_is_copied_once_into_the_batch_and_the_cache_keeps_it_unchanged(small_model_dir, path,
+                                                                                       monkeypatch):
+    """Issue 29's stall at a long prompt's end: the prefix cache keeps the prefilled state itself (no
+    second copy of a 4k-token KV row) and a whole-prompt hit joins the cached state; decoding never
+    writes to it, and the tokens stay those of the run without a cache."""
+    from engine.api import load
+    from engine.sampling import SamplingParams
+    from engine.serve import PrefixCache, Scheduler
+    from engine.serve.scheduler import Job, Token
+    llm = load(str(small_model_dir), backend="auto")
+    kind = type(llm.model.init_state(batch=1, max_len=4, attention=path))
+    copies = []
+    select_rows = kind.select_rows
+    monkeypatch.setattr(kind, "select_rows", lambda self, *a, **kw: copies.append(1) or select_rows(self, *a, **kw))
+    prompt = [1, 11, 22, 33, 44, 55, 66]
+
+    def run(sched):
+        out = []
+        job = Job(ids=prompt, path=path, params=SamplingParams(temperature=0.9, seed=5), max_tokens=10,
+                  ignore_eos=True, emit=lambda ev: out.append(ev.id if isinstance(ev, Token) else ev))
+        sched._iterate([job])
+        for _ in range(50):
+            if not sched.active:
+                break
+            sched._iterate([])
+        return out
+
+    cold = run(Scheduler(llm.model, llm.tokenizer, llm.step, max_batch=2, cache=PrefixCache(max_entries=0)))
+    sched = Scheduler(llm.model, llm.tokenizer, llm.step, max_batch=2, cache=PrefixCache())
+    copies.clear()
+    first = run(sched)
+    entry = sched.cache.entries[(path, tuple(prompt))]
+    saved = [t.clone() for t in entry.state.tensors()]
+    hit = run(sched)
+    print(path, "select_rows calls:", len(copies), "hits:", sched.cache.hits)
+    assert first == hit == cold and len(first) == 10
+    assert sched.cache.hits == 1
+    assert copies == [] and entry.state.max_len in (None, len(prompt))   # kept, not copied; no spare room
+    assert all(torch.equal(a, b) for a, b in zip(saved, entry.state.tensors()))   # decoding never wrote to it

@@ -12,7 +12,13 @@ uvicorn's H11Protocol) adds, from the Policy (engine.serve.guard):
 - `read_timeout`: a connection must deliver a request's complete headers within that many seconds of
   its first byte (or of opening, for the first request), else it is closed. Between requests
   uvicorn's keep-alive timeout (`keep_alive`) applies. The body's own timeout (a gap of more than
-  `read_timeout` between its parts: 408) is the RequestGuard's, where the body is read.
+  `read_timeout` between its parts: 408) is the RequestGuard's, where the body is read;
+- a lingering close: a request refused before its body was read (413 over --max-body, 415, 408)
+  is answered, then the connection is half-closed (FIN after the answer) and what the client still
+  sends is read and thrown away (never buffered) until it closes, for LINGER_S at most, as nginx's
+  `lingering_close` does. A plain close with unread bytes makes the kernel send a reset,
+  which destroys the answer in the client's buffers: a client that writes its whole body before
+  reading (httpx's async client) got a connection reset instead of the 413.
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ from engine.serve.errors import APIError
 from engine.serve.guard import Policy
 
 RETRY_AFTER_S = 1
+LINGER_S = 5.0   # the most seconds a refused request's remaining body is read and discarded
 
 
 def over_connections(limit: int) -> bytes:
@@ -37,14 +44,34 @@ def over_connections(limit: int) -> bytes:
             b"retry-after: %d\r\nconnection: close\r\ncontent-length: %d\r\n\r\n" % (RETRY_AFTER_S, len(body))) + body
 
 
+class _Transport:
+    """The connection's transport as uvicorn sees it: close() asks the protocol, which lingers while
+    the client is still sending a body (Connections._close)."""
+
+    def __init__(self, transport, protocol: Connections):
+        self._transport, self._protocol = transport, protocol
+
+    def __getattr__(self, name):
+        return getattr(self._transport, name)
+
+    def close(self) -> None:
+        self._protocol._close()
+
+    def is_closing(self) -> bool:
+        return self._protocol._lingered is not None or self._transport.is_closing()
+
+
 class Connections(H11Protocol):
-    """uvicorn's h11 protocol with a connection limit and a deadline on request headers."""
+    """uvicorn's h11 protocol with a connection limit, a deadline on request headers and a lingering
+    close."""
 
     policy: Policy = Policy()
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
-        self._header_timer = None
+        self._header_timer = self._linger_timer = self._lingered = None
+        self._closing_now = False
+        self._raw, self.transport = transport, _Transport(transport, self)
         limit = self.policy.max_connections
         if limit and len(self.connections) > limit:
             transport.write(over_connections(limit))
@@ -53,6 +80,9 @@ class Connections(H11Protocol):
         self._arm()
 
     def data_received(self, data: bytes) -> None:
+        if self._lingered is not None:   # the rest of a refused body: thrown away
+            self._lingered += len(data)
+            return
         super().data_received(data)
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
             self._arm()        # part of a request's headers: the deadline runs from its first byte
@@ -61,7 +91,33 @@ class Connections(H11Protocol):
 
     def connection_lost(self, exc) -> None:
         self._disarm()
+        self._closing_now = True
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
         super().connection_lost(exc)
+
+    def shutdown(self) -> None:
+        self._closing_now = True     # the server stops: no lingering
+        if self._lingered is not None:
+            self._raw.close()
+        super().shutdown()
+
+    def _close(self) -> None:
+        """Closes the connection; while the client is still sending a request's body, lingers: the
+        answer goes out with a FIN after it, and the rest of the body is read and discarded until the
+        client closes (eof) or LINGER_S have passed."""
+        raw = self._raw
+        if self._lingered is not None:
+            return
+        if (self._closing_now or raw.is_closing() or self.conn.their_state is not h11.SEND_BODY
+                or not raw.can_write_eof()):
+            raw.close()
+            return
+        self._disarm()
+        self._lingered = 0
+        raw.write_eof()          # after what is buffered: the client sees the answer, then the end
+        raw.resume_reading()     # uvicorn may have paused reading while the body was unread
+        self._linger_timer = self.loop.call_later(LINGER_S, raw.close)
 
     def _arm(self) -> None:
         if self._header_timer is None and self.policy.read_timeout:
@@ -85,4 +141,4 @@ def uvicorn_config(app, policy: Policy, **kw) -> uvicorn.Config:
     return uvicorn.Config(app, http=protocol, timeout_keep_alive=policy.keep_alive, **kw)
 
 
-__all__ = ["Connections", "uvicorn_config", "over_connections"]
+__all__ = ["Connections", "uvicorn_config", "over_connections", "LINGER_S"]

@@ -17,7 +17,8 @@ Refused, each with OpenAI's error body (engine.serve.errors), in this order:
   without a preflight;
 - a body over `max_body` bytes (413, connection closed): refused from its Content-Length before a
   byte is read, else as soon as the bytes received pass the limit (a chunked body is never buffered
-  whole);
+  whole); the rest of the body is then read and thrown away for a bounded time before the close
+  (engine.serve.connections' lingering close), so a client still writing it reads the 413, not a reset;
 - a body whose next part does not arrive within `read_timeout` seconds (408, connection closed): a
   client that sends half a body does not hold its handler forever.
 The connection limit and the deadline on request headers are engine.serve.connections' (the
@@ -208,7 +209,7 @@ def _key_matches(headers: dict, key: str) -> bool:
 
 
 def too_large(limit: int) -> APIError:
-    """413; the connection closes after it (the rest of the body is never read)."""
+    """413; the connection closes after it (the rest of the body is discarded, never buffered)."""
     return APIError(413, f"The request body is over this server's limit of {limit} bytes (--max-body)",
                     code="request_too_large", headers={"Connection": "close"})
 

@@ -48,11 +48,16 @@ class PrefixCache:
             self.entries.move_to_end((path, tuple(ids[:best[1]])))
         return best
 
-    def put(self, path: str, ids: list[int], state, logits: torch.Tensor) -> None:
-        """Keep a copy of `state` (batch 1, holding exactly `ids`) and the last logits (1, V)."""
+    def put(self, path: str, ids: list[int], state, logits: torch.Tensor, owned: bool = False) -> None:
+        """Keep a copy of `state` (batch 1, holding exactly `ids`) and the last logits (1, V). owned: the
+        caller hands `state` over and never writes to it again; a state whose capacity is its slots (or
+        none: linear) is then kept as it is, without a copy. An entry's state is only ever read."""
         if len(ids) < self.min_tokens or self.max_entries == 0:
             return
-        copy = state.select_rows([0], max_len=state.slots if state.max_len is not None else None)
+        if owned and state.max_len in (None, state.slots):
+            copy = state
+        else:
+            copy = state.select_rows([0], max_len=state.slots if state.max_len is not None else None)
         entry = Entry(copy, logits.detach().clone(), copy.nbytes + logits.numel() * logits.element_size())
         with self.lock:
             self.entries[(path, tuple(ids))] = entry

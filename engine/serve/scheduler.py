@@ -44,11 +44,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.detokenize import StreamDecoder
-from engine.generate import eos_set
 from engine.sampling import RowSampler, SamplingParams, sample_rows
+from engine.sequence import Sequence, eos_set
 from engine.serve.prefix_cache import PrefixCache
-from engine.stopping import StopText
 
 
 class Full(Exception):
@@ -139,13 +137,14 @@ class Job:
 
 
 class Running:
-    """A job being decoded: its sampler, detokenizer and stop filter."""
+    """A job being decoded: its sampler and its finish rules (engine.sequence: detokenizer, stop
+    strings, EOS, length; `eos` is the model's set, used when the job names none)."""
 
-    def __init__(self, job: Job, tokenizer, vocab_size: int, device):
+    def __init__(self, job: Job, tokenizer, vocab_size: int, device, eos=frozenset()):
         self.job = job
         self.sampler = RowSampler(job.params, job.ids, vocab_size, device)
-        self.decoder = StreamDecoder(tokenizer) if tokenizer is not None else None
-        self.stopper = StopText(job.stop)
+        eos = frozenset() if job.ignore_eos else (job.eos_ids if job.eos_ids is not None else eos)
+        self.sequence = Sequence(tokenizer, job.stop, eos, job.max_tokens, ids=job.generated)
 
 
 @dataclass(eq=False)
@@ -393,8 +392,8 @@ class Scheduler:
             p.logits = self.stepper(tokens, p.state, last_only=True)[:, -1]                 # (1, V)
             p.done += n
             self.cache.record_prefill(n, time.perf_counter() - t0)
-            if p.left == 0:
-                self.cache.put(job.key, job.ids, p.state, p.logits)
+            if p.left == 0:   # the state is only read from now on (_admit): the cache keeps it as it is
+                self.cache.put(job.key, job.ids, p.state, p.logits, owned=True)
         except Exception as e:   # noqa: BLE001 -- a failed prefill fails this request only
             self.failures += 1
             job.fail(f"prefill failed: {type(e).__name__}: {e}")
@@ -419,7 +418,7 @@ class Scheduler:
                 logits = self.stepper(tokens, state, last_only=True)[:, -1]                 # (k, V)
                 self.cache.record_prefill(T * len(group), time.perf_counter() - t0)
                 for b, job in enumerate(group):
-                    ready[id(job)] = (state.select_rows([b], max_len=T + job.max_tokens), logits[b:b + 1])
+                    ready[id(job)] = (state.select_rows([b], max_len=T), logits[b:b + 1])
             except Exception:   # noqa: BLE001 -- each job of the group then prefills alone
                 continue
         return ready
@@ -428,22 +427,25 @@ class Scheduler:
         """Start `job`. With `ready` (state, logits: prefilled with others) or a prefix cache `hit`
         (entry, tokens) holding its whole prompt, sample its first token now (and its copies'): a
         list of (Running, batch-1 state) for those that go on. Otherwise a Prefill (a fresh state,
-        or the cached prefix's) for `_feed`."""
+        or the cached prefix's) for `_feed`.
+
+        A prompt's batch-1 state holds exactly its prompt (capacity = its length): it is only read once
+        complete (`_join` copies it into the pool's batch state, which gets the room to decode), so the
+        prefix cache keeps it as it is, without a copy, and a whole-prompt hit joins the cached state
+        itself (a copy of a 4k-token SmolLM2 KV row is ~190 MB)."""
         try:
-            run = Running(job, self.tokenizer, self.model.config.vocab_size, self.model.device)
-            need = len(job.ids) + job.max_tokens
+            run = Running(job, self.tokenizer, self.model.config.vocab_size, self.model.device, self.eos)
             if ready is not None:
                 state, logits = ready
-                self.cache.put(job.key, job.ids, state, logits)
+                self.cache.put(job.key, job.ids, state, logits, owned=True)
                 return self._first_tokens(run, state, logits)
             if hit is not None:
                 entry, n = hit
-                state = entry.state.select_rows([0], max_len=need)
                 job.cached_tokens = n
                 if n == len(job.ids):
-                    return self._first_tokens(run, state, entry.logits)
-                return Prefill(run, state, n)
-            return Prefill(run, self.model.init_state(batch=1, max_len=need, attention=job.path,
+                    return self._first_tokens(run, entry.state, entry.logits)
+                return Prefill(run, entry.state.select_rows([0], max_len=len(job.ids)), n)
+            return Prefill(run, self.model.init_state(batch=1, max_len=len(job.ids), attention=job.path,
                                                       feature_map=self.feature_map, spec=job.spec), 0)
         except Exception as e:   # noqa: BLE001 -- a failed prefill fails this request only
             self.failures += 1
@@ -457,7 +459,8 @@ class Scheduler:
         for copy in run.job.copies:
             try:
                 copy.cached_tokens = run.job.cached_tokens
-                starts.append((Running(copy, self.tokenizer, self.model.config.vocab_size, self.model.device),
+                starts.append((Running(copy, self.tokenizer, self.model.config.vocab_size, self.model.device,
+                                       self.eos),
                                state.select_rows([0], max_len=len(copy.ids) + copy.max_tokens)))
             except Exception as e:   # noqa: BLE001
                 self.failures += 1
@@ -558,21 +561,10 @@ class Scheduler:
         return going
 
     def _deliver(self, run: Running, tok: int, logprob: float | None, top) -> bool:
-        """Record and send one sampled token; False when the job is finished."""
+        """Record (in job.generated) and send one sampled token; False when the job is finished."""
         job = run.job
-        job.generated.append(tok)
-        reason, text = None, ""
-        if tok in (job.eos_ids if job.eos_ids is not None else self.eos) and not job.ignore_eos:
-            reason = "stop"
-        elif run.decoder is not None:
-            text = run.stopper.push(run.decoder.push(tok))
-            if run.stopper.matched is not None:
-                reason = "stop"
-        if reason is None and len(job.generated) >= job.max_tokens:
-            reason = "length"
+        text, reason = run.sequence.push(tok)
         if reason is not None:
-            if run.decoder is not None:
-                text += run.stopper.push(run.decoder.finish()) + run.stopper.finish()
             job.finish_reason = reason
         job.emit(Token(tok, text, reason, logprob, top, job.index))
         return reason is None
