@@ -98,7 +98,7 @@ def request_fields(conf: dict, number=None) -> dict:
     out = {k: conf[k] for k in ("attention", "softmax_layers", "window") if conf.get(k)}
     if conf.get("param"):
         p = conf["param"]
-        out[p["field"]] = p["format"].replace("{}", str(number)) if p["format"] else number
+        out[p["field"]] = p["format"].replace("{}", str(number)) if p["format"] not in (None, "list") else number
     return out
 
 
@@ -117,7 +117,9 @@ def test_the_configurations_taking_a_number_ask_for_the_runs_the_api_loads(ranke
     custom = {c["id"]: c for c in cfg["custom"]}
     assert custom["hybrid-auto"]["param"]["min"] == 1 and custom["hybrid-auto"]["param"]["max"] == len(LOSSES) - 1
     assert custom["window"]["param"]["min"] == 1 and custom["window"]["param"]["max"] is None
+    assert (custom["hybrid-layers"]["param"]["min"], custom["hybrid-layers"]["param"]["max"]) == (0, len(LOSSES) - 1)
     for conf, n, options in ((custom["hybrid-auto"], 2, {"attention": "hybrid", "softmax_layers": "auto:2"}),
+                             (custom["hybrid-layers"], [5, 1], {"attention": "hybrid", "softmax_layers": [1, 5]}),
                              (custom["window"], 4, {"attention": "linear", "window": 4})):
         spec = server.request_spec(CompletionRequest(prompt="x", **request_fields(conf, n)))
         assert spec.mode == engine.load(str(ranked_dir), **options).spec.mode, options
@@ -125,10 +127,12 @@ def test_the_configurations_taking_a_number_ask_for_the_runs_the_api_loads(ranke
     hybrid = server.request_spec(CompletionRequest(prompt="x", **request_fields(custom["hybrid-auto"], 2)))
     assert [i for i, p in enumerate(hybrid.layer_attention) if p == "softmax"] == [1, 5]   # the highest losses
     plain = Server(engine.load("tiny"), "tiny")      # no transfer losses: auto:K is the server's 400
-    conf = {c["id"]: c for c in page_config(plain)["custom"]}["hybrid-auto"]
+    conf = {c["id"]: c for c in page_config(plain)["custom"]}
     with pytest.raises(APIError) as e:
-        plain.request_spec(CompletionRequest(prompt="x", **request_fields(conf, 2)))
+        plain.request_spec(CompletionRequest(prompt="x", **request_fields(conf["hybrid-auto"], 2)))
     assert e.value.status == 400 and "transfer losses" in str(e.value)
+    listed = plain.request_spec(CompletionRequest(prompt="x", **request_fields(conf["hybrid-layers"], [1, 5])))
+    assert listed.mode == engine.load("tiny", softmax_layers=[1, 5]).spec.mode
 
 
 def pick(driver, slot: int, config: str, number) -> None:
@@ -170,29 +174,36 @@ def test_hybrid_auto_k_and_window_w_panes_stream_the_apis_greedy_text(ranked):
     assert any("hybrid auto:2" in t for t in legend) and any("window 4" in t for t in legend), legend
 
 
+@pytest.mark.filterwarnings("ignore:these weights were trained")
 def test_a_k_the_model_cannot_run_shows_the_servers_message_and_a_bad_number_the_pages(page):
+    import engine
     import httpx
     url, driver = page
-    web.open_page(driver, url, max_tokens=4)
+    web.open_page(driver, url, panes=("softmax", "linear", "softmax"), max_tokens=MAX_TOKENS)
     pick(driver, 0, "hybrid-auto", 2)      # tiny records no transfer losses: the server refuses auto:K
+    pick(driver, 2, "hybrid-layers", "1, 5")   # what tiny runs as a hybrid: the layers listed
     web.send(driver, PROMPT)
-    web.wait_until(driver, lambda d: "streaming" not in web.statuses(d) and "idle" not in web.statuses(d), 30)
+    web.wait_until(driver, lambda d: not {"streaming", "idle"} & set(web.statuses(d)), 30)
     r = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "attention": "hybrid",
                                                   "softmax_layers": "auto:2"})
     assert r.status_code == 400
-    assert web.statuses(driver) == ["error", "done"] and errors(driver)[0] == r.json()["error"]["message"]
+    assert web.statuses(driver) == ["error", "done", "done"] and errors(driver)[0] == r.json()["error"]["message"]
     assert "transfer losses" in errors(driver)[0]
+    want = engine.load("tiny", softmax_layers=[1, 5]).generate(PROMPT, max_new_tokens=MAX_TOKENS, temperature=0)
+    assert panes(driver)[2]["shown"] == want.text and panes(driver)[2]["stats"]["attention"] == "hybrid"
     # numbers out of bounds are refused by the page, in the pane, before any request
     layers = driver.execute_script("return window.gen.config.layers")
     pick(driver, 0, "hybrid-auto", layers)
     pick(driver, 1, "window", 0)
+    pick(driver, 2, "hybrid-layers", "1,1")
     boxes = driver.find_elements("css selector", ".pane input.param")
-    assert [b.get_attribute("aria-invalid") for b in boxes] == ["true", "true"]
+    assert [b.get_attribute("aria-invalid") for b in boxes] == ["true", "true", "true"]
     web.send(driver, "again")
-    web.wait_until(driver, lambda d: web.statuses(d) == ["error", "error"], 10)
-    k, w = errors(driver)
+    web.wait_until(driver, lambda d: web.statuses(d) == ["error", "error", "error"], 10)
+    k, w, layer_list = errors(driver)
     assert k.startswith(f"K must be a whole number from 1 to {layers - 1}") and k.endswith(f'got "{layers}"')
     assert w.startswith("W must be a whole number at least 1") and w.endswith('got "0"')
+    assert layer_list.startswith(f"L must list distinct layers from 0 to {layers - 1}") and layer_list.endswith('got "1,1"')
     # a failed turn stays out of the pane's conversation: a good number then runs on what it had
     texts = driver.execute_script("return window.gen.panes.map(p => p.text)")
     assert texts[0] == "" and "again" not in texts[1]

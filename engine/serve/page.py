@@ -66,9 +66,11 @@ def configurations(llm) -> list[dict]:
 
 def custom_configurations(llm) -> list[dict]:
     """The configurations a pane picks with a number of its own: hybrid auto:K (the K layers with the
-    highest transfer loss keep softmax: `softmax_layers` "auto:K", K in 1..layers-1) and window W
-    (linear + the exact last W keys: `window` W >= 1). `param` says which request field takes the
-    number, its format and bounds (max None: unbounded); the page checks them, the server decides
+    highest transfer loss keep softmax: `softmax_layers` "auto:K", K in 1..layers-1), hybrid layers L
+    (those layers keep softmax: `softmax_layers` [..], each in 0..layers-1: what a model without
+    transfer losses runs) and window W (linear + the exact last W keys: `window` W >= 1). `param`
+    says which request field takes the number, its format ("auto:{}", "list": comma-separated layers,
+    None: the number) and bounds (max None: unbounded); the page checks them, the server decides
     whether this model runs it (a 400 with its one-line reason otherwise: no transfer losses
     recorded, another set of learned maps)."""
     cfg, spec = llm.model.config, llm.spec
@@ -83,6 +85,11 @@ def custom_configurations(llm) -> list[dict]:
                     "param": {"field": "softmax_layers", "name": "K", "format": "auto:{}", "min": 1,
                               "max": layers - 1, "value": k,
                               "title": f"the K of {layers} layers with the highest transfer loss keep softmax"}})
+        out.append({"id": "hybrid-layers", "attention": "hybrid", "label": "hybrid layers L" + untrained,
+                    "param": {"field": "softmax_layers", "name": "L", "format": "list", "min": 0,
+                              "max": layers - 1, "value": ",".join(map(str, [i for i, p in enumerate(now or ())
+                                                                              if p == "softmax"] or [0])),
+                              "title": f"the layers that keep softmax, e.g. 0,3 (0-{layers - 1})"}})
     out.append({"id": "window", "attention": "linear", "label": "window W" + untrained,
                 "param": {"field": "window", "name": "W", "format": None, "min": 1, "max": None,
                           "value": spec.linear_window or 64,

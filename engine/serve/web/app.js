@@ -115,6 +115,10 @@
       const p = this.configuration.param;
       this.param.hidden = !p;
       if (!p) return;
+      const list = p.format === "list";   // layer numbers, comma-separated: a text box
+      this.param.type = list ? "text" : "number";
+      this.param.inputMode = list ? "text" : "numeric";
+      this.param.classList.toggle("list", list);
       this.param.min = p.min;
       if (p.max === null) this.param.removeAttribute("max"); else this.param.max = p.max;
       this.param.setAttribute("aria-label", p.name);
@@ -126,9 +130,16 @@
       this.checkParam();
     }
 
-    // the pane's number, or an Invalid error saying what it must be
+    // the pane's number (a list of layers: the numbers), or an Invalid error saying what it must be
     paramValue() {
       const p = this.configuration.param, raw = this.param.value.trim();
+      if (p.format === "list") {
+        const layers = /^\d+(\s*,\s*\d+)*$/.test(raw) ? raw.split(",").map(Number) : [];
+        if (!layers.length || layers.some(i => i < p.min || i > p.max) || new Set(layers).size !== layers.length)
+          throw new Invalid(`${p.name} must list distinct layers from ${p.min} to ${p.max}, comma-separated ` +
+                            `(${p.title}); got ${JSON.stringify(raw)}`);
+        return layers;
+      }
       const v = /^\d+$/.test(raw) ? Number(raw) : NaN;
       if (!(v >= p.min && (p.max === null || v <= p.max))) {
         const range = p.max === null ? `at least ${p.min}` : `from ${p.min} to ${p.max}`;
@@ -164,7 +175,7 @@
       if (c.window) out.window = c.window;
       if (c.param) {
         const v = this.paramValue();
-        out[c.param.field] = c.param.format ? c.param.format.replace("{}", v) : v;
+        out[c.param.field] = c.param.format && c.param.format !== "list" ? c.param.format.replace("{}", v) : v;
       }
       return out;
     }
