@@ -1,5 +1,6 @@
 """gen serve's page in a real browser: Debian's chromium, headless, driven by Selenium (skipped with
-the reason when chromium, chromedriver or selenium is missing). The server is `gen serve --model tiny`
+the reason when chromium, chromedriver or selenium is missing; the tests of what the page is served
+run without one). The server is `gen serve --model tiny`
 in a subprocess on a free loopback port (scripts/web_screenshot.py's helpers)."""
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import web_screenshot as web  # noqa: E402
 
 WHY = web.missing()
-pytestmark = pytest.mark.skipif(WHY is not None, reason=f"the page test needs a browser: {WHY}")
+browser = pytest.mark.skipif(WHY is not None, reason=f"the page test needs a browser: {WHY}")
 
 PROMPT = "Once upon a time"
 MAX_TOKENS = 40
@@ -21,6 +22,8 @@ MAX_TOKENS = 40
 
 @pytest.fixture(scope="module")
 def page():
+    if WHY is not None:
+        pytest.skip(f"the page test needs a browser: {WHY}")
     with web.serving("--model", "tiny") as url:
         driver = web.browser(1280, 900)
         try:
@@ -64,6 +67,149 @@ def test_two_panes_stream_the_apis_greedy_text_with_the_servers_numbers(page):
     assert len(lin) > 10 and len(set(lin)) == 1             # the linear row does not
     # the live chart drew every pane
     assert len(driver.find_elements("css selector", "#live-bytes polyline")) == 2
+
+
+LOSSES = [0.1, 0.5, 0.05, 0.3, 0.2, 0.4]   # auto:2 keeps softmax on layers 1 and 5
+
+
+@pytest.fixture(scope="module")
+def ranked_dir(tmp_path_factory):
+    """tiny's weights with per-layer transfer losses recorded (what `auto:K` ranks by; tiny itself has
+    none): a copy of its config.json beside links to its weights and tokenizer."""
+    import json
+    from models.registry import REGISTRY
+    tiny, d = REGISTRY["tiny"], tmp_path_factory.mktemp("ranked")
+    cfg = json.loads((tiny / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(dict(cfg, transfer_loss=LOSSES)))
+    for name in ("model.safetensors", "tokenizer.model"):
+        (d / name).symlink_to(tiny / name)
+    return d
+
+
+@pytest.fixture(scope="module")
+def ranked(ranked_dir, page):
+    """`gen serve` on ranked_dir, and the module's browser."""
+    with web.serving("--model", str(ranked_dir)) as url:
+        yield url, page[1], ranked_dir
+
+
+def request_fields(conf: dict, number=None) -> dict:
+    """The run fields a pane bound to `conf` sends (app.js, Pane.runFields), its number filled in."""
+    out = {k: conf[k] for k in ("attention", "softmax_layers", "window") if conf.get(k)}
+    if conf.get("param"):
+        p = conf["param"]
+        out[p["field"]] = p["format"].replace("{}", str(number)) if p["format"] not in (None, "list") else number
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:these weights were trained")
+def test_the_configurations_taking_a_number_ask_for_the_runs_the_api_loads(ranked_dir):
+    """No browser: what /web/config offers, as the page turns it into a request, is the run
+    engine.load gives for the same options; where the model cannot run one, the server says why."""
+    import engine
+    from engine.serve import Server
+    from engine.serve.errors import APIError
+    from engine.serve.page import page_config
+    from engine.serve.schemas import CompletionRequest
+    server = Server(engine.load(str(ranked_dir)), "ranked")
+    cfg = page_config(server)
+    assert [c["id"] for c in cfg["configurations"]] == ["default", "softmax", "linear"]   # the fixed list stays
+    custom = {c["id"]: c for c in cfg["custom"]}
+    assert custom["hybrid-auto"]["param"]["min"] == 1 and custom["hybrid-auto"]["param"]["max"] == len(LOSSES) - 1
+    assert custom["window"]["param"]["min"] == 1 and custom["window"]["param"]["max"] is None
+    assert (custom["hybrid-layers"]["param"]["min"], custom["hybrid-layers"]["param"]["max"]) == (0, len(LOSSES) - 1)
+    for conf, n, options in ((custom["hybrid-auto"], 2, {"attention": "hybrid", "softmax_layers": "auto:2"}),
+                             (custom["hybrid-layers"], [5, 1], {"attention": "hybrid", "softmax_layers": [1, 5]}),
+                             (custom["window"], 4, {"attention": "linear", "window": 4})):
+        spec = server.request_spec(CompletionRequest(prompt="x", **request_fields(conf, n)))
+        assert spec.mode == engine.load(str(ranked_dir), **options).spec.mode, options
+    assert spec.layer_paths(len(LOSSES)) == ("linear",) * len(LOSSES) and spec.window == 4
+    hybrid = server.request_spec(CompletionRequest(prompt="x", **request_fields(custom["hybrid-auto"], 2)))
+    assert [i for i, p in enumerate(hybrid.layer_attention) if p == "softmax"] == [1, 5]   # the highest losses
+    plain = Server(engine.load("tiny"), "tiny")      # no transfer losses: auto:K is the server's 400
+    conf = {c["id"]: c for c in page_config(plain)["custom"]}
+    with pytest.raises(APIError) as e:
+        plain.request_spec(CompletionRequest(prompt="x", **request_fields(conf["hybrid-auto"], 2)))
+    assert e.value.status == 400 and "transfer losses" in str(e.value)
+    listed = plain.request_spec(CompletionRequest(prompt="x", **request_fields(conf["hybrid-layers"], [1, 5])))
+    assert listed.mode == engine.load("tiny", softmax_layers=[1, 5]).spec.mode
+
+
+def pick(driver, slot: int, config: str, number) -> None:
+    """Bind pane `slot` to `config` (one taking a number) and type `number` into its number box."""
+    from selenium.webdriver.support.ui import Select
+    el = driver.find_elements("css selector", ".pane")[slot]
+    Select(el.find_element("css selector", "select.config")).select_by_value(config)
+    box = el.find_element("css selector", "input.param")
+    assert box.is_displayed()
+    box.clear()
+    box.send_keys(str(number))
+
+
+def errors(driver) -> list[str]:
+    """Each pane's last error bubble's text (None where it has none)."""
+    return driver.execute_script("""
+        return window.gen.panes.map(p => {
+          const e = p.el.querySelectorAll('.msg.error');
+          return e.length ? e[e.length - 1].textContent : null;
+        });""")
+
+
+@pytest.mark.filterwarnings("ignore:these weights were trained")   # hybrid on weights trained for softmax, linear
+def test_hybrid_auto_k_and_window_w_panes_stream_the_apis_greedy_text(ranked):
+    import engine
+    url, driver, d = ranked
+    web.open_page(driver, url, max_tokens=MAX_TOKENS)
+    pick(driver, 0, "hybrid-auto", 2)
+    pick(driver, 1, "window", 4)
+    web.send(driver, PROMPT)
+    web.wait_until(driver, lambda d: web.statuses(d) == ["done", "done"], 30)
+    got = panes(driver)
+    for p, options in zip(got, ({"attention": "hybrid", "softmax_layers": "auto:2"}, {"attention": "linear", "window": 4})):
+        want = engine.load(str(d), **options).generate(PROMPT, max_new_tokens=MAX_TOKENS, temperature=0)
+        assert p["shown"] == want.text, options
+        assert p["stats"]["attention"] == options["attention"] and p["stats"]["completion_tokens"] == len(want.ids)
+    # the legend names each pane's run with its number
+    legend = [t.text for t in driver.find_elements("css selector", "#live-bytes .legend text")]
+    assert any("hybrid auto:2" in t for t in legend) and any("window 4" in t for t in legend), legend
+
+
+@pytest.mark.filterwarnings("ignore:these weights were trained")
+def test_a_k_the_model_cannot_run_shows_the_servers_message_and_a_bad_number_the_pages(page):
+    import engine
+    import httpx
+    url, driver = page
+    web.open_page(driver, url, panes=("softmax", "linear", "softmax"), max_tokens=MAX_TOKENS)
+    pick(driver, 0, "hybrid-auto", 2)      # tiny records no transfer losses: the server refuses auto:K
+    pick(driver, 2, "hybrid-layers", "1, 5")   # what tiny runs as a hybrid: the layers listed
+    web.send(driver, PROMPT)
+    web.wait_until(driver, lambda d: not {"streaming", "idle"} & set(web.statuses(d)), 30)
+    r = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "attention": "hybrid",
+                                                  "softmax_layers": "auto:2"})
+    assert r.status_code == 400
+    assert web.statuses(driver) == ["error", "done", "done"] and errors(driver)[0] == r.json()["error"]["message"]
+    assert "transfer losses" in errors(driver)[0]
+    want = engine.load("tiny", softmax_layers=[1, 5]).generate(PROMPT, max_new_tokens=MAX_TOKENS, temperature=0)
+    assert panes(driver)[2]["shown"] == want.text and panes(driver)[2]["stats"]["attention"] == "hybrid"
+    # numbers out of bounds are refused by the page, in the pane, before any request
+    layers = driver.execute_script("return window.gen.config.layers")
+    pick(driver, 0, "hybrid-auto", layers)
+    pick(driver, 1, "window", 0)
+    pick(driver, 2, "hybrid-layers", "1,1")
+    boxes = driver.find_elements("css selector", ".pane input.param")
+    assert [b.get_attribute("aria-invalid") for b in boxes] == ["true", "true", "true"]
+    web.send(driver, "again")
+    web.wait_until(driver, lambda d: web.statuses(d) == ["error", "error", "error"], 10)
+    k, w, layer_list = errors(driver)
+    assert k.startswith(f"K must be a whole number from 1 to {layers - 1}") and k.endswith(f'got "{layers}"')
+    assert w.startswith("W must be a whole number at least 1") and w.endswith('got "0"')
+    assert layer_list.startswith(f"L must list distinct layers from 0 to {layers - 1}") and layer_list.endswith('got "1,1"')
+    # a failed turn stays out of the pane's conversation: a good number then runs on what it had
+    texts = driver.execute_script("return window.gen.panes.map(p => p.text)")
+    assert texts[0] == "" and "again" not in texts[1]
+    pick(driver, 1, "window", 4)
+    web.send(driver, PROMPT)
+    web.wait_until(driver, lambda d: web.statuses(d)[1] == "done", 30)
 
 
 def test_escape_stops_every_pane_and_frees_the_rows(page):
@@ -155,6 +301,7 @@ def test_bench_tab_draws_a_shipped_report_and_opened_files(page, tmp_path):
     assert f"mine.json: crossover ~{want}" in marks
 
 
+@browser
 def test_the_page_asks_for_the_api_key_and_sends_it():
     import cli.serve
     if "api_key" not in {p.name for p in cli.serve.serve_cmd.params}:

@@ -6,7 +6,8 @@ third-party code, nothing fetched from elsewhere.
 Routes:
     GET /                     the page (public: it holds no secret; a key is asked for by the page)
     GET /web/<asset>          its script and style sheets (public)
-    GET /web/config           what the page may offer: the model, its configurations, chat or not
+    GET /web/config           what the page may offer: the model, its configurations (fixed, and those
+                              taking a number: hybrid auto:K, window W), chat or not
     GET /web/bench            the bench files shipped in docs/ (a source checkout; none when installed)
     GET /web/bench/<name>     one of them, read-only
 
@@ -63,6 +64,39 @@ def configurations(llm) -> list[dict]:
     return out
 
 
+def custom_configurations(llm) -> list[dict]:
+    """The configurations a pane picks with a number of its own: hybrid auto:K (the K layers with the
+    highest transfer loss keep softmax: `softmax_layers` "auto:K", K in 1..layers-1), hybrid layers L
+    (those layers keep softmax: `softmax_layers` [..], each in 0..layers-1: what a model without
+    transfer losses runs) and window W (linear + the exact last W keys: `window` W >= 1). `param`
+    says which request field takes the number, its format ("auto:{}", "list": comma-separated layers,
+    None: the number) and bounds (max None: unbounded); the page checks them, the server decides
+    whether this model runs it (a 400 with its one-line reason otherwise: no transfer losses
+    recorded, another set of learned maps)."""
+    cfg, spec = llm.model.config, llm.spec
+    trained = set(cfg.trained_for)
+    untrained = "" if "linear" in trained else " (untrained)"
+    layers = cfg.num_hidden_layers
+    out = []
+    if layers > 1:
+        now = spec.layer_attention if spec.layer_attention is not None else cfg.layer_attention
+        k = min(max(1, sum(p == "softmax" for p in now or ())), layers - 1)
+        out.append({"id": "hybrid-auto", "attention": "hybrid", "label": "hybrid auto:K" + untrained,
+                    "param": {"field": "softmax_layers", "name": "K", "format": "auto:{}", "min": 1,
+                              "max": layers - 1, "value": k,
+                              "title": f"the K of {layers} layers with the highest transfer loss keep softmax"}})
+        out.append({"id": "hybrid-layers", "attention": "hybrid", "label": "hybrid layers L" + untrained,
+                    "param": {"field": "softmax_layers", "name": "L", "format": "list", "min": 0,
+                              "max": layers - 1, "value": ",".join(map(str, [i for i, p in enumerate(now or ())
+                                                                              if p == "softmax"] or [0])),
+                              "title": f"the layers that keep softmax, e.g. 0,3 (0-{layers - 1})"}})
+    out.append({"id": "window", "attention": "linear", "label": "window W" + untrained,
+                "param": {"field": "window", "name": "W", "format": None, "min": 1, "max": None,
+                          "value": spec.linear_window or 64,
+                          "title": "linear layers that also attend exactly to the last W keys"}})
+    return out
+
+
 def page_config(server) -> dict:
     llm = server.llm
     try:
@@ -72,7 +106,7 @@ def page_config(server) -> dict:
         chat = False
     cfg = llm.model.config
     return {"model": server.name, "chat": chat, "default_attention": llm.attention,
-            "configurations": configurations(llm), "window": llm.spec.linear_window, "max_context": server.max_context,
+            "configurations": configurations(llm), "custom": custom_configurations(llm), "window": llm.spec.linear_window, "max_context": server.max_context,
             "layers": cfg.num_hidden_layers, "trained_for": list(cfg.trained_for)}
 
 

@@ -1,6 +1,8 @@
 // The compare tab: one message to two to four panes, each streaming from its own attention
 // configuration, with the server's live numbers per pane (the `gen` field of each chunk, asked for
-// with stream_options.include_stats) and a shared live chart. The API key (when the server has one)
+// with stream_options.include_stats) and a shared live chart. A pane picks one of the server's fixed
+// configurations or one that takes a number (hybrid auto:K, window W: `custom` in /web/config), checked
+// here against its bounds and then by the server, whose 400 is shown in the pane. The API key (when the server has one)
 // is kept in sessionStorage and sent as `Authorization: Bearer`.
 "use strict";
 
@@ -12,6 +14,7 @@
   window.gen = page;   // the page's state, for scripts (and the browser test): panes, their points and text
 
   class KeyNeeded extends Error {}
+  class Invalid extends Error {}   // a pane's number the page refuses before asking the server
 
   // ---------------------------------------------------------------- the server
   async function api(path, options = {}) {
@@ -73,13 +76,24 @@
     constructor(configId) {
       this.el = $("#pane-template").content.firstElementChild.cloneNode(true);
       this.select = $(".config", this.el);
-      for (const c of page.config.configurations) {
+      this.param = $(".param", this.el);
+      const option = (c, parent) => {
         const o = document.createElement("option");
         o.value = c.id;
         o.textContent = c.label;
-        this.select.appendChild(o);
+        parent.appendChild(o);
+      };
+      for (const c of page.config.configurations) option(c, this.select);
+      if (allConfigurations().length > page.config.configurations.length) {
+        const group = document.createElement("optgroup");
+        group.label = "with a number";
+        for (const c of page.config.custom) option(c, group);
+        this.select.appendChild(group);
       }
       this.select.value = configId;
+      this.select.addEventListener("change", () => { this.bindParam(); redraw(); });
+      this.param.addEventListener("input", () => { this.checkParam(); redraw(); });
+      this.bindParam();
       this.transcript = $(".transcript", this.el);
       this.history = [];          // chat: this pane's messages (its own answers)
       this.text = "";             // completion: this pane's prompt and answers so far
@@ -93,14 +107,84 @@
     }
 
     get configuration() {
-      return page.config.configurations.find(c => c.id === this.select.value);
+      return allConfigurations().find(c => c.id === this.select.value);
+    }
+
+    // the number input beside the picker: shown, bounded and preset for a configuration that takes one
+    bindParam() {
+      const p = this.configuration.param;
+      this.param.hidden = !p;
+      if (!p) return;
+      const list = p.format === "list";   // layer numbers, comma-separated: a text box
+      this.param.type = list ? "text" : "number";
+      this.param.inputMode = list ? "text" : "numeric";
+      this.param.classList.toggle("list", list);
+      this.param.min = p.min;
+      if (p.max === null) this.param.removeAttribute("max"); else this.param.max = p.max;
+      this.param.setAttribute("aria-label", p.name);
+      this.param.dataset.name = p.name;
+      if (this.param.dataset.for !== this.configuration.id) {
+        this.param.value = p.value;
+        this.param.dataset.for = this.configuration.id;
+      }
+      this.checkParam();
+    }
+
+    // the pane's number (a list of layers: the numbers), or an Invalid error saying what it must be
+    paramValue() {
+      const p = this.configuration.param, raw = this.param.value.trim();
+      if (p.format === "list") {
+        const layers = /^\d+(\s*,\s*\d+)*$/.test(raw) ? raw.split(",").map(Number) : [];
+        if (!layers.length || layers.some(i => i < p.min || i > p.max) || new Set(layers).size !== layers.length)
+          throw new Invalid(`${p.name} must list distinct layers from ${p.min} to ${p.max}, comma-separated ` +
+                            `(${p.title}); got ${JSON.stringify(raw)}`);
+        return layers;
+      }
+      const v = /^\d+$/.test(raw) ? Number(raw) : NaN;
+      if (!(v >= p.min && (p.max === null || v <= p.max))) {
+        const range = p.max === null ? `at least ${p.min}` : `from ${p.min} to ${p.max}`;
+        throw new Invalid(`${p.name} must be a whole number ${range} (${p.title}); got ${JSON.stringify(raw)}`);
+      }
+      return v;
+    }
+
+    checkParam() {
+      try {
+        this.paramValue();
+        this.param.removeAttribute("aria-invalid");
+        this.param.title = this.configuration.param.title;
+      } catch (e) {
+        this.param.setAttribute("aria-invalid", "true");
+        this.param.title = e.message;
+      }
+    }
+
+    // what this pane is, as its legend says it: a configuration's label, its number filled in
+    get label() {
+      const c = this.configuration;
+      if (!c.param) return c.label;
+      const v = this.param.value.trim() || "?";
+      return c.label.replace(new RegExp(`\\b${c.param.name}\\b`), v);
+    }
+
+    // the request fields of this pane's run (a request carries its whole run: attention, softmax_layers, window)
+    runFields() {
+      const c = this.configuration, out = {};
+      if (c.attention) out.attention = c.attention;
+      if (c.softmax_layers) out.softmax_layers = c.softmax_layers;
+      if (c.window) out.window = c.window;
+      if (c.param) {
+        const v = this.paramValue();
+        out[c.param.field] = c.param.format && c.param.format !== "list" ? c.param.format.replace("{}", v) : v;
+      }
+      return out;
     }
 
     setStatus(status, detail) {
       this.status = status;
       this.el.dataset.status = status;
       $(".status", this.el).textContent = detail || (status === "idle" ? "" : status);
-      this.select.disabled = status === "streaming";
+      this.select.disabled = this.param.disabled = status === "streaming";
     }
 
     bubble(role, text) {
@@ -134,12 +218,20 @@
     }
 
     async run(message) {
-      const cfg = page.config, conf = this.configuration;
-      const body = {model: cfg.model, stream: true, stream_options: {include_usage: true, include_stats: true},
-                    max_tokens: intValue("#max-tokens", 128), temperature: floatValue("#temperature", 0)};
-      if (conf.attention) body.attention = conf.attention;
-      if (conf.softmax_layers) body.softmax_layers = conf.softmax_layers;   // a request carries its whole run
-      if (conf.window) body.window = conf.window;
+      const cfg = page.config;
+      let fields;
+      try {
+        fields = this.runFields();
+      } catch (e) {
+        if (!(e instanceof Invalid)) throw e;
+        this.bubble("user", message);
+        this.bubble("error", e.message);   // this pane sits the turn out; its conversation is unchanged
+        this.setStatus("error", "error");
+        this.param.focus();
+        return;
+      }
+      const body = Object.assign({model: cfg.model, stream: true, stream_options: {include_usage: true, include_stats: true},
+                                  max_tokens: intValue("#max-tokens", 128), temperature: floatValue("#temperature", 0)}, fields);
       if ($("#ignore-eos").checked) body.ignore_eos = true;
       let url;
       if (cfg.chat) {
@@ -159,6 +251,7 @@
       this.controller = new AbortController();
       this.setStatus("streaming");
       redraw();
+      let failed = false;
       try {
         const r = await api(url, {method: "POST", headers: {"Content-Type": "application/json"},
                                   body: JSON.stringify(body), signal: this.controller.signal});
@@ -170,13 +263,17 @@
       } catch (e) {
         if (e.name === "AbortError") this.setStatus("stopped");
         else {
+          failed = true;
           this.setStatus("error", "error");
-          this.bubble("error", e.message);
+          this.bubble("error", e.message);   // the server's one line (a 400: what this model cannot run)
         }
       } finally {
         this.controller = null;
         this.render();   // the last numbers are shown by the time the status says the answer ended
-        if (cfg.chat) this.history.push({role: "assistant", content: this.answer});
+        if (failed && !this.answer) {   // nothing came back: the turn is not in this pane's conversation
+          if (cfg.chat) this.history.pop();
+          else this.text = this.text.slice(0, this.text.length - message.length);
+        } else if (cfg.chat) this.history.push({role: "assistant", content: this.answer});
         else this.text += this.answer;
         redraw();
       }
@@ -248,10 +345,14 @@
     return Number.isFinite(v) && v >= 0 ? v : fallback;
   }
 
+  function allConfigurations() {
+    return page.config.configurations.concat(page.config.custom || []);
+  }
+
   function addPane(configId) {
     if (page.panes.length >= MAX_PANES) return;
     const used = new Set(page.panes.map(p => p.select.value));
-    const ids = page.config.configurations.map(c => c.id);
+    const ids = allConfigurations().map(c => c.id);
     const pane = new Pane(configId || ids.find(id => id !== "default" && !used.has(id)) || "default");
     page.panes.push(pane);
     $("#panes").appendChild(pane.el);
@@ -323,7 +424,7 @@
       pending = false;
       for (const p of page.panes) p.render();
       const series = key => page.panes.map((p, i) => ({
-        name: `${i + 1}: ${p.configuration.label}`, cls: `s${i}`,
+        name: `${i + 1}: ${p.label}`, cls: `s${i}`,
         points: thin(p.points.filter(q => q[key] !== null && q[key] !== undefined)).map(q => ({x: q.context, y: q[key]})),
       }));
       GenChart.draw($("#live-bytes"), {series: series("state_bytes"), xlabel: "context (tokens)",
