@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from cli.common import KV_DTYPE_HELP, check_output_path, device_option, run_guarded, threads_option
+from cli.common import backend_option, KV_DTYPE_HELP, check_output_path, device_option, run_guarded, threads_option
 from engine.bench import DEFAULT_CONTEXTS, BenchSettings, run_bench, write_json
 from engine.bench.configs import parse_attentions
 from engine.errors import InvalidArgumentError
@@ -61,8 +61,7 @@ def parse_attention(ctx, param, value):
 @click.option("--hf-repeats", default=3, show_default=True, help="timed runs per side (median counts)")
 @click.option("--isolate/--no-isolate", default=True, show_default=True,
               help="a fresh subprocess per configuration, so peak RSS is that configuration's own")
-@click.option("--backend", type=click.Choice(["auto", "torch", "native", "module", "graph", "compiled"]), default="auto", show_default=True,
-              help="decode step form: auto = the CUDA graph step on a GPU, the C step where it applies, else PyTorch")
+@backend_option
 @click.option("--native", is_flag=True, help="alias of --backend native")
 @click.option("--weights", type=click.Choice(["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1"]),
               help="weight type: f16/bf16 set --dtype; q8_0/q4_0/q4_1 quantize the fp32 model at load")

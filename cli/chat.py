@@ -14,7 +14,7 @@ import sys
 
 import click
 
-from cli.common import (run_options, KV_DTYPE_HELP, check_stdio, given, prefill_chunk_option, run_guarded, activations_option,
+from cli.common import (backend_option, run_options, KV_DTYPE_HELP, check_stdio, given, prefill_chunk_option, run_guarded, activations_option,
                         device_option, sampling_options, threads_option, user_text, writing_stdout)
 from cli.generate import load_quietly, summary, turn_timing
 from engine.api import make_config
@@ -37,7 +37,7 @@ HELP_LINE = "/reset starts over, /exit or Ctrl-D leaves, Ctrl-C stops a reply"
 @click.option("--kv-dtype", help=KV_DTYPE_HELP)
 @click.option("-c", "--max-context", type=int, help="softmax KV cache capacity in tokens for the whole conversation "
                                                       "(default: the model's context)")
-@click.option("--backend", type=click.Choice(["auto", "torch", "native", "module", "graph", "compiled"]), default="auto", show_default=True)
+@backend_option
 @threads_option()
 @click.option("-v", "--verbose", is_flag=True, help="the full summary line (prompt, speed, memory) after each reply")
 @prefill_chunk_option

@@ -13,7 +13,7 @@ import click
 from engine.attention import PATHS
 from engine.errors import EngineError
 from engine.loader import parse_device
-from engine.steps import ACTIVATIONS, DEFAULT_ACTIVATIONS, DEFAULT_PREFILL_CHUNK
+from engine.steps import ACTIVATIONS, BACKENDS, DEFAULT_ACTIVATIONS, DEFAULT_PREFILL_CHUNK
 from engine.threads import available_cores, default_threads
 
 
@@ -119,6 +119,15 @@ def check_device(ctx, param, value):
     except EngineError as e:
         fail(user_text(e))
     return value
+
+
+def backend_option(fn):
+    """`--backend`, one declaration for every command that decodes (gen, chat, bench, serve); the choices are
+    engine.runspec.BACKENDS."""
+    return click.option("--backend", type=click.Choice(list(BACKENDS)), default="auto", show_default=True,
+                        help="decode step form: auto = the CUDA graph step on a GPU, the C step where it "
+                             "applies, else PyTorch; graph / compiled: the step captured as a CUDA graph "
+                             "(compiled: through torch.compile first)")(fn)
 
 
 def device_option(fn):

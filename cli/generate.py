@@ -10,7 +10,7 @@ import warnings
 import click
 from tqdm import tqdm
 
-from cli.common import (run_options, KV_DTYPE_HELP, check_stdio, fail, given, prefill_chunk_option, run_guarded, activations_option,
+from cli.common import (backend_option, run_options, KV_DTYPE_HELP, check_stdio, fail, given, prefill_chunk_option, run_guarded, activations_option,
                         device_option, sampling_options, threads_option, writing_stdout)
 from engine.api import check_text, load, make_config
 from engine.errors import InvalidArgumentError
@@ -38,8 +38,7 @@ from engine.steps import DEFAULT_ACTIVATIONS, DEFAULT_PREFILL_CHUNK
 @click.option("-c", "--max-context", type=int, help="softmax context in tokens, prompt included "
                                                       "(default: the model's max_position_embeddings)")
 @click.option("--echo", is_flag=True, help="print the prompt before the streamed continuation (not with --json)")
-@click.option("--backend", type=click.Choice(["auto", "torch", "native", "module", "graph", "compiled"]), default="auto", show_default=True,
-              help="decode step form: auto = the CUDA graph step on a GPU, the C step where it applies, else PyTorch")
+@backend_option
 @click.option("--native", is_flag=True, help="alias of --backend native")
 @threads_option()
 @click.option("--quantize", type=click.Choice(["q8_0", "q4_0", "q4_1"]),

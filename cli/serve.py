@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from cli.common import (KV_DTYPE_HELP, activations_option, device_option, fail, prefill_chunk_option, run_guarded,
+from cli.common import (backend_option, KV_DTYPE_HELP, activations_option, device_option, fail, prefill_chunk_option, run_guarded,
                         run_options, threads_option)
 from cli.open_page import open_when_ready, page_url
 from engine.serve import Policy, open_server, run
@@ -33,9 +33,7 @@ ANY_ADDRESS = ("0.0.0.0", "::", "")
 @click.option("--dtype", help="float32 (default), bfloat16, float16")
 @click.option("--kv-dtype", help=KV_DTYPE_HELP)
 @device_option
-@click.option("--backend", type=click.Choice(["auto", "torch", "native", "module", "graph", "compiled"]), default="auto",
-              show_default=True,
-              help="decode step form: auto = the CUDA graph step on a GPU, the C step where it applies, else PyTorch")
+@backend_option
 @threads_option()
 @click.option("--max-prompt", type=int, help="prompt tokens per request on every path, else 400 "
                                               "context_length_exceeded (default: --max-context; 0 = no limit)")

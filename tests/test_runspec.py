@@ -174,3 +174,19 @@ def test_source_has_no_config_reassignment_outside_a_build():
             for i, line in enumerate(p.read_text(encoding="utf-8").splitlines())
             if re.search(r"\.config = ", line)]
     assert hits == ["engine/transformer.py:" + hits[0].split(":")[1]] and len(hits) == 1, hits
+
+
+def test_every_command_offers_the_engines_backends_from_one_declaration():
+    """--backend is declared once (cli.common.backend_option): gen, chat, bench and serve offer exactly
+    engine.runspec.BACKENDS, and no command spells the list itself."""
+    import pathlib
+
+    from cli.main import main as cli_main
+    from engine.runspec import BACKENDS
+    commands = {n: cli_main.commands[n] for n in ("generate", "chat", "bench", "serve")}
+    for name, cmd in commands.items():
+        option = next(p for p in cmd.params if p.name == "backend")
+        assert tuple(option.type.choices) == BACKENDS, name
+    cli_dir = pathlib.Path(__file__).resolve().parent.parent / "cli"
+    spelled = [f.name for f in cli_dir.glob("*.py") if '"--backend"' in f.read_text()]
+    assert spelled == ["common.py"], spelled
