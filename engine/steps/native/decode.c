@@ -14,6 +14,7 @@
  * small to pay for the hand-off runs on the caller alone. Compute is fp32 throughout.
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -45,6 +46,48 @@ void gen_plan_free(Plan *p) {
     pool_quiesce();     /* no worker is still reading this plan's weights or scratch */
     free(p->tscratch);
     p->tscratch = NULL;
+}
+
+/* ------------------------------------------------------------------ the layout the Python side mirrors */
+/* engine/steps/native/abi.py fills Mat and Plan through ctypes copies of their declarations; at bind
+ * time it compares its copies' field names, byte offsets and sizes with these tables (and the
+ * version, which moves when a field's meaning changes without its layout), so a field added,
+ * moved or retyped on one side only is one clear error instead of a plan read at the wrong bytes. */
+#define GEN_ABI_VERSION 1
+#define ABI_FIELD(S, f) {#f, offsetof(S, f), sizeof(((S *)0)->f)},
+#define MAT_FIELDS(X) X(Mat, data) X(Mat, type) X(Mat, rows) X(Mat, cols) X(Mat, split) X(Mat, rest)
+#define PLAN_FIELDS(X) \
+    X(Plan, L) X(Plan, C) X(Plan, H) X(Plan, Hkv) X(Plan, D) X(Plan, I) X(Plan, V) X(Plan, B) X(Plan, S_max) \
+    X(Plan, eps) X(Plan, scale) X(Plan, embed) X(Plan, head) X(Plan, norm) X(Plan, norm_type) \
+    X(Plan, qkv) X(Plan, wo) X(Plan, gu) X(Plan, wd) X(Plan, ln1) X(Plan, ln2) \
+    X(Plan, k) X(Plan, v) X(Plan, kv_type) X(Plan, mode) X(Plan, F) X(Plan, lin_eps) X(Plan, S) X(Plan, z) \
+    X(Plan, x) X(Plan, xb) X(Plan, qkv_out) X(Plan, att) X(Plan, gu_out) X(Plan, hb) \
+    X(Plan, nthreads) X(Plan, tscratch) X(Plan, tscratch_floats) X(Plan, Bc) X(Plan, seq) \
+    X(Plan, hq_w) X(Plan, hq_b) X(Plan, hk_w) X(Plan, hk_b) X(Plan, hh_type) \
+    X(Plan, layer_mode) X(Plan, layer_index) X(Plan, linear_rope) \
+    X(Plan, wk) X(Plan, wv) X(Plan, wreal) X(Plan, W) X(Plan, w_type) \
+    X(Plan, hh_decay) X(Plan, hh_logit) X(Plan, hh_gate) X(Plan, q8_acts) X(Plan, qkv_bias) X(Plan, q_norm) X(Plan, k_norm)
+
+typedef struct { const char *name; size_t offset, size; } AbiField;
+static const AbiField MAT_ABI[] = {MAT_FIELDS(ABI_FIELD)};
+static const AbiField PLAN_ABI[] = {PLAN_FIELDS(ABI_FIELD)};
+
+int gen_abi_version(void) { return GEN_ABI_VERSION; }
+
+int gen_abi(int s, int i, const char **name, size_t *offset, size_t *size) {
+    const AbiField *t = s == 0 ? MAT_ABI : s == 1 ? PLAN_ABI : NULL;
+    const int n = s == 0 ? (int)(sizeof MAT_ABI / sizeof *MAT_ABI) : (int)(sizeof PLAN_ABI / sizeof *PLAN_ABI);
+    if (!t || i < -1 || i >= n) return -1;
+    if (i == -1) {
+        *name = s == 0 ? "Mat" : "Plan";
+        *offset = 0;
+        *size = s == 0 ? sizeof(Mat) : sizeof(Plan);
+    } else {
+        *name = t[i].name;
+        *offset = t[i].offset;
+        *size = t[i].size;
+    }
+    return 0;
 }
 
 /* ------------------------------------------------------------------ matrices on the pool */

@@ -120,6 +120,12 @@ typedef struct {
     const void *const *q_norm, *const *k_norm;
 } Plan;
 
+/* The layout of Mat and Plan as the Python binding checks it (decode.c): struct s (0 Mat, 1 Plan),
+ * field i -> its name, byte offset and size; i = -1: the struct's name and sizeof. 0, else -1 (no
+ * such field). gen_abi_version: moves when a field's meaning changes without its layout. */
+int gen_abi(int s, int i, const char **name, size_t *offset, size_t *size);
+int gen_abi_version(void);
+
 enum { MODE_SOFTMAX = 0, MODE_ELU1 = 1, MODE_RELU = 2, MODE_SOFTMAX_MAP = 3, MODE_COS1 = 4, MODE_HEDGEHOG = 5 };
 #define HEDGEHOG_MAX_D 256
 

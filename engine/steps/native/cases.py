@@ -1,0 +1,51 @@
+"""Which (model, state, tokens) the C step covers: `why_not` names every other case, and the
+Stepper hands it to the torch form with that reason."""
+from __future__ import annotations
+
+import torch
+
+from engine.steps.native.abi import FLOAT_TYPES, HEDGEHOG_MAX_D, MODES
+
+
+def state_parts(state) -> tuple:
+    """(KV cache part or None, linear or window part or None) of a softmax, linear, window or hybrid state."""
+    parts = state.parts if state.path == "hybrid" else [state]
+    return (next((p for p in parts if p.path == "softmax"), None),
+            next((p for p in parts if p.path != "softmax"), None))
+
+
+def learned_maps(fmap) -> list[torch.Tensor]:
+    """A hedgehog map's tensors in gen.h's order: q_weight (L, H, D, D), q_bias, k_weight, k_bias."""
+    return [fmap.q_weight, fmap.q_bias, fmap.k_weight, fmap.k_bias]
+
+
+def why_not(model, state, tokens) -> str | None:
+    """None for the cases the C step covers; otherwise the reason (the caller falls back)."""
+    if tokens.device.type != "cpu":
+        return f"the native step runs on the CPU, not {tokens.device.type}"
+    if state.path not in ("softmax", "linear", "window", "hybrid"):
+        return f"the native step runs softmax, linear, window and hybrid states, not {state.path}"
+    dtype = model.embed_tokens.weight.dtype
+    if dtype not in FLOAT_TYPES:
+        return f"the native step reads fp32, f16 or bf16 weights, not {str(dtype).removeprefix('torch.')}"
+    kv, lin = state_parts(state)
+    if lin is not None:
+        if lin.S.dtype != torch.float32 or lin.z.dtype != torch.float32:
+            return "the native step needs an fp32 linear state"
+        if lin.path == "window" and (lin.wk.dtype not in FLOAT_TYPES or lin.window < 1):
+            return f"the native step reads a window of fp32, f16 or bf16 keys, not {lin.wk.dtype}"
+        if lin.feature_map.name not in MODES:
+            return f"the native step has no feature map {lin.feature_map.name!r}"
+        if lin.feature_map.name == "hedgehog":
+            maps = learned_maps(lin.feature_map)
+            if model.config.head_dim > HEDGEHOG_MAX_D:
+                return f"the native step's learned maps take heads of up to {HEDGEHOG_MAX_D}, not {model.config.head_dim}"
+            if any(t.dtype not in FLOAT_TYPES or t.dtype != maps[0].dtype or t.device.type != "cpu"
+                   or not t.is_contiguous() for t in maps):
+                return "the native step needs the learned maps as contiguous CPU tensors of one float dtype"
+    if kv is not None and any(t.dtype not in FLOAT_TYPES for t in kv.tensors()):
+        return f"the native step reads an fp32, f16 or bf16 KV cache, not {kv.k.dtype}"
+    tensors = state.tensors()
+    if not all(t.is_contiguous() for t in tensors):
+        return "the native step needs a contiguous state"
+    return None

@@ -1,0 +1,135 @@
+"""What the C step reads for each weight: the model's own tensors, or copies derived from them once.
+
+    copies = DerivedWeights(exact16=True, regroup=True)   # owned by one NativeStep, never by the model
+    copies.narrow(matrix(module), grouped)                # the (tensor, type, rows, cols) the plan points at
+
+Two kinds of copies, each made once per (tensor, storage, version) and kept by the step that made
+them (a weak key: the cache never keeps a weight alive, and forgets a copy when its weight dies):
+  exact16    fp32 weights holding only 16-bit values (a checkpoint stored in f16 or bf16, loaded in
+             fp32) as f16 / bf16 copies: the same fp32 products from half the bytes
+  regrouped  q4_1 / q8_0 blocks regrouped per row for the grouped q8 kernels (gen.h T_Q4_1R / T_Q8_0R)
+A plan checks the weights behind its copies for in-place edits before every step (their version).
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from engine.quant import QuantLinear, QuantStack, weights_label
+from engine.steps.native.abi import T_Q4_1R, T_Q8_0R, TYPES
+
+
+def layer_modules(model, paths) -> list[tuple]:
+    """Per layer: (ln1 weight, qkv, o_proj, ln2 weight, gate_up, down_proj) -- Linear or QuantLinear;
+    a linear layer's adapted projections where the model carries them."""
+    return [(b.input_layernorm.weight, *b.self_attn.projections(p != "softmax"), b.post_attention_layernorm.weight,
+             b.mlp.gate_up, b.mlp.down_proj) for b, p in zip(model.layers, paths)]
+
+
+def matrix(module) -> tuple:
+    """(tensor the C code reads, type code, rows, cols) of a Linear, QuantLinear or Embedding; a
+    QuantStack's adds its segments, (byte offset in its blocks, type code, rows) each."""
+    if isinstance(module, QuantStack):
+        segs, at = [], 0
+        for kind, rows, b in module.segments():
+            segs.append((at, TYPES[kind], rows))
+            at += b.numel()
+        return module.blocks, segs[0][1], module.out_features, module.in_features, segs
+    if isinstance(module, QuantLinear):
+        return module.blocks, TYPES[module.kind], module.out_features, module.in_features
+    w = module.weight
+    return w, TYPES.get(w.dtype, -1), w.shape[0], w.shape[1]
+
+
+def narrow16(w: torch.Tensor) -> torch.Tensor | None:
+    """An f16 (else bf16) copy of fp32 `w` that holds its every value exactly, else None.
+
+    Widening f16 or bf16 to fp32 is exact, so the C step computes the same fp32 products from half
+    the bytes: a checkpoint stored in 16 bits and loaded in fp32 (tiny: f16; most Hugging Face
+    checkpoints: bf16) decodes bit-identically, reading half the memory per token."""
+    for dtype in (torch.float16, torch.bfloat16):
+        c = w.to(dtype)
+        if torch.equal(c.float(), w):
+            return c
+    return None
+
+
+def regroup(blocks: torch.Tensor, rows: int, q4_1: bool) -> torch.Tensor:
+    """Blocks regrouped per row for the C step's grouped kernels (gen.h T_Q4_1R / T_Q8_0R): q4_1
+    (20 bytes: f16 d, f16 m, 16 nibble bytes) as every (d, m) pair, then every nibble block; q8_0
+    (34 bytes: f16 d, 32 int8) as every d, then every block's weights + 128 as u8. The kernels
+    read 4 blocks' weights in one or two loads."""
+    if q4_1:
+        per_row = blocks.reshape(rows, -1, 20)
+        head, body = per_row[:, :, :4], per_row[:, :, 4:]
+    else:
+        per_row = blocks.reshape(rows, -1, 34)
+        head = per_row[:, :, :2]
+        body = (per_row[:, :, 2:].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+    return torch.cat([head.reshape(rows, -1), body.reshape(rows, -1)], 1).contiguous()
+
+
+class DerivedWeights:
+    """The copies one step reads instead of the model's weights (see the module docstring).
+
+    exact16: fp32 weights of 16-bit values run from 16-bit copies (False: from the fp32 tensors);
+    regroup: q4_1 / q8_0 blocks run regrouped where the build has those kernels (False: as stored)."""
+
+    def __init__(self, exact16: bool = True, regroup: bool = True):
+        self.exact16_on, self.regroup_on = bool(exact16), bool(regroup)
+        self._cache: dict = {}   # (tag, id(w)) -> (weakref to w, (data_ptr, version), copy or None)
+
+    def _derived(self, w: torch.Tensor, tag: str, make) -> torch.Tensor | None:
+        """make(w) (a tensor, or None: nothing to derive), made once per (tensor, storage, version);
+        the cache holds no strong reference to `w` and drops the entry when `w` dies. A tensor
+        changed in place moves its version, which the plan checks before every step."""
+        key = (tag, id(w))
+        hit = self._cache.get(key)
+        if hit is not None and hit[0]() is w and hit[1] == (w.data_ptr(), w._version):
+            return hit[2]
+        with torch.no_grad():
+            out = make(w)
+        owner = weakref.ref(self)   # not self: the callback must not keep the copies alive
+
+        def forget(ref, key=key):
+            cache = getattr(owner(), "_cache", {})
+            if cache.get(key, (None,))[0] is ref:
+                del cache[key]
+        self._cache[key] = (weakref.ref(w, forget), (w.data_ptr(), w._version), out)
+        return out
+
+    def exact16(self, w: torch.Tensor) -> torch.Tensor:
+        """The 16-bit copy of an fp32 CPU weight that holds its values exactly (narrow16), else `w`."""
+        if not self.exact16_on or w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous():
+            return w
+        copy = self._derived(w, "exact16", narrow16)
+        return w if copy is None else copy
+
+    def regrouped(self, blocks: torch.Tensor, rows: int, q4_1: bool) -> torch.Tensor:
+        """`regroup(blocks, rows, q4_1)`, made once."""
+        return self._derived(blocks, "regrouped", lambda b: regroup(b, rows, q4_1))
+
+    def narrow(self, m: tuple, grouped: bool) -> tuple:
+        """The matrix tuple the C step reads for `m` (a `matrix` tuple): a 16-bit copy of exactly-16-bit
+        fp32 weights, q4_1 / q8_0 blocks regrouped where `grouped` (this build has those kernels and
+        the step rounds activations to q8), else m's own (a QuantStack's segments: as stored)."""
+        if len(m) > 4:
+            return m
+        if m[1] in (TYPES["q4_1"], TYPES["q8_0"]) and grouped:
+            q41 = m[1] == TYPES["q4_1"]
+            return self.regrouped(m[0], m[2], q41), T_Q4_1R if q41 else T_Q8_0R, m[2], m[3]
+        w = self.exact16(m[0])
+        return m if w is m[0] else (w, TYPES[w.dtype], m[2], m[3])
+
+    def weights_read(self, model) -> str:
+        """What the step reads for the model's matrices, as engine.quant.weights_label names them."""
+        return weights_label(model, view=self.exact16)
+
+
+def weights_read(model, exact16: bool = True) -> str:
+    """What the native step reads for the model's matrices (projections and lm_head), most bytes
+    first, as engine.quant.weights_label names them: "float16" for tiny loaded in fp32 (its
+    f16 checkpoint's values, read from the exact 16-bit copies), "q4_1+q8_0" for a GGUF's blocks.
+    (Computed here, keeping no copy; a NativeStep's `weights_read()` reuses the copies it holds.)"""
+    return DerivedWeights(exact16=exact16).weights_read(model)
