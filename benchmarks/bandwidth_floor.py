@@ -17,8 +17,9 @@ step does). gen: best-of-`--rounds` native decode tokens/s (batch 1, greedy ids,
 
 `gguf` is the model as its file stores it (SmolLM2: Q4_1 matrices, Q8_0 tied embedding as lm_head);
 q8_0/q4_0/q4_1 requantize the matrices and lm_head at load (`--quantize`); f32/f16/bf16 load in that
-dtype. On a shared machine both numbers move with the neighbours' load: the script prints the load
-average before and after.
+dtype (benchmarks/runs.py: `engine.load`, then each thread count a run of its own on the same weights;
+PyTorch's own pool keeps its count). On a shared machine both numbers move with the neighbours' load:
+the script prints the load average before and after.
 """
 from __future__ import annotations
 
@@ -30,11 +31,7 @@ import engine  # noqa: F401  (before torch: its OpenMP setting, engine/__init__.
 import torch
 
 from engine.bench.floor import weight_bytes_read
-from engine.loader import load_model
-from engine.quant import QuantLinear, dequantize_model, quantize_model
-from engine.steps import Stepper
-
-DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
+from runs import load_weights, with_run
 
 
 def _best_seconds(threads: int, repeats: int, fn) -> float:
@@ -72,13 +69,14 @@ def bytes_per_token(model) -> int:
     return weight_bytes_read(model, model.init_state(1, 8))
 
 
-def decode_rate(model, threads: list[int], rounds: int, steps: int = 128) -> dict[int, float]:
+def decode_rate(llm, threads: list[int], rounds: int, steps: int = 128) -> dict[int, float]:
     """Best-of-`rounds` native decode tokens/s per thread count, alternating the counts each round."""
     best = {t: 0.0 for t in threads}
+    model = llm.model
     V = model.config.vocab_size
     for _ in range(rounds):
         for t in threads:
-            step, state = Stepper(model, "native", threads=t), model.init_state(1, steps + 64)
+            step, state = with_run(llm, threads=t).step, model.init_state(1, steps + 64)
             ids = torch.randint(0, V, (1, steps + 12), generator=torch.Generator().manual_seed(0))
             step(ids[:, :4], state)
             for i in range(4, 12):
@@ -94,13 +92,8 @@ def decode_rate(model, threads: list[int], rounds: int, steps: int = 128) -> dic
 
 
 def load(name: str, weights: str):
-    model, _ = load_model(name, dtype=DTYPES.get(weights, "float32"))
-    if weights in ("q8_0", "q4_0", "q4_1"):
-        quantize_model(model, weights)
-    elif weights in DTYPES:
-        dequantize_model(model)   # a GGUF's blocks as float matrices in that dtype
-    kinds = sorted({m.kind for m in model.modules() if isinstance(m, QuantLinear)})
-    return model, "+".join(kinds) if kinds else str(model.dtype).removeprefix("torch.")
+    """(LLM on the native step, what its matrices are stored as); PyTorch keeps its thread count."""
+    return load_weights(name, weights, backend="native", threads=torch.get_num_threads())
 
 
 def model_args(doc: str, weights: str, rounds: int) -> argparse.ArgumentParser:
@@ -135,17 +128,17 @@ def main() -> None:
     print(head)
     print("|" + "---|" * (3 + 5 * len(threads)))
     for w in args.weights.split(","):
-        model, stored = load(args.model, w)
-        nbytes = bytes_per_token(model)
+        llm, stored = load(args.model, w)
+        nbytes = bytes_per_token(llm.model)
         floor = {t: bw[t] / nbytes for t in threads}
-        rate = {} if args.no_measure else decode_rate(model, threads, args.rounds)
+        rate = {} if args.no_measure else decode_rate(llm, threads, args.rounds)
         cells = []
         for t in threads:
             r = rate.get(t)
             ratios = [f / r for f in (floor[t], 2 * floor[t], rd[t] / nbytes)] if r else []
             cells += [f"{floor[t]:.0f}", f"{r:.1f}" if r else "-"] + ([f"{x:.2f}" for x in ratios] or ["-"] * 3)
         print(f"| {w} | {stored} | {nbytes / 1e6:.1f} | " + " | ".join(cells) + " |", flush=True)
-        del model
+        del llm
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 

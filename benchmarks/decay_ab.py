@@ -6,7 +6,9 @@ One process, one thread, the native step: the `linear/` set's maps with their de
 gated), and the same model with the decay removed (`hedgehog.decay_logit = gate_weight = None`), alternating round by round so that a
 busy machine disturbs both alike; each round is the median ms/token of `--steps` one-token steps
 after a short prompt (the first 10 dropped). The linear state has the same size either way, so the
-context does not matter.
+context does not matter. The model loads through `engine.load` (all linear, the native step on one
+thread); the decay is switched on the model's maps (an internal on purpose: what is compared), and each
+round gets a fresh step (benchmarks/runs.py `with_run`), as the native step copies the maps it runs.
 """
 from __future__ import annotations
 
@@ -23,11 +25,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps", type=int, default=80)
     a = ap.parse_args()
-    from engine.attention.hybrid import runtime_config
-    from engine.loader import load_model
-    from engine.steps import Stepper
-    torch.set_num_threads(1)
-    net, tok = load_model(a.model, configure=lambda c: runtime_config(c, "linear"))
+    import engine
+    from runs import with_run
+    llm = engine.load(a.model, attention="linear", backend="native", threads=1)
+    net, tok = llm.model, llm.tokenizer
     hh = net.hedgehog
     logit, gate = hh.decay_logit, hh.gate_weight
     if logit is None:
@@ -38,7 +39,7 @@ def main() -> None:
     for _ in range(a.rounds):
         for name in res:
             hh.decay_logit, hh.gate_weight = (logit, gate) if name == "decay" else (None, None)
-            step = Stepper(net, "native", threads=1)
+            step = with_run(llm).step
             state = net.init_state(1, None, "linear")
             step(prompt, state)
             token, times = torch.tensor([[42]]), []

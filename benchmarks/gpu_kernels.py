@@ -13,7 +13,8 @@ heads (G 4), head 64, a bfloat16 KV cache and query, an fp32 linear state.
   Bandwidth: the S and z bytes read / time (the step also writes them back: twice the traffic).
 Time: the median of --reps calls, each timed alone with CUDA events after a 256 MiB write that
 evicts the L2 cache (so a small state is read from memory, as in a real step, not from L2).
-Exits 2 without CUDA.
+Exits 2 without CUDA. The kernels are internals on purpose (engine.kernels, engine.attention): this
+times them alone, not a step.
 """
 from __future__ import annotations
 

@@ -8,7 +8,9 @@ shipped hedgehog + gated decay maps" on a model too big to linearize here.
 
 Each configuration: a state of depth + steps + warm-up slots, `--prefill` real tokens prefilled (the KV
 cache's remaining depth filled by repeating them, as `gen bench --prefill-tokens` does), then `--warmup`
-untimed and `--steps` timed one-token steps through the Stepper, synchronised each step (median).
+untimed and `--steps` timed one-token steps through the run's step (`engine.load`, then per
+configuration its RunSpec on the path and map, with a fresh step: benchmarks/runs.py), synchronised each
+step (median). The random maps are set on the model itself (an internal on purpose).
 """
 from __future__ import annotations
 
@@ -20,9 +22,9 @@ import time
 
 import torch
 
+import engine
 from engine.attention.feature_maps import Hedgehog
-from engine.loader import load_model
-from engine.steps import Stepper
+from runs import with_run
 
 
 def with_gated_maps(model, seed: int = 0):
@@ -44,10 +46,11 @@ def sync(device) -> None:
 
 
 @torch.inference_mode()
-def time_config(model, attention, feature_map, a) -> dict:
-    step = Stepper(model, a.backend)
+def time_config(llm, attention, feature_map, a) -> dict:
+    model = llm.model
+    step = with_run(llm).step                    # a fresh step per configuration
     B, n = a.batch, a.depth + a.warmup + a.steps + 1
-    state = model.init_state(B, max_len=n, attention=attention, feature_map=feature_map)
+    state = model.init_state(B, max_len=n, spec=llm.spec.with_path(model.config, attention, feature_map))
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, model.config.vocab_size, (B, a.prefill), generator=g).to(model.device)
     logits = step(ids, state, last_only=True)
@@ -89,9 +92,9 @@ def main(argv=None) -> int:
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         print("gpu_maps: --device cuda but no CUDA device here; use --device cpu", file=sys.stderr)
         return 2
-    model, _ = load_model(a.model, device=a.device, dtype=getattr(torch, a.dtype))
-    with_gated_maps(model)
-    rows = [time_config(model, att, fm, a) for att, fm in
+    llm = engine.load(a.model, device=a.device, dtype=a.dtype, backend=a.backend)
+    model = with_gated_maps(llm.model)
+    rows = [time_config(llm, att, fm, a) for att, fm in
             (("softmax", None), ("linear", "elu1"), ("linear", "hedgehog"))]
     name = torch.cuda.get_device_name() if model.device.type == "cuda" else "cpu"
     print(f"{name}, torch {torch.__version__}, {a.model}, {a.dtype}, backend {a.backend}")

@@ -144,7 +144,7 @@ def prefill_tps(llm, tokens: int, repeats: int = 4) -> float:
 def run(path: str, steps: int, warmup: int, threads: int | None, prompt: int) -> dict:
     import engine
     from engine import load
-    from engine.steps import Stepper
+    from runs import with_run
     base = rss_mb()
     t0 = time.perf_counter()
     llm = load(path, attention="softmax", backend="native", threads=threads, activations="q8")
@@ -154,11 +154,11 @@ def run(path: str, steps: int, warmup: int, threads: int | None, prompt: int) ->
            "matrix_mb_per_token": round(matrix_bytes(llm.model) / 1e6, 1), "threads": threads}
     rec["decode_ms_q8"] = round(decode_ms(llm, steps, warmup), 2)
     rec["rss_after_decode_mb"] = round(rss_mb())
-    llm.step = Stepper(llm.model, "native", threads=threads, activations="f32-prompt")   # the default
+    llm = with_run(llm, activations="f32-prompt")   # the default
     rec[f"prefill_{prompt}_tokens_per_s"] = round(prefill_tps(llm, prompt), 1)
     rec["prefill_form"] = llm.step.last_prefill_form
     # fp32 activations on the same model (a second load would hold the weights twice)
-    llm.step = Stepper(llm.model, "native", threads=threads, activations="f32")
+    llm = with_run(llm, activations="f32")
     rec["decode_ms_f32"] = round(decode_ms(llm, steps, warmup), 2)
     return rec
 

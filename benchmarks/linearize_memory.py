@@ -15,7 +15,8 @@ torch.cuda.max_memory_allocated() on the first steps.
 
 Two shims for the meta device only (no data, so nothing can be read back): rotary positions 0..T-1
 come from `Rotary.for_range` instead of a lookup that reads the largest position, and the meta device
-counts as not under autocast.
+counts as not under autocast. It builds the model from its pieces (engine.transformer, engine.adapters)
+on purpose: the public API loads real weights, and this counts a model that is never materialized.
 """
 from __future__ import annotations
 

@@ -30,6 +30,7 @@ invalid_request_error). Prints one line per test and the pass count.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import socket
 import subprocess
@@ -122,6 +123,16 @@ def patch(utils, model: str, log) -> None:
     utils.ServerPreset.load_all = staticmethod(lambda: None)
 
 
+def load_utils(path: Path):
+    """The suite's utils.py, imported from its path and registered as `utils`, so that the suite's own
+    `from utils import *` gets this module (patched below) rather than a second copy."""
+    spec = importlib.util.spec_from_file_location("utils", path)
+    utils = importlib.util.module_from_spec(spec)
+    sys.modules["utils"] = utils
+    spec.loader.exec_module(utils)
+    return utils
+
+
 class Report:
     """A pytest plugin: one line per test outcome."""
 
@@ -147,8 +158,7 @@ def main() -> int:
         ap.error(f"{tests} holds no utils.py: give the root of a llama.cpp checkout")
     import pytest
     sys.modules.setdefault("wget", types.ModuleType("wget"))   # utils imports it for downloads only
-    sys.path.insert(0, str(tests))
-    import utils
+    utils = load_utils(tests / "utils.py")
     log = open(a.log, "w")
     patch(utils, a.model, log)
     report = Report()

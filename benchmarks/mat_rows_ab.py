@@ -8,6 +8,10 @@ round by round on the same matrices (tiny's shapes by default: qkv 768x256, gate
 256x672, lm_head 4096x256), so the machine's noise falls on both alike. Prints the median time per
 call, GMAC/s, the speed-up and each build's worst relative error against a float64 reference. One
 thread, weights in cache: a kernel's speed, not a step's.
+
+It measures an internal on purpose (the C kernel, through its ctypes `Mat` and the build's flags), so it
+imports engine.steps.native; the "new" build is the sources of the engine this interpreter imports
+(the working tree, through the editable install or PYTHONPATH), the base one comes from git.
 """
 from __future__ import annotations
 
@@ -15,17 +19,18 @@ import argparse
 import ctypes
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from engine.steps.native import Mat  # noqa: E402
-from engine.steps.native.build import FLAGS, HEADERS, SOURCES, compiler  # noqa: E402
+import engine.steps.native as native
+from engine.steps.native import Mat
+from engine.steps.native.build import FLAGS, HEADERS, SOURCES, compiler
+
+NATIVE = Path(native.__file__).resolve().parent          # the sources of the engine imported here
+ROOT = NATIVE.parents[2]                                 # its checkout (git show reads the base from it)
 
 TYPES = {"f32": (torch.float32, 0), "f16": (torch.float16, 1), "bf16": (torch.bfloat16, 2)}
 SRC = "engine/steps/native"
@@ -55,11 +60,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         old = build({n: subprocess.run(["git", "show", f"{a.base}:{SRC}/{n}"], cwd=ROOT, check=True,
                                        capture_output=True).stdout for n in names}, Path(tmp) / "old.so")
-        new = build({n: (ROOT / SRC / n).read_bytes() for n in names}, Path(tmp) / "new.so")
+        new = build({n: (NATIVE / n).read_bytes() for n in names}, Path(tmp) / "new.so")
         libs = {"old": old, "new": new}
         dtype, code = TYPES[a.weights]
         g = torch.Generator().manual_seed(0)
-        print(f"mat_rows, {a.weights} weights, 1 thread: {a.base} (old) vs the working tree (new)")
+        print(f"mat_rows, {a.weights} weights, 1 thread: {a.base} (old) vs {ROOT} (new)")
         for shape in a.shapes.split(","):
             rows, cols = map(int, shape.split("x"))
             w = torch.randn(rows, cols, generator=g).to(dtype)

@@ -8,7 +8,8 @@ Prints one markdown row per depth: | model | weights | backend | depth | B=1 ms 
 B=8 tok/s | B=8 / B=1 | form that ran |. CPU time (`time.process_time`) instead of wall time: on a
 shared machine the wall clock swings 5-10x with the neighbours' load, the CPU time of one thread much
 less (memory-bandwidth contention still inflates it). For quiet-machine wall-clock numbers use
-`gen bench` (benchmarks/native_table.py).
+`gen bench` (benchmarks/native_table.py). The model loads through `engine.load` (one thread, the
+given backend: the run's own step; benchmarks/runs.py).
 """
 import sys
 import time
@@ -16,23 +17,18 @@ import time
 import engine  # noqa: F401  (before torch: its OpenMP setting, engine/__init__.py, applies)
 import torch
 
-from engine.loader import load_model
-from engine.quant import quantize_model
-from engine.steps import Stepper
-from engine.threads import set_threads
+from runs import load_weights
 
 
 def main(name: str, weights: str, depths: list[int], backend: str = "native") -> None:
-    set_threads(1)
-    model, _ = load_model(name, dtype={"f16": "float16", "bf16": "bfloat16"}.get(weights, "float32"))
-    if weights.startswith("q"):
-        quantize_model(model, weights)
+    llm, _ = load_weights(name, weights, dequantize=False, backend=backend, threads=1)
+    model, step = llm.model, llm.step
     V = model.config.vocab_size
     short = name.rstrip("/").split("/")[-2] if "/" in name else name
     for depth in depths:
         per_step = []
         for B in (1, 8):
-            step, state = Stepper(model, backend, threads=1), model.init_state(B, depth + 200)
+            state = model.init_state(B, depth + 200)
             tok = step(torch.randint(0, V, (B, depth)), state, last_only=True)[:, -1:].argmax(-1)
             for _ in range(5):
                 tok = step(tok, state).argmax(-1)

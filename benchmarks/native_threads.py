@@ -19,8 +19,9 @@ and slow stretches as the scheduler shares a core: the mean counts the slow ones
 time per step (all its threads: what the step takes from other processes), busy / quiet
 speed (ratio of medians, and the spread of that ratio over the repeats), and the share of the
 pool's phases that ran on the caller alone (pool.c's adaptive mode). `threads` is a count (PyTorch
-gets the same count, as --threads N does) or `default` (set_threads(None): the native pool on every
-core, PyTorch on one: what `gen` runs). `--weights gguf` keeps a GGUF file's blocks as stored
+gets the same count, as --threads N does) or `default` (the native pool on every core, PyTorch on one:
+what `gen` runs). Each row loads through `engine.load` (benchmarks/runs.py) and steps with the run's own
+step; the pool's counters and its adaptive switch are internals on purpose (engine.steps.native). `--weights gguf` keeps a GGUF file's blocks as stored
 (smollm2: Q4_1). The load average (`uptime`) is printed before and after
 each row. Issue 11 asks that decode at the default thread count with one core busy keeps >= 50% of
 its quiet speed. The pool's adaptive (solo) mode is off by default (pool.c); `--adapt on` turns it on
@@ -42,23 +43,18 @@ MODELS = {"tiny": "tiny", "stories260K": os.path.join(ROOT, "..", "shared", "che
 ROW = r"""
 import engine  # before torch: its OpenMP setting (engine/__init__.py) applies
 import json, os, statistics, subprocess, sys, time, torch
-from engine.loader import load_model
-from engine.quant import quantize_model
-from engine.steps import Stepper
 from engine.steps.native import NativeUnavailableError, pool_adapt, pool_stats
-from engine.threads import set_threads
+from runs import load_weights
 job = json.loads(sys.argv[1])
-threads = set_threads(None if job["threads"] == "default" else int(job["threads"]))   # PyTorch's; the native count:
-dtype = {"f16": "float16", "bf16": "bfloat16"}.get(job["weights"], "float32")
-model, _ = load_model(job["model"], dtype=dtype)
-if job["weights"].startswith("q"):
-    quantize_model(model, job["weights"])
+llm, _ = load_weights(job["model"], job["weights"], dequantize=False,   # threads None: native on every core, PyTorch on 1
+                      threads=None if job["threads"] == "default" else int(job["threads"]))
+model = llm.model
 try:
     pool_stats()
     native = True
 except NativeUnavailableError:
     native = False
-step, B, depth, n = Stepper(model, "auto", threads=threads), job["batch"], job["depth"], job["steps"]
+step, B, depth, n = llm.step, job["batch"], job["depth"], job["steps"]
 prompt = torch.randint(0, model.config.vocab_size, (B, depth), generator=torch.Generator().manual_seed(0))
 
 MODES = {"on": {"window": 32}, "off": {}}   # off: the default (pool_adapt())
@@ -115,7 +111,8 @@ print(json.dumps({"conditions": out, "form": step.last_form, "fallback": step.fa
 
 
 def run_row(job: dict) -> dict:
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    here = os.path.dirname(os.path.abspath(__file__))   # the row imports runs.py from here
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, here] + [os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-c", ROW, json.dumps(job)], capture_output=True, text=True, env=env)
     if out.returncode != 0:
         raise SystemExit(f"row {job} failed: {out.stderr.strip().splitlines()[-1:]}")

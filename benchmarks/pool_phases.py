@@ -6,7 +6,8 @@ Per thread count: ms/token (greedy ids, batch 1, depth ~0, after an 8-step warm-
 token, chunks per phase, the share of chunks the calling thread ran, chunks it stole from a late
 worker, the phases' wall time per token and the caller's wait for the workers' last chunks per token
 (`engine.steps.native.pool_stats`). Step time minus phase time = the serial work between phases
-plus the Python call.
+plus the Python call. The model loads through `engine.load` (bandwidth_floor.load); the pool's
+counters are an internal on purpose (engine.steps.native.pool_stats: what this script measures).
 """
 from __future__ import annotations
 
@@ -16,20 +17,21 @@ import engine  # noqa: F401  (before torch: its OpenMP setting, engine/__init__.
 import torch
 
 from bandwidth_floor import load, model_args
-from engine.steps import Stepper
 from engine.steps.native import pool_stats
+from runs import with_run
 
 
 def main() -> None:
     ap = model_args(__doc__, "gguf", 2)
     ap.add_argument("--steps", type=int, default=128)
     args = ap.parse_args()
-    model, kind = load(args.model, args.weights)
+    llm, kind = load(args.model, args.weights)
+    model = llm.model
     V, n = model.config.vocab_size, args.steps
     ids = torch.randint(0, V, (1, n + 12), generator=torch.Generator().manual_seed(0))
     for _ in range(args.rounds):
         for t in (int(x) for x in args.threads.split(",")):
-            step, state = Stepper(model, "native", threads=t), model.init_state(1, n + 16)
+            step, state = with_run(llm, threads=t).step, model.init_state(1, n + 16)
             step(ids[:, :4], state)
             for i in range(4, 12):
                 step(ids[:, i:i + 1], state)

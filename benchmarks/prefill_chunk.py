@@ -10,7 +10,9 @@ came (issue 29's target: worst <= 3x median). Chunk 0 = the whole prompt in one 
 With `--long-tokens N` (> 1) the long prompt goes on decoding N tokens: its row joins the running
 streams' batch (the join copies every row, right-aligned to the long one), and the gaps are counted
 until it ends; the default (1) ends it at its first token, so the join is not measured.
-Prints one table per part and, with --json, writes the records.
+Prints one table per part and, with --json, writes the records. The model loads through `engine.load`;
+each chunk size is its run's `prefill_chunk` (benchmarks/runs.py `with_run`, a fresh step); the
+server's scheduler is driven directly, an internal on purpose (what part 2 measures).
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import torch
 from engine import load
 from engine.sampling import SamplingParams
 from engine.serve.scheduler import Job, Scheduler
-from engine.steps import make_step
+from runs import with_run
 
 
 def prompt_ids(n: int, vocab: int, seed: int = 0) -> list[int]:
@@ -35,7 +37,7 @@ def prompt_ids(n: int, vocab: int, seed: int = 0) -> list[int]:
 
 def prefill_rate(llm, path: str, chunk: int, n: int) -> dict:
     model = llm.model
-    step = make_step(model, threads=None, prefill_chunk=chunk)
+    step = with_run(llm, prefill_chunk=chunk).step
     ids = torch.tensor([prompt_ids(n, model.config.vocab_size)])
     state = model.init_state(1, n + 1, path)
     step(ids[:, :16], model.init_state(1, 17, path), last_only=True)      # warm-up (native build, pool)
@@ -59,7 +61,7 @@ class Stream:
 
 
 def gaps(llm, path: str, chunk: int, streams: int, n: int, before: int = 20, long_tokens: int = 1) -> dict:
-    step = make_step(llm.model, prefill_chunk=chunk)
+    step = with_run(llm, prefill_chunk=chunk).step
     sched = Scheduler(llm.model, llm.tokenizer, step, max_batch=streams + 1)
     sched.start()
     params = SamplingParams(temperature=0.0)

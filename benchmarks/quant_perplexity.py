@@ -12,7 +12,9 @@ Each type is scored by engine.evaluate (the same documents, windows and batches 
 `gguf` is the model's file as stored (SmolLM2: Q4_1 matrices, Q8_0 tied embedding/lm_head);
 q8_0/q4_0/q4_1 requantize the matrices and lm_head at load; f16/bf16 load in that dtype. For SmolLM2
 the only weights here are that Q4_1 file, so "f32" is its Q4_1 values in fp32, and q8_0/q4_0 are
-requantized from them: the deltas are each form's cost relative to those values.
+requantized from them: the deltas are each form's cost relative to those values. Each type loads
+through `engine.load` (benchmarks/runs.py; PyTorch keeps its thread count); q8_reference and the
+scoring function are internals on purpose (engine.quant, engine.evaluate: what is compared).
 """
 from __future__ import annotations
 
@@ -23,10 +25,8 @@ import time
 import torch
 
 from engine.evaluate import evaluate_file
-from engine.loader import load_model
-from engine.quant import QuantLinear, dequantize_model, q8_reference, quantize_model
-
-DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
+from engine.quant import q8_reference
+from runs import load_weights
 
 
 def main() -> None:
@@ -44,13 +44,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     base = None
     for w in args.weights.split(","):
-        model, tok = load_model(args.model, dtype=DTYPES.get(w, "float32"))
-        if w in ("q8_0", "q4_0", "q4_1"):
-            quantize_model(model, w)
-        elif w in DTYPES:
-            dequantize_model(model)   # a GGUF's blocks as float matrices in that dtype
-        kinds = sorted({m.kind for m in model.modules() if isinstance(m, QuantLinear)})
-        stored = "+".join(kinds) if kinds else str(model.dtype).removeprefix("torch.")
+        llm, stored = load_weights(args.model, w, threads=torch.get_num_threads())
+        model, tok = llm.model, llm.tokenizer
         maths = [("dequant", model)] + ([("q8 act", q8_reference(model))] if w in args.q8.split(",") else [])
         for math, m in maths:
             t = time.time()
@@ -60,7 +55,7 @@ def main() -> None:
             delta = f"{100 * (r.perplexity / base - 1):+.2f}%" if base else "-"
             print(f"| {w} | {stored} | {math} | {r.perplexity:.4f} | {delta} | {r.tokens} | {time.time() - t:.0f} |",
                   flush=True)
-        del model, maths
+        del llm, model, maths
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ weight type, not on the values.
 Shapes: `llama-3.2-1b` (1.24B parameters: 16 layers, hidden 2048, 32/8 heads of 64, MLP 8192, vocab
 128,256, tied embeddings, RoPE theta 500,000 with Llama 3's scaling), `smollm2-135m`, `tiny-test`
 (a few MB, for checking this script). Weights ~ N(0, 0.02), norms 1. The file is written tensor by
-tensor from `--device` (random numbers are drawn there: fast on a GPU).
+tensor from `--device` (random numbers are drawn there: fast on a GPU). It reads the shapes a config
+implies from models (ModelConfig, `hf_shapes`): a checkpoint is written here, never loaded.
 """
 from __future__ import annotations
 

@@ -120,7 +120,7 @@ async def soak(url: str, model: str, seconds: float, workers: int, paths: list[s
 
 def fit_2k(model: str, paths: list[str], budget: int) -> dict:
     """State bytes of one 2048-token conversation per path and how many fit in `budget` bytes."""
-    from engine.api import load
+    from engine import load
     net = load(model, backend="torch").model
     out = {}
     for path in paths:

@@ -6,7 +6,7 @@ this engine next to transformers' own GGUF loading, each configuration in a fres
 Per side and thread count (1, 2): wall time of the load call (imports excluded), VmHWM right after
 the load, then greedy decode of `--tokens` new tokens after the chat prompt of one question, EOS
 ignored, batch 1; decode tokens/s = (N - 1) / (time of N tokens - time of the first), median of
-`--repeats` after one untimed warm-up. Ours: `engine.api.load("smollm2", threads=T)` and the
+`--repeats` after one untimed warm-up. Ours: `engine.load("smollm2", threads=T)` and the
 generation loop (`backend="auto"`: the C step where it applies); theirs:
 `AutoModelForCausalLM.from_pretrained(dir, gguf_file=..., dtype=torch.float32)` and `generate`.
 """
@@ -31,7 +31,7 @@ def vm_hwm() -> int:
 
 def run_ours(threads: int, n: int, repeats: int, backend: str) -> dict:
     import torch  # noqa: F401
-    from engine.api import load
+    from engine import load
     t = time.perf_counter()
     llm = load("smollm2", threads=threads, backend=backend)
     load_s, rss = time.perf_counter() - t, vm_hwm()

@@ -224,9 +224,23 @@ def write_maps(file: str | os.PathLike, runtime: dict[str, torch.Tensor], dtype=
 def write_json(file: str | os.PathLike, obj) -> None:
     tmp = f"{os.fspath(file)}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
+        f.write(dumps_records(obj) + "\n")
     os.replace(tmp, file)
+
+
+def dumps_records(obj) -> str:
+    """JSON as `indent=2` writes it, except that a top-level list of records (transfer_losses.json's
+    layers, a log's steps) keeps one record per line: a file of a few lines per layer, not ten."""
+    if not isinstance(obj, dict):
+        return json.dumps(obj, indent=2)
+    items = []
+    for key, value in obj.items():
+        if isinstance(value, list) and value and all(isinstance(x, dict) for x in value):
+            body = ",\n    ".join(json.dumps(x) for x in value)
+            items.append(f"  {json.dumps(key)}: [\n    {body}\n  ]")
+        else:
+            items.append(f"  {json.dumps(key)}: " + json.dumps(value, indent=2).replace("\n", "\n  "))
+    return "{\n" + ",\n".join(items) + "\n}" if items else "{}"
 
 
 __all__ = ["CONFIG", "MAPS", "ADAPTERS", "VARIANTS", "MAP_NAMES", "ADAPTER_NAMES", "adapter_shapes", "read_adapters",

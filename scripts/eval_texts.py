@@ -18,8 +18,7 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from models.corpus import read_documents  # noqa: E402
+from models.corpus import read_documents
 
 SEP = "\n<|endoftext|>\n"
 LICENCES = ["GPL-3", "Apache-2.0", "MPL-2.0", "GFDL-1.3", "LGPL-3", "Artistic", "CC0-1.0", "GPL-2"]

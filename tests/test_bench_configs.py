@@ -156,3 +156,27 @@ def test_cli_four_way_json_keeps_the_old_keys(model_dir, tmp_path):
     assert [r["attention"] for r in data["results"]] == ["softmax", "linear", "hybrid", "linear"]
     assert data["settings"]["attentions"] == ["softmax", "linear", "hybrid", "window"]
     assert "hybrid 2/3 softmax vs softmax" in res.output
+
+
+@pytest.mark.parametrize("entry,options", [
+    ("softmax", {"attention": "softmax"}),
+    ("linear", {"attention": "linear", "window": 4}),
+    ("hybrid", {"attention": "hybrid", "softmax_layers": "0,2"}),
+    ("window", {"attention": "linear", "window": 5}),
+    ("default", {}),
+])
+def test_each_entry_is_the_runspec_gen_resolves_for_the_same_options(entry, options):
+    """A bench row runs what `gen` / engine.load run with the same options: the entry's preset is
+    RunSpec.resolve's spec, dtypes, threads and quantization included."""
+    from engine.bench.configs import preset
+    from engine.runspec import RunSpec
+    cfg = tiny_model(num_hidden_layers=3, num_key_value_heads=2).config
+    settings = {"dtype": "float16", "kv_dtype": "float32", "threads": 1, "quantize": "q8_0"}
+    got = preset(cfg, entry, options.get("softmax_layers"), options.get("window"), **settings)
+    assert isinstance(got, RunSpec)
+    assert got == RunSpec.resolve(cfg, **options, **settings)
+    settings_ = BenchSettings(attentions=(entry,), softmax_layers=options.get("softmax_layers"),
+                              window=options.get("window"), weights="q8_0", threads=1)
+    spec, keys = settings_.preset(cfg, entry)
+    assert spec == RunSpec.resolve(cfg, **options, dtype="float32", threads=1, quantize="q8_0")
+    assert keys["entry"] == entry and settings_.runtime(cfg, entry)[0] == spec.run_config(cfg)

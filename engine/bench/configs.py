@@ -1,4 +1,4 @@
-"""Which attention configurations a bench run compares, and the runtime config each one runs.
+"""Which attention configurations a bench run compares, and the run (a RunSpec preset) each one is.
 
 `--attention` takes a comma-separated list of entries (or the aliases `both`, `all`):
 
@@ -11,14 +11,15 @@
 
     both = softmax,linear (the default);  all = softmax,linear,hybrid,window (the four-way plot)
 
-Each entry is turned into a runtime config by `engine.attention.hybrid.runtime_config`, the
-same function `gen`, `gen eval` and the API use, so a bench row runs what those commands run.
+Each entry is a RunSpec preset (`preset`): the entry's options resolved by `RunSpec.resolve`, the
+function `gen`, `gen eval`, `gen serve` and the API resolve through, so a bench row runs what those
+commands run with the same options (`--attention linear --window 64` here is `gen --attention linear
+--window 64`). The memory formulas read a config: `spec.run_config(cfg)` (`runtime_for`).
 """
 from __future__ import annotations
 
-from engine.attention.hybrid import runtime_config
 from engine.errors import InvalidArgumentError
-from engine.runspec import check_attention, check_window
+from engine.runspec import RunSpec, check_attention, check_window
 
 ENTRIES = ("softmax", "linear", "hybrid", "window", "default")
 ALIASES = {"both": ("softmax", "linear"), "all": ("softmax", "linear", "hybrid", "window")}
@@ -58,23 +59,30 @@ def check_entries(entries, softmax_layers, window) -> None:
         raise InvalidArgumentError("--window applies to linear layers: add linear, hybrid or window to --attention")
 
 
-def runtime_for(cfg, entry: str, softmax_layers=None, window: int | None = None):
-    """The runtime config of one entry on the checkpoint's config `cfg` (checked against the model)."""
+def preset(cfg, entry: str, softmax_layers=None, window: int | None = None, **settings) -> RunSpec:
+    """The RunSpec of one entry on the checkpoint's config `cfg` (checked against the model); settings:
+    the rest of the run as `RunSpec.resolve` takes it (feature_map, dtype, kv_dtype, device, backend,
+    threads, quantize, ...)."""
     if entry == "softmax":
-        return runtime_config(cfg, "softmax")
+        return RunSpec.resolve(cfg, attention="softmax", **settings)
     if entry == "linear":
-        return runtime_config(cfg, "linear", window=window)
+        return RunSpec.resolve(cfg, attention="linear", window=window, **settings)
     if entry == "hybrid":
-        return runtime_config(cfg, "hybrid", softmax_layers, window)
+        return RunSpec.resolve(cfg, attention="hybrid", softmax_layers=softmax_layers, window=window, **settings)
     if entry == "window":
         w = window if window is not None else (cfg.window or None)
         if w is None:
             raise InvalidArgumentError("the window configuration needs --window W (this model's config has no "
                                        "window), e.g. --window 64")
-        return runtime_config(cfg, "linear", window=w)
+        return RunSpec.resolve(cfg, attention="linear", window=w, **settings)
     if entry == "default":
-        return cfg
+        return RunSpec.resolve(cfg, **settings)   # the checkpoint's own mode
     check_attention(entry, ENTRIES)
+
+
+def runtime_for(cfg, entry: str, softmax_layers=None, window: int | None = None):
+    """The config of one entry's run (`preset`) on `cfg`, for the formulas that read a config."""
+    return preset(cfg, entry, softmax_layers, window).run_config(cfg)
 
 
 def describe(rt) -> dict:
@@ -100,11 +108,11 @@ def layer_paths(rt) -> tuple[str, ...]:
     return (rt.attention,) * rt.num_hidden_layers
 
 
-def configure(cfg, entry: str, softmax_layers=None, window: int | None = None):
-    """(runtime config, the record keys naming it) for one entry: entry, attention, softmax_layers,
+def configure(cfg, entry: str, softmax_layers=None, window: int | None = None, **settings):
+    """(the entry's RunSpec, the record keys naming it) for one entry: entry, attention, softmax_layers,
     window, configuration (a label unique within a run: the default entry is prefixed "default:")."""
-    rt = runtime_for(cfg, entry, softmax_layers, window)
-    keys = describe(rt)
+    spec = preset(cfg, entry, softmax_layers, window, **settings)
+    keys = describe(spec.run_config(cfg))
     if entry == "default":
         keys["configuration"] = f"default: {keys['configuration']}"
-    return rt, {"entry": entry, **keys}
+    return spec, {"entry": entry, **keys}

@@ -34,7 +34,6 @@ from engine.bench.memory import config_state_bytes, peak_rss_bytes
 from engine.errors import EngineError, InvalidArgumentError
 from engine.loader import parse_dtype
 from engine.quant import weights_label
-from engine.runspec import RunSpec
 from engine.steps import Stepper, check_backend
 from engine.steps.native import weights_read
 
@@ -119,9 +118,22 @@ class BenchSettings:
     def window_for(self, entry: str) -> int | None:
         return entry_window(entry, self.attentions, self.window)
 
+    def preset(self, cfg, entry: str):
+        """(RunSpec, record keys) of one entry on the checkpoint's config: the entry's preset
+        (engine.bench.configs.preset) with this run's feature map, dtypes, device, backend, threads and
+        quantization."""
+        return configure(cfg, entry, self.softmax_layers if entry == "hybrid" else None, self.window_for(entry),
+                         **self.run_options())
+
+    def run_options(self) -> dict:
+        """What every entry's RunSpec takes from these settings besides its attention."""
+        return {"feature_map": self.feature_map, "dtype": self.dtype, "kv_dtype": self.kv_dtype,
+                "device": self.device, "backend": self.backend, "threads": self.threads, "quantize": self.quantize}
+
     def runtime(self, cfg, entry: str):
-        """(runtime config, record keys) of one entry on the checkpoint's config."""
-        return configure(cfg, entry, self.softmax_layers if entry == "hybrid" else None, self.window_for(entry))
+        """(runtime config, record keys) of one entry on the checkpoint's config (its preset's config)."""
+        spec, keys = self.preset(cfg, entry)
+        return spec.run_config(cfg), keys
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -227,12 +239,12 @@ def measure(model, attention: str, context: int, steps: int, warmup: int,
 def measure_entry(model, entry: str, context: int, steps: int, warmup: int, feature_map=None, seed: int = 0,
                   backend: str = "auto", batch: int = 1, prefill_tokens=None, softmax_layers=None,
                   window=None, threads: int | None = None) -> dict:
-    """`measure` for one bench entry (softmax, linear, hybrid, window, default): the entry's run (a
-    RunSpec made from its runtime config, the model's config untouched), on `threads` native threads."""
-    rt, keys = configure(model.config, entry, softmax_layers, window)
-    spec = RunSpec.from_config(rt, feature_map=feature_map, kv_dtype=model.kv_dtype, dtype=model.dtype,
-                               device=model.device)
-    rec = measure(model, rt.attention, context, steps, warmup, feature_map, seed, backend, batch,
+    """`measure` for one bench entry (softmax, linear, hybrid, window, default): the entry's RunSpec
+    preset (engine.bench.configs.preset; the model's config untouched), on `threads` native threads."""
+    spec, keys = configure(model.config, entry, softmax_layers, window, feature_map=feature_map,
+                           kv_dtype=model.kv_dtype, dtype=model.dtype, device=model.device, backend=backend,
+                           threads=threads)
+    rec = measure(model, spec.attention, context, steps, warmup, feature_map, seed, backend, batch,
                   prefill_tokens, spec=spec, threads=threads)
     rec.update(keys)
     rec["weights_stored"] = weights_label(model)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from engine.bench.configs import runtime_for
+from engine.bench.configs import preset
 from engine.bench.memory import peak_rss_bytes, rss_bytes
 from engine.bench.sweep import INTERRUPTED, measure_entry
 from engine.errors import EngineError
@@ -18,11 +18,12 @@ def main() -> int:
     job = json.loads(sys.stdin.read())
     set_threads(job.get("threads"))
     try:
-        model, _ = load_model(job["model"], device=job["device"], dtype=job["dtype"], kv_dtype=job.get("kv_dtype"),
-                              configure=lambda cfg: runtime_for(cfg, job["attention"], job.get("softmax_layers"),
-                                                                job.get("window")))   # the row's set of maps
-        if job.get("quantize"):
-            quantize_model(model, job["quantize"])
+        options = {k: job.get(k) for k in ("feature_map", "kv_dtype", "threads", "quantize")}
+        model, _ = load_model(job["model"], spec=lambda cfg: preset(   # the row's run: its set of maps, its dtypes
+            cfg, job["attention"], job.get("softmax_layers"), job.get("window"), dtype=job["dtype"],
+            device=job["device"], backend=job.get("backend", "auto"), **options))
+        if model.spec.quantize:
+            quantize_model(model, model.spec.quantize)
         after_load = rss_bytes()
         rec = measure_entry(model, job["attention"], job["context"], job["steps"], job["warmup"],
                             job.get("feature_map"), job.get("seed", 0), job.get("backend", "auto"),
