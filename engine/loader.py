@@ -125,7 +125,7 @@ def quantized_embedding(hf_tensors, cfg: ModelConfig, device, dtype, head: Quant
         return None
     blocks, kind = found
     if cfg.tie_word_embeddings and head is not None and type(head) is QuantLinear:
-        blocks = head.blocks   # one tensor for both (and for the native step's copies of it)
+        blocks = head.blocks   # the same bytes for both
     return QuantEmbedding(blocks.to(device), kind, cfg.vocab_size, cfg.hidden_size, dtype)
 
 
