@@ -5,9 +5,10 @@ copying only what it must fuse or convert; the rest stay views of the file's mem
 whose parts a GGUF file stores as Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K blocks becomes a
 QuantLinear on those very blocks (`quantized_matrices`: q/k rows permuted and parts fused by whole
 rows of blocks, never decoded; parts of different kinds, as Q4_K_M's, a QuantStack), as llama.cpp
-runs them; other GGUF types are dequantized at load. The
-token embedding is always dequantized (to `dtype`, the whole table: a lookup reads one row per
-token); a tied lm_head keeps the embedding's blocks for its dot products.
+runs them; other GGUF types are dequantized at load. Fused parts are
+copies, so the file pages they were read from are dropped (`release`): RSS holds each matrix once.
+A token embedding stored as blocks stays those blocks (`quantized_embedding`: a lookup decodes the
+rows it reads, in `dtype`); a tied lm_head reads the same blocks for its dot products.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 
 from engine.adapters import merge
 from engine.attention.feature_maps import Hedgehog
-from engine.quant import QuantLinear, QuantStack
+from engine.quant import QuantEmbedding, QuantLinear, QuantStack
 from engine.runspec import DTYPES, RunSpec, check_no_decay_with_window, map_set_for, parse_device, parse_dtype  # noqa: F401
 from engine.transformer import Transformer
 from models.config import ModelConfig
@@ -91,6 +92,9 @@ def build(cfg: ModelConfig, hf_tensors, device, dtype, interleaved_rotary: bool 
         if maps is not None and model.hedgehog is not None:
             model.hedgehog.add_parts_of(maps)
     quantized = quantized_matrices(hf_tensors, cfg, device, interleaved_rotary)
+    embedding = quantized_embedding(hf_tensors, cfg, device, dtype, quantized.get("lm_head"))
+    if embedding is not None:
+        quantized["embed_tokens"] = embedding
     runtime = hf_to_runtime(hf_tensors, cfg, device, dtype, interleaved_rotary=interleaved_rotary,
                             skip={f"{path}.weight" for path in quantized})
     tied = cfg.tie_word_embeddings and "lm_head" not in quantized
@@ -98,7 +102,7 @@ def build(cfg: ModelConfig, hf_tensors, device, dtype, interleaved_rotary: bool 
         runtime["lm_head.weight"] = runtime["embed_tokens.weight"]
     for path, module in quantized.items():
         parent, _, name = path.rpartition(".")
-        setattr(model.get_submodule(parent), name, module)
+        setattr(model.get_submodule(parent) if parent else model, name, module)
         runtime[f"{path}.blocks"] = module.blocks
     if cfg.feature_map == "hedgehog":
         fresh = {f"hedgehog.{k}": v for k, v in Hedgehog.for_config(cfg).state_dict().items()}
@@ -109,6 +113,20 @@ def build(cfg: ModelConfig, hf_tensors, device, dtype, interleaved_rotary: bool 
     if adapters is not None:
         merge(model, adapters, into_base=adapters_into_base)
     return model.eval()
+
+
+def quantized_embedding(hf_tensors, cfg: ModelConfig, device, dtype, head: QuantLinear | None) -> QuantEmbedding | None:
+    """The token embedding on the checkpoint's own blocks (GGUF: any kind `hf_tensors.blocks` hands
+    up), looked up in `dtype` a row at a time; a tied lm_head's very blocks tensor (`head`). None
+    where the checkpoint holds it otherwise (floats, Q5_0 / Q5_1): dequantized at load."""
+    blocks_of = getattr(hf_tensors, "blocks", None)
+    found = blocks_of("model.embed_tokens.weight") if blocks_of is not None else None
+    if found is None:
+        return None
+    blocks, kind = found
+    if cfg.tie_word_embeddings and head is not None and type(head) is QuantLinear:
+        blocks = head.blocks   # the same bytes for both
+    return QuantEmbedding(blocks.to(device), kind, cfg.vocab_size, cfg.hidden_size, dtype)
 
 
 def quantized_matrices(hf_tensors, cfg: ModelConfig, device, interleaved_rotary: bool) -> dict[str, QuantLinear]:
@@ -129,6 +147,7 @@ def quantized_matrices(hf_tensors, cfg: ModelConfig, device, interleaved_rotary:
         for plain in ("self_attn.o_proj", "mlp.down_proj"):
             groups[f"layers.{i}.{plain}"] = [f"model.layers.{i}.{plain}.weight"]
     shapes = hf_shapes(cfg)
+    release = getattr(hf_tensors, "release", None)
     out = {}
     for path, names in groups.items():
         parts = [blocks_of(n) for n in names]
@@ -152,4 +171,7 @@ def quantized_matrices(hf_tensors, cfg: ModelConfig, device, interleaved_rotary:
         else:
             flat = torch.cat([r.reshape(-1) for r in rows])
             out[path] = QuantStack(flat.to(device), segments, shapes[names[0]][1], bias=bias)
+        if len(names) > 1 and release is not None:
+            for n in names:   # fused: the copy is what the model holds; the file's pages it read can go
+                release(n)
     return out

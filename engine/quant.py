@@ -33,7 +33,8 @@ largest |x| per element; on SmolLM2 +0.4% perplexity, benchmarks/quant_perplexit
 model computing that way; tests hold the native matmuls to it tightly (1e-6) and the native step
 to it and, loosely, to dequantize-then-fp32. (Whole steps of a deep model agree less tightly: where
 torch's and C's fp32 sums put an activation at a rounding tie, the two round it one step apart.) Token embeddings stay as loaded (a lookup reads one
-row per token); lm_head is quantized (for tied embeddings that unties the two: the embedding
+row per token): floats, or a GGUF file's blocks as a `QuantEmbedding` (decoding only the rows a
+lookup reads); lm_head is quantized (for tied float embeddings that unties the two: the embedding
 keeps its values).
 """
 from __future__ import annotations
@@ -285,6 +286,84 @@ class QuantStackQ8(QuantStack):
         return self.forward_q8(x)
 
 
+class QuantEmbedding(QuantStack):
+    """A token embedding kept as its blocks (a GGUF file's Q8_0 / Q4_K / Q6_K ... table, for a tied
+    lm_head the very tensor the head reads): a lookup decodes only the rows it reads, to `dtype`
+    (the model's; `.half()` / `.to(dtype)` move it), the values a dequantized table holds bit for bit.
+
+    It is a QuantStack of one part (rows = vocabulary, in_features = hidden size), so the native
+    step reads its rows as stored (gen.h's row_to_f32 decodes every stored kind; a stack is never
+    regrouped). `weight` is a `BlockTable`: a tensor of the table's dtype, shape and device that holds
+    no values; F.embedding and row slices on it decode only their rows, any other op the whole table
+    for that op."""
+
+    def __init__(self, blocks: torch.Tensor, kind: str, num_embeddings: int, embedding_dim: int,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__(blocks, [(kind, num_embeddings)], embedding_dim)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        # 0 elements: carries the lookup's dtype (and device) through .to()/.half(); not in state_dict
+        self.register_buffer("probe", torch.empty(0, dtype=dtype, device=blocks.device), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.probe.dtype
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids (...) int -> (..., embedding_dim) in `dtype`: those rows of blocks, decoded."""
+        kind, n = self.parts[0][0], row_bytes(self.parts[0][0], self.in_features)
+        picked = self.blocks.view(self.num_embeddings, n).index_select(0, ids.reshape(-1).to(self.blocks.device))
+        return dequantize(picked, kind, (picked.shape[0], self.in_features)).to(self.dtype).reshape(
+            *ids.shape, self.in_features)
+
+    def forward(self, ids):   # (...) -> (..., embedding_dim)
+        return self.rows(ids)
+
+    def table(self) -> torch.Tensor:
+        """The whole (num_embeddings, embedding_dim) table in `dtype` (a new tensor each call)."""
+        return super().weight.to(self.dtype)
+
+    @property
+    def weight(self) -> "BlockTable":
+        return BlockTable(self)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.kind}, {str(self.dtype).removeprefix('torch.')}"
+
+
+class BlockTable(torch.Tensor):
+    """A QuantEmbedding's table as a tensor without values (`QuantEmbedding.weight`): what reads
+    `embed_tokens.weight` for its dtype, device or shape (step forms, Transformer.dtype), looks rows
+    up in it (F.embedding: the torch step) or slices rows off it (a state's weight fingerprint)
+    decodes no more than those rows; any other op decodes the whole table, for that op only."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl   # every op reaches __torch_dispatch__
+
+    @staticmethod
+    def __new__(cls, emb: QuantEmbedding):
+        t = torch.Tensor._make_wrapper_subclass(cls, (emb.num_embeddings, emb.embedding_dim), dtype=emb.dtype,
+                                                device=emb.blocks.device, requires_grad=False)
+        t.emb = emb
+        return t
+
+    def __repr__(self):
+        return f"BlockTable({self.emb.extra_repr()})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        aten = torch.ops.aten
+        if func is aten.embedding.default and isinstance(args[0], cls):
+            return args[0].emb.rows(args[1])
+        if func is aten.slice.Tensor and isinstance(args[0], cls) and not kwargs:
+            t, dim, start, end, step = (list(args) + [0, None, None, 1][len(args) - 1:])[:5]
+            if dim == 0:
+                return t.emb.rows(torch.arange(t.shape[0])[start:end:step])
+        if func in (aten.detach.default, aten.alias.default) and isinstance(args[0], cls):
+            return cls(args[0].emb)
+        args, kwargs = torch.utils._pytree.tree_map_only(cls, lambda t: t.emb.table(), (args, kwargs))
+        return func(*args, **kwargs)
+
+
 def q8_reference(model):
     """A deep copy of `model` whose QuantLinear layers round their activations to q8 blocks and take
     integer dot products, as the native step (tests run its module path as the reference)."""
@@ -349,6 +428,8 @@ def weights_label(model, view=None) -> str:
     step form reads instead of a float weight."""
     sizes: dict[str, int] = {}
     for module in [*model.modules(), *model.adapted_modules()]:   # with the linear layers' adapted copies
+        if isinstance(module, QuantEmbedding):
+            continue
         if isinstance(module, QuantStack):
             for kind, _, b in module.segments():
                 sizes[kind] = sizes.get(kind, 0) + b.numel()
@@ -368,6 +449,10 @@ def dequantize_model(model) -> None:
     """Replace every QuantLinear (e.g. a GGUF file's blocks) by an nn.Linear holding its dequantized
     weight (and its bias) in the model's dtype, in place: the float form of the same weights."""
     def floats(child):
+        if isinstance(child, QuantEmbedding):
+            emb = nn.Embedding(child.num_embeddings, child.embedding_dim, device="meta")
+            emb.weight = nn.Parameter(child.table().to(model.dtype), requires_grad=False)
+            return emb
         if not isinstance(child, QuantLinear):
             return child
         lin = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")

@@ -133,6 +133,12 @@ class GGUFTensors(Mapping):
             return None
         return torch.from_numpy(np.asarray(t.data).reshape(self.shapes[name][0], -1)), kind
 
+    def release(self, name: str) -> None:
+        """Drop the file pages of a tensor whose values the caller has copied (fused blocks): the
+        copy is what stays resident. Views of the tensor read afterwards fault them back in."""
+        t = self._tensors[name]
+        self._release(t.data_offset, t.n_bytes)
+
     def _release(self, offset: int, n: int) -> None:
         """Drop the file pages a dequantized tensor was read from (they would otherwise stay resident
         next to the fp32 copy); the map stays valid and pages fault back in if read again."""

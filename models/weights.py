@@ -133,8 +133,9 @@ def hf_to_runtime(tensors, cfg: ModelConfig, device="cpu", dtype: torch.dtype = 
     interleaved_rotary: q/k rows are in Meta's layout (llama2.c) and are permuted during the fuse.
     skip: runtime names not to build (matrices the caller builds from quantized blocks itself).
     """
-    out = {"embed_tokens.weight": tensors["model.embed_tokens.weight"],
-           "norm.weight": tensors["model.norm.weight"]}
+    out = {"norm.weight": tensors["model.norm.weight"]}
+    if "embed_tokens.weight" not in skip:
+        out["embed_tokens.weight"] = tensors["model.embed_tokens.weight"]
     if not cfg.tie_word_embeddings and "lm_head.weight" not in skip:
         out["lm_head.weight"] = tensors["lm_head.weight"]
     rotary_heads = {"self_attn.q_proj.weight": cfg.num_attention_heads,

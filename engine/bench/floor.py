@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from engine.quant import QuantLinear
+from engine.quant import QuantEmbedding, QuantLinear
 
 BUFFER_BYTES = {"cuda": 1 << 30, "cpu": 256 << 20}
 
@@ -67,8 +67,10 @@ def weight_bytes_read(model, state) -> int:
         total += 2 * layer.input_layernorm.weight.numel() * layer.input_layernorm.weight.element_size()
     if "linear" in paths and model.hedgehog is not None:
         total += sum(p.numel() * p.element_size() for p in model.hedgehog.parameters())
-    emb = model.embed_tokens.weight
-    return total + state.batch_size * emb.shape[1] * emb.element_size()
+    emb = model.embed_tokens
+    row = (emb.blocks.numel() // emb.num_embeddings if isinstance(emb, QuantEmbedding)   # one row of blocks
+           else emb.weight.shape[1] * emb.weight.element_size())
+    return total + state.batch_size * row
 
 
 def floor_ms(record: dict, bytes_per_s: float) -> float | None:

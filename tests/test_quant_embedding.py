@@ -1,0 +1,144 @@
+"""A GGUF token embedding stored as blocks stays those blocks (engine.quant.QuantEmbedding): the model
+holds no float table of the embedding's shape, a tied lm_head reads the very same tensor, and every
+step form (module, torch, native with f32 and q8 activations) gives the logits -- bit for bit -- and
+greedy ids of the old load, which dequantized the whole table. Fused q/k/v and gate/up blocks are
+copies, so the loader drops the file pages they were read from (GGUFTensors.release); the map stays
+readable after. (Resident memory itself: benchmarks/load_memory.py; no sizes are asserted here.)"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+gguf = pytest.importorskip("gguf", reason="the gguf package is not installed")
+
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+
+from chat_fixtures import write_gguf  # noqa: E402
+from conftest import tiny_model  # noqa: E402
+from engine.loader import load_model  # noqa: E402
+from engine.quant import QuantEmbedding, QuantLinear, dequantize_model  # noqa: E402
+from engine.steps import Stepper  # noqa: E402
+from models.gguf import read_gguf  # noqa: E402
+
+# rows of 256: every kind fits (K-quant super-blocks)
+CFG = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=2, vocab_size=300, max_position_embeddings=128, rope_theta=10000.0)
+PROMPT = torch.tensor([[5, 17, 200, 33, 99, 1, 250, 7, 64, 128, 3]])
+# embedding kind, the matrices' kind, tied: SmolLM2's mix, Llama-3.2-1B Q4_K_M's, an untied K-quant table
+MIXES = {"q8_0-tied": (Q.Q8_0, Q.Q4_1, True), "q6_k-tied": (Q.Q6_K, Q.Q4_K, True),
+         "q4_k-untied": (Q.Q4_K, Q.Q4_K, False)}
+
+
+@pytest.fixture(scope="module", params=list(MIXES))
+def mix(request, tmp_path_factory):
+    embed, base, tied = MIXES[request.param]
+    path = tmp_path_factory.mktemp("qe") / f"{request.param}.gguf"
+    kinds = {"token_embd.weight": embed, "output.weight": Q.Q6_K}   # (no output.weight when tied)
+    qtype_of = lambda name, shape: kinds.get(name, base)  # noqa: E731
+    stored = write_gguf(path, tiny_model(seed=5, tie_word_embeddings=tied, **CFG), None, qtype_of=qtype_of,
+                        template=None)
+    model, _ = load_model(path)
+    return request.param, path, stored, model
+
+
+def old_load(model):
+    """The same model with the embedding dequantized whole into an nn.Embedding (the load before)."""
+    old = copy.deepcopy(model)
+    old.embed_tokens = nn.Embedding.from_pretrained(model.embed_tokens.table(), freeze=True)
+    old.weights_epoch += 1
+    return old
+
+
+def float_tables(model, shape) -> list[str]:
+    return [n for n, t in [*model.named_parameters(), *model.named_buffers()]
+            if t.is_floating_point() and tuple(t.shape) == tuple(shape)]
+
+
+def test_embedding_stays_blocks(mix):
+    name, path, stored, model = mix
+    cfg = model.config
+    emb = model.embed_tokens
+    assert isinstance(emb, QuantEmbedding) and emb.kind == MIXES[name][0].name.lower()
+    assert float_tables(model, (cfg.vocab_size, cfg.hidden_size)) == []      # no fp32 copy of the table
+    if cfg.tie_word_embeddings:   # the tied head reads the same bytes
+        assert type(model.lm_head) is QuantLinear and model.lm_head.blocks.data_ptr() == emb.blocks.data_ptr()
+    want = stored["model.embed_tokens.weight"]                                 # gguf's own dequantization
+    ids = torch.tensor([[0, 7], [299, 7]])
+    assert torch.equal(emb(ids), want[ids])
+    assert torch.equal(emb.weight[3:9], want[3:9]) and torch.equal(emb.weight, want)
+    assert model.dtype == torch.float32 and emb.weight.shape == want.shape
+    assert old_load(model).embed_tokens.weight.shape == want.shape            # (the twin below is real)
+
+
+def greedy(step, model, path: str, n: int = 8):
+    """Prompt block then n greedy steps: (logits (1 + n, V), ids)."""
+    state = model.init_state(1, 32, path)
+    out = [step(PROMPT, state, last_only=True)[0, -1]]
+    ids = []
+    for _ in range(n):
+        ids.append(int(out[-1].argmax()))
+        out.append(step(torch.tensor([[ids[-1]]]), state)[0, -1])
+    return torch.stack(out), ids
+
+
+FORMS = [("module", {}), ("torch", {}), ("native", {"activations": "f32"}), ("native", {"activations": "q8"})]
+
+
+@pytest.mark.parametrize("form", FORMS, ids=lambda f: f[0] + "-" + f[1].get("activations", ""))
+def test_every_step_form_equals_the_dequantized_table(request, mix, form):
+    """Prefill and decode on each form read the embedding's rows as the old load's float table held
+    them: the same logits bit for bit, the same greedy ids (softmax and linear paths)."""
+    _, _, _, model = mix
+    old = old_load(model)
+    backend, kw = form
+    if backend == "native":
+        request.getfixturevalue("native_built")   # skips, saying why, without a compiler
+    for path in ("softmax", "linear"):
+        got, ids = greedy(Stepper(model, backend, threads=2, **kw), model, path)
+        want, want_ids = greedy(Stepper(old, backend, threads=2, **kw), old, path)
+        assert torch.equal(got, want) and ids == want_ids
+
+
+def test_dequantize_model_and_half(mix):
+    """dequantize_model gives the embedding back as an nn.Embedding of the same table; .half() moves
+    the lookups' dtype (and the model's) as it moved a float table's."""
+    _, _, stored, model = mix
+    floats = copy.deepcopy(model)
+    dequantize_model(floats)
+    assert type(floats.embed_tokens) is nn.Embedding
+    assert torch.equal(floats.embed_tokens.weight, stored["model.embed_tokens.weight"])
+    half = copy.deepcopy(model).half()
+    assert half.dtype == torch.float16 and half.embed_tokens(PROMPT).dtype == torch.float16
+    assert torch.equal(half.embed_tokens(PROMPT), stored["model.embed_tokens.weight"][PROMPT].half())
+
+
+def test_fused_parts_release_their_pages(mix, monkeypatch):
+    """The loader releases exactly the parts it copied (q, k, v, gate, up), never a matrix it keeps as
+    a view of the map (o, down, the embedding, lm_head); a released tensor still reads the file's bytes."""
+    from models.gguf import GGUFTensors
+    _, path, _, model = mix
+    released = []
+    monkeypatch.setattr(GGUFTensors, "release", lambda self, name: released.append(name), raising=True)
+    load_model(path)
+    parts = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+    want = {f"model.layers.{i}.{'self_attn' if p.endswith('_proj') and p[0] in 'qkv' else 'mlp'}.{p}.weight"
+            for i in range(model.config.num_hidden_layers) for p in parts}
+    assert sorted(released) == sorted(want)
+    monkeypatch.undo()
+    _, tensors, _ = read_gguf(path)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    before = tensors.blocks(q)[0].clone()
+    tensors.release(q)
+    assert torch.equal(tensors.blocks(q)[0], before)
+
+
+def test_floor_counts_a_row_of_blocks(mix):
+    """The bandwidth floor's bytes read per step count one embedding row per sequence as stored."""
+    from engine.bench.floor import weight_bytes_read
+    _, _, _, model = mix
+    one, two = (weight_bytes_read(model, model.init_state(b, 8, "softmax")) for b in (1, 2))
+    emb = model.embed_tokens
+    assert two - one == emb.blocks.numel() // model.config.vocab_size < model.config.hidden_size * 4
