@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import HybridState, KVState, LinearState, WindowState
+from engine.attention.sliding import sliding_part
 from engine.attention.base import Span
 from engine.steps.decode_attention import softmax_decode
 from engine.steps.torch_step import DecodePlan, TorchStep, decode_one
@@ -196,6 +197,9 @@ class GraphStep:
             return f"the graph step runs on CUDA only, not {tokens.device.type}"
         if self.broken is not None:
             return self.broken
+        if sliding_part(state) is not None:
+            return (f"the graph step has no sliding-window KV cache (a ring of {sliding_part(state).softmax_window} "
+                    f"slots, Mistral's sliding_window); the torch step runs it")
         if not isinstance(state, STATES):
             return f"the graph step does not know the state {type(state).__name__}"
         if state.device != tokens.device:
