@@ -193,13 +193,13 @@ class GraphStep:
         self.broken: str | None = None   # why a capture failed: the form then refuses for good
 
     def why_not(self, state, tokens) -> str | None:
+        if sliding_part(state) is not None:
+            return (f"the graph step has no sliding-window KV cache (a ring of {sliding_part(state).softmax_window} "
+                    f"slots, Mistral's sliding_window); the torch step runs it")
         if tokens.device.type != "cuda":
             return f"the graph step runs on CUDA only, not {tokens.device.type}"
         if self.broken is not None:
             return self.broken
-        if sliding_part(state) is not None:
-            return (f"the graph step has no sliding-window KV cache (a ring of {sliding_part(state).softmax_window} "
-                    f"slots, Mistral's sliding_window); the torch step runs it")
         if not isinstance(state, STATES):
             return f"the graph step does not know the state {type(state).__name__}"
         if state.device != tokens.device:
