@@ -112,12 +112,31 @@ def test_stepper_prefill_chunks_then_steps(saved, ours):
         assert max_diff(got, ref[:, 29:]) <= TOL, chunk
 
 
-def test_torch_step_equals_module_path(ours):
+@pytest.mark.parametrize("matmuls", [False, True], ids=["sdpa", "two-matmuls"])
+def test_torch_step_equals_module_path(ours, matmuls, monkeypatch):
+    """matmuls: one query over the ring as two matmuls (what long windows take) instead of SDPA."""
+    import engine.attention.sliding as sliding
+    if matmuls:
+        monkeypatch.setattr(sliding, "ONE_QUERY_MATMUL_FROM", 4)
     x = ids(3, 30)
     module, _ = stepwise(ours, x, "module")
     torch_form, step = stepwise(ours, x, "torch")
     assert step.last_form == "torch"
     assert max_diff(torch_form, module) <= 1e-5
+    with torch.no_grad():
+        assert max_diff(module, ours(x)) <= TOL
+
+
+def test_a_16_bit_ring_holds_what_steps_and_blocks_both_read(ours):
+    """kv_dtype float16 under fp32 weights: a block reads its own keys rounded as the ring keeps them, so
+    prefill in chunks equals one token at a time."""
+    x = ids(19, 30)
+    state = ours.init_state(1, kv_dtype=torch.float16)
+    assert state.k.dtype == torch.float16
+    with torch.no_grad():
+        blocks = torch.cat([ours.step(x[:, s:s + 7], state) for s in range(0, 30, 7)], 1)
+    steps, _ = stepwise(ours, x, "torch", ours.init_state(1, kv_dtype=torch.float16))
+    assert max_diff(blocks, steps) <= 1e-5
 
 
 def test_greedy_ids_equal_transformers_over_40_tokens(saved):
@@ -273,3 +292,39 @@ def test_export_keeps_the_window_for_transformers(ours, tmp_path):
     ours.config.to_json(tmp_path / "config.json")
     theirs = transformers.AutoConfig.from_pretrained(tmp_path)
     assert theirs.sliding_window == W
+
+
+def test_server_scheduler_batches_and_joins_rows_as_alone(saved):
+    """The server's scheduler driven by hand (no thread, no HTTP): prompts shorter and longer than the window
+    prefilled together, two more joining mid-decode (rows right-aligned: a ring renumbered), one of them a
+    prefix-cache hit; every request's tokens equal its run alone, past the window."""
+    from engine.sampling import SamplingParams
+    from engine.serve import PrefixCache, Scheduler
+    from engine.serve.scheduler import Job, Token
+    llm = load(str(saved[1]), backend="torch")
+    prompts = [ids(20 + i, n)[0].tolist() for i, n in enumerate((3, 12, 19))] + [ids(21, 12)[0].tolist() + [5, 6]]
+
+    def run(first, later):
+        sched = Scheduler(llm.model, llm.tokenizer, llm.step, max_batch=8, cache=PrefixCache(max_entries=8, min_tokens=4))
+        outs = {}
+
+        def jobs(which):
+            return [Job(ids=prompts[i], path="softmax", params=SamplingParams(temperature=0.9 if i % 2 else 0, seed=i),
+                        max_tokens=16, ignore_eos=True,
+                        emit=lambda ev, i=i: outs.setdefault(i, []).append(ev.id if isinstance(ev, Token) else ev))
+                    for i in which]
+        sched._iterate(jobs(first))
+        for _ in range(5):
+            sched._iterate([])
+        sched._iterate(jobs(later))
+        for _ in range(60):
+            if not sched.active:
+                break
+            sched._iterate([])
+        return outs, sched
+
+    together, sched = run([0, 1], [2, 3])
+    assert sched.cache.hits >= 1          # prompt 3 starts with prompt 1
+    for i in range(4):
+        alone, _ = run([i], [])
+        assert together[i] == alone[i], f"prompt {i}"
