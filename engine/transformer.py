@@ -22,6 +22,7 @@ from engine.attention import (State, get_feature_map,
                               softmax_attention, softmax_attention_reference)
 from engine.attention.feature_maps import FeatureMap, Hedgehog
 from engine.attention.hybrid import allocate_state
+from engine.attention.sliding import sliding_softmax_attention, sliding_softmax_reference
 from engine.attention.window import window_attention, window_linear_reference
 from engine.errors import InvalidArgumentError
 from engine.runspec import RunSpec
@@ -382,6 +383,10 @@ class Transformer(nn.Module):
         else:
             linear = lambda q, k, v, i: linear_attention(q, k, v, fmap, valid, i)  # noqa: E731
         softmax = softmax_attention_reference if reference else softmax_attention
+        W = self.config.softmax_window
+        if W and W < tokens.shape[1]:   # Mistral's sliding window: query t sees keys (t - W, t]
+            sliding = sliding_softmax_reference if reference else sliding_softmax_attention
+            softmax = lambda q, k, v, valid: sliding(q, k, v, W, valid)  # noqa: E731
         x = self.embed_tokens(tokens)
         rope = None
         if self.uses_rope(run.attention, paths):

@@ -78,6 +78,9 @@ class ModelConfig:
     # per-frequency divisors of the rotary inverse frequencies (D/2 numbers): llama.cpp's `rope_freqs`
     # tensor, how its converter writes Llama 3.1+'s scaling into a GGUF file
     rope_freq_factors: tuple[float, ...] | None = None
+    # Mistral's sliding-window softmax attention: query t sees keys (t - W, t], its own included (transformers'
+    # mask); None: every key. Not `window` (linear layers' exact last keys): see `softmax_window`
+    sliding_window: int | None = None
 
     def __post_init__(self):
         if self.num_key_value_heads is None:
@@ -130,6 +133,11 @@ class ModelConfig:
             bad("attention hybrid needs layer_attention (per layer softmax or linear)")
         if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 0:
             bad(f"window must be a non-negative integer, got {self.window!r}")
+        sw = self.sliding_window
+        if sw is not None and (isinstance(sw, bool) or not isinstance(sw, int) or sw <= 0):
+            bad(f"sliding_window must be a positive integer or null, got {sw!r}")
+        if sw is not None and self.model_type != "mistral":
+            bad(f"sliding_window is read for Mistral only (model_type {self.model_type!r} has none here)")
         if self.transfer_loss is not None and len(self.transfer_loss) != self.num_hidden_layers:
             bad(f"transfer_loss must list {self.num_hidden_layers} numbers, one per layer")
         for path in self.trained_for:
@@ -176,6 +184,14 @@ class ModelConfig:
         return self.family.qk_norm
 
     @property
+    def softmax_window(self) -> int:
+        """The keys each softmax query sees, its own included (Mistral's sliding window, "sliding window"
+        in messages); 0: the whole context, also for a window that covers max_position_embeddings (it never
+        bites within the context: the plain KV cache runs it). Apart from `window`, the linear layers' last keys."""
+        sw = self.sliding_window
+        return sw if sw is not None and sw < self.max_position_embeddings else 0
+
+    @property
     def num_groups(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
@@ -205,6 +221,8 @@ class ModelConfig:
             if key in raw and is_bad(raw[key]):
                 raise ConfigError(f"{where}: unsupported setting {key}={raw[key]!r}")
         check_sliding_window(raw, where)
+        if model_type != "mistral":      # Qwen2/3 keep the key with use_sliding_window off (checked above)
+            raw.pop("sliding_window", None)
         if model_type == "qwen3" and raw.get("head_dim") is None:
             raw["head_dim"] = 128               # transformers' Qwen3Config default, not hidden / heads
         raw["rope_scaling"] = rope_scaling_of(raw, where)
@@ -237,7 +255,7 @@ class ModelConfig:
         d = dataclasses.asdict(self)
         d["eos_token_id"] = list(self.eos_ids) if len(self.eos_ids) > 1 else self.eos_ids[0]
         d["trained_for"] = list(self.trained_for)
-        for key in ("layer_attention", "transfer_loss", "rope_scaling", "rope_freq_factors"):
+        for key in ("layer_attention", "transfer_loss", "rope_scaling", "rope_freq_factors", "sliding_window"):
             if d[key] is None:
                 del d[key]
             elif isinstance(d[key], tuple):
@@ -248,7 +266,7 @@ class ModelConfig:
             d["attention_bias"] = False
         d["mlp_bias"] = False
         if self.model_type == "mistral":    # transformers' MistralConfig would default to a 4096-token window
-            d["sliding_window"] = None
+            d["sliding_window"] = self.sliding_window
         elif self.model_type in ("qwen2", "qwen3"):
             d["use_sliding_window"] = False
         if d["torch_dtype"] is None:
@@ -289,26 +307,28 @@ def rope_scaling_of(raw: dict, where: str) -> dict | None:
 
 
 def check_sliding_window(raw: dict, where: str) -> None:
-    """Refuse, in one line, a sliding-window attention the context can outgrow: the softmax path here
-    attends to the whole context (up to max_position_embeddings), which equals a window only while the
-    window covers it. Layers slide as transformers decides: Mistral's every layer when `sliding_window`
-    is set; Qwen2/3's where `layer_types` says so, or with `use_sliding_window` from layer
-    `max_window_layers` on. (Not this engine's own `window`, the exact last keys of linear layers.)"""
+    """Mistral's sliding window (every layer slides when `sliding_window` is set) runs on the softmax path
+    (`ModelConfig.softmax_window`; engine.attention.sliding). Qwen2/3's slides only some layers (where
+    `layer_types` says so, or with `use_sliding_window` from layer `max_window_layers` on): refused in one
+    line where a window shorter than the context would bite; the released models have it off.
+    (Not this engine's own `window`, the exact last keys of linear layers.)"""
     model_type, window = raw.get("model_type", "llama"), raw.get("sliding_window")
     if model_type == "mistral":
-        sliding = window is not None
-    elif model_type in ("qwen2", "qwen3"):   # the window exists only with use_sliding_window
-        types, layers = raw.get("layer_types"), raw.get("num_hidden_layers", 0)
-        sliding = bool(raw.get("use_sliding_window")) and window is not None and (
-            "sliding_attention" in types if isinstance(types, list) else raw.get("max_window_layers", 28) < layers)
-    else:
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
+            raise ConfigError(f"{where}: sliding_window must be a positive integer or null, got {window!r}")
         return
+    if model_type not in ("qwen2", "qwen3"):
+        return
+    types, layers = raw.get("layer_types"), raw.get("num_hidden_layers", 0)
+    sliding = bool(raw.get("use_sliding_window")) and window is not None and (
+        "sliding_attention" in types if isinstance(types, list) else raw.get("max_window_layers", 28) < layers)
     if not sliding:
         return
     context = raw.get("max_position_embeddings", 2048)
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
         raise ConfigError(f"{where}: sliding_window must be a positive integer or null, got {window!r}")
     if window < context:
-        raise ConfigError(f"{where}: sliding-window attention (sliding_window {window} < max_position_embeddings "
-                          f"{context}) is not supported: set max_position_embeddings to {window} in config.json "
-                          f"to run within the window")
+        raise ConfigError(f"{where}: {model_type}'s per-layer sliding-window attention (use_sliding_window, "
+                          f"sliding_window {window} < max_position_embeddings {context}) is not supported (only "
+                          f"Mistral's, every layer): set use_sliding_window to false or max_position_embeddings "
+                          f"to {window} in config.json")

@@ -2,7 +2,8 @@
 from hidden / heads) and Mistral -- against transformers' own classes with random weights, from Hugging
 Face directories and from GGUF files written under llama.cpp's names for each architecture (q/k rows
 permuted for llama, as llama.cpp's converter does, and not for qwen2 / qwen3); every attention path and
-step form, quantized weights; sliding windows and unknown architectures refused in one line.
+step form, quantized weights; Qwen's per-layer sliding windows and unknown architectures refused in one line
+(Mistral's sliding window: tests/test_sliding_window.py).
 Tokenizers (Qwen's and Llama 3's byte-level BPE), chat templates and EOS sets: tests/test_family_chat.py."""
 from __future__ import annotations
 
@@ -338,7 +339,7 @@ SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atte
 
 
 @pytest.mark.parametrize("raw, refused", [
-    ({"model_type": "mistral", "sliding_window": 16}, True),           # Mistral-7B-v0.1's shape: 4096 < 32768
+    ({"model_type": "mistral", "sliding_window": 16}, False),          # Mistral-7B-v0.1's shape: runs (a ring)
     ({"model_type": "mistral", "sliding_window": 128}, False),         # the window covers the whole context
     ({"model_type": "mistral", "sliding_window": None}, False),        # v0.2 and later
     ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 32, "max_window_layers": 0}, True),
@@ -350,8 +351,8 @@ SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atte
 ], ids=["mistral-16", "mistral-128", "mistral-null", "qwen2-on", "qwen2-no-layer", "qwen2-off", "qwen3-layer",
         "llama"])
 def test_sliding_window_the_context_can_outgrow_is_refused(raw, refused):
-    """As transformers decides which layers slide; refused (one line, naming it) where a window shorter than
-    the context would bite, since the softmax path here attends to the whole context."""
+    """As transformers decides which layers slide; Qwen2/3's per-layer window refused (one line, naming it)
+    where a window shorter than the context would bite; Mistral's runs (tests/test_sliding_window.py)."""
     if not refused:
         ModelConfig.from_dict({**SMALL, **raw})
         return

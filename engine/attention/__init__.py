@@ -9,6 +9,7 @@ from engine.attention.feature_maps import FEATURE_MAPS, get_feature_map
 from engine.attention.hybrid import HybridState
 from engine.attention.linear import (LinearState, linear_attention,
                                      linear_attention_reference)
+from engine.attention.sliding import SlidingKVState
 from engine.attention.softmax import (KVState, softmax_attention,
                                       softmax_attention_reference)
 from engine.attention.window import WindowState
@@ -24,6 +25,6 @@ def check_path(name: str) -> str:
     return check_attention(name)
 
 
-__all__ = ["Span", "State", "KVState", "LinearState", "WindowState", "HybridState", "STATES", "PATHS",
+__all__ = ["Span", "State", "KVState", "SlidingKVState", "LinearState", "WindowState", "HybridState", "STATES", "PATHS",
            "FEATURE_MAPS", "check_path", "get_feature_map", "softmax_attention", "softmax_attention_reference",
            "linear_attention", "linear_attention_reference"]

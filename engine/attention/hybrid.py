@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from engine.attention.base import Span, State
 from engine.attention.linear import LinearState
+from engine.attention.sliding import SlidingKVState
 from engine.attention.softmax import KVState
 from engine.attention.window import WindowState
 from engine.errors import InvalidArgumentError
@@ -43,7 +44,7 @@ class HybridState(State):
         if soft:
             sub = cfg.replace(num_hidden_layers=len(soft), attention="softmax", layer_attention=None,
                               transfer_loss=None)
-            parts.append(KVState.allocate(sub, batch, max_len, device, kv_dtype or dtype))
+            parts.append(kv_state(sub).allocate(sub, batch, max_len, device, kv_dtype or dtype))
             for j, i in enumerate(soft):
                 where[i] = (0, j)
         if lin:
@@ -147,13 +148,18 @@ class HybridState(State):
         return out
 
 
+def kv_state(cfg) -> type:
+    """The state class of softmax layers: a ring of the sliding window (Mistral's) where the config has one."""
+    return SlidingKVState if cfg.softmax_window else KVState
+
+
 def allocate_state(cfg, path: str, batch: int, max_len, device, dtype, feature_map=None,
                    layer_attention=None, window: int = 0, kv_dtype=None) -> State:
     """The state for `path` ("softmax", "linear", "hybrid"); a window turns linear layers into WindowState.
     kv_dtype: the KV cache's dtype (default `dtype`), e.g. float16 under fp32 weights as llama.cpp keeps it."""
     check_attention(path)
     if path == "softmax":
-        return KVState.allocate(cfg, batch, max_len, device, kv_dtype or dtype)
+        return kv_state(cfg).allocate(cfg, batch, max_len, device, kv_dtype or dtype)
     if path == "linear":
         if window:
             return WindowState.allocate(cfg, batch, max_len, device, dtype, feature_map=feature_map, window=window)

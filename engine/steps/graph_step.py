@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import HybridState, KVState, LinearState, WindowState
+from engine.attention.sliding import sliding_part
 from engine.attention.base import Span
 from engine.steps.decode_attention import softmax_decode
 from engine.steps.torch_step import DecodePlan, TorchStep, decode_one
@@ -192,6 +193,9 @@ class GraphStep:
         self.broken: str | None = None   # why a capture failed: the form then refuses for good
 
     def why_not(self, state, tokens) -> str | None:
+        if sliding_part(state) is not None:
+            return (f"the graph step has no sliding-window KV cache (a ring of {sliding_part(state).softmax_window} "
+                    f"slots, Mistral's sliding_window); the torch step runs it")
         if tokens.device.type != "cuda":
             return f"the graph step runs on CUDA only, not {tokens.device.type}"
         if self.broken is not None:

@@ -43,6 +43,9 @@ def why_not(model, state, tokens) -> str | None:
             if any(t.dtype not in FLOAT_TYPES or t.dtype != maps[0].dtype or t.device.type != "cpu"
                    or not t.is_contiguous() for t in maps):
                 return "the native step needs the learned maps as contiguous CPU tensors of one float dtype"
+    if kv is not None and getattr(kv, "softmax_window", 0):
+        return (f"the native step has no sliding-window KV cache (a ring of {kv.softmax_window} slots, Mistral's "
+                f"sliding_window); the torch step runs it")
     if kv is not None and any(t.dtype not in FLOAT_TYPES for t in kv.tensors()):
         return f"the native step reads an fp32, f16 or bf16 KV cache, not {kv.k.dtype}"
     tensors = state.tensors()
