@@ -26,7 +26,8 @@ from pathlib import Path
 from models.errors import CheckpointError
 
 # llama.cpp token types (tokenizer.ggml.token_type)
-CONTROL, USER_DEFINED = 3, 4
+UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4
+WHOLE = (UNKNOWN, CONTROL, USER_DEFINED)   # matched in the text as a whole before BPE (llama.cpp's special cache)
 
 # Regular expressions that cut text before BPE, by `tokenizer.ggml.pre` (llama.cpp's llama-vocab.cpp).
 GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -35,15 +36,23 @@ LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,
 # Qwen2 / Qwen2.5 / Qwen3 (their tokenizer.json's Split): Llama 3's, but one digit per piece
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen3.5: Qwen2's, with combining marks (\p{M}) kept inside words
+QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+                r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# DeepSeek Coder (v1) and Falcon: llama.cpp's lists of splits
+DEEPSEEK_CODER_SPLITS = [r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", r"[一-龥ࠀ-一가-퟿]+", r"\p{N}"]
+FALCON_SPLITS = [r"[\p{P}\$\+<=>\^~\|`]+",
+                 r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)", r"[0-9][0-9][0-9]"]
 PRE_TOKENIZERS = {   # pre name -> (splits applied in order, ignore_merges)
     "default": ([GPT2_SPLIT], False), "gpt2": ([GPT2_SPLIT], False), "gpt-2": ([GPT2_SPLIT], False),
     "olmo": ([GPT2_SPLIT], False), "mpt": ([GPT2_SPLIT], False),
     # every digit on its own, then GPT-2's split (SmolLM, StarCoder)
     "smollm": ([r"\p{N}", GPT2_SPLIT], False), "starcoder": ([r"\p{N}", GPT2_SPLIT], False),
-    "refact": ([r"\p{N}", GPT2_SPLIT], False),
+    "refact": ([r"\p{N}", GPT2_SPLIT], False), "command-r": ([r"\p{N}", GPT2_SPLIT], False),
     "llama-bpe": ([LLAMA3_SPLIT], True), "llama3": ([LLAMA3_SPLIT], True), "llama-v3": ([LLAMA3_SPLIT], True),
     "smaug-bpe": ([LLAMA3_SPLIT], True),
-    "qwen2": ([QWEN2_SPLIT], False), "deepseek-r1-qwen": ([QWEN2_SPLIT], False),
+    "qwen2": ([QWEN2_SPLIT], False), "deepseek-r1-qwen": ([QWEN2_SPLIT], False), "qwen35": ([QWEN35_SPLIT], False),
+    "deepseek-coder": (DEEPSEEK_CODER_SPLITS, False), "falcon": (FALCON_SPLITS, False),
 }
 
 
@@ -61,9 +70,11 @@ def bytes_to_unicode() -> dict[int, str]:
 
 
 class BPETokenizer:
-    def __init__(self, tokenizer, bos_id: int | None, eos_id: int | None, add_bos: bool, where: str = ""):
+    def __init__(self, tokenizer, bos_id: int | None, eos_id: int | None, add_bos: bool, where: str = "",
+                 plain=None):
         self.tok = tokenizer                                   # tokenizers.Tokenizer: special tokens parsed
-        self.plain = tokenizer.from_str(tokenizer.to_str())   # the same, reading special tokens as text
+        # the same, reading special tokens as text
+        self.plain = plain if plain is not None else tokenizer.from_str(tokenizer.to_str())
         self.plain.encode_special_tokens = True
         self.bos_id = bos_id if bos_id is not None else -1
         self.eos_id = eos_id if eos_id is not None else -1
@@ -133,20 +144,25 @@ class BPETokenizer:
         spelled = [t if set(t) <= alphabet else "".join(bytes_to_unicode()[b] for b in t.encode("utf-8"))
                    for t in tokens]
         vocab = {t: i for i, t in enumerate(spelled)}
+        # tokens matched whole (control, user-defined) are stored as raw text ("  " in GPT-NeoX's
+        # vocabulary, not "ĠĠ"): their raw spelling names the same id, so the added token keeps it
+        vocab.update({t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty in WHOLE and t not in vocab})
         splits, ignore_merges = PRE_TOKENIZERS[pre]
-        bpe = models.BPE(vocab, [tuple(m.split(" ", 1)) for m in merges], ignore_merges=ignore_merges)
-        tok = Tokenizer(bpe)
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(s), behavior="isolated") for s in splits]
-            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-        tok.decoder = decoders.ByteLevel()
-        # control tokens (<|im_start|>...) are special; user-defined ones are matched whole but are text
-        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t, ty in zip(tokens, types) if ty == CONTROL and set(t) <= alphabet])
-        tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                        for t, ty in zip(tokens, types) if ty == USER_DEFINED and t in vocab])
-        return cls(tok, meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id"),
-                   add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)), where=where)
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+
+        def build():
+            tok = Tokenizer(models.BPE(vocab, pairs, ignore_merges=ignore_merges))
+            tok.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Split(Regex(s), behavior="isolated") for s in splits]
+                + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+            tok.decoder = decoders.ByteLevel()
+            add_whole_tokens(tok, vocab, tokens, types, AddedToken)
+            return tok
+        # built twice, not copied through JSON: the JSON keeps one spelling per id
+        out = cls(build(), meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id"),
+                  add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)), where=where, plain=build())
+        out.vocab_size = len(tokens)   # not the tokenizer's count: raw spellings share their token's id
+        return out
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike) -> "BPETokenizer":
@@ -168,6 +184,15 @@ class BPETokenizer:
             with_special = tok.encode("a", add_special_tokens=True).ids
             add_bos = bos_id is not None and with_special[:1] == [bos_id]
         return cls(tok, bos_id, eos_id, add_bos=add_bos, where=str(path))
+
+
+def add_whole_tokens(tok, vocab: dict, tokens: list, types: list, AddedToken) -> None:
+    """Tokens llama.cpp matches whole before BPE: control and unknown ones (<|im_start|>, <unk>) are
+    special (single ids only in template text), user-defined ones are matched in any text."""
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types) if ty in (UNKNOWN, CONTROL) and t in vocab])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, ty in zip(tokens, types) if ty == USER_DEFINED and t in vocab])
 
 
 def read_tokenizer_config(path: Path) -> dict:

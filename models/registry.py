@@ -24,6 +24,7 @@ from models.config import ModelConfig
 from models.errors import CheckpointError, InvalidArgumentError
 from models.generation_config import gguf_sampling, read_generation_config
 from models.gguf import INTERLEAVED_ARCHITECTURES, read_gguf
+from models.gguf_tokenizer import GGUF_TOKENIZERS, gguf_tokenizer
 from models.hf_dir import read_hf_dir
 from models.linearized import adapters_on, apply_linearized, is_linearized, read_linearized_config, variant_sets
 from models.llama2c import read_llama2c
@@ -112,9 +113,9 @@ def packaged_path(name: str) -> Path:
 
 
 def read_gguf_checkpoint(path: Path) -> Checkpoint:
-    """A GGUF file: weights (dequantized as they are read), its BPE tokenizer and chat template."""
+    """A GGUF file: weights (dequantized as they are read), its tokenizer and chat template."""
     cfg, tensors, meta = read_gguf(path)
-    tokenizer = BPETokenizer.from_gguf(meta, str(path)) if meta.get("tokenizer.ggml.model") == "gpt2" else None
+    tokenizer = gguf_tokenizer(meta, str(path)) if meta.get("tokenizer.ggml.model") in GGUF_TOKENIZERS else None
     check_vocab(tokenizer, cfg, path)
     template = None
     if meta.get("tokenizer.chat_template"):

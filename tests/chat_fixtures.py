@@ -64,12 +64,13 @@ def gguf_tokenizer_fields(tok_dir: Path) -> dict:
 
 def write_gguf(path: Path, model, tok_dir: Path | None, qtype_of=None, arch: str = "llama",
                template: str | None = CHATML, pre: str = "gpt2", tie: bool | None = None,
-               extra_tensors: dict | None = None, eot_id: int | None = None) -> dict:
+               extra_tensors: dict | None = None, eot_id: int | None = None, write_tokenizer=None) -> dict:
     """Write `model` (a runtime Transformer) as a llama.cpp-style GGUF: tensors under llama.cpp's names
     for `arch` (gguf's own TensorNameMap), q/k rows permuted to the interleaved rotary layout for llama
     only (llama.cpp's converter leaves qwen2/qwen3 rows as they are), tensors quantized with
     gguf.quants (qtype_of(gguf_name, shape) -> type, default F32). `extra_tensors`: {gguf name: float32
-    array} written as they are (e.g. rope_freqs.weight); eot_id: tokenizer.ggml.eot_token_id.
+    array} written as they are (e.g. rope_freqs.weight); eot_id: tokenizer.ggml.eot_token_id;
+    write_tokenizer(writer): writes tokenizer.ggml.* itself (tok_dir None).
     Returns {Hugging Face name: the dequantized tensor as stored, in Hugging Face row order}."""
     import gguf
     from gguf import GGMLQuantizationType as Q
@@ -102,6 +103,8 @@ def write_gguf(path: Path, model, tok_dir: Path | None, qtype_of=None, arch: str
         w.add_bos_token_id(1)
         w.add_eos_token_id(2)
         w.add_add_bos_token(False)
+    if write_tokenizer is not None:
+        write_tokenizer(w)
     if template is not None:
         w.add_chat_template(template)
     hf = runtime_to_hf(model.state_dict(), cfg)

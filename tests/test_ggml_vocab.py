@@ -1,0 +1,133 @@
+"""Each family's GGUF tokenizer against llama.cpp's own: its vocab-only GGUF files and the token ids
+llama.cpp's tests/test-tokenizer-0 expects for every text (`ggml-vocab-NAME.gguf.inp` / `.out`),
+exactly; decode gives each text back; the streaming detokenizer is exact on them; a tokenizer this
+engine lacks is one line; byte-level ones also agree with transformers' own GGUF tokenizer.
+
+The files are third-party data, never committed nor downloaded here: `python scripts/fetch_ggml_vocab.py`
+(.ci/run does it) puts them in .cache/ggml-vocab or $GEN_GGML_VOCAB_DIR; without them these tests skip.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import random
+import warnings
+
+import pytest
+
+pytest.importorskip("gguf", reason="the gguf package is not installed")
+pytest.importorskip("tokenizers", reason="the tokenizers package is not installed")
+
+from chat_fixtures import UNICODE_LINES  # noqa: E402
+from engine.detokenize import StreamDecoder  # noqa: E402
+from models.errors import CheckpointError  # noqa: E402
+from models.gguf_tokenizer import read_gguf_tokenizer  # noqa: E402
+from scripts.fetch_ggml_vocab import DEFAULT_DIR  # noqa: E402
+
+SEP = "\n__ggml_vocab_test__\n"   # llama.cpp's test-tokenizer-0.cpp: read_tests
+# vocab name -> the family it stands for
+SUPPORTED = {"llama-bpe": "Llama 3", "qwen2": "Qwen2 / Qwen2.5 / Qwen3", "qwen35": "Qwen3.5",
+             "llama-spm": "Llama 2 / Mistral (SentencePiece)", "phi-3": "Phi-3 (SentencePiece)", "gpt-2": "GPT-2",
+             "mpt": "MPT / GPT-NeoX", "starcoder": "StarCoder", "refact": "Refact", "command-r": "Command R",
+             "deepseek-coder": "DeepSeek Coder", "falcon": "Falcon"}
+# vocab name -> what the one-line refusal says
+REFUSED = {"bert-bge": "tokenizer model 'bert' is not supported",
+           "gemma-4": "tokenizer model 'gemma4' is not supported",
+           "deepseek-llm": "pre-tokenizer 'deepseek-llm' is not supported"}
+
+if not any(DEFAULT_DIR.glob("ggml-vocab-*.gguf.inp")):
+    pytest.skip(f"no llama.cpp vocab files in {DEFAULT_DIR} (python scripts/fetch_ggml_vocab.py)",
+                allow_module_level=True)
+
+
+def vocab_file(name: str):
+    path = DEFAULT_DIR / f"ggml-vocab-{name}.gguf"
+    if not path.is_file():
+        pytest.skip(f"{path.name} is not in {DEFAULT_DIR}")
+    return path
+
+
+def cases(name: str) -> list[tuple[str, list[int]]]:
+    """(text, expected ids) as test-tokenizer-0 reads them: texts split on the marker line, one line of
+    space-separated ids per text."""
+    path = vocab_file(name)
+    raw = path.with_name(path.name + ".inp").read_text(encoding="utf-8")
+    texts = raw.split(SEP)
+    if raw.endswith(SEP):
+        texts.pop()
+    lines = path.with_name(path.name + ".out").read_text(encoding="utf-8").split("\n")
+    assert len(lines) >= len(texts) and not any(x.strip() for x in lines[len(texts):])
+    return [(t, [int(x) for x in line.split()]) for t, line in zip(texts, lines)]
+
+
+@functools.lru_cache(maxsize=None)
+def tokenizer(name: str):
+    return read_gguf_tokenizer(vocab_file(name))   # ~1-3 s each: GGUFReader reads every string field
+
+
+def test_every_vocab_file_is_supported_or_refused():
+    """A newer llama.cpp that adds a vocabulary makes this fail: decide and list it."""
+    names = {p.name[len("ggml-vocab-"):-len(".gguf.inp")] for p in DEFAULT_DIR.glob("ggml-vocab-*.gguf.inp")}
+    assert names <= SUPPORTED.keys() | REFUSED.keys(), names - SUPPORTED.keys() - REFUSED.keys()
+
+
+@pytest.mark.parametrize("name", SUPPORTED)
+def test_encodes_as_llama_cpp(name):
+    tok, wrong = tokenizer(name), []
+    for text, ids in cases(name):
+        got = tok.encode(text)
+        if got != ids:
+            wrong.append(f"{text[:60]!r}: expected {ids[:16]}, got {got[:16]}")
+        assert tok.decode(got) == text
+    assert not wrong, f"{SUPPORTED[name]}: {len(wrong)} texts tokenized unlike llama.cpp:\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_unsupported_vocab_is_one_line(name):
+    with pytest.raises(CheckpointError) as e:
+        read_gguf_tokenizer(vocab_file(name))
+    assert REFUSED[name] in str(e.value) and "supported: " in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["llama-spm", "llama-bpe", "qwen2", "mpt"])
+def test_stream_decoder_exact(name):
+    """Chunks joined equal the text after the leading text (SentencePiece: the space decode drops)."""
+    tok = tokenizer(name)
+    for text in [t for t, _ in cases(name)] + UNICODE_LINES:
+        ids = tok.encode(text)
+        dec = StreamDecoder(tok)
+        assert "".join([dec.push(i) for i in ids] + [dec.finish()]) == tok.decode_continuation(ids)
+        for k in range(1, len(ids)):   # a text cut between two tokens: the parts add up
+            head = tok.decode(ids[:k])
+            if "\ufffd" not in head:
+                assert head + tok.decode_continuation(ids[k:]) == text, (text, k)
+
+
+def test_sentencepiece_special_tokens_only_from_template_text():
+    """Phi-3's <|user|> is one control id in template text and plain characters in user text; BOS per the file."""
+    tok = tokenizer("phi-3")
+    user = tok.special_tokens["<|user|>"]
+    assert tok.encode("<|user|>\nHi", special=True)[0] == user
+    assert user not in tok.encode("<|user|>\nHi")
+    assert tok.encode("Hi", bos=True)[0] == tok.bos_id == 1 and tok.vocab_size == 32064
+
+
+def strings(n: int = 200, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    alphabet = "abc XYZ 0123456789 \n\t.,!?'\"éü日本😀<|>_-   \n\n"
+    return ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40))) for _ in range(n)]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
+@pytest.mark.parametrize("name", ["qwen2"])
+def test_agrees_with_transformers_gguf_tokenizer(name):
+    """transformers builds its own `tokenizers` tokenizer from the same GGUF (~9 s; Llama 3's takes 13 s): random strings
+    tokenize alike (the .inp texts are held to llama.cpp above; transformers misses Llama 3's
+    ignore_merges on one of them)."""
+    from transformers import AutoTokenizer
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = AutoTokenizer.from_pretrained(str(DEFAULT_DIR), gguf_file=vocab_file(name).name)
+    tok = tokenizer(name)
+    for s in strings():
+        assert tok.encode(s) == ref.encode(s, add_special_tokens=False), s
