@@ -14,7 +14,7 @@ import sys
 
 import click
 
-from cli.common import (backend_option, run_options, KV_DTYPE_HELP, check_stdio, given, prefill_chunk_option, run_guarded, activations_option,
+from cli.common import (backend_option, dtype_options, run_options, check_stdio, given, prefill_chunk_option, run_guarded, activations_option,
                         device_option, sampling_options, threads_option, user_text, writing_stdout)
 from cli.generate import load_quietly, summary, turn_timing
 from engine.api import make_config
@@ -33,8 +33,7 @@ HELP_LINE = "/reset starts over, /exit or Ctrl-D leaves, Ctrl-C stops a reply"
 @sampling_options({k: f"the model's, else {v:g}" for k, v in {**CHAT_DEFAULTS, "repetition_penalty": 1.0}.items()})
 @click.option("--seed", type=int, help="default: a fresh seed per reply")
 @device_option
-@click.option("--dtype", help="float32 (default), bfloat16, float16")
-@click.option("--kv-dtype", help=KV_DTYPE_HELP)
+@dtype_options
 @click.option("-c", "--max-context", type=int, help="softmax KV cache capacity in tokens for the whole conversation "
                                                       "(default: the model's context)")
 @backend_option

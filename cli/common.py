@@ -121,6 +121,12 @@ def check_device(ctx, param, value):
     return value
 
 
+def dtype_options(fn):
+    """`--dtype` and `--kv-dtype`, one declaration for the commands that generate (gen, chat, serve)."""
+    fn = click.option("--kv-dtype", help=KV_DTYPE_HELP)(fn)
+    return click.option("--dtype", help="float32 (default), bfloat16, float16")(fn)
+
+
 def backend_option(fn):
     """`--backend`, one declaration for every command that decodes (gen, chat, bench, serve); the choices are
     engine.runspec.BACKENDS."""

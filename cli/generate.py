@@ -10,7 +10,7 @@ import warnings
 import click
 from tqdm import tqdm
 
-from cli.common import (backend_option, run_options, KV_DTYPE_HELP, check_stdio, fail, given, prefill_chunk_option, run_guarded, activations_option,
+from cli.common import (backend_option, dtype_options, run_options, check_stdio, fail, given, prefill_chunk_option, run_guarded, activations_option,
                         device_option, sampling_options, threads_option, writing_stdout)
 from engine.api import check_text, load, make_config
 from engine.errors import InvalidArgumentError
@@ -33,8 +33,7 @@ from engine.steps import DEFAULT_ACTIVATIONS, DEFAULT_PREFILL_CHUNK
 @click.option("--seed", type=int, help="default: a fresh seed, shown in the summary")
 @click.option("--stop", multiple=True, help="stop before this string (repeatable)")
 @device_option
-@click.option("--dtype", help="float32 (default), bfloat16, float16")
-@click.option("--kv-dtype", help=KV_DTYPE_HELP)
+@dtype_options
 @click.option("-c", "--max-context", type=int, help="softmax context in tokens, prompt included "
                                                       "(default: the model's max_position_embeddings)")
 @click.option("--echo", is_flag=True, help="print the prompt before the streamed continuation (not with --json)")

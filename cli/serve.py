@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from cli.common import (backend_option, KV_DTYPE_HELP, activations_option, device_option, fail, prefill_chunk_option, run_guarded,
+from cli.common import (backend_option, dtype_options, activations_option, device_option, fail, prefill_chunk_option, run_guarded,
                         run_options, threads_option)
 from cli.open_page import open_when_ready, page_url
 from engine.serve import Policy, open_server, run
@@ -30,8 +30,7 @@ ANY_ADDRESS = ("0.0.0.0", "::", "")
                                             "more get 429 with Retry-After")
 @click.option("--max-context", type=int, help="softmax tokens per sequence, prompt included "
                                                "(default: the model's max_position_embeddings)")
-@click.option("--dtype", help="float32 (default), bfloat16, float16")
-@click.option("--kv-dtype", help=KV_DTYPE_HELP)
+@dtype_options
 @device_option
 @backend_option
 @threads_option()
