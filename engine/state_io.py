@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from safetensors import SafetensorError
 from safetensors.torch import safe_open, save_file
 
-from engine.attention import STATES
+from engine.attention import STATES, saved_state_class
 from engine.errors import CheckpointError, StateMismatchError
 
 FORMAT = "gen-state/1"
@@ -106,7 +106,7 @@ def load(path: str | os.PathLike, model, max_len: int | None = None, device=None
     sd = {"meta": state_meta,
           "tensors": {k.removeprefix("state."): v for k, v in tensors.items() if k.startswith("state.")}}
     device = device or model.device
-    kind = STATES[state_meta["path"]]
+    kind = saved_state_class(state_meta, STATES)
     # linear layers run the model's own feature map object (its learned maps for "hedgehog"), not a copy by name
     name = state_meta.get("feature_map") or state_meta.get("parts", [{}])[-1].get("feature_map")
     extra = {"feature_map": model.feature_map(name)} if name else {}

@@ -6,7 +6,7 @@ stateless full-sequence function and its plain-torch reference twin.
 """
 from engine.attention.base import Span, State
 from engine.attention.feature_maps import FEATURE_MAPS, get_feature_map
-from engine.attention.hybrid import HybridState
+from engine.attention.hybrid import HybridState, saved_state_class
 from engine.attention.linear import (LinearState, linear_attention,
                                      linear_attention_reference)
 from engine.attention.sliding import SlidingKVState
@@ -25,6 +25,6 @@ def check_path(name: str) -> str:
     return check_attention(name)
 
 
-__all__ = ["Span", "State", "KVState", "SlidingKVState", "LinearState", "WindowState", "HybridState", "STATES", "PATHS",
+__all__ = ["Span", "State", "saved_state_class", "KVState", "SlidingKVState", "LinearState", "WindowState", "HybridState", "STATES", "PATHS",
            "FEATURE_MAPS", "check_path", "get_feature_map", "softmax_attention", "softmax_attention_reference",
            "linear_attention", "linear_attention_reference"]

@@ -27,6 +27,15 @@ LAYER_PATHS = ("softmax", "linear")
 PART_STATES = {"softmax": KVState, "linear": LinearState, "window": WindowState}
 
 
+def saved_state_class(meta: dict, states: dict = PART_STATES):
+    """The state class a saved state's meta names: by its path, and a softmax state whose identity names a
+    window is a sliding-window ring (SlidingKVState). `states`: the classes by path (the package's STATES
+    adds the hybrid)."""
+    if meta.get("path") == "softmax" and meta.get("softmax_window"):
+        return SlidingKVState
+    return states[meta["path"]]
+
+
 @dataclass(eq=False)
 class HybridState(State):
     parts: list = None                 # sub-states: the KVState first (if any), then the linear one
@@ -133,8 +142,8 @@ class HybridState(State):
             sub = {"meta": dict(ident, **position),
                    "tensors": dict({k.split(".", 1)[1]: t for k, t in tensors.items() if k.startswith(f"{i}.")},
                                    lengths=tensors["lengths"])}
-            kind = PART_STATES[ident["path"]]
-            extra = {} if kind is KVState else {"feature_map": feature_map}
+            kind = saved_state_class(ident)
+            extra = {} if issubclass(kind, KVState) else {"feature_map": feature_map}
             parts.append(kind.from_state_dict(sub, max_len=max_len, device=device, **extra))
         paths = tuple(meta["layer_paths"])
         where, count = [], [0] * len(parts)

@@ -146,12 +146,10 @@ class KVState(State):
 
     @classmethod
     def from_state_dict(cls, sd, max_len: int | None = None, device=None) -> "KVState":
-        """A new state from `state_dict()` output, with capacity `max_len` (default: the slots saved); a
-        sliding-window state's (its identity names the window) as a SlidingKVState."""
+        """A new state from `state_dict()` output, with capacity `max_len` (default: the slots saved). A
+        sliding-window state's (its identity names the window) loads through SlidingKVState instead
+        (engine.attention.hybrid.saved_state_class picks the class)."""
         k, meta = sd["tensors"]["k"], sd["meta"]
-        if meta.get("softmax_window"):
-            from engine.attention.sliding import SlidingKVState   # (it builds on this module)
-            return SlidingKVState.from_state_dict(sd, max_len, device)
         L, B, Hkv, n, D = k.shape
         out = cls.allocate_shape(L, B, Hkv, max(max_len or n, n), D, device or k.device, k.dtype)
         out.load_state_dict(sd)
