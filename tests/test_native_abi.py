@@ -119,3 +119,25 @@ def test_a_copy_is_forgotten_with_its_weight():
     del w
     gc.collect()
     assert copies._cache == {}
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_1"])
+def test_fp32_prompt_blocks_read_the_regrouped_blocks_as_the_stored_ones(kind):
+    """Under f32-prompt, prompt blocks multiply fp32 activations by the regrouped copies (kernels.c
+    decodes T_Q8_0R / T_Q4_1R), the step keeps no table of the blocks as stored, and the prompt's
+    logits equal, bit for bit, those of the blocks as stored (regroup=False)."""
+    model = tiny_model(num_key_value_heads=2)
+    quantize_model(model, kind)
+    prompt = torch.tensor([[1, 5, 9, 2, 4, 6, 8]])
+
+    def run(step):
+        state = model.init_state(1, 16)
+        out = step.prefill(prompt, state)
+        return out, step.plans[state].tables["wo"][0].type
+
+    grouped = NativeStep(model, threads=2, activations="f32-prompt")
+    if not grouped.library.gen_has_q4_1r():
+        pytest.skip("this build has no regrouped kernels (AVX-512 VNNI)")
+    (g, t_g), (s, t_s) = run(grouped), run(NativeStep(model, threads=2, activations="f32-prompt", regroup=False))
+    assert t_g == {"q8_0": 7, "q4_1": 6}[kind] and t_s == {"q8_0": 3, "q4_1": 5}[kind]   # gen.h T_*R, T_*
+    assert torch.equal(g, s)

@@ -132,10 +132,9 @@ static void matmul(const Plan *p, const Mat *m, const float *x, int xs, float *o
         quantize_x(x, xs, p->B, m->cols, buf, m->type);
         qx = buf;
     }
-    /* a prompt plan's fp32 activations on quantized blocks in natural order (q8_0 / q4_0 / q4_1, the
-     * K-quants; a stack's segments are): widened DQ_ROWS rows at a time */
-    const int dq = !qx && dq_scratch(p) > 0 && p->B >= 4 && m->type >= T_Q8_0 && m->type != T_Q4_1R
-                   && m->type != T_Q8_0R;
+    /* a prompt plan's fp32 activations on quantized blocks (q8_0 / q4_0 / q4_1, regrouped or not, the
+     * K-quants; a stack's segments): widened DQ_ROWS rows at a time */
+    const int dq = !qx && dq_scratch(p) > 0 && p->B >= 4 && m->type >= T_Q8_0;
     MatCtx c = {*m, x, xs, p->B, qx, dq};
     if (p->nthreads <= 1 || macs < gen_par_min_macs) {
         mat_fn(&c, 0, m->rows, out, os, add, p->tscratch);

@@ -96,7 +96,7 @@ static inline float f16_at(const unsigned char *p) {
 
 static size_t block_bytes(int type) {   /* K-quants: a super-block of 256 */
     switch (type) {
-    case T_Q8_0: return 2 + QK;
+    case T_Q8_0: case T_Q8_0R: return 2 + QK;
     case T_Q4_0: return 2 + QK / 2;
     case T_Q4_K: case T_Q5_K: case T_Q6_K: return kblock_bytes(type);
     default: return 4 + QK / 2;          /* T_Q4_1 */
@@ -187,8 +187,33 @@ static inline __attribute__((always_inline)) void decode_ksub8(const unsigned ch
 
 /* Block k of a quantized row (32 consecutive weights from element 32k) as fp32 in w[4]. */
 static inline __attribute__((always_inline)) void decode_block(const unsigned char *row, const int type, int k,
-                                                              v8 w[4]) {
+                                                              v8 w[4], int nb) {
     float f[QK] __attribute__((aligned(32)));
+    if (type == T_Q4_1R) {   /* regrouped (qdot.c): block k's (d, m) at 4k, its 16 nibble bytes at 4nb + 16k */
+        const float d = f16_at(row + 4 * (size_t)k), m = f16_at(row + 4 * (size_t)k + 2);
+        const unsigned char *qs = row + 4 * (size_t)nb + 16 * (size_t)k;
+#ifdef GEN_X86
+        nibbles(qs, w);
+        for (int q = 0; q < 4; q++)
+            w[q] = (v8)_mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(d), (__m256)w[q]), _mm256_set1_ps(m));
+        return;
+#else
+        for (int i = 0; i < QK / 2; i++) {
+            float lo = d * (float)(qs[i] & 0x0f), hi = d * (float)(qs[i] >> 4);
+            f[i] = lo + m;
+            f[i + QK / 2] = hi + m;
+        }
+        for (int q = 0; q < 4; q++) w[q] = ld8(f + 8 * q);
+        return;
+#endif
+    }
+    if (type == T_Q8_0R) {   /* regrouped (qdot.c): block k's d at 2k, its 32 weights + 128 (u8) at 2nb + 32k */
+        const float d = f16_at(row + 2 * (size_t)k);
+        const unsigned char *qs = row + 2 * (size_t)nb + QK * (size_t)k;
+        for (int i = 0; i < QK; i++) f[i] = d * (float)((int)qs[i] - 128);
+        for (int q = 0; q < 4; q++) w[q] = ld8(f + 8 * q);
+        return;
+    }
     if (is_kquant(type)) {
 #ifdef GEN_X86
         decode_ksub8(row, type, k, w);
@@ -279,7 +304,7 @@ static inline __attribute__((always_inline)) void rows_tile(const Mat *m, int r0
             for (int q = 0; q < 4; q++) acc[j][q] = (v8){0};
         for (int k = 0; k < nb; k++) {
             v8 w[4];
-            decode_block(row, type, k, w);
+            decode_block(row, type, k, w, nb);
             for (int j = 0; j < n; j++) {
                 const float *xp = x + (size_t)j * xs + k * QK;
                 for (int q = 0; q < 4; q++) acc[j][q] += w[q] * ld8(xp + 8 * q);
@@ -421,7 +446,7 @@ static inline __attribute__((always_inline)) void frows_typed(const Mat *m, int 
 #define ROWS_OF(T) static void rows_##T(const Mat *m, int r0, int r1, const float *x, int xs, int B, float *out, \
                                         int os, int add) { rows_typed(m, r0, r1, x, xs, B, out, os, add, T); }
 FROWS_OF(T_F32) FROWS_OF(T_F16) FROWS_OF(T_BF16) ROWS_OF(T_Q8_0) ROWS_OF(T_Q4_0) ROWS_OF(T_Q4_1)
-ROWS_OF(T_Q4_K) ROWS_OF(T_Q5_K) ROWS_OF(T_Q6_K)
+ROWS_OF(T_Q4_K) ROWS_OF(T_Q5_K) ROWS_OF(T_Q6_K) ROWS_OF(T_Q4_1R) ROWS_OF(T_Q8_0R)
 
 void mat_rows(const Mat *m, int r0, int r1, const float *x, int xs, int B, float *out, int os, int add) {
     if (tile_rows(m, r0, r1, x, xs, B, out, os, add)) return;   /* float weights on AVX-512: tile.c */
@@ -434,6 +459,8 @@ void mat_rows(const Mat *m, int r0, int r1, const float *x, int xs, int B, float
     case T_Q4_K: rows_T_Q4_K(m, r0, r1, x, xs, B, out, os, add); break;
     case T_Q5_K: rows_T_Q5_K(m, r0, r1, x, xs, B, out, os, add); break;
     case T_Q6_K: rows_T_Q6_K(m, r0, r1, x, xs, B, out, os, add); break;
+    case T_Q4_1R: rows_T_Q4_1R(m, r0, r1, x, xs, B, out, os, add); break;   /* fp32 activations, regrouped blocks */
+    case T_Q8_0R: rows_T_Q8_0R(m, r0, r1, x, xs, B, out, os, add); break;
     default: rows_T_Q4_1(m, r0, r1, x, xs, B, out, os, add); break;
     }
 }
@@ -443,7 +470,7 @@ void row_to_f32(const Mat *m, int r, float *dst) {
     if (m->type <= T_BF16) { load_row(row, m->type, 0, m->cols, dst); return; }
     for (int k = 0; k < m->cols / QK; k++) {
         v8 w[4];
-        decode_block(row, m->type, k, w);
+        decode_block(row, m->type, k, w, m->cols / QK);
         memcpy(dst + k * QK, w, sizeof w);
     }
 }

@@ -41,7 +41,7 @@ class NativeDecoder:
         self.q8_prompt = q8 if q8_prompt is None else q8_prompt
         layers = layer_modules(model, model.paths_of(state))
         self.sources: list[torch.Tensor] = []   # the weights behind copies: checked for in-place edits
-        mats, embed, head, plain = self._matrices(model, layers, weights or DerivedWeights(), q8)
+        mats, embed, head = self._matrices(model, layers, weights or DerivedWeights(), q8)
         norms, qk_norms, norm_type = self._norms(model, layers)
         flat = [m[0] for ms in mats.values() for m in ms] + [embed[0], head[0]] + norms + (self.biases or [])
         if any(t.device.type != "cpu" or not t.is_contiguous() for t in flat) or \
@@ -63,7 +63,7 @@ class NativeDecoder:
                               cfg.intermediate_size, cfg.hidden_size, state.batch_size)
         self.widths = (("x", C), ("xb", C), ("qkv_out", (H + 2 * Hkv) * D), ("att", H * D), ("gu_out", 2 * I), ("hb", I))
         self.scratch = {n: torch.zeros(B, size) for n, size in self.widths}
-        self._tables(cfg.num_hidden_layers, mats, plain, layers, qk_norms)
+        self._tables(cfg.num_hidden_layers, mats, layers, qk_norms)
         self.flat, self.tensors = flat, tensors
         self.checked = flat + tensors
         # The storages themselves: memory the plan points into is never freed while it lives, even
@@ -87,17 +87,15 @@ class NativeDecoder:
 
     # ------------------------------------------------------------------ building the plan
     def _matrices(self, model, layers, weights: DerivedWeights, q8: bool) -> tuple:
-        """(per-name matrix tuples, embed, head, plain) as the C step reads them: fp32 weights holding
-        only 16-bit values and q4_1 / q8_0 blocks from the copies `weights` makes once (their
-        originals join self.sources). plain: (tables, embed, head) of the blocks as stored, for
-        prompt blocks in fp32 activations under q8 decode steps; else (None, None, None)."""
+        """(per-name matrix tuples, embed, head) as the C step reads them: fp32 weights holding only
+        16-bit values and q4_1 / q8_0 blocks from the copies `weights` makes once (their originals
+        join self.sources). Prompt blocks in fp32 activations read the same regrouped blocks
+        (kernels.c decodes T_Q4_1R / T_Q8_0R to the values the stored blocks hold), so the native
+        path never reads a regrouped matrix's original blocks again (DerivedWeights drops their pages)."""
         mats = {n: [matrix(layer[i]) for layer in layers] for i, n in ((1, "qkv"), (2, "wo"), (4, "gu"), (5, "wd"))}
         embed, head = matrix(model.embed_tokens), matrix(model.lm_head)
         # the regrouped kernels are q8 dots
         grouped = weights.regroup_on and q8 and bool(self.library.gen_has_q4_1r())
-        plain = (None if not grouped or self.q8_prompt else
-                 {n: [weights.narrow(m, False) for m in ms] for n, ms in mats.items()},
-                 weights.narrow(embed, False), weights.narrow(head, False))
         originals = [m for ms in mats.values() for m in ms] + [embed, head]
         mats = {n: [weights.narrow(m, grouped) for m in ms] for n, ms in mats.items()}
         embed, head = weights.narrow(embed, grouped), weights.narrow(head, grouped)
@@ -109,7 +107,7 @@ class NativeDecoder:
         if biases is not None:
             self.biases = [b.detach().float().contiguous() for b in biases]
             self.sources += [b.detach() for b, c in zip(biases, self.biases) if c.data_ptr() != b.data_ptr()]
-        return mats, embed, head, plain
+        return mats, embed, head
 
     @staticmethod
     def _norms(model, layers) -> tuple:
@@ -134,13 +132,10 @@ class NativeDecoder:
             self.decay = fm.decay(slice(None)).detach().float().exp().contiguous()
             self.sources.append(fm.decay_logit.detach())
 
-    def _tables(self, L: int, mats: dict, plain: tuple, layers, qk_norms) -> None:
+    def _tables(self, L: int, mats: dict, layers, qk_norms) -> None:
         """The per-layer pointer tables the Plan points at (kept alive here, with Mat.rest chains)."""
         self.chains = []   # the segments of stacked matrices (Mat.rest): alive as long as the plan
         self.tables = {n: (Mat * L)(*[mat(m, self.chains) for m in ms]) for n, ms in mats.items()}
-        self.plain_tables = None if plain[0] is None else (
-            {n: (Mat * L)(*[mat(m, self.chains) for m in ms]) for n, ms in plain[0].items()},
-            mat(plain[1], self.chains), mat(plain[2], self.chains))
         self.norm_tables = {n: (_V * L)(*[layer[i].data_ptr() for layer in layers])
                             for i, n in ((0, "ln1"), (3, "ln2"))}
         if qk_norms is not None:
@@ -196,10 +191,6 @@ class NativeDecoder:
             plan.tscratch, plan.tscratch_floats = None, 0
             plan.B, plan.Bc = PREFILL_ROWS, self.B
             plan.q8_acts = int(self.q8_prompt)
-            if self.plain_tables is not None:   # fp32 activations read the blocks as stored, not regrouped
-                tables, plan.embed, plan.head = self.plain_tables
-                for n, t in tables.items():
-                    setattr(plan, n, t)
             for n, t in self.prefill_scratch.items():
                 setattr(plan, n, ptr(t))
             ref = ctypes.byref(plan)

@@ -7,11 +7,17 @@ Two kinds of copies, each made once per (tensor, storage, version) and kept by t
 them (a weak key: the cache never keeps a weight alive, and forgets a copy when its weight dies):
   exact16    fp32 weights holding only 16-bit values (a checkpoint stored in f16 or bf16, loaded in
              fp32) as f16 / bf16 copies: the same fp32 products from half the bytes
-  regrouped  q4_1 / q8_0 blocks regrouped per row for the grouped q8 kernels (gen.h T_Q4_1R / T_Q8_0R)
+  regrouped  q4_1 / q8_0 blocks regrouped per row for the grouped q8 kernels (gen.h T_Q4_1R / T_Q8_0R);
+             the step reads only these afterwards (fp32 prompt blocks too), so the originals' pages are
+             handed back to the kernel (`page_out`: a GGUF's memory-mapped blocks leave the resident
+             set and fault back in from the file if PyTorch code reads them again)
 A plan checks the weights behind its copies for in-place edits before every step (their version).
 """
 from __future__ import annotations
 
+import ctypes
+import mmap
+import sys
 import weakref
 
 import torch
@@ -70,6 +76,22 @@ def regroup(blocks: torch.Tensor, rows: int, q4_1: bool) -> torch.Tensor:
     return torch.cat([head.reshape(rows, -1), body.reshape(rows, -1)], 1).contiguous()
 
 
+def page_out(t: torch.Tensor) -> bool:
+    """Ask the kernel to reclaim the whole pages inside a CPU tensor's bytes (madvise MADV_PAGEOUT,
+    Linux 5.4+): file pages of a memory map are dropped and read again from the file on the next
+    touch, anonymous ones go to swap if there is any. The values never change (unlike MADV_DONTNEED on
+    a private map), so this is safe on any tensor. False where the platform cannot."""
+    advice = getattr(mmap, "MADV_PAGEOUT", 21 if sys.platform.startswith("linux") else None)   # 21: Linux's value
+    if advice is None or t.device.type != "cpu" or not t.is_contiguous():
+        return False
+    start = -(-t.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (t.data_ptr() + t.numel() * t.element_size()) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end <= start:
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), ctypes.c_int(advice)) == 0
+
+
 class DerivedWeights:
     """The copies one step reads instead of the model's weights (see the module docstring).
 
@@ -107,8 +129,12 @@ class DerivedWeights:
         return w if copy is None else copy
 
     def regrouped(self, blocks: torch.Tensor, rows: int, q4_1: bool) -> torch.Tensor:
-        """`regroup(blocks, rows, q4_1)`, made once."""
-        return self._derived(blocks, "regrouped", lambda b: regroup(b, rows, q4_1))
+        """`regroup(blocks, rows, q4_1)`, made once; the original's pages handed back (`page_out`)."""
+        def make(b):
+            out = regroup(b, rows, q4_1)
+            page_out(b)
+            return out
+        return self._derived(blocks, "regrouped", make)
 
     def narrow(self, m: tuple, grouped: bool) -> tuple:
         """The matrix tuple the C step reads for `m` (a `matrix` tuple): a 16-bit copy of exactly-16-bit
