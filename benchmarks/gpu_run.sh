@@ -7,7 +7,11 @@
 # 4. `gen bench --device cuda` on it: softmax and linear, batch 1 and 32, depths 1k/8k/32k: the CUDA-graph
 #    step ("graph"), the compiled+captured step ("compiled") and the eager torch step, with the bandwidth floor;
 # 5. the anchor: transformers with a static cache + torch.compile(reduce-overhead) on the same weights.
-# Python packages the image lacks travel as wheels in .whl/ (see /work/.library/device/README.md).
+# Python packages the image lacks travel as wheels in .whl/ (see /work/.library/device/README.md): for the
+# 2026-11 image (torch 2.11, python 3.12) `pip download --no-deps --only-binary=:all: --python-version 3.12
+# --platform manylinux2014_x86_64 -d .whl` of: gguf fastapi starlette sse-starlette uvicorn pydantic
+# pydantic_core annotated-types typing-inspection opentelemetry-api (fastapi needs it: without it the serve
+# tests skip there) openai jiter distro sniffio, at the versions this venv holds.
 set -u
 MODE=${1:-full}
 OUT=${OUT:-$PWD/gpu_out}
