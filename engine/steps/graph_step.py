@@ -26,14 +26,12 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import torch
-import torch.nn.functional as F
 
 from engine.attention import HybridState, KVState, LinearState, WindowState
 from engine.attention.sliding import sliding_part
 from engine.attention.base import Span
 from engine.steps.decode_attention import softmax_decode
-from engine.steps.torch_step import DecodePlan, TorchStep, decode_one
-from engine.transformer import rms_norm
+from engine.steps.torch_step import DecodePlan, TorchStep, decode_one, layer_stack
 
 BUCKET_MIN = 256    # the shortest cache prefix softmax decode attends over (a graph per power of two above)
 GRAPHS_KEPT = 8     # captured graphs kept (least recently replayed dropped first)
@@ -94,33 +92,21 @@ def decode_static(plan: DecodePlan, tokens: torch.Tensor, state, slot: torch.Ten
     `state` (the caller does, around it). No host syncs, no Python branch on a tensor's values.
     """
     B = tokens.shape[0]
-    x = F.embedding(tokens.view(B), plan.embed)                         # (B, C)
-    H, Hkv, D, eps, width = plan.H, plan.Hkv, plan.D, plan.eps, plan.width
-    rope = state.path in plan.rope_paths
-    mixed = getattr(state, "layer_paths", None)     # a hybrid state: rotary per layer
-    if rope:
-        cos, sin = plan.rotary.signed_table(rope_rows, x.device, x.dtype)          # (n, D)
+    rotary = None
+    if state.path in plan.rope_paths:
+        cos, sin = plan.rotary.signed_table(rope_rows, tokens.device, plan.embed.dtype)   # (n, D)
         at = state.lengths                                                          # sequence b at position lengths[b]
-        cos, sin = cos.index_select(0, at).view(B, 1, 1, D), sin.index_select(0, at).view(B, 1, 1, D)
+        rotary = cos.index_select(0, at).view(B, 1, 1, plan.D), sin.index_select(0, at).view(B, 1, 1, plan.D)
     n_keys = None if bucket is None else (slot + 1).repeat(B)                       # (B,) contiguous
     route = layer_route(state, len(plan.base))
-    for i, (ln1, wqkv, bqkv, qk_norm, wo, ln2, wgu, wd) in enumerate(plan.layers(state)):
-        qkv = F.linear(rms_norm(x, ln1, eps, width), wqkv, bqkv).view(B, H + 2 * Hkv, 1, D)
-        qk, v = qkv.split_with_sizes([H + Hkv, Hkv], 1)
-        if qk_norm is not None:
-            qk = rms_norm(qk, qk_norm, eps, plan.head_width)
-        if rope and (mixed is None or mixed[i] in plan.rope_paths):
-            qk = qk * cos + qk.index_select(-1, plan.perm) * sin
-        q, k = qk.split_with_sizes([H, Hkv], 1)
+
+    def attend(i, q, k, v):
         part, j = route[i]
         if part.path == "softmax":
-            out = kv_attend_static(part, j, q, k, v, slot, n_keys, bucket)
-        else:
-            out = part.attend(j, q, k, v, ONE_TOKEN)                   # linear / window: static already
-        x = torch.addmm(x, out.reshape(B, H * D), wo.t())
-        gate, up = F.linear(rms_norm(x, ln2, eps, width), wgu).split_with_sizes(plan.halves, -1)
-        x = torch.addmm(x, F.silu(gate) * up, wd.t())
-    return F.linear(rms_norm(x, plan.norm, eps, width), plan.head).unsqueeze(1)
+            return kv_attend_static(part, j, q, k, v, slot, n_keys, bucket)
+        return part.attend(j, q, k, v, ONE_TOKEN)                      # linear / window: static already
+
+    return layer_stack(plan, tokens, state, rotary, attend)
 
 
 def step_static(plan: DecodePlan, tokens: torch.Tensor, state, min_bucket: int = BUCKET_MIN) -> torch.Tensor:

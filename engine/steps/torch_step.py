@@ -77,35 +77,45 @@ def decode_one(plan: DecodePlan, tokens: torch.Tensor, state) -> torch.Tensor:
     """tokens (B, 1) int64 -> logits (B, 1, V); writes one slot into `state` and advances it.
 
     Called by `TorchStep`, inside inference_mode.
+    """
+    span = state.open(tokens)
+    rotary = None
+    if state.path in plan.rope_paths:
+        cos, sin = plan.rotary.signed_table(span.start + 1, tokens.device, plan.embed.dtype)   # (n, D)
+        if state.padded:   # sequence b sits at rotary position seen[b]
+            rotary = cos[state.lengths][:, None, None], sin[state.lengths][:, None, None]    # (B, 1, 1, D)
+        else:
+            rotary = cos[span.start], sin[span.start]                   # (D,)
+    logits = layer_stack(plan, tokens, state, rotary, lambda i, q, k, v: state.attend(i, q, k, v, span))
+    state.commit(span)
+    return logits
+
+
+def layer_stack(plan: DecodePlan, tokens: torch.Tensor, state, rotary, attend) -> torch.Tensor:
+    """The one-token layer stack every torch-based step form runs (`decode_one`; the graph form's
+    `decode_static`): tokens (B, 1) -> logits (B, 1, V). rotary: (cos, sin) broadcastable against
+    (B, H + Hkv, 1, D), or None (no rotary on this state's path); attend(layer, q, k, v) -> (B, H, 1, D)
+    writes the layer's keys/values and attends (how positions are found is the caller's).
 
     Activations are kept 2-D (B, C) so each projection is one mm, and each residual add is
     folded into it as addmm (bit-identical to mm then add in fp32).
     """
-    span = state.open(tokens)
     B = tokens.shape[0]
     x = F.embedding(tokens.view(B), plan.embed)                         # (B, C)
     H, Hkv, D, eps, width = plan.H, plan.Hkv, plan.D, plan.eps, plan.width
-    rope = state.path in plan.rope_paths
     mixed = getattr(state, "layer_paths", None)     # a hybrid state: rotary per layer
-    if rope:
-        cos, sin = plan.rotary.signed_table(span.start + 1, x.device, x.dtype)   # (n, D)
-        if state.padded:   # sequence b sits at rotary position seen[b]
-            cos, sin = cos[state.lengths][:, None, None], sin[state.lengths][:, None, None]  # (B, 1, 1, D)
-        else:
-            cos, sin = cos[span.start], sin[span.start]               # (D,)
     for i, (ln1, wqkv, bqkv, qk_norm, wo, ln2, wgu, wd) in enumerate(plan.layers(state)):
         qkv = F.linear(rms_norm(x, ln1, eps, width), wqkv, bqkv).view(B, H + 2 * Hkv, 1, D)
         qk, v = qkv.split_with_sizes([H + Hkv, Hkv], 1)                            # (B, H+Hkv, 1, D), (B, Hkv, 1, D)
         if qk_norm is not None:    # Qwen3: every head of q and k normed at once, each with its own weight
             qk = rms_norm(qk, qk_norm, eps, plan.head_width)
-        if rope and (mixed is None or mixed[i] in plan.rope_paths):
-            qk = qk * cos + qk.index_select(-1, plan.perm) * sin
+        if rotary is not None and (mixed is None or mixed[i] in plan.rope_paths):
+            qk = qk * rotary[0] + qk.index_select(-1, plan.perm) * rotary[1]
         q, k = qk.split_with_sizes([H, Hkv], 1)
-        out = state.attend(i, q, k, v, span)                           # (B, H, 1, D)
+        out = attend(i, q, k, v)                                       # (B, H, 1, D)
         x = torch.addmm(x, out.reshape(B, H * D), wo.t())
         gate, up = F.linear(rms_norm(x, ln2, eps, width), wgu).split_with_sizes(plan.halves, -1)
         x = torch.addmm(x, F.silu(gate) * up, wd.t())
-    state.commit(span)
     return F.linear(rms_norm(x, plan.norm, eps, width), plan.head).unsqueeze(1)
 
 
