@@ -5,7 +5,6 @@ device is one line (exit 2) on every command that takes one, and on CUDA (skippe
 server's greedy answers equal the CPU's."""
 from __future__ import annotations
 
-import threading
 
 import pytest
 import torch
@@ -15,7 +14,8 @@ from cli.main import main
 from engine.api import load
 from engine.sampling import RowSampler, SamplingParams
 from engine.serve.prefix_cache import PrefixCache
-from engine.serve.scheduler import Failure, Job, Scheduler
+from engine.serve.scheduler import Job, Scheduler
+from tests.test_chunked_prefill import Collector
 
 httpx = pytest.importorskip("httpx")
 from test_serve_shutdown import Served           # noqa: E402
@@ -44,20 +44,6 @@ class Recording:
 
     def __getattr__(self, name):
         return getattr(torch, name)
-
-
-class Collector:
-    def __init__(self):
-        self.ids, self.done, self.failed = [], threading.Event(), None
-
-    def __call__(self, event):
-        if isinstance(event, Failure):
-            self.failed = event.message
-            self.done.set()
-            return
-        self.ids.append(event.id)
-        if event.finish_reason is not None:
-            self.done.set()
 
 
 def run_jobs(model, step) -> list[list[int]]:
