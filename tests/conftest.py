@@ -240,6 +240,23 @@ def native_built(tmp_path_factory):
     set_parallel_min(PARALLEL_MIN_MACS)
 
 
+@pytest.fixture(scope="module")
+def native_kernels(native_built):
+    """(library, Mat) with the signatures of the kernels tests call directly: the quantized matmul
+    (gen_qmatmul), q8 activation row bytes (qx_row_bytes), one matrix row decoded to fp32 (row_to_f32)."""
+    import ctypes
+
+    from engine.steps.native import Mat
+    lib = native_built
+    lib.gen_qmatmul.argtypes = [ctypes.POINTER(Mat), ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    lib.gen_qmatmul.restype = None
+    lib.qx_row_bytes.argtypes = [ctypes.c_int]
+    lib.qx_row_bytes.restype = ctypes.c_size_t
+    lib.row_to_f32.argtypes = [ctypes.POINTER(Mat), ctypes.c_int, ctypes.c_void_p]
+    lib.row_to_f32.restype = None
+    return lib, Mat
+
+
 def prompt_and_follow(seed: int, padded: bool, batch: int = 3, prompt: int = 7, follow: int = 12):
     """(prompt (batch, prompt), its pad mask or None, follow (batch, follow)): with `padded`, rows 1
     and 2 are left-padded by 3 and 6 slots."""

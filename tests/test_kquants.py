@@ -56,16 +56,8 @@ def test_dequantize_equals_gguf_bit_for_bit(kind):
 
 # ------------------------------------------------------------------ the native kernels
 @pytest.fixture(scope="module")
-def native(native_built):
-    from engine.steps.native import Mat
-    lib = native_built
-    lib.gen_qmatmul.argtypes = [ctypes.POINTER(Mat), ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
-    lib.gen_qmatmul.restype = None
-    lib.qx_row_bytes.argtypes = [ctypes.c_int]
-    lib.qx_row_bytes.restype = ctypes.c_size_t
-    lib.row_to_f32.argtypes = [ctypes.POINTER(Mat), ctypes.c_int, ctypes.c_void_p]
-    lib.row_to_f32.restype = None
-    return lib, Mat
+def native(native_kernels):
+    return native_kernels
 
 
 @pytest.mark.parametrize("kind", list(KINDS))

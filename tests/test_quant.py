@@ -64,14 +64,8 @@ def test_quantize_model_requantizes_other_kinds_and_keeps_its_own():
 
 # ------------------------------------------------------------------ the native quantized matmul
 @pytest.fixture(scope="module")
-def native(native_built):
-    from engine.steps.native import Mat
-    lib = native_built
-    lib.gen_qmatmul.argtypes = [ctypes.POINTER(Mat), ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
-    lib.gen_qmatmul.restype = None
-    lib.qx_row_bytes.argtypes = [ctypes.c_int]
-    lib.qx_row_bytes.restype = ctypes.c_size_t
-    return lib, Mat
+def native(native_kernels):
+    return native_kernels
 
 
 def native_matmul(native, blocks, kind, shape, x):
