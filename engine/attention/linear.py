@@ -111,7 +111,7 @@ class LinearState(State):
         model_layer = layer if self.layer_ids is None else self.layer_ids[layer]
         fm = self.feature_map
         if span.length == 1 and span.real is None:   # decode: featurize without the pad mask
-            if q.is_cuda and not torch.compiler.is_compiling() and kernel_why_not(q, S, z, v) is None:
+            if q.is_cuda and kernel_why_not(q, S, z, v) is None:
                 return self._fused_decode(model_layer, q, k, v, S, z)
             B, H, _, _ = q.shape
             phi_k = fm(k, model_layer, "k")                                 # (B, Hkv, 1, F)

@@ -44,6 +44,8 @@ def triton_interpreted() -> bool:
 
 def why_not(*tensors: torch.Tensor) -> str | None:
     """None when the Triton kernels run on these tensors; else the one-line reason the torch path runs."""
+    if torch.compiler.is_compiling():   # backend "compiled": dynamo cannot trace the launchers
+        return "under torch.compile: the torch form is traced (inductor fuses it into its own kernel)"
     device = tensors[0].device
     if device.type != "cuda" and not interpreting():
         return f"tensors on {device.type}: the Triton kernels run on CUDA (or on CPU under TRITON_INTERPRET=1)"

@@ -25,9 +25,7 @@ def softmax_decode(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor
     (G = H / Hkv), as enable_gqa does. Scores and values in q's dtype (a cache of another dtype is read
     widened to it), softmax in fp32. Returns (B, H, 1, D) in q's dtype. No host syncs.
     """
-    # Under torch.compile (backend "compiled") the torch body below is traced instead: dynamo cannot trace
-    # the Triton launcher, and inductor writes its own fused kernel for it.
-    if not torch.compiler.is_compiling() and kernel.why_not(q, cache_k, cache_v) is None:
+    if kernel.why_not(q, cache_k, cache_v) is None:   # (under torch.compile: no, the torch body is traced)
         # split-K flash decoding (engine.kernels.softmax): reads only each row's n_keys keys. Its key_real
         # has no own-key exception; none is needed: a slot not yet written is always real in slot_real
         # (pads are only ever written below `slots`), and the query's own slot is the one being written.
