@@ -3,6 +3,16 @@
 KVState.k, .v: (L, B, Hkv, S_max, D), allocated once in the model's dtype and written in
 place. Scores are q.k / sqrt(D); a masked softmax gives future slots and pad slots weight
 exactly 0 (boolean masks, so exp(-inf) = 0, no large-negative approximations).
+
+Pads left unwritten. A batch laid out from other states on the CPU (`concat`, `select_rows`: the
+server joining a row, dropping one) copies each row's slots from its first real one and writes
+nothing else: a 4k-token prompt joining 16 short rows right-aligns them to its length, and zeroing
+their ~4k leading pad slots each was a 3.4 GB write (a ~1 s stall of every stream; the untouched
+pages of a large allocation are not even resident). The decode steps never read a pad (the torch
+step attends from each row's first real slot, the native step skips pads), nor a slot past
+`slots`; the readers that do (a masked block, T > 1 on a padded state; the static step form, which
+reads a whole bucket of slots under a mask) zero them first (`unset`), and saving writes zeros for
+pads. On other devices every slot is zeroed as before.
 """
 from __future__ import annotations
 
@@ -25,6 +35,7 @@ class KVState(State):
     k: torch.Tensor = None          # (L, B, Hkv, S_max, D)
     v: torch.Tensor = None          # (L, B, Hkv, S_max, D)
     slot_real: torch.Tensor = None  # (B, S_max) bool, False at pad slots
+    unset: bool = False             # pads and slots past `slots` may be unwritten memory (module docstring)
 
     path = "softmax"
 
@@ -75,7 +86,11 @@ class KVState(State):
 
     def _saved_tensors(self):
         n = self.slots
-        return {"k": self.k[:, :, :, :n], "v": self.v[:, :, :, :n], "slot_real": self.slot_real[:, :n]}
+        k, v = self.k[:, :, :, :n], self.v[:, :, :, :n]
+        if self.unset:   # pads saved as zeros (copies; this state stays as it is)
+            pad = ~self.slot_real[:, :n][None, :, None, :, None]
+            k, v = k.masked_fill(pad, 0), v.masked_fill(pad, 0)
+        return {"k": k, "v": v, "slot_real": self.slot_real[:, :n]}
 
     def _load_tensors(self, tensors, slots):
         self.k[:, :, :, :slots].copy_(tensors["k"])
@@ -86,27 +101,28 @@ class KVState(State):
     def first_real_slot(self) -> torch.Tensor:
         """(B,) int64: each row's first real slot (= slots for a row with none)."""
         real = self.slot_real[:, :self.slots]
+        if self.slots == 0:
+            return torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
         first = real.int().argmax(1)
         return torch.where(real.any(1), first, torch.full_like(first, self.slots))
 
     def select_rows(self, idx, max_len=None) -> "KVState":
-        # rows copied run by run straight into an uninitialised cache, only the rest zeroed: a
-        # SmolLM2-shaped 16-row cache at 200 slots keeping 15, 182-200 -> 97-108 ms against a gather
-        # into a zeroed cache (benchmarks/regroup_ab.py)
+        # each row copied from its first real slot straight into an uninitialised cache; on the CPU
+        # nothing else is written (module docstring), elsewhere the rest is zeroed
         idx = [int(i) for i in idx]
-        drop = int(self.first_real_slot()[idx].min()) if idx and self.slots else 0
+        first = self.first_real_slot().tolist()
+        drop = min(first[i] for i in idx) if idx and self.slots else 0
         n = self.slots - drop
         max_len = max(max_len or self.max_len - drop, n)
         L, _, Hkv, _, D = self.k.shape
         out = KVState.allocate_shape(L, len(idx), Hkv, max_len, D, self.device, self.k.dtype, zero=False)
-        for mine, theirs in ((out.k, self.k), (out.v, self.v)):
-            for src, dst, rows in row_runs(idx):
-                mine[:, dst:dst + rows, :, :n] = theirs[:, src:src + rows, :, drop:self.slots]
-            mine[:, :, :, n:].zero_()
+        for dst, src in enumerate(idx):
+            out._put_row(dst, first[src] - drop, n, self, src, first[src])
         out.slot_real[:, :n] = take_rows(self.slot_real, idx, 0)[:, drop:self.slots]
         out.lengths.copy_(take_rows(self.lengths, idx, 0))
         out.slots = n
         out._after_regroup()
+        out.unset = self.unset or out.device.type == "cpu"
         return out
 
     @classmethod
@@ -120,18 +136,38 @@ class KVState(State):
         b = 0
         for s in states:
             rows, lo = slice(b, b + s.batch_size), P - s.slots      # right-align: pads in [0, lo)
-            for mine, theirs in ((out.k, s.k), (out.v, s.v)):
-                mine[:, rows, :, :lo].zero_()
-                mine[:, rows, :, lo:P] = theirs[:, :, :, :s.slots]
+            for r, f in enumerate(s.first_real_slot().tolist()):
+                out._put_row(b + r, lo + f, P, s, r, f)
             out.slot_real[rows, :lo] = False
             out.slot_real[rows, lo:P] = s.slot_real[:, :s.slots]
             out.lengths[rows] = s.lengths
             b += s.batch_size
-        for mine in (out.k, out.v):
-            mine[:, :, :, P:].zero_()
         out.slots = P
         out._after_regroup()
+        out.unset = any(s.unset for s in states) or out.device.type == "cpu"
         return out
+
+    def _put_row(self, row: int, at: int, end: int, src: "KVState", src_row: int, src_from: int) -> None:
+        """Row `row`'s slots [at, end) <- src's row `src_row` from slot `src_from` (its real slots on);
+        off the CPU the row's other slots are zeroed (module docstring)."""
+        for mine, theirs in ((self.k, src.k), (self.v, src.v)):
+            mine[:, row, :, at:end] = theirs[:, src_row, :, src_from:src_from + end - at]
+            if self.device.type != "cpu":
+                mine[:, row, :, :at].zero_()
+                mine[:, row, :, end:].zero_()
+
+    def zero_unwritten(self) -> None:
+        """Zero the pad slots and the slots past `slots` where they may be unwritten (module docstring),
+        for a reader that weighs them by 0 (0 * NaN is NaN). A flag test when there is nothing to do."""
+        if not self.unset:
+            return
+        n = self.slots
+        pad = ~self.slot_real[:, :n]
+        for t in (self.k, self.v):
+            if bool(pad.any()):
+                t[:, :, :, :n].masked_fill_(pad[None, :, None, :, None], 0)
+            t[:, :, :, n:].zero_()
+        self.unset = False
 
     @classmethod
     def allocate_shape(cls, layers, batch, kv_heads, max_len, head_dim, device, dtype, zero=True) -> "KVState":
@@ -158,6 +194,8 @@ class KVState(State):
     def attend(self, layer: int, q, k, v, span: Span):
         """q (B, H, T, D); k, v (B, Hkv, T, D) -> (B, H, T, D)."""
         start, T = span.start, span.length
+        if T > 1 or (span.attn_mask is not None and span.real is not None):
+            self.zero_unwritten()    # a masked block reads every slot it holds (before this one's are written)
         cache_k, cache_v = self._layers[layer]                  # (B, Hkv, S_max, D)
         cache_k.narrow(2, start, T).copy_(k)
         cache_v.narrow(2, start, T).copy_(v)

@@ -75,6 +75,7 @@ def layer_route(state, layers: int) -> list[tuple]:
 
 def kv_attend_static(kv: KVState, layer: int, q, k, v, slot, n_keys, bucket: int):
     """Write k, v (B, Hkv, 1, D) at `slot` of layer `layer`'s cache, attend over its first `bucket` slots."""
+    kv.zero_unwritten()                # the bucket is read under a mask (on the CPU only: a flag test)
     cache_k, cache_v = kv._layers[layer]                                  # (B, Hkv, S_max, D)
     cache_k.index_copy_(2, slot, k if k.dtype == cache_k.dtype else k.to(cache_k.dtype))
     cache_v.index_copy_(2, slot, v if v.dtype == cache_v.dtype else v.to(cache_v.dtype))
