@@ -130,3 +130,68 @@ def test_a_cancelled_prompt_leaves_while_being_fed(llm):
     finally:
         running_job_cancel(sched)
         sched.stop()
+
+
+@pytest.fixture(scope="module")
+def native_llm():
+    pytest.importorskip("engine.steps.native")
+    llm = load("tiny", attention="softmax", backend="native")
+    if "native" not in llm.step.forms_available:
+        pytest.skip("no C compiler: the native step is not built")
+    return llm
+
+
+@pytest.mark.parametrize("path", ["softmax", "linear"])
+def test_a_prompt_fed_in_pieces_equals_it_fed_whole(native_llm, path):
+    """Stepper.pieces: the native form runs a chunk a layer a piece (chunks x layers pieces), and the
+    logits and the state it leaves are the whole block's, bit for bit."""
+    m, step = native_llm.model, native_llm.step
+    tokens = torch.tensor([ids(70, 8)])
+    whole, pieces = m.init_state(1, 80, path), m.init_state(1, 80, path)
+    want = step(tokens, whole, last_only=True)
+    work, n = step.pieces(tokens, pieces), 0
+    while True:
+        try:
+            next(work)
+            n += 1
+        except StopIteration as done:
+            got = done.value
+            break
+    assert step.last_prefill_form == "native"
+    assert n == -(-70 // step.prefill_chunk) * m.config.num_hidden_layers
+    assert torch.equal(got, want)
+    assert pieces.slots == whole.slots == 70
+    for a, b in zip(pieces.tensors(), whole.tensors()):
+        assert torch.equal(a[..., :70, :] if path == "softmax" else a, b[..., :70, :] if path == "softmax" else b)
+
+
+def test_a_long_prompt_goes_a_layer_at_a_time_between_decode_steps(native_llm):
+    """With no time to share (prefill_share 0) the server feeds one piece, a layer of a chunk, per
+    iteration: the running stream gets a token per piece, and the long prompt's tokens are the API's."""
+    llm = native_llm
+    sched = Scheduler(llm.model, llm.tokenizer, llm.step, max_batch=4, prefill_share=0.0)
+    sched.start()
+    try:
+        running = Collector()
+        sched.submit(Job(ids(8, 3), "softmax", greedy(), max_tokens=10_000, emit=running, ignore_eos=True))
+        while len(running.ids) < 3:
+            running.done.wait(0.01)
+        late, first_seen = Collector(), []
+
+        def on_late(event):
+            if not first_seen:
+                first_seen.append(len(running.ids))
+            late(event)
+        at_submit = len(running.ids)
+        n = 100
+        sched.submit(Job(ids(n, 4), "softmax", greedy(), max_tokens=6, emit=on_late))
+        assert late.done.wait(60), late.failed
+        pieces = -(-n // llm.step.prefill_chunk) * llm.model.config.num_hidden_layers
+        between = first_seen[0] - at_submit
+        print(f"{between} tokens of the running stream while {pieces} pieces were fed")
+        assert between >= pieces - 2
+        alone = llm.generate([ids(n, 4)], max_new_tokens=6, temperature=0, max_context=n + 6)[0]
+        assert late.ids == alone.ids
+    finally:
+        running_job_cancel(sched)
+        sched.stop()

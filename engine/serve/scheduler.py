@@ -154,6 +154,9 @@ class Prefill:
     state: object
     done: int                                     # prompt ids in the state (restored or fed)
     logits: torch.Tensor | None = None            # (1, V) after the last chunk fed; None if it failed
+    work: object = None                           # the chunk being fed in pieces (Stepper.pieces) or None
+    work_ids: int = 0                             # that chunk's prompt ids
+    work_s: float = 0.0                           # seconds spent on it so far
 
     @property
     def left(self) -> int:
@@ -167,13 +170,22 @@ class Pool:
     rows: list = field(default_factory=list)      # Running, in row order
 
 
+PREFILL_SHARE = 1.0   # Scheduler.prefill_share's default
+
+
 class Scheduler:
     """The decode loop and its queue. max_batch: sequences decoded at once (over both paths);
     max_queue: requests waiting beyond those (more are refused with `Full`)."""
 
     def __init__(self, model, tokenizer, stepper, max_batch: int = 16, max_queue: int | None = None,
-                 feature_map: str | None = None, cache: PrefixCache | None = None):
+                 feature_map: str | None = None, cache: PrefixCache | None = None,
+                 prefill_share: float = PREFILL_SHARE):
         self.model, self.tokenizer, self.stepper = model, tokenizer, stepper
+        # while sequences decode, prompts are fed in pieces for about this many times the decode step's
+        # time per iteration (_feed): the streams' gaps stay ~(1 + share) steps, a prompt's prefill runs
+        # at ~share / (1 + share) of its speed alone
+        self.prefill_share = prefill_share
+        self.step_s = 0.0             # the decode steps' time per iteration (a moving average)
         self.max_batch = max_batch
         self.max_queue = max_queue if max_queue is not None else 4 * max_batch
         self.feature_map = feature_map
@@ -360,28 +372,72 @@ class Scheduler:
                 self._first_tokens(prefill.run, prefill.state, prefill.logits))
         for path, items in joining.items():
             self._join(path, items)
+        t0 = time.perf_counter()
         for path in list(self.pools):
             self._step(path)
+        if self.pools:
+            self.step_s += 0.2 * (time.perf_counter() - t0 - self.step_s)
 
     def _feed(self) -> list[Prefill]:
-        """Feed the prompts being prefilled: each with at most one chunk left is finished; the oldest
-        longer one gets one chunk (every one runs to its end when nothing is decoding: there is no
-        stream to keep flowing). Returns the prefills now complete, in admission order."""
+        """Feed the prompts being prefilled. While sequences decode, prompts go in pieces (a layer of a
+        chunk, Stepper.pieces: the same bits as whole), oldest first, for about `prefill_share` decode
+        steps' time per iteration: no stream waits more than ~(1 + share) steps, however long a prompt
+        is. With nothing decoding each runs to its end (no stream to keep flowing). Returns the
+        prefills now complete, in admission order."""
         self.prefilling = [p for p in self.prefilling if not p.run.job.cancelled]
-        chunk = self.chunk
         decoding = any(pool.rows for pool in self.pools.values())
-        long_fed = False
-        for p in self.prefilling:
-            if chunk and decoding and p.left > chunk:
-                if long_fed:
-                    continue
-                long_fed = True
-                self._feed_one(p, chunk)
-            else:
-                self._feed_one(p, p.left)
+        if decoding and self.chunk and hasattr(self.stepper, "pieces"):
+            end = time.perf_counter() + self.prefill_share * self.step_s
+            for p in self.prefilling:
+                self._feed_pieces(p, end)
+                if time.perf_counter() >= end:
+                    break
+        elif decoding and self.chunk:   # a step without pieces: one chunk of the oldest long prompt
+            long_fed = False
+            for p in self.prefilling:
+                if p.left > self.chunk:
+                    if not long_fed:
+                        long_fed = True
+                        self._feed_one(p, self.chunk)
+                else:
+                    self._feed_one(p, p.left)
+        else:
+            for p in self.prefilling:
+                if p.work is not None:          # a chunk begun in pieces is finished first
+                    self._feed_pieces(p, float("inf"))
+                elif p.left > 0:
+                    self._feed_one(p, p.left)
         done = [p for p in self.prefilling if p.left == 0 and p.logits is not None]
         self.prefilling = [p for p in self.prefilling if p.left > 0]
         return done
+
+    def _feed_pieces(self, p: Prefill, end: float) -> None:
+        """Feed p's prompt a piece at a time (a chunk of `self.chunk` ids at a time, Stepper.pieces)
+        until time.perf_counter() passes `end` (at least one piece) or the prompt is in."""
+        job = p.run.job
+        try:
+            while p.left > 0:
+                t0 = time.perf_counter()
+                if p.work is None:
+                    n = min(self.chunk, p.left)
+                    tokens = torch.tensor([job.ids[p.done:p.done + n]], device=self.model.device)   # (1, n)
+                    p.work, p.work_ids, p.work_s = self.stepper.pieces(tokens, p.state), n, 0.0
+                try:
+                    next(p.work)
+                    p.work_s += time.perf_counter() - t0
+                except StopIteration as finished:
+                    p.logits = finished.value[:, -1]                                        # (1, V)
+                    p.done += p.work_ids
+                    self.cache.record_prefill(p.work_ids, p.work_s + time.perf_counter() - t0)
+                    p.work = None
+                    if p.left == 0:   # the state is only read from now on (_admit): the cache keeps it as it is
+                        self.cache.put(job.key, job.ids, p.state, p.logits, owned=True)
+                if time.perf_counter() >= end:
+                    return
+        except Exception as e:   # noqa: BLE001 -- a failed prefill fails this request only
+            self.failures += 1
+            job.fail(f"prefill failed: {type(e).__name__}: {e}")
+            p.done, p.logits, p.work = len(job.ids), None, None
 
     def _feed_one(self, p: Prefill, n: int) -> None:
         """Feed the next `n` ids of p's prompt (the stepper cuts them into chunks from where it starts)."""

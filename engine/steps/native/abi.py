@@ -121,6 +121,8 @@ def bind(lib=None) -> ctypes.CDLL:
         "gen_plan_free": ([plan], None),
         "gen_decode_step": ([plan, _V, ctypes.c_int, _V, _V, ctypes.c_int, _V, _V], None),
         "gen_prefill_block": ([plan, ctypes.c_int, ctypes.c_int, _V, ctypes.c_int, _V, _V, _V, _V], None),
+        "gen_prefill_layers": ([plan, ctypes.c_int, ctypes.c_int, _V, ctypes.c_int, _V, _V, _V, _V, ctypes.c_int,
+                                ctypes.c_int], None),
         "gen_set_parallel_min": ([ctypes.c_longlong], None),
         "gen_pool_adapt": ([ctypes.c_int, ctypes.c_int, ctypes.c_longlong], None),
         "gen_pool_rest": ([], None),

@@ -176,12 +176,14 @@ static void rotate(float *x, const float *cos, const float *sin, int D) {
     }
 }
 
-/* Every layer for the plan's B rows; leaves the residual stream in p->x (B, C). */
+/* Layers [l0, l1) for the plan's B rows (l0 == 0: the tokens' embeddings first); the residual
+ * stream is in p->x (B, C) before and after, so a block can run in pieces of layers. */
 static void layers(const Plan *p, const int64_t *tokens, int slot, const float *cos, const float *sin,
-                   int rope_stride, const uint8_t *slot_real) {
+                   int rope_stride, const uint8_t *slot_real, int l0, int l1) {
     const int B = p->B, C = p->C, H = p->H, Hkv = p->Hkv, D = p->D, I = p->I, QKV = (H + 2 * Hkv) * D;
-    for (int b = 0; b < B; b++) row_to_f32(&p->embed, (int)tokens[b], p->x + (size_t)b * C);
-    for (int l = 0; l < p->L; l++) {
+    if (l0 == 0)
+        for (int b = 0; b < B; b++) row_to_f32(&p->embed, (int)tokens[b], p->x + (size_t)b * C);
+    for (int l = l0; l < l1; l++) {
         for (int b = 0; b < B; b++) rms_norm(p->xb + (size_t)b * C, p->x + (size_t)b * C, p->ln1[l], p->norm_type, C, p->eps);
         matmul(p, &p->qkv[l], p->xb, C, p->qkv_out, QKV, 0);
         if (p->qkv_bias)
@@ -219,7 +221,7 @@ static void layers(const Plan *p, const int64_t *tokens, int slot, const float *
 void gen_decode_step(const Plan *p, const int64_t *tokens, int slot, const float *cos, const float *sin,
                      int rope_stride, const uint8_t *slot_real, float *logits) {
     const int C = p->C;
-    layers(p, tokens, slot, cos, sin, rope_stride, slot_real);
+    layers(p, tokens, slot, cos, sin, rope_stride, slot_real, 0, p->L);
     for (int b = 0; b < p->B; b++) rms_norm(p->xb + (size_t)b * C, p->x + (size_t)b * C, p->norm, p->norm_type, C, p->eps);
     matmul(p, &p->head, p->xb, C, logits, p->V, 0);
 }
@@ -227,15 +229,17 @@ void gen_decode_step(const Plan *p, const int64_t *tokens, int slot, const float
 /* A prompt block on a prefill plan (Bc > 0, made for up to `rows_max` rows): tokens (n) of
  * sequence p->seq at slots slot..slot+n-1, every row on the pool like a batch (its keys and values
  * written before any row attends, each row to the keys up to its own slot). cos/sin: the rotary
- * rows of those positions, D apart. Writes the last row's logits (V) unless logits is NULL. */
-void gen_prefill_block(Plan *p, int rows_max, int n, const int64_t *tokens, int slot, const float *cos,
-                       const float *sin, const uint8_t *slot_real, float *logits) {
-    if (p->Bc <= 0 || n < 1 || n > rows_max) return;
+ * rows of those positions, D apart. Layers [l0, l1) only (0, L: the whole block; the same block in
+ * pieces, in order, computes the same bits: the residual stream waits in p->x between them). Writes
+ * the last row's logits (V) after layer L - 1 unless logits is NULL. */
+void gen_prefill_layers(Plan *p, int rows_max, int n, const int64_t *tokens, int slot, const float *cos,
+                        const float *sin, const uint8_t *slot_real, float *logits, int l0, int l1) {
+    if (p->Bc <= 0 || n < 1 || n > rows_max || l0 < 0 || l1 > p->L || l0 >= l1) return;
     const int C = p->C;
     pool_quiesce();   /* no late worker still reads this plan's row count */
     p->B = n;
-    layers(p, tokens, slot, cos, sin, p->D, slot_real);
-    if (logits) {
+    layers(p, tokens, slot, cos, sin, p->D, slot_real, l0, l1);
+    if (logits && l1 == p->L) {
         float *last = p->xb + (size_t)(n - 1) * C;
         rms_norm(last, p->x + (size_t)(n - 1) * C, p->norm, p->norm_type, C, p->eps);
         pool_quiesce();
@@ -244,4 +248,9 @@ void gen_prefill_block(Plan *p, int rows_max, int n, const int64_t *tokens, int 
     }
     pool_quiesce();
     p->B = rows_max;
+}
+
+void gen_prefill_block(Plan *p, int rows_max, int n, const int64_t *tokens, int slot, const float *cos,
+                       const float *sin, const uint8_t *slot_real, float *logits) {
+    gen_prefill_layers(p, rows_max, n, tokens, slot, cos, sin, slot_real, logits, 0, p->L);
 }

@@ -82,7 +82,7 @@ class NativeDecoder:
             raise NativeUnavailableError("the native step could not allocate its thread scratch")
         self.rope = model.uses_rope(state.path)
         self._rope_tables = None   # fp32 (cos, sin), kept here: fetched again only to grow
-        self.V, self.D, self.B = cfg.vocab_size, D, B
+        self.V, self.D, self.B, self.L = cfg.vocab_size, D, B, cfg.num_hidden_layers
         self.prefill_plan = self.prefill_ref = None   # made on the first prompt block
 
     # ------------------------------------------------------------------ building the plan
@@ -219,6 +219,18 @@ class NativeDecoder:
     def prefill(self, tokens: torch.Tensor, state) -> torch.Tensor:
         """tokens (B, T), no pads, on a state without pads -> the last position's logits (B, 1, V);
         writes T cache slots per row (or T linear updates) and advances the state."""
+        pieces = self.prefill_pieces(tokens, state, layers=self.L)
+        while True:
+            try:
+                next(pieces)
+            except StopIteration as done:
+                return done.value
+
+    def prefill_pieces(self, tokens: torch.Tensor, state, layers: int = 1):
+        """`prefill` in pieces of `layers` layers: a generator that yields after each piece and
+        returns prefill's logits (StopIteration.value), bit for bit (the residual stream waits in the
+        prefill plan's scratch between pieces). Until it returns, the state is open: nothing else may
+        step it (the server's scheduler decodes other states between pieces)."""
         span = state.open(tokens)            # shape and capacity checks, as PyTorch
         B, T = tokens.shape
         ids = tokens.to(torch.int64).contiguous()
@@ -233,14 +245,16 @@ class NativeDecoder:
         logits = torch.empty(B, 1, self.V)
         row_bytes = 8 * T
         for b in range(B):
-            self.prefill_plan.seq = b
             for t0 in range(0, T, PREFILL_ROWS):
                 n = min(PREFILL_ROWS, T - t0)
                 slot = span.start + t0
                 rope = (None, None) if cos is None else (cos[slot].data_ptr(), sin[slot].data_ptr())
                 out = logits[b].data_ptr() if t0 + n == T else None     # the head for the last block only
-                self.library.gen_prefill_block(ref, PREFILL_ROWS, n, ids.data_ptr() + b * row_bytes + 8 * t0, slot,
-                                               *rope, None, out)
+                for l0 in range(0, self.L, layers):
+                    self.prefill_plan.seq = b
+                    self.library.gen_prefill_layers(ref, PREFILL_ROWS, n, ids.data_ptr() + b * row_bytes + 8 * t0,
+                                                    slot, *rope, None, out, l0, min(l0 + layers, self.L))
+                    yield
         state.commit(span)
         return logits
 

@@ -87,6 +87,10 @@ class NativeStep:
         """tokens (B, T) -> the last position's logits (B, 1, V), on the thread pool."""
         return self._plan(state).prefill(tokens, state)
 
+    def prefill_pieces(self, tokens: torch.Tensor, state, layers: int = 1):
+        """`prefill` as a generator of pieces of `layers` layers (NativeDecoder.prefill_pieces)."""
+        return self._plan(state).prefill_pieces(tokens, state, layers)
+
     def weights_read(self) -> str:
         """What this step reads for the model's matrices (engine.quant.weights_label's names), from
         the copies it holds: "float16" for fp32 weights of f16 values, "q4_1+q8_0" for a GGUF's blocks."""
