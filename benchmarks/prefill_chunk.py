@@ -94,16 +94,21 @@ def gaps(llm, path: str, chunk: int, streams: int, n: int, before: int = 20, lon
         for job in jobs:
             job.cancel()
         sched.stop()
-    calm, busy = [], []
+    calm, busy, when = [], [], []
     for r in runs:
         t = r.times
         calm += [b - a for a, b in zip(t, t[1:]) if b < admitted]
-        busy += [b - a for a, b in zip(t, t[1:]) if b >= admitted and a <= done]   # gaps that overlap the admission
+        for a, b in zip(t, t[1:]):
+            if b >= admitted and a <= done:   # gaps that overlap the admission
+                busy.append(b - a)
+                when.append(a - firsts[0])    # where it began: < 0 while the prompt is fed, >= 0 once it decodes
     median = statistics.median(calm)
     worst = max(busy) if busy else float("nan")
+    top = sorted(zip(busy, when), reverse=True)[:5]
     return {"chunk": chunk, "path": path, "streams": streams, "prompt": n, "median_gap_ms": 1e3 * median,
             "worst_gap_ms": 1e3 * worst, "worst_over_median": worst / median, "ttft_s": firsts[0] - admitted,
-            "long_tokens": long_tokens,
+            "long_tokens": long_tokens, "busy_median_gap_ms": 1e3 * statistics.median(busy) if busy else None,
+            "top_gaps_ms_at_s": [(round(1e3 * g, 1), round(w, 3)) for g, w in top],
             "tokens_while_admitting": len(busy)}
 
 
@@ -130,15 +135,17 @@ def main() -> None:
             records.append(r)
             print(f"| {path} | {chunk or 'whole'} | {r['prefill_tokens_per_s']:.0f} | {r['chunk_ms_median']:.1f} |",
                   flush=True)
-    print("\n| path | streams | chunk | median gap ms | worst gap ms | worst / median | TTFT of the long prompt s |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("\n| path | streams | chunk | median gap ms | while admitting | worst gap ms | worst / median | "
+          "TTFT of the long prompt s | 3 worst gaps ms (s from the long prompt's first token) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for path in paths:
         for s in streams:
             for chunk in chunks:
                 r = gaps(llm, path, chunk, s, a.prompt, long_tokens=a.long_tokens)
                 records.append(r)
-                print(f"| {path} | {s} | {chunk or 'whole'} | {r['median_gap_ms']:.1f} | {r['worst_gap_ms']:.1f} | "
-                      f"{r['worst_over_median']:.1f}x | {r['ttft_s']:.1f} |", flush=True)
+                top = ", ".join(f"{g} ({w:+.2f})" for g, w in r["top_gaps_ms_at_s"][:3])
+                print(f"| {path} | {s} | {chunk or 'whole'} | {r['median_gap_ms']:.1f} | {r['busy_median_gap_ms']:.1f} | "
+                      f"{r['worst_gap_ms']:.1f} | {r['worst_over_median']:.1f}x | {r['ttft_s']:.1f} | {top} |", flush=True)
     if a.json_path:
         with open(a.json_path, "w") as f:
             json.dump({"model": a.model, "records": records}, f, indent=1)

@@ -6,7 +6,7 @@ import click
 from cli.common import (backend_option, dtype_options, activations_option, device_option, fail, prefill_chunk_option, run_guarded,
                         run_options, threads_option)
 from cli.open_page import open_when_ready, page_url
-from engine.serve import Policy, open_server, run
+from engine.serve import PREFILL_SHARE, Policy, open_server, run
 from engine.serve.guard import (DEFAULT_KEEP_ALIVE_S, DEFAULT_MAX_BODY, DEFAULT_MAX_CONNECTIONS,
                                 DEFAULT_READ_TIMEOUT_S, LOOPBACK)
 from engine.serve.server import DEFAULT_QUEUE_TIMEOUT_S
@@ -64,13 +64,18 @@ ANY_ADDRESS = ("0.0.0.0", "::", "")
                    "(default: CORS off, foreign Origins refused)")
 @click.option("--docs", is_flag=True, help="serve /docs, /redoc and /openapi.json (off by default)")
 @prefill_chunk_option
+@click.option("--prefill-share", type=float, default=PREFILL_SHARE, show_default=True,
+              help="while sequences decode, prompts are fed in pieces for about this many decode steps' time "
+                   "between two steps: a stream's gaps stay ~(1 + share) steps, a prompt prefills at ~share / "
+                   "(1 + share) of its speed alone")
 @activations_option
 @click.option("--open", "open_page", is_flag=True, help="open the comparison page (/) in the browser once the "
                                                         "server answers")
 def serve_cmd(model_name, attention, softmax_layers, window, feature_map, host, port, max_batch, max_queue,
               max_context, dtype, kv_dtype, device, backend, threads, max_prompt, queue_timeout, max_body, api_key,
               allow_hosts, cors_origins, docs, prefill_chunk, max_tokens_cap, max_connections, read_timeout,
-              timeout_keep_alive, shutdown_grace, served_names, activations, open_page=False):
+              timeout_keep_alive, shutdown_grace, served_names, activations, prefill_share=PREFILL_SHARE,
+              open_page=False):
     """Serve MODEL over HTTP: /v1/models, /v1/completions, /v1/chat/completions (OpenAI format, SSE streams),
     and a page at / comparing attention configurations side by side."""
     if max_batch < 1:
@@ -105,6 +110,8 @@ def serve_cmd(model_name, attention, softmax_layers, window, feature_map, host, 
         fail("--allow-host and --cors-origin take a non-empty name")
     if not 0 < port < 65536:
         fail(f"--port must be in 1..65535, got {port}")
+    if not 0 <= prefill_share < float("inf"):
+        fail(f"--prefill-share must be a number >= 0 (decode steps' time), got {prefill_share}")
     hosts = LOOPBACK + tuple(allow_hosts) + ((host,) if host not in ANY_ADDRESS else ())
     policy = Policy(api_key=api_key, allow_hosts=hosts, cors_origins=cors_origins, docs=docs, max_body=max_body,
                     max_connections=max_connections, read_timeout=read_timeout, keep_alive=timeout_keep_alive)
@@ -116,7 +123,8 @@ def serve_cmd(model_name, attention, softmax_layers, window, feature_map, host, 
                                              kv_dtype, max_prompt=max_prompt, queue_timeout=queue_timeout,
                                              prefill_chunk=prefill_chunk, activations=activations,
                                              max_tokens_cap=max_tokens_cap,
-                                             aliases=served_names, device=device))
+                                             aliases=served_names, device=device,
+                                             prefill_share=prefill_share))
     if open_page:
         open_when_ready(page_url(host, port))
     run_guarded(lambda: run(server, host=host, port=port, policy=policy, grace=shutdown_grace))

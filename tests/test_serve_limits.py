@@ -429,7 +429,9 @@ def test_a_job_cancelled_in_the_queue_leaves_it_at_once(small_model_dir):
                                        (["--served-model-name", " "], "--served-model-name"),
                                        (["--shutdown-grace", "-1"], "--shutdown-grace"),
                                        (["--api-key", " "], "--api-key"),
-                                       (["--allow-host", ""], "--allow-host")],
+                                       (["--allow-host", ""], "--allow-host"),
+                                       (["--prefill-share", "-1"], "--prefill-share"),
+                                       (["--prefill-share", "nan"], "--prefill-share")],
                          ids=lambda x: " ".join(x) if isinstance(x, list) else None)
 def test_gen_serve_refuses_bad_limits_in_one_line(args, what):
     from click.testing import CliRunner

@@ -14,7 +14,7 @@ from engine.serve.app import create_app
 from engine.serve.connections import uvicorn_config
 from engine.serve.guard import Policy
 from engine.serve.prefix_cache import PrefixCache
-from engine.serve.scheduler import Job, Scheduler
+from engine.serve.scheduler import PREFILL_SHARE, Job, Scheduler
 from engine.serve.server import Server
 from engine.serve.shutdown import DEFAULT_GRACE_S, GracefulServer
 from engine.steps import DEFAULT_ACTIVATIONS, DEFAULT_PREFILL_CHUNK
@@ -26,7 +26,8 @@ def open_server(model: str, attention: str | None = None, feature_map: str | Non
                 window: int | None = None, kv_dtype=None, max_prompt: int | None = None,
                 queue_timeout: float | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                 activations: str = DEFAULT_ACTIVATIONS,
-                max_tokens_cap: int | None = None, aliases: tuple[str, ...] = (), device="cpu") -> Server:
+                max_tokens_cap: int | None = None, aliases: tuple[str, ...] = (), device="cpu",
+                prefill_share: float = PREFILL_SHARE) -> Server:
     """Load `model` (a registered name or a path) and wrap it in a Server named `model` (chat through
     the model's own chat template, when it has one: see `LLM.chat`).
 
@@ -36,8 +37,8 @@ def open_server(model: str, attention: str | None = None, feature_map: str | Non
     window and learned maps batch like the plain paths: their states regroup rows the same way).
     aliases: other names clients may send as `model` (the first of them, when given, is the name
     the server answers with). max_prompt / queue_timeout / max_tokens_cap: see Server (None: its
-    defaults). prefill_chunk: see `load`; the scheduler feeds one such block of a long prompt between
-    decode steps. device: where the model, its states and the continuous batching run (cpu, cuda,
+    defaults). prefill_chunk: see `load`; while sequences decode, the scheduler feeds prompts in pieces
+    (a layer of such a block) for about `prefill_share` decode steps' time between steps. device: where the model, its states and the continuous batching run (cpu, cuda,
     cuda:N); the scheduler puts every tensor it makes on the model's device.
     """
     llm = load(model, attention=attention, feature_map=feature_map, device=device, dtype=dtype, backend=backend,
@@ -47,7 +48,8 @@ def open_server(model: str, attention: str | None = None, feature_map: str | Non
     limits = {} if queue_timeout is None else {"queue_timeout": queue_timeout}
     names = tuple(aliases) or (str(model),)
     return Server(llm, name=names[0], aliases=names[1:], max_batch=max_batch, max_context=max_context,
-                  max_queue=max_queue, max_prompt=max_prompt, max_tokens_cap=max_tokens_cap, **limits)
+                  max_queue=max_queue, max_prompt=max_prompt, max_tokens_cap=max_tokens_cap,
+                  prefill_share=prefill_share, **limits)
 
 
 def run(server: Server, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
@@ -67,5 +69,5 @@ def print_cache_stats(server: Server) -> None:
           + ", ".join(f"{p}: {d['entries']} prompts, {d['bytes'] / 2**20:.2f} MiB" for p, d in s["by_path"].items()))
 
 
-__all__ = ["Server", "open_server", "create_app", "run", "Policy", "PrefixCache", "Job", "Scheduler",
+__all__ = ["PREFILL_SHARE", "Server", "open_server", "create_app", "run", "Policy", "PrefixCache", "Job", "Scheduler",
            "uvicorn_config", "GracefulServer"]

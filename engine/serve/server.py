@@ -29,7 +29,7 @@ import os
 from engine.sampling import SamplingParams, check_vocab
 from engine.serve.errors import APIError, bad_request, model_not_found, over_capacity, shutting_down
 from engine.serve.prefix_cache import PrefixCache
-from engine.serve.scheduler import Closed, Full, Job, Scheduler
+from engine.serve.scheduler import PREFILL_SHARE, Closed, Full, Job, Scheduler
 from engine.serve.schemas import ChatRequest, CompletionRequest
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
@@ -42,7 +42,7 @@ class Server:
     def __init__(self, llm, name: str, max_batch: int = 16, max_context: int | None = None,
                  max_queue: int | None = None, cache: PrefixCache | None = None, max_prompt: int | None = None,
                  queue_timeout: float = DEFAULT_QUEUE_TIMEOUT_S, max_tokens_cap: int | None = None,
-                 aliases: tuple[str, ...] = ()):
+                 aliases: tuple[str, ...] = (), prefill_share: float = PREFILL_SHARE):
         if max_batch < 1:
             raise bad_request(f"max_batch must be >= 1, got {max_batch}")
         if max_queue is not None and max_queue < 0:
@@ -53,6 +53,8 @@ class Server:
             raise bad_request(f"max_tokens_cap must be >= 0 (0 = no cap), got {max_tokens_cap}")
         if not queue_timeout >= 0:
             raise bad_request(f"queue_timeout must be >= 0 seconds (0 = no limit), got {queue_timeout}")
+        if not 0 <= prefill_share < float("inf"):
+            raise bad_request(f"prefill_share must be a number >= 0 (decode steps' time), got {prefill_share}")
         self.llm, self.name = llm, name
         self.names = (name,) + tuple(a for a in aliases if a != name)   # what clients may send as `model`
         self.max_context = max_context or llm.model.config.max_position_embeddings
@@ -62,7 +64,7 @@ class Server:
         self._chat_eos: frozenset | None = None
         self._token_texts: dict[int, str] = {}
         self.scheduler = Scheduler(llm.model, llm.tokenizer, llm.step, max_batch=max_batch, max_queue=max_queue,
-                                   feature_map=llm.feature_map, cache=cache)
+                                   feature_map=llm.feature_map, cache=cache, prefill_share=prefill_share)
         self.fingerprint = fingerprint(llm, name)
 
     # ------------------------------------------------------------------ requests -> jobs
