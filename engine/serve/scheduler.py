@@ -186,6 +186,8 @@ class Scheduler:
         # at ~share / (1 + share) of its speed alone
         self.prefill_share = prefill_share
         self.step_s = 0.0             # the decode steps' time per iteration (a moving average)
+        self.piece_s = 0.0            # a prompt piece's time (a moving average)
+        self._pieces_fed = 0          # pieces fed this iteration (one always is)
         self.max_batch = max_batch
         self.max_queue = max_queue if max_queue is not None else 4 * max_batch
         self.feature_map = feature_map
@@ -387,10 +389,11 @@ class Scheduler:
         self.prefilling = [p for p in self.prefilling if not p.run.job.cancelled]
         decoding = any(pool.rows for pool in self.pools.values())
         if decoding and self.chunk and hasattr(self.stepper, "pieces"):
+            self._pieces_fed = 0
             end = time.perf_counter() + self.prefill_share * self.step_s
             for p in self.prefilling:
                 self._feed_pieces(p, end)
-                if time.perf_counter() >= end:
+                if time.perf_counter() + self.piece_s > end:
                     break
         elif decoding and self.chunk:   # a step without pieces: one chunk of the oldest long prompt
             long_fed = False
@@ -413,18 +416,23 @@ class Scheduler:
 
     def _feed_pieces(self, p: Prefill, end: float) -> None:
         """Feed p's prompt a piece at a time (a chunk of `self.chunk` ids at a time, Stepper.pieces)
-        until time.perf_counter() passes `end` (at least one piece) or the prompt is in."""
+        while the next piece should end before time.perf_counter() reaches `end` (its cost guessed
+        from the pieces before it; at least one piece a call), or until the prompt is in."""
         job = p.run.job
         try:
             while p.left > 0:
                 t0 = time.perf_counter()
+                if t0 + self.piece_s > end and self._pieces_fed:
+                    return
                 if p.work is None:
                     n = min(self.chunk, p.left)
                     tokens = torch.tensor([job.ids[p.done:p.done + n]], device=self.model.device)   # (1, n)
                     p.work, p.work_ids, p.work_s = self.stepper.pieces(tokens, p.state), n, 0.0
                 try:
                     next(p.work)
+                    self._pieces_fed += 1
                     p.work_s += time.perf_counter() - t0
+                    self.piece_s += 0.2 * (time.perf_counter() - t0 - self.piece_s)
                 except StopIteration as finished:
                     p.logits = finished.value[:, -1]                                        # (1, V)
                     p.done += p.work_ids
@@ -432,8 +440,6 @@ class Scheduler:
                     p.work = None
                     if p.left == 0:   # the state is only read from now on (_admit): the cache keeps it as it is
                         self.cache.put(job.key, job.ids, p.state, p.logits, owned=True)
-                if time.perf_counter() >= end:
-                    return
         except Exception as e:   # noqa: BLE001 -- a failed prefill fails this request only
             self.failures += 1
             job.fail(f"prefill failed: {type(e).__name__}: {e}")
