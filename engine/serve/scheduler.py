@@ -165,12 +165,16 @@ class Prefill:
 
 @dataclass
 class Pool:
-    """One attention path's batch: the state (None when empty) and its jobs in row order."""
+    """One attention path's batch: the state (None when empty), its running jobs in row order, and
+    every state row's job in order (`layout`: finished rows stay in the state, decoded and ignored,
+    until dropping them is cheap: Scheduler._drop)."""
     state: object = None
-    rows: list = field(default_factory=list)      # Running, in row order
+    rows: list = field(default_factory=list)      # Running, in row order: the rows still going
+    layout: list = field(default_factory=list)    # Running of every state row, going or finished
 
 
 PREFILL_SHARE = 1.0   # Scheduler.prefill_share's default
+DEFER_DROP_FROM = 1024   # a finished row stays in the batch while a going row holds this many KV tokens
 
 
 class Scheduler:
@@ -546,7 +550,7 @@ class Scheduler:
         states = ([pool.state] if pool.state is not None else []) + [state for _, state in items]
         try:
             pool.state = type(states[0]).concat(states, max_len=self._capacity(states, rows))
-            pool.rows = rows
+            pool.rows, pool.layout = rows, pool.layout + [run for run, _ in items]
             self.peak_active = max(self.peak_active, self.active)
         except Exception as e:   # noqa: BLE001
             self._fail(pool, rows, e)
@@ -564,10 +568,13 @@ class Scheduler:
         if not pool.rows:
             del self.pools[path]
             return
-        tokens = torch.tensor([[r.job.generated[-1]] for r in pool.rows], device=self.model.device)   # (B, 1)
+        tokens = torch.tensor([[r.job.generated[-1]] for r in pool.layout], device=self.model.device)   # (B, 1)
         try:
             t0, c0 = time.perf_counter(), time.thread_time()
             logits = self.stepper(tokens, pool.state)[:, -1]                   # (B, V)
+            if len(pool.layout) > len(pool.rows):   # finished rows ride along: their logits are dropped
+                going = set(map(id, pool.rows))
+                logits = logits[[b for b, r in enumerate(pool.layout) if id(r) in going]]
             if hasattr(self.stepper, "rest"):   # the step's pool sleeps while the tokens go out
                 self.stepper.rest()
             self.timing["step_s"] += time.perf_counter() - t0
@@ -581,21 +588,35 @@ class Scheduler:
         self._drop(pool, done)
 
     def _drop(self, pool: Pool, gone: list) -> None:
+        """Rows `gone` (finished or cancelled) stop being sent. Their state rows are dropped (the
+        others copied into a new batch state) at once where that copy is cheap; while a going row holds
+        a long KV cache (DEFER_DROP_FROM tokens: a 4k-token SmolLM2 row is ~190 MB) they stay in the
+        state, decoded and ignored, until they are as many as the going rows (a join takes them along)."""
         if not gone:
             return
-        keep = [b for b, r in enumerate(pool.rows) if r not in gone]
-        pool.rows = [pool.rows[b] for b in keep]
-        if not keep:
-            pool.state = None
+        gone_ids = set(map(id, gone))
+        pool.rows = [r for r in pool.rows if id(r) not in gone_ids]
+        if not pool.rows:
+            pool.state, pool.layout = None, []
+            return
+        going = set(map(id, pool.rows))
+        keep = [b for b, r in enumerate(pool.layout) if id(r) in going]
+        dead = len(pool.layout) - len(keep)
+        if dead < len(keep) and self._long_kv(pool.state, keep):
             return
         # the kept rows' capacity stays enough: the slots trimmed are pads no kept row needs
-        pool.state = pool.state.select_rows(keep)
+        pool.state, pool.layout = pool.state.select_rows(keep), list(pool.rows)
+
+    @staticmethod
+    def _long_kv(state, rows: list[int]) -> bool:
+        """Whether one of `rows` holds at least DEFER_DROP_FROM tokens of KV cache (a copy to avoid)."""
+        return state.max_len is not None and int(state.lengths[rows].max()) >= DEFER_DROP_FROM
 
     def _fail(self, pool: Pool, rows: list, error: Exception) -> None:
         self.failures += 1
         for r in rows:
             r.job.emit(Failure(f"decode step failed: {type(error).__name__}: {error}"))
-        pool.rows, pool.state = [], None
+        pool.rows, pool.state, pool.layout = [], None, []
 
     def _emit(self, runs: list[Running], logits: torch.Tensor) -> list[bool]:
         """Sample every run's next token from logits (B, V) (row b for runs[b]) in one pass, deliver
