@@ -15,15 +15,13 @@ A plan checks the weights behind its copies for in-place edits before every step
 """
 from __future__ import annotations
 
-import ctypes
-import mmap
-import sys
 import weakref
 
 import torch
 
 from engine.quant import QuantLinear, QuantStack, weights_label
 from engine.steps.native.abi import T_Q4_1R, T_Q8_0R, TYPES
+from models.pages import hand_back
 
 
 def layer_modules(model, paths) -> list[tuple]:
@@ -77,19 +75,13 @@ def regroup(blocks: torch.Tensor, rows: int, q4_1: bool) -> torch.Tensor:
 
 
 def page_out(t: torch.Tensor) -> bool:
-    """Ask the kernel to reclaim the whole pages inside a CPU tensor's bytes (madvise MADV_PAGEOUT,
-    Linux 5.4+): file pages of a memory map are dropped and read again from the file on the next
-    touch, anonymous ones go to swap if there is any. The values never change (unlike MADV_DONTNEED on
-    a private map), so this is safe on any tensor. False where the platform cannot."""
-    advice = getattr(mmap, "MADV_PAGEOUT", 21 if sys.platform.startswith("linux") else None)   # 21: Linux's value
-    if advice is None or t.device.type != "cpu" or not t.is_contiguous():
+    """Hand the whole pages inside a CPU tensor's bytes back to the kernel without changing a value
+    (models.pages.hand_back): a memory map's pages of a file are dropped and read again from the file
+    on the next touch (even where another process maps the same file), anonymous ones go to swap if
+    there is any. False where the platform cannot."""
+    if t.device.type != "cpu" or not t.is_contiguous():
         return False
-    start = -(-t.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE
-    end = (t.data_ptr() + t.numel() * t.element_size()) // mmap.PAGESIZE * mmap.PAGESIZE
-    if end <= start:
-        return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), ctypes.c_int(advice)) == 0
+    return hand_back(t.data_ptr(), t.numel() * t.element_size())
 
 
 class DerivedWeights:
