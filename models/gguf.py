@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -32,6 +33,7 @@ import torch
 
 from models.config import ModelConfig
 from models.errors import CheckpointError, ConfigError
+from models.gguf_metadata import read_values
 from models.pages import hand_back
 from models.weights import hf_shapes
 
@@ -167,7 +169,7 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, GGUFTensors, dict]:
     """Config, lazily dequantized tensors under Hugging Face names, and the tokenizer/general metadata."""
     path = Path(path)
     reader = open_reader(path)
-    meta = {k: field_value(f) for k, f in reader.fields.items()}
+    meta = metadata(reader)
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported; supported: "
@@ -186,7 +188,7 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, GGUFTensors, dict]:
             raise CheckpointError(f"{path}: tensor {t.name} has type {t.tensor_type.name}, which this engine "
                                   f"cannot dequantize; supported: {', '.join(SUPPORTED_TYPES)}")
         tensors[name] = t
-    reader.fields.clear()   # ~150 MB of per-string views for a 49k vocabulary; `meta` holds the values
+    reader.fields.clear()   # (a plain GGUFReader's: ~150 MB of per-string views for a 49k vocabulary)
     lazy = GGUFTensors(reader, tensors, path)
     for name, shape in expected.items():
         if name not in lazy.shapes:
@@ -200,7 +202,8 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, GGUFTensors, dict]:
 
 
 def _reader_class():
-    from gguf import GGUFReader  # lazy: `gen --model tiny` never needs it
+    from gguf import GGUFReader, GGUFValueType  # lazy: `gen --model tiny` never needs it
+    from gguf.gguf_reader import ReaderField
 
     class Reader(GGUFReader):
         """GGUFReader whose map is seen as a plain ndarray: the same pages, but slicing it skips
@@ -213,7 +216,27 @@ def _reader_class():
         @data.setter
         def data(self, value):
             self._data = np.asarray(value)
+
+        def _build_fields(self, offs, count):
+            """The metadata as Python values in `values` (models.gguf_metadata: not two numpy views
+            per string); `fields` keeps general.alignment, which the base class reads."""
+            order = "=" if self.byte_order == "I" else (">" if sys.byteorder == "little" else "<")
+            kinds: dict = {}
+            self.values, end = read_values(memoryview(self.data), int(offs), int(count), order, kinds)
+            if "general.alignment" in self.values:
+                self.fields["general.alignment"] = ReaderField(
+                    int(offs), "general.alignment", [np.array([self.values["general.alignment"] or 0], np.uint64)],
+                    [0], [GGUFValueType(kinds["general.alignment"])])
+            return end
     return Reader
+
+
+def metadata(reader) -> dict:
+    """The file's key-value metadata as Python values (a reader of `_reader_class` parsed them into
+    `values`; any other reader's fields are read one by one: field_value)."""
+    values = {k: field_value(f) for k, f in reader.fields.items()}
+    values.update(getattr(reader, "values", {}))
+    return values
 
 
 def open_reader(path: Path):
