@@ -70,3 +70,21 @@ def resident_file_bytes(address: int, nbytes: int) -> int:
     bytes (what `hand_back` drops)."""
     start, end = -(-address // PAGE) * PAGE, (address + nbytes) // PAGE * PAGE
     return sum(n for _, n in file_page_runs(start, end)) if end > start else 0
+
+
+def trim_heap() -> bool:
+    """Return the C heap's free memory to the kernel (glibc's malloc_trim(0): the free pages inside
+    the heap too, not only its top), after a load or copies made once leave freed temporaries behind.
+    False where the C library has no malloc_trim (not glibc)."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL(None).malloc_trim
+        except (AttributeError, OSError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)   # (its result says whether any memory went back)
+    return bool(_malloc_trim)
+
+
+_malloc_trim = None

@@ -146,3 +146,23 @@ def test_the_header_pages_go_back_after_parsing(q4_1_file):
     first = min(t.data_offset for t in tensors._tensors.values())
     base = tensors.reader.data.ctypes.data
     assert first > 50 * PAGE and resident_file_bytes(base, first) == 0
+
+
+def test_a_load_and_a_plan_that_made_copies_trim_the_heap(q4_1_file, native_built, monkeypatch):
+    """What a load freed (metadata, the tokenizer's build) and the scratch of the native step's
+    copies go back to the kernel once each (glibc's malloc_trim); a plan that made no copy does not trim."""
+    import platform
+
+    import engine.api
+    import engine.steps.native.step
+    from models.pages import trim_heap
+    assert trim_heap() is (platform.libc_ver()[0] == "glibc")
+    calls = []
+    monkeypatch.setattr(engine.api, "trim_heap", lambda: calls.append("load"))
+    monkeypatch.setattr(engine.steps.native.step, "trim_heap", lambda: calls.append("plan"))
+    llm = engine.api.load(str(q4_1_file), threads=1)
+    assert calls == ["load"]
+    llm.generate([1, 5, 9], max_new_tokens=2, temperature=0)
+    assert calls == ["load", "plan"]
+    llm.generate([1, 5, 9], max_new_tokens=2, temperature=0)   # a new state's plan: the copies exist
+    assert calls == ["load", "plan"]
