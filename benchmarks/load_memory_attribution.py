@@ -147,7 +147,11 @@ def main() -> None:
     # the tokenizer: build the same one again and count its growth (Rust heap + Python side)
     tok = llm.tokenizer
     if tok is not None and path.suffix == ".gguf":
-        from models.gguf import metadata
+        try:
+            from models.gguf import metadata
+        except ImportError:   # an older checkout (attributed with models/pages.py copied in)
+            from models.gguf import field_value
+            metadata = lambda r: {k: field_value(f) for k, f in r.fields.items()}  # noqa: E731
         from models.gguf_tokenizer import gguf_tokenizer
         from models.pages import trim_heap
         reader = open_reader(path)
@@ -160,7 +164,7 @@ def main() -> None:
         del meta
         gc.collect()
         trim_heap()
-        items["tokenizer (measured by building it again)"] = status()["anon"] - before
+        items["tokenizer (measured by building it again)"] = status()["anon"] - before if held else 0.0
         del held
     grown = end["rss"] - base["rss"]
     counted = sum(items.values())
