@@ -35,6 +35,7 @@ from engine.runspec import (DEFAULT_ACTIVATIONS, DEFAULT_PREFILL_CHUNK, RunSpec,
 from engine.steps import Stepper
 from engine.quant import quantize_model
 from engine.threads import available_cores, set_threads
+from models.pages import trim_heap
 from models.registry import path_warning
 
 Prompt = str | Sequence[int]
@@ -92,6 +93,7 @@ def load(model: str = "tiny", attention: str | None = None, feature_map: str | N
     set_threads(threads)   # PyTorch's own pool is process-wide; the native step's count travels in the spec
     if spec.quantize is not None:
         quantize_model(net, spec.quantize)
+    trim_heap()   # what reading the checkpoint freed (metadata, tokenizer build) goes back to the kernel
     llm = LLM(net, tokenizer, name=str(model), chat_template=template, sampling=sampling, spec=spec,
               feature_map=feature_map, _stacklevel=3)
     llm.map_sets = map_sets

@@ -6,7 +6,9 @@ whose parts a GGUF file stores as Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K blocks
 QuantLinear on those very blocks (`quantized_matrices`: q/k rows permuted and parts fused by whole
 rows of blocks, never decoded; parts of different kinds, as Q4_K_M's, a QuantStack), as llama.cpp
 runs them; other GGUF types are dequantized at load. Fused parts are
-copies, so the file pages they were read from are dropped (`release`): RSS holds each matrix once.
+copies, so the file pages they were read from are dropped (`release`): RSS holds each matrix once;
+parts the file stores back to back in order (llama.cpp writes ffn_gate then ffn_up) are one view of
+the map instead (`blocks_span`), no copy.
 A token embedding stored as blocks stays those blocks (`quantized_embedding`: a lookup decodes the
 rows it reads, in `dtype`); a tied lm_head reads the same blocks for its dot products.
 """
@@ -147,7 +149,7 @@ def quantized_matrices(hf_tensors, cfg: ModelConfig, device, interleaved_rotary:
         for plain in ("self_attn.o_proj", "mlp.down_proj"):
             groups[f"layers.{i}.{plain}"] = [f"model.layers.{i}.{plain}.weight"]
     shapes = hf_shapes(cfg)
-    release = getattr(hf_tensors, "release", None)
+    release, span_of = getattr(hf_tensors, "release", None), getattr(hf_tensors, "blocks_span", None)
     out = {}
     for path, names in groups.items():
         parts = [blocks_of(n) for n in names]
@@ -165,13 +167,16 @@ def quantized_matrices(hf_tensors, cfg: ModelConfig, device, interleaved_rotary:
                 segments[-1] = (kind, segments[-1][1] + shapes[n][0])
             else:
                 segments.append((kind, shapes[n][0]))
+        # parts stored back to back (gate then up) and not permuted: one view of the map, no copy
+        span = span_of(names) if span_of is not None and len(names) > 1 and not any(
+            n.split(".", 3)[-1] in heads for n in names) else None
         if len(segments) == 1:
-            blocks = rows[0] if len(rows) == 1 else torch.cat(rows)
+            blocks = span.view(out_features, -1) if span is not None else rows[0] if len(rows) == 1 else torch.cat(rows)
             out[path] = QuantLinear(blocks.to(device), segments[0][0], shapes[names[0]][1], out_features, bias=bias)
         else:
-            flat = torch.cat([r.reshape(-1) for r in rows])
+            flat = span if span is not None else torch.cat([r.reshape(-1) for r in rows])
             out[path] = QuantStack(flat.to(device), segments, shapes[names[0]][1], bias=bias)
-        if len(names) > 1 and release is not None:
+        if len(names) > 1 and span is None and release is not None:
             for n in names:   # fused: the copy is what the model holds; the file's pages it read can go
                 release(n)
     return out

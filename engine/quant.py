@@ -450,9 +450,7 @@ def dequantize_model(model) -> None:
     weight (and its bias) in the model's dtype, in place: the float form of the same weights."""
     def floats(child):
         if isinstance(child, QuantEmbedding):
-            emb = nn.Embedding(child.num_embeddings, child.embedding_dim, device="meta")
-            emb.weight = nn.Parameter(child.table().to(model.dtype), requires_grad=False)
-            return emb
+            return nn.Embedding.from_pretrained(child.table().to(model.dtype), freeze=True)   # no random init
         if not isinstance(child, QuantLinear):
             return child
         lin = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")

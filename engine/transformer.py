@@ -217,6 +217,15 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def embedding(num: int, dim: int) -> nn.Embedding:
+    """nn.Embedding(num, dim); built on the meta device (a load, engine.loader) without its random init:
+    normal_ on a meta tensor runs torch._refs, whose first call imports torch._dynamo and triton
+    (~130 MB resident, for values the load replaces)."""
+    if torch.empty(0).is_meta:
+        return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+    return nn.Embedding(num, dim)
+
+
 class Transformer(nn.Module):
     """The model. `config` is the checkpoint's, never reassigned; what a run uses (the path per layer,
     window, feature map, KV dtype) comes from a RunSpec given to `init_state` / `forward`, by default
@@ -227,7 +236,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self._spec = spec
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

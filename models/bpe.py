@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from functools import lru_cache
 from pathlib import Path
 
@@ -70,12 +71,11 @@ def bytes_to_unicode() -> dict[int, str]:
 
 
 class BPETokenizer:
-    def __init__(self, tokenizer, bos_id: int | None, eos_id: int | None, add_bos: bool, where: str = "",
-                 plain=None):
-        self.tok = tokenizer                                   # tokenizers.Tokenizer: special tokens parsed
-        # the same, reading special tokens as text
-        self.plain = plain if plain is not None else tokenizer.from_str(tokenizer.to_str())
-        self.plain.encode_special_tokens = True
+    def __init__(self, tokenizer, bos_id: int | None, eos_id: int | None, add_bos: bool, where: str = ""):
+        # one tokenizers.Tokenizer (a second one for plain text held its ~6 MB vocabulary and merges
+        # again): `encode` sets whether it reads special tokens as text, under a lock
+        self.tok = tokenizer
+        self._encoding = threading.Lock()
         self.bos_id = bos_id if bos_id is not None else -1
         self.eos_id = eos_id if eos_id is not None else -1
         self.add_bos = add_bos
@@ -87,7 +87,9 @@ class BPETokenizer:
     def encode(self, text: str, bos: bool = False, eos: bool = False, special: bool = False) -> list[int]:
         """ids of `text`; bos: prepend BOS if the model adds one (add_bos); eos: append EOS;
         special: parse special-token strings as their single ids (template text), else as plain text."""
-        ids = (self.tok if special else self.plain).encode(text, add_special_tokens=False).ids
+        with self._encoding:
+            self.tok.encode_special_tokens = not special
+            ids = self.tok.encode(text, add_special_tokens=False).ids
         head = [self.bos_id] if bos and self.add_bos and self.bos_id >= 0 else []
         return head + ids + ([self.eos_id] if eos and self.eos_id >= 0 else [])
 
@@ -158,9 +160,8 @@ class BPETokenizer:
             tok.decoder = decoders.ByteLevel()
             add_whole_tokens(tok, vocab, tokens, types, AddedToken)
             return tok
-        # built twice, not copied through JSON: the JSON keeps one spelling per id
         out = cls(build(), meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id"),
-                  add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)), where=where, plain=build())
+                  add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)), where=where)
         out.vocab_size = len(tokens)   # not the tokenizer's count: raw spellings share their token's id
         return out
 

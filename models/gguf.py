@@ -21,9 +21,9 @@ A file without `output.weight` ties the output projection to the token embedding
 """
 from __future__ import annotations
 
-import mmap
 import os
 import re
+import sys
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -33,6 +33,8 @@ import torch
 
 from models.config import ModelConfig
 from models.errors import CheckpointError, ConfigError
+from models.gguf_metadata import read_values
+from models.pages import hand_back
 from models.weights import hf_shapes
 
 MAGIC = b"GGUF"
@@ -133,6 +135,17 @@ class GGUFTensors(Mapping):
             return None
         return torch.from_numpy(np.asarray(t.data).reshape(self.shapes[name][0], -1)), kind
 
+    def blocks_span(self, names) -> torch.Tensor | None:
+        """The blocks of `names` (tensors of BLOCK_KINDS types) as one 1-D uint8 view of the map where
+        the file stores them back to back in this order (llama.cpp writes ffn_gate then ffn_up): a
+        matrix fused from them needs no copy. None where they lie apart (or are another type)."""
+        ts = [self._tensors[n] for n in names]
+        if any(t.tensor_type.name not in BLOCK_KINDS for t in ts) or \
+                any(a.data_offset + a.n_bytes != b.data_offset for a, b in zip(ts, ts[1:])):
+            return None
+        start, end = ts[0].data_offset, ts[-1].data_offset + ts[-1].n_bytes
+        return torch.from_numpy(self.reader.data[start:end])
+
     def release(self, name: str) -> None:
         """Drop the file pages of a tensor whose values the caller has copied (fused blocks): the
         copy is what stays resident. Views of the tensor read afterwards fault them back in."""
@@ -141,14 +154,9 @@ class GGUFTensors(Mapping):
 
     def _release(self, offset: int, n: int) -> None:
         """Drop the file pages a dequantized tensor was read from (they would otherwise stay resident
-        next to the fp32 copy); the map stays valid and pages fault back in if read again."""
-        mm = getattr(self.reader.data.base, "_mmap", None) or getattr(self.reader.data, "_mmap", None)
-        if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
-            return
-        start = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
-        end = (offset + n) // mmap.PAGESIZE * mmap.PAGESIZE
-        if end > start:
-            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+        next to the fp32 copy); the map stays valid and pages fault back in if read again
+        (models.pages.hand_back: pages written since, a private map's copies, are kept)."""
+        hand_back(self.reader.data.ctypes.data + offset, n)
 
     def __iter__(self):
         return iter(self._tensors)
@@ -161,7 +169,7 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, GGUFTensors, dict]:
     """Config, lazily dequantized tensors under Hugging Face names, and the tokenizer/general metadata."""
     path = Path(path)
     reader = open_reader(path)
-    meta = {k: field_value(f) for k, f in reader.fields.items()}
+    meta = metadata(reader)
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported; supported: "
@@ -180,7 +188,7 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, GGUFTensors, dict]:
             raise CheckpointError(f"{path}: tensor {t.name} has type {t.tensor_type.name}, which this engine "
                                   f"cannot dequantize; supported: {', '.join(SUPPORTED_TYPES)}")
         tensors[name] = t
-    reader.fields.clear()   # ~150 MB of per-string views for a 49k vocabulary; `meta` holds the values
+    reader.fields.clear()   # (a plain GGUFReader's: ~150 MB of per-string views for a 49k vocabulary)
     lazy = GGUFTensors(reader, tensors, path)
     for name, shape in expected.items():
         if name not in lazy.shapes:
@@ -188,11 +196,14 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, GGUFTensors, dict]:
         if lazy.shapes[name] != shape:
             raise CheckpointError(f"{path}: tensor {gguf_name_of(name)} has shape {list(lazy.shapes[name])}, "
                                   f"expected {list(shape)}")
+    if reader.tensors:   # the header is read (values in `meta`, shapes in `lazy`): its pages go back
+        hand_back(reader.data.ctypes.data, min(t.data_offset for t in reader.tensors))   # ~1.8 MB for 49k tokens
     return cfg, lazy, {k: v for k, v in meta.items() if k.startswith(META_PREFIXES)}
 
 
 def _reader_class():
-    from gguf import GGUFReader  # lazy: `gen --model tiny` never needs it
+    from gguf import GGUFReader, GGUFValueType  # lazy: `gen --model tiny` never needs it
+    from gguf.gguf_reader import ReaderField
 
     class Reader(GGUFReader):
         """GGUFReader whose map is seen as a plain ndarray: the same pages, but slicing it skips
@@ -205,7 +216,27 @@ def _reader_class():
         @data.setter
         def data(self, value):
             self._data = np.asarray(value)
+
+        def _build_fields(self, offs, count):
+            """The metadata as Python values in `values` (models.gguf_metadata: not two numpy views
+            per string); `fields` keeps general.alignment, which the base class reads."""
+            order = "=" if self.byte_order == "I" else (">" if sys.byteorder == "little" else "<")
+            kinds: dict = {}
+            self.values, end = read_values(memoryview(self.data), int(offs), int(count), order, kinds)
+            if "general.alignment" in self.values:
+                self.fields["general.alignment"] = ReaderField(
+                    int(offs), "general.alignment", [np.array([self.values["general.alignment"] or 0], np.uint64)],
+                    [0], [GGUFValueType(kinds["general.alignment"])])
+            return end
     return Reader
+
+
+def metadata(reader) -> dict:
+    """The file's key-value metadata as Python values (a reader of `_reader_class` parsed them into
+    `values`; any other reader's fields are read one by one: field_value)."""
+    values = {k: field_value(f) for k, f in reader.fields.items()}
+    values.update(getattr(reader, "values", {}))
+    return values
 
 
 def open_reader(path: Path):

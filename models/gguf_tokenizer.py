@@ -15,7 +15,7 @@ from pathlib import Path
 
 from models.bpe import BPETokenizer
 from models.errors import CheckpointError
-from models.gguf import field_value, open_reader
+from models.gguf import metadata, open_reader
 from models.spm_gguf import SentencePieceBPE
 
 GGUF_TOKENIZERS = {"gpt2": BPETokenizer, "llama": SentencePieceBPE}
@@ -32,5 +32,5 @@ def gguf_tokenizer(meta: dict, where: str = ""):
 def read_gguf_tokenizer(path: str | os.PathLike):
     path = Path(path)
     reader = open_reader(path)
-    meta = {k: field_value(f) for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+    meta = {k: v for k, v in metadata(reader).items() if k.startswith("tokenizer.")}
     return gguf_tokenizer(meta, str(path))

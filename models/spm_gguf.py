@@ -77,7 +77,7 @@ class SentencePieceBPE(BPETokenizer):
             add_whole_tokens(tok, vocab, tokens, types, AddedToken)
             return tok
         out = cls(build(), meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id"),
-                  add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", True)), where=where, plain=build())
+                  add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", True)), where=where)
         out.continuation = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
         out.vocab_size = len(tokens)
         return out

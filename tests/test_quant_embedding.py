@@ -1,9 +1,9 @@
 """A GGUF token embedding stored as blocks stays those blocks (engine.quant.QuantEmbedding): the model
 holds no float table of the embedding's shape, a tied lm_head reads the very same tensor, and every
 step form (module, torch, native with f32 and q8 activations) gives the logits -- bit for bit -- and
-greedy ids of the old load, which dequantized the whole table. Fused q/k/v and gate/up blocks are
-copies, so the loader drops the file pages they were read from (GGUFTensors.release); the map stays
-readable after. (Resident memory itself: benchmarks/load_memory.py; no sizes are asserted here.)"""
+greedy ids of the old load, which dequantized the whole table. Fused q/k/v blocks are copies, so
+the loader drops the file pages they were read from (GGUFTensors.release); the map stays readable
+after. gate/up, back to back in the file, fuse as a view of the map (GGUFTensors.blocks_span). (Resident memory itself: benchmarks/load_memory.py; no sizes are asserted here.)"""
 from __future__ import annotations
 
 import copy
@@ -116,16 +116,16 @@ def test_dequantize_model_and_half(mix):
 
 
 def test_fused_parts_release_their_pages(mix, monkeypatch):
-    """The loader releases exactly the parts it copied (q, k, v, gate, up), never a matrix it keeps as
-    a view of the map (o, down, the embedding, lm_head); a released tensor still reads the file's bytes."""
+    """The loader releases exactly the parts it copied (q, k, v: q/k rows permuted), never a matrix it
+    keeps as a view of the map (o, down, the embedding, lm_head, gate_up: gate and up lie back to
+    back in the file); a released tensor still reads the file's bytes."""
     from models.gguf import GGUFTensors
     _, path, _, model = mix
     released = []
     monkeypatch.setattr(GGUFTensors, "release", lambda self, name: released.append(name), raising=True)
     load_model(path)
-    parts = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-    want = {f"model.layers.{i}.{'self_attn' if p.endswith('_proj') and p[0] in 'qkv' else 'mlp'}.{p}.weight"
-            for i in range(model.config.num_hidden_layers) for p in parts}
+    want = {f"model.layers.{i}.self_attn.{p}.weight" for i in range(model.config.num_hidden_layers)
+            for p in ("q_proj", "k_proj", "v_proj")}
     assert sorted(released) == sorted(want)
     monkeypatch.undo()
     _, tensors, _ = read_gguf(path)
@@ -133,6 +133,24 @@ def test_fused_parts_release_their_pages(mix, monkeypatch):
     before = tensors.blocks(q)[0].clone()
     tensors.release(q)
     assert torch.equal(tensors.blocks(q)[0], before)
+
+
+def test_adjacent_parts_fuse_without_a_copy(mix):
+    """gate and up, stored back to back, are fused as one view of the file's map (no anonymous copy
+    of ~1/3 of a model's bytes): gate_up's blocks start at gate's bytes and hold gate's then up's."""
+    from engine.loader import build
+    from models.registry import read_checkpoint
+    _, path, _, _ = mix
+    ckpt = read_checkpoint(path)
+    model = build(ckpt.config, ckpt.tensors, "cpu", torch.float32, interleaved_rotary=ckpt.interleaved_rotary)
+    for i, layer in enumerate(model.layers):
+        gate, up = (ckpt.tensors.blocks(f"model.layers.{i}.mlp.{p}_proj.weight")[0] for p in ("gate", "up"))
+        fused = layer.mlp.gate_up.blocks
+        assert fused.data_ptr() == gate.data_ptr()
+        assert torch.equal(fused.reshape(-1), torch.cat([gate.reshape(-1), up.reshape(-1)]))
+    q = ckpt.tensors.blocks("model.layers.0.self_attn.q_proj.weight")[0]   # permuted: a copy
+    assert model.layers[0].self_attn.qkv.blocks.data_ptr() != q.data_ptr()
+    assert ckpt.tensors.blocks_span(["model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.gate_proj.weight"]) is None
 
 
 def test_floor_counts_a_row_of_blocks(mix):

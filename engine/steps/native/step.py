@@ -13,6 +13,7 @@ from engine.steps.native.cases import state_parts, why_not
 from engine.steps.native.plan import NativeDecoder
 from engine.steps.native.weights import DerivedWeights
 from engine.threads import default_threads
+from models.pages import trim_heap
 
 
 def _switch(name: str) -> bool:
@@ -58,8 +59,11 @@ class NativeStep:
         threads = self.threads or default_threads()
         plan = self.plans.get(state)
         if plan is None or not plan.still_valid(state, threads):
+            made = self.weights.made
             plan = self.plans[state] = NativeDecoder(self.model, state, threads, q8=self.q8, q8_prompt=self.q8_prompt,
                                                      weights=self.weights)
+            if self.weights.made != made:
+                trim_heap()   # the copies' freed scratch (a model's size, once) goes back to the kernel
         return plan
 
     def __call__(self, tokens: torch.Tensor, state) -> torch.Tensor:

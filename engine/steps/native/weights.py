@@ -15,15 +15,13 @@ A plan checks the weights behind its copies for in-place edits before every step
 """
 from __future__ import annotations
 
-import ctypes
-import mmap
-import sys
 import weakref
 
 import torch
 
 from engine.quant import QuantLinear, QuantStack, weights_label
 from engine.steps.native.abi import T_Q4_1R, T_Q8_0R, TYPES
+from models.pages import hand_back
 
 
 def layer_modules(model, paths) -> list[tuple]:
@@ -64,32 +62,31 @@ def narrow16(w: torch.Tensor) -> torch.Tensor | None:
 def regroup(blocks: torch.Tensor, rows: int, q4_1: bool) -> torch.Tensor:
     """Blocks regrouped per row for the C step's grouped kernels (gen.h T_Q4_1R / T_Q8_0R): q4_1
     (20 bytes: f16 d, f16 m, 16 nibble bytes) as every (d, m) pair, then every nibble block; q8_0
-    (34 bytes: f16 d, 32 int8) as every d, then every block's weights + 128 as u8. The kernels
-    read 4 blocks' weights in one or two loads."""
+    (34 bytes: f16 d, 32 int8) as every d, then every block's weights + 128 as u8 (the int8 bits
+    with the top bit flipped). The kernels read 4 blocks' weights in one or two loads. Written
+    into the one new tensor (no temporaries: a copy of the model's size would leave the heap
+    fragmented after it is freed)."""
+    size, head = (20, 4) if q4_1 else (34, 2)
+    per_row = blocks.reshape(rows, -1, size)
+    n = per_row.shape[1]
+    out = torch.empty(rows, n * size, dtype=torch.uint8, device=blocks.device)
+    out[:, :n * head].view(rows, n, head).copy_(per_row[:, :, :head])
+    body = out[:, n * head:].view(rows, n, size - head)
     if q4_1:
-        per_row = blocks.reshape(rows, -1, 20)
-        head, body = per_row[:, :, :4], per_row[:, :, 4:]
+        body.copy_(per_row[:, :, head:])
     else:
-        per_row = blocks.reshape(rows, -1, 34)
-        head = per_row[:, :, :2]
-        body = (per_row[:, :, 2:].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
-    return torch.cat([head.reshape(rows, -1), body.reshape(rows, -1)], 1).contiguous()
+        torch.bitwise_xor(per_row[:, :, head:], 128, out=body)
+    return out
 
 
 def page_out(t: torch.Tensor) -> bool:
-    """Ask the kernel to reclaim the whole pages inside a CPU tensor's bytes (madvise MADV_PAGEOUT,
-    Linux 5.4+): file pages of a memory map are dropped and read again from the file on the next
-    touch, anonymous ones go to swap if there is any. The values never change (unlike MADV_DONTNEED on
-    a private map), so this is safe on any tensor. False where the platform cannot."""
-    advice = getattr(mmap, "MADV_PAGEOUT", 21 if sys.platform.startswith("linux") else None)   # 21: Linux's value
-    if advice is None or t.device.type != "cpu" or not t.is_contiguous():
+    """Hand the whole pages inside a CPU tensor's bytes back to the kernel without changing a value
+    (models.pages.hand_back): a memory map's pages of a file are dropped and read again from the file
+    on the next touch (even where another process maps the same file), anonymous ones go to swap if
+    there is any. False where the platform cannot."""
+    if t.device.type != "cpu" or not t.is_contiguous():
         return False
-    start = -(-t.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE
-    end = (t.data_ptr() + t.numel() * t.element_size()) // mmap.PAGESIZE * mmap.PAGESIZE
-    if end <= start:
-        return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), ctypes.c_int(advice)) == 0
+    return hand_back(t.data_ptr(), t.numel() * t.element_size())
 
 
 class DerivedWeights:
@@ -101,6 +98,7 @@ class DerivedWeights:
     def __init__(self, exact16: bool = True, regroup: bool = True):
         self.exact16_on, self.regroup_on = bool(exact16), bool(regroup)
         self._cache: dict = {}   # (tag, id(w)) -> (weakref to w, (data_ptr, version), copy or None)
+        self.made = 0            # copies made so far (a step trims the heap after a plan made some)
 
     def _derived(self, w: torch.Tensor, tag: str, make) -> torch.Tensor | None:
         """make(w) (a tensor, or None: nothing to derive), made once per (tensor, storage, version);
@@ -112,6 +110,7 @@ class DerivedWeights:
             return hit[2]
         with torch.no_grad():
             out = make(w)
+        self.made += 1
         owner = weakref.ref(self)   # not self: the callback must not keep the copies alive
 
         def forget(ref, key=key):

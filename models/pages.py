@@ -1,0 +1,90 @@
+"""Hand the pages under a range of memory back to the kernel without changing a value in it (Linux).
+
+    hand_back(address, nbytes)    # the whole pages inside [address, address + nbytes)
+
+A page of a file's memory map that was never written (a checkpoint's blocks) holds the file's bytes:
+the process drops it (madvise MADV_DONTNEED) and a later read faults it back in from the page cache
+or the file. MADV_PAGEOUT, asked first, also evicts it from the page cache, but the kernel skips a
+page another process maps too (a second `gen` on the same file): those stayed resident, so the
+pages still mapped afterwards are dropped. Which ones are a file's, and which anonymous (copies, a
+private map's written pages: values no file holds), /proc/self/pagemap says per page; anonymous pages
+are only paged out (to swap, where there is any), never dropped.
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import sys
+
+import torch
+
+PAGE = mmap.PAGESIZE
+_LINUX = sys.platform.startswith("linux")
+MADV_PAGEOUT = getattr(mmap, "MADV_PAGEOUT", 21 if _LINUX else None)    # 21: Linux's value (5.4+)
+MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4 if _LINUX else None)
+# /proc/PID/pagemap, one u64 per page (Documentation/admin-guide/mm/pagemap.rst)
+PRESENT_BIT, FILE_BIT = 63, 61   # the page is present; it is a file page or shared memory
+
+
+def file_page_runs(start: int, end: int) -> list[tuple[int, int]]:
+    """(address, length) of each run of present pages in [start, end) (page-aligned) that map a file's
+    page (or shared memory), read from /proc/self/pagemap; [] where that cannot be read."""
+    try:
+        with open("/proc/self/pagemap", "rb") as f:
+            f.seek(start // PAGE * 8)
+            raw = f.read((end - start) // PAGE * 8)
+    except OSError:
+        return []
+    if not raw:
+        return []
+    e = torch.frombuffer(bytearray(raw), dtype=torch.int64)
+    mapped = ((e >> PRESENT_BIT) & 1).bool() & ((e >> FILE_BIT) & 1).bool()
+    edges = torch.diff(mapped.to(torch.int8), prepend=torch.zeros(1, dtype=torch.int8),
+                       append=torch.zeros(1, dtype=torch.int8)).nonzero().flatten().tolist()
+    return [(start + a * PAGE, (b - a) * PAGE) for a, b in zip(edges[::2], edges[1::2])]
+
+
+def hand_back(address: int, nbytes: int) -> bool:
+    """Give back the whole pages inside [address, address + nbytes): paged out, then the ones still
+    mapped that hold a file's bytes dropped (see the module docstring). No value ever changes.
+    False where the platform cannot (not Linux, or no whole page inside)."""
+    if MADV_PAGEOUT is None or MADV_DONTNEED is None:
+        return False
+    start = -(-address // PAGE) * PAGE
+    end = (address + nbytes) // PAGE * PAGE
+    if end <= start:
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def advise(at: int, n: int, advice: int) -> bool:
+        return libc.madvise(ctypes.c_void_p(at), ctypes.c_size_t(n), ctypes.c_int(advice)) == 0
+
+    ok = advise(start, end - start, MADV_PAGEOUT)
+    for at, n in file_page_runs(start, end):
+        ok = advise(at, n, MADV_DONTNEED) or ok
+    return ok
+
+
+def resident_file_bytes(address: int, nbytes: int) -> int:
+    """Bytes of the whole pages inside [address, address + nbytes) that are mapped and hold a file's
+    bytes (what `hand_back` drops)."""
+    start, end = -(-address // PAGE) * PAGE, (address + nbytes) // PAGE * PAGE
+    return sum(n for _, n in file_page_runs(start, end)) if end > start else 0
+
+
+def trim_heap() -> bool:
+    """Return the C heap's free memory to the kernel (glibc's malloc_trim(0): the free pages inside
+    the heap too, not only its top), after a load or copies made once leave freed temporaries behind.
+    False where the C library has no malloc_trim (not glibc)."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL(None).malloc_trim
+        except (AttributeError, OSError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)   # (its result says whether any memory went back)
+    return bool(_malloc_trim)
+
+
+_malloc_trim = None

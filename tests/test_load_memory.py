@@ -1,0 +1,168 @@
+"""What keeps a GGUF load's resident memory near its file's size (issue 33; the sizes themselves:
+benchmarks/load_memory.py, docs/measurements.md). Each test guards one cut and fails where it is undone:
+a load never imports torch._dynamo (triton's library alone was ~55 MB of pages); pages handed back
+leave the resident set whoever else maps the file, and no value changes; the native step's regrouped
+copies leave the blocks they came from out of RSS; one tokenizers object per tokenizer; the GGUF
+header's pages go back after parsing."""
+from __future__ import annotations
+
+import mmap
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from models.pages import PAGE, hand_back, resident_file_bytes
+
+gguf = pytest.importorskip("gguf", reason="the gguf package is not installed")
+
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+
+from chat_fixtures import write_gguf  # noqa: E402
+from conftest import tiny_model  # noqa: E402
+
+LINUX = sys.platform.startswith("linux") and os.path.exists("/proc/self/pagemap")
+# rows of 160: 5 blocks of 32 (q4_1 / q8_0: the regrouped kernels' shapes)
+CFG = dict(hidden_size=160, intermediate_size=288, num_hidden_layers=2, num_attention_heads=5,
+           num_key_value_heads=1, vocab_size=12000, max_position_embeddings=64, rope_theta=10000.0)
+
+
+@pytest.fixture(scope="module")
+def q4_1_file(tmp_path_factory):
+    """SmolLM2's mix on a random model: Q4_1 matrices, a Q8_0 embedding tied to lm_head."""
+    path = tmp_path_factory.mktemp("mem") / "q4_1.gguf"
+    kinds = {"token_embd.weight": Q.Q8_0}
+    strings = [f"piece {i:05d}" for i in range(20000)]   # a vocabulary-sized header: ~500 kB, many pages
+    write_gguf(path, tiny_model(seed=11, tie_word_embeddings=True, **CFG), None,
+               qtype_of=lambda name, shape: kinds.get(name, Q.Q4_1), template=None,
+               write_tokenizer=lambda w: w.add_array("test.strings", strings))
+    return path
+
+
+def test_a_load_never_imports_dynamo(q4_1_file):
+    """nn.Embedding's random init on the meta device ran torch._refs, whose first call imports
+    torch._dynamo and triton: a load and a generation (and dequantize_model) must not."""
+    code = ("import sys, engine\n"
+            "from engine.quant import dequantize_model\n"
+            f"llm = engine.load({str(q4_1_file)!r}, threads=1)\n"
+            "llm.generate([1, 5, 9], max_new_tokens=3, temperature=0)\n"
+            "dequantize_model(llm.model)\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('torch._dynamo', 'triton'))))\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+def mapped_twice(path):
+    """Two private maps of one file in this process (as a second process mapping it would hold its
+    pages: MADV_PAGEOUT skips pages mapped more than once) and a uint8 tensor on the first."""
+    f = open(path, "rb")
+    maps = [mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE) for _ in range(2)]
+    f.close()
+    return maps, [torch.frombuffer(m, dtype=torch.uint8) for m in maps]
+
+
+@pytest.mark.skipif(not LINUX, reason="page residency is read from Linux's /proc/self/pagemap")
+def test_hand_back_drops_file_pages_and_keeps_every_value(tmp_path):
+    path = tmp_path / "pages.bin"
+    data = torch.randint(0, 256, (64 * PAGE,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    path.write_bytes(data.numpy().tobytes())
+    maps, (t, other) = mapped_twice(path)
+    assert int(t.sum()) == int(other.sum()) == int(data.sum())      # both maps' pages resident
+    t[5 * PAGE + 7] = t[5 * PAGE + 7] ^ 0xFF                          # one written page: anonymous now
+    written = t.clone()
+    assert resident_file_bytes(t.data_ptr(), t.numel()) == 63 * PAGE
+    assert hand_back(t.data_ptr(), t.numel())
+    assert resident_file_bytes(t.data_ptr(), t.numel()) == 0         # dropped though the other map holds them
+    assert torch.equal(t, written)                                    # the file's pages fault back; the written one stayed
+    assert torch.equal(other, data)
+    del t, other
+    for m in maps:
+        m.close()
+
+
+@pytest.mark.skipif(not LINUX, reason="page residency is read from Linux's /proc/self/pagemap")
+def test_native_regrouped_copies_hand_back_their_blocks(q4_1_file, native_built):
+    """Once the native step has regrouped a matrix (its grouped q8 kernels), the blocks it was made
+    from, views of the file's map (o, down, gate_up: one view of gate and up; the tied lm_head's
+    embedding blocks), leave the resident set; the values stay the file's. (The embedding's lookups
+    fault the pages around the rows they read back in: the head is checked as it is regrouped.)"""
+    from engine.api import load
+    from engine.steps.native.abi import bind
+    from engine.steps.native.weights import DerivedWeights
+    if not bind().gen_has_q4_1r():
+        pytest.skip("this build has no grouped q4_1 / q8_0 kernels (they need AVX-512 VNNI)")
+    llm = load(str(q4_1_file), threads=1)
+    model = llm.model
+    views = [b.mlp.gate_up.blocks for b in model.layers] + [b.mlp.down_proj.blocks for b in model.layers] + \
+        [b.self_attn.o_proj.blocks for b in model.layers]
+    before = [v.clone() for v in views]
+    ids = llm.generate([1, 5, 9], max_new_tokens=3, temperature=0).ids
+    assert sum(resident_file_bytes(v.data_ptr(), v.nbytes) for v in views) == 0
+    assert all(torch.equal(v, b) for v, b in zip(views, before))
+    assert llm.generate([1, 5, 9], max_new_tokens=3, temperature=0).ids == ids
+    head = model.lm_head.blocks
+    assert head.data_ptr() == model.embed_tokens.blocks.data_ptr() and int(head.sum()) > 0   # read: resident
+    DerivedWeights().regrouped(head, model.config.vocab_size, q4_1=False)
+    assert resident_file_bytes(head.data_ptr(), head.nbytes) == 0
+
+
+def test_one_tokenizers_object_reads_special_tokens_either_way():
+    """A BPE tokenizer holds one tokenizers.Tokenizer (not a second copy for plain text), and
+    `special` still decides, per call, even from threads at once."""
+    pytest.importorskip("tokenizers", reason="the tokenizers package is not installed")
+    import tokenizers
+    from models.bpe import BPETokenizer
+    tokens = ["<|im_end|>", *"<|>_imend", "a", "b", "ab"]
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt2", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.token_type": [3] + [1] * (len(tokens) - 1)}
+    tok = BPETokenizer.from_gguf(meta, "test")
+    held = [v for v in vars(tok).values() if isinstance(v, tokenizers.Tokenizer)]
+    assert len(held) == 1
+    special, plain = tok.encode("ab<|im_end|>", special=True), tok.encode("ab<|im_end|>")
+    assert special == [len(tokens) - 1, 0] and 0 not in plain and len(plain) > 2
+    results = []
+
+    def many(flag):
+        results.extend((flag, tok.encode("ab<|im_end|>", special=flag)) for _ in range(200))
+    threads = [threading.Thread(target=many, args=(flag,)) for flag in (True, False, True, False)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert len(results) == 800 and all(ids == (special if flag else plain) for flag, ids in results)
+
+
+@pytest.mark.skipif(not LINUX, reason="page residency is read from Linux's /proc/self/pagemap")
+def test_the_header_pages_go_back_after_parsing(q4_1_file):
+    """The metadata (a 49k-token vocabulary is ~1.8 MB of pages) is parsed into Python values once;
+    its pages of the map are handed back."""
+    from models.gguf import read_gguf
+    _, tensors, _ = read_gguf(q4_1_file)
+    first = min(t.data_offset for t in tensors._tensors.values())
+    base = tensors.reader.data.ctypes.data
+    assert first > 50 * PAGE and resident_file_bytes(base, first) == 0
+
+
+def test_a_load_and_a_plan_that_made_copies_trim_the_heap(q4_1_file, native_built, monkeypatch):
+    """What a load freed (metadata, the tokenizer's build) and the scratch of the native step's
+    copies go back to the kernel once each (glibc's malloc_trim); a plan that made no copy does not trim."""
+    import platform
+
+    import engine.api
+    import engine.steps.native.step
+    from models.pages import trim_heap
+    assert trim_heap() is (platform.libc_ver()[0] == "glibc")
+    calls = []
+    monkeypatch.setattr(engine.api, "trim_heap", lambda: calls.append("load"))
+    monkeypatch.setattr(engine.steps.native.step, "trim_heap", lambda: calls.append("plan"))
+    llm = engine.api.load(str(q4_1_file), threads=1)
+    assert calls == ["load"]
+    llm.generate([1, 5, 9], max_new_tokens=2, temperature=0)
+    assert calls == ["load", "plan"]
+    llm.generate([1, 5, 9], max_new_tokens=2, temperature=0)   # a new state's plan: the copies exist
+    assert calls == ["load", "plan"]
