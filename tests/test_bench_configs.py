@@ -97,11 +97,12 @@ def test_extend_to_depth_repeats_the_prefilled_keys_and_moves_the_counters(atten
     model.step(tokens, state)
     kv = state if attention == "softmax" else state.parts[0]
     before = kv.k[:, :, :, :5].clone()
+    kv.k[:, :, :, 5:].fill_(float("nan"))      # what is written from here on, and what is not
     extend_to_depth(state, 13)
     assert state.slots == 13 and state.lengths.tolist() == [13] and kv.slots == 13
     assert torch.equal(kv.k[:, :, :, 5:10], before) and torch.equal(kv.k[:, :, :, 10:13], before[:, :, :, :3])
     assert torch.equal(kv.v[:, :, :, 10:13], kv.v[:, :, :, :3])
-    assert not kv.k[:, :, :, 13:].any()
+    assert kv.k[:, :, :, 13:].isnan().all()          # nothing written past the depth
     logits = model.step(tokens[:, :1], state)       # a decode step reads all 14 slots
     assert torch.isfinite(logits).all() and state.slots == 14
 

@@ -24,8 +24,9 @@ def steps_on_one_cache(model, step, ref, fast, follow):
     a, b, close = [], [], True
     for t in follow.T:
         for x, y in zip(ref.tensors(), fast.tensors()):
-            if x.dtype == torch.float16:
-                close &= torch.allclose(x.float(), y.float(), rtol=2 ** -8, atol=1e-5)
+            if x.dtype == torch.float16:   # the slots written (a CPU cache's others are unwritten memory)
+                n = ref.slots
+                close &= torch.allclose(x[..., :n, :].float(), y[..., :n, :].float(), rtol=2 ** -8, atol=1e-5)
                 x.copy_(y)
         a.append(model.step(t[:, None], ref))
         b.append(step(t[:, None], fast))

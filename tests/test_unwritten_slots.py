@@ -65,3 +65,49 @@ def test_a_masked_block_on_a_joined_batch_reads_no_unwritten_slot():
     want, got = model.step(block, clean), model.step(block, poisoned)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_a_fresh_cache_on_the_cpu_holds_only_what_was_written():
+    """init_state does not zero a CPU cache: 16,384 slots of an 8-layer model (256 MiB of k and v) cost
+    nothing resident until tokens are written, and a prompt fed then decodes as on a zeroed cache."""
+    model = tiny_model(seed=4, hidden_size=256, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=8,
+                       max_position_embeddings=16384)
+    before = resident_mb()
+    state = model.init_state(1, 16384, attention="softmax")
+    grown = resident_mb() - before
+    assert state.nbytes == 256 * 2**20
+    assert grown < 32, f"allocating the cache made {grown:.0f} MiB resident"
+    zeroed = model.init_state(1, 16384, attention="softmax")
+    zeroed.k.zero_()
+    zeroed.v.zero_()
+    prompt = torch.tensor([[1, 5, 9, 20, 3, 7]])
+    for s in (state, zeroed):
+        model.step(prompt, s, last_only=True)
+    poison_unwritten(state)
+    for t in (11, 12, 13):
+        got, want = model.step(torch.tensor([[t]]), state), model.step(torch.tensor([[t]]), zeroed)
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_the_static_step_zeroes_the_slots_it_reads_under_a_mask():
+    """The static step form reads a whole bucket of slots past `slots` under a mask: on a fresh CPU cache
+    (unwritten past the prompt, here NaN) it zeroes them first and equals the torch step."""
+    from engine.steps import TorchStep
+    from engine.steps.graph_step import step_static
+
+    model = tiny_model(seed=5, num_key_value_heads=2)
+    tokens = torch.tensor([[1, 5, 9, 20, 3, 7, 11, 2, 8]])
+    a, b = (model.init_state(1, 64, attention="softmax") for _ in range(2))
+    for s in (a, b):
+        model.step(tokens[:, :5], s, last_only=True)
+        poison_unwritten(s)
+    torch_form = TorchStep(model)
+    plan = torch_form.plan_for(tokens)
+    for t in range(5, 9):
+        with torch.inference_mode():
+            got = step_static(plan, tokens[:, t:t + 1], a, min_bucket=4)
+        want = torch_form(tokens[:, t:t + 1], b)
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)

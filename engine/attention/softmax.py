@@ -4,14 +4,16 @@ KVState.k, .v: (L, B, Hkv, S_max, D), allocated once in the model's dtype and wr
 place. Scores are q.k / sqrt(D); a masked softmax gives future slots and pad slots weight
 exactly 0 (boolean masks, so exp(-inf) = 0, no large-negative approximations).
 
-Pads left unwritten. A batch laid out from other states on the CPU (`concat`, `select_rows`: the
-server joining a row, dropping one) copies each row's slots from its first real one and writes
-nothing else: a 4k-token prompt joining 16 short rows right-aligns them to its length, and zeroing
-their ~4k leading pad slots each was a 3.4 GB write (a ~1 s stall of every stream; the untouched
-pages of a large allocation are not even resident). The decode steps never read a pad (the torch
-step attends from each row's first real slot, the native step skips pads), nor a slot past
-`slots`; the readers that do (a masked block, T > 1 on a padded state; the static step form, which
-reads a whole bucket of slots under a mask) zero them first (`unset`), and saving writes zeros for
+Slots left unwritten. A cache allocated on the CPU is not zeroed (the pages of a large allocation
+stay untouched, so not resident, until a token is written there: a 32k-slot cache costs what it
+holds), and a batch laid out from other states on the CPU (`concat`, `select_rows`: the server
+joining a row, dropping one) copies each row's slots from its first real one and writes nothing
+else: a 4k-token prompt joining 16 short rows right-aligns them to its length, and zeroing their ~4k
+leading pad slots each was a 3.4 GB write (a ~1 s stall of every stream). The decode steps never
+read a pad (the torch step attends from each row's first real slot, the native step skips pads),
+nor a slot past `slots`. The readers that do zero them first: a masked block (T > 1 on a padded
+state) the pads among the slots written (`pads_unset`), the static step form, which reads a whole
+bucket of slots under a mask, those and the slots past `slots` (`unset`); saving writes zeros for
 pads. On other devices every slot is zeroed as before.
 """
 from __future__ import annotations
@@ -35,17 +37,15 @@ class KVState(State):
     k: torch.Tensor = None          # (L, B, Hkv, S_max, D)
     v: torch.Tensor = None          # (L, B, Hkv, S_max, D)
     slot_real: torch.Tensor = None  # (B, S_max) bool, False at pad slots
-    unset: bool = False             # pads and slots past `slots` may be unwritten memory (module docstring)
+    unset: bool = False             # slots past `slots` may be unwritten memory (module docstring)
+    pads_unset: bool = False        # so may pad slots among the written ones
 
     path = "softmax"
 
     @classmethod
     def allocate(cls, cfg, batch: int, max_len: int, device, dtype, **_) -> "KVState":
-        shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        return cls(lengths=torch.zeros(batch, dtype=torch.long, device=device), slots=0,
-                   k=torch.zeros(shape, device=device, dtype=dtype),
-                   v=torch.zeros(shape, device=device, dtype=dtype),
-                   slot_real=torch.ones(batch, max_len, dtype=torch.bool, device=device))
+        return cls.allocate_shape(cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len, cfg.head_dim,
+                                  device, dtype, zero=torch.device(device).type != "cpu")
 
     @property
     def max_len(self) -> int:
@@ -87,7 +87,7 @@ class KVState(State):
     def _saved_tensors(self):
         n = self.slots
         k, v = self.k[:, :, :, :n], self.v[:, :, :, :n]
-        if self.unset:   # pads saved as zeros (copies; this state stays as it is)
+        if self.pads_unset:   # pads saved as zeros (copies; this state stays as it is)
             pad = ~self.slot_real[:, :n][None, :, None, :, None]
             k, v = k.masked_fill(pad, 0), v.masked_fill(pad, 0)
         return {"k": k, "v": v, "slot_real": self.slot_real[:, :n]}
@@ -122,7 +122,7 @@ class KVState(State):
         out.lengths.copy_(take_rows(self.lengths, idx, 0))
         out.slots = n
         out._after_regroup()
-        out.unset = self.unset or out.device.type == "cpu"
+        out._laid_out(self.unset, self.pads_unset)
         return out
 
     @classmethod
@@ -144,7 +144,7 @@ class KVState(State):
             b += s.batch_size
         out.slots = P
         out._after_regroup()
-        out.unset = any(s.unset for s in states) or out.device.type == "cpu"
+        out._laid_out(any(s.unset for s in states), any(s.pads_unset for s in states))
         return out
 
     def _put_row(self, row: int, at: int, end: int, src: "KVState", src_row: int, src_from: int) -> None:
@@ -156,29 +156,40 @@ class KVState(State):
                 mine[:, row, :, :at].zero_()
                 mine[:, row, :, end:].zero_()
 
-    def zero_unwritten(self) -> None:
-        """Zero the pad slots and the slots past `slots` where they may be unwritten (module docstring),
-        for a reader that weighs them by 0 (0 * NaN is NaN). A flag test when there is nothing to do."""
-        if not self.unset:
+    def _laid_out(self, unset: bool, pads_unset: bool) -> None:
+        """After concat / select_rows: which slots may hold unwritten memory (module docstring)."""
+        cpu = self.device.type == "cpu"
+        self.unset, self.pads_unset = unset or cpu, self.padded and (pads_unset or cpu)
+
+    def zero_pads(self) -> None:
+        """Zero the pad slots among the slots written where they may be unwritten, for a reader that
+        weighs them by 0 (0 * NaN is NaN). A flag test when there is nothing to do."""
+        if not self.pads_unset:
             return
         n = self.slots
-        pad = ~self.slot_real[:, :n]
+        pad = ~self.slot_real[:, :n][None, :, None, :, None]
         for t in (self.k, self.v):
-            if bool(pad.any()):
-                t[:, :, :, :n].masked_fill_(pad[None, :, None, :, None], 0)
-            t[:, :, :, n:].zero_()
-        self.unset = False
+            t[:, :, :, :n].masked_fill_(pad, 0)
+        self.pads_unset = False
+
+    def zero_unwritten(self) -> None:
+        """zero_pads, and zero the slots past `slots` where they may be unwritten (for a reader of a
+        whole bucket of slots under a mask)."""
+        self.zero_pads()
+        if self.unset:
+            for t in (self.k, self.v):
+                t[:, :, :, self.slots:].zero_()
+            self.unset = False
 
     @classmethod
     def allocate_shape(cls, layers, batch, kv_heads, max_len, head_dim, device, dtype, zero=True) -> "KVState":
-        """zero=False: k and v uninitialised, for a caller that writes every slot itself (regrouping:
-        zeroing a fresh cache first and then copying into it cost twice the copy alone)."""
+        """zero=False: k and v uninitialised (`unset`: the module docstring says who may read them)."""
         shape = (layers, batch, kv_heads, max_len, head_dim)
         make = torch.zeros if zero else torch.empty
         return cls(lengths=torch.zeros(batch, dtype=torch.long, device=device), slots=0,
                    k=make(shape, device=device, dtype=dtype),
                    v=make(shape, device=device, dtype=dtype),
-                   slot_real=torch.ones(batch, max_len, dtype=torch.bool, device=device))
+                   slot_real=torch.ones(batch, max_len, dtype=torch.bool, device=device), unset=not zero)
 
     @classmethod
     def from_state_dict(cls, sd, max_len: int | None = None, device=None) -> "KVState":
@@ -195,7 +206,7 @@ class KVState(State):
         """q (B, H, T, D); k, v (B, Hkv, T, D) -> (B, H, T, D)."""
         start, T = span.start, span.length
         if T > 1 or (span.attn_mask is not None and span.real is not None):
-            self.zero_unwritten()    # a masked block reads every slot it holds (before this one's are written)
+            self.zero_pads()         # a masked block reads every slot it holds (this block's: written first)
         cache_k, cache_v = self._layers[layer]                  # (B, Hkv, S_max, D)
         cache_k.narrow(2, start, T).copy_(k)
         cache_v.narrow(2, start, T).copy_(v)
