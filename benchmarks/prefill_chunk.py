@@ -8,8 +8,10 @@ scheduler (in-process) decodes N greedy streams; once they run, a `--prompt`-tok
 admitted; the streams' inter-token gaps while it is fed are compared with their median gap before it
 came (issue 29's target: worst <= 3x median). Chunk 0 = the whole prompt in one block (no chunking).
 With `--long-tokens N` (> 1) the long prompt goes on decoding N tokens: its row joins the running
-streams' batch (the join copies every row, right-aligned to the long one), and the gaps are counted
-until it ends; the default (1) ends it at its first token, so the join is not measured.
+streams' batch (the join copies every row's real slots into a new batch state), and the gaps are
+counted until it ends; the default (1) ends it at its first token, so the join is not measured. The
+gaps table also gives the median gap while the prompt is admitted and the three worst, with when
+each began relative to the long prompt's first token (< 0: while it was fed).
 Prints one table per part and, with --json, writes the records. The model loads through `engine.load`;
 each chunk size is its run's `prefill_chunk` (benchmarks/runs.py `with_run`, a fresh step); the
 server's scheduler is driven directly, an internal on purpose (what part 2 measures).
