@@ -5,6 +5,7 @@ running stream's tokens delivered between the long prompt's arrival and its firs
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -194,4 +195,53 @@ def test_a_long_prompt_goes_a_layer_at_a_time_between_decode_steps(native_llm):
         assert late.ids == alone.ids
     finally:
         running_job_cancel(sched)
+        sched.stop()
+
+
+def test_a_prompt_state_in_the_prefix_cache_keeps_no_step_plan(native_llm):
+    """A finished prompt's state is only read (the prefix cache keeps it): the native form drops its
+    plan (scratch and thread buffers, ~4.5 MB each on SmolLM2; a server's 64 cached prompts held
+    ~290 MB of them), and a later hit on it still gives the cold run's tokens."""
+    from engine.serve.prefix_cache import PrefixCache
+
+    llm = native_llm
+    native = next(f for f in llm.step.forms if f.name == "native")
+    cache = PrefixCache(max_entries=8)
+    sched = Scheduler(llm.model, llm.tokenizer, llm.step, max_batch=4, cache=cache)
+    sched.start()
+    try:
+        outs = []
+        for seed in (1, 2, 1):
+            got = Collector()
+            sched.submit(Job(ids(40, seed), "softmax", greedy(), max_tokens=5, emit=got))
+            assert got.done.wait(60) and got.failed is None
+            outs.append(got.ids)
+        assert cache.stats()["hits"] == 1 and outs[2] == outs[0]
+        held = [e.state for e in cache.entries.values()]
+        assert held and not any(state in native.plans for state in held)
+    finally:
+        sched.stop()
+
+
+def test_the_loop_hands_the_heap_back_once_per_idle_spell(llm, monkeypatch):
+    """Idle after work, the loop returns the C heap's free pages (models.pages.trim_heap) once; idle
+    on, it does not again (a server that served a burst keeps ~135 MB of freed memory otherwise)."""
+    import engine.serve.scheduler as scheduler
+
+    calls = []
+    monkeypatch.setattr(scheduler, "trim_heap", lambda: calls.append(time.monotonic()) or True)
+    sched = Scheduler(llm.model, llm.tokenizer, llm.step, max_batch=2)
+    sched.start()
+    try:
+        for seed in (1, 2):
+            got = Collector()
+            sched.submit(Job(ids(12, seed), "linear", greedy(), max_tokens=4, emit=got))
+            assert got.done.wait(30) and got.failed is None
+            deadline = time.monotonic() + 10
+            while len(calls) < seed and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert len(calls) == seed, "no trim once the work was done"
+            time.sleep(1.2)                      # two more idle waits of the loop
+            assert len(calls) == seed, "trimmed again while idle"
+    finally:
         sched.stop()
