@@ -21,6 +21,7 @@ A file without `output.weight` ties the output projection to the token embedding
 """
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import sys
@@ -217,7 +218,7 @@ def _reader_class():
         def data(self, value):
             self._data = np.asarray(value)
 
-        def _build_fields(self, offs, count):
+        def _fast_build_fields(self, offs, count):
             """The metadata as Python values in `values` (models.gguf_metadata: not two numpy views
             per string); `fields` keeps general.alignment, which the base class reads."""
             order = "=" if self.byte_order == "I" else (">" if sys.byteorder == "little" else "<")
@@ -228,6 +229,12 @@ def _reader_class():
                     int(offs), "general.alignment", [np.array([self.values["general.alignment"] or 0], np.uint64)],
                     [0], [GGUFValueType(kinds["general.alignment"])])
             return end
+
+    # the override replaces a private method of the installed gguf: only where it is the one this was
+    # written against (self, offs, count); another gguf keeps its own parse (slower, the same values)
+    base = getattr(GGUFReader, "_build_fields", None)
+    if base is not None and list(inspect.signature(base).parameters) == ["self", "offs", "count"]:
+        Reader._build_fields = Reader._fast_build_fields
     return Reader
 
 

@@ -74,3 +74,20 @@ def test_a_string_that_is_not_utf8_keeps_its_key_as_none():
     assert values == {"bad": None, "list": None, "empty": [], "after": -3} and end == len(buf)
     with pytest.raises((ValueError, struct.error)):
         read_values(memoryview(buf[:-10]), 0, 4)   # a cut file: an error, not a wrong value
+
+
+def test_a_gguf_whose_private_parse_differs_keeps_its_own(tmp_path, monkeypatch):
+    """The fast parse overrides a private method of the installed gguf only where that method is the
+    one it was written against; under another signature the reader's own parse runs (same values)."""
+    path = tmp_path / "m.gguf"
+    write(path)
+    want = {k: f.contents() for k, f in gguf.GGUFReader(str(path)).fields.items()}
+    original = gguf.GGUFReader._build_fields
+
+    def other(self, offs, count, strict=False):   # what a later gguf might change it to
+        return original(self, offs, count)
+
+    monkeypatch.setattr(gguf.GGUFReader, "_build_fields", other)
+    reader = open_reader(path)
+    assert not hasattr(reader, "values") or not reader.values
+    assert metadata(reader) == want
