@@ -245,3 +245,23 @@ def test_the_loop_hands_the_heap_back_once_per_idle_spell(llm, monkeypatch):
             assert len(calls) == seed, "trimmed again while idle"
     finally:
         sched.stop()
+
+
+def test_a_chunk_before_the_prompts_last_skips_the_output_layer(native_llm):
+    """Stepper.pieces(..., logits=False) on the native form leaves the same state and returns no
+    logits (the output layer, a 49k x 576 matrix on SmolLM2, runs for a prompt's last chunk only)."""
+    m, step = native_llm.model, native_llm.step
+    tokens = torch.tensor([ids(40, 9)])
+    results = []
+    for want_logits in (True, False):
+        state = m.init_state(1, 48, "softmax")
+        work = step.pieces(tokens, state, logits=want_logits)
+        while True:
+            try:
+                next(work)
+            except StopIteration as done:
+                results.append((done.value, state))
+                break
+    (with_head, a), (without, b) = results
+    assert with_head is not None and without is None
+    assert torch.equal(a.k[..., :40, :], b.k[..., :40, :]) and a.slots == b.slots == 40

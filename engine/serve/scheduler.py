@@ -443,14 +443,14 @@ class Scheduler:
                 if p.work is None:
                     n = min(self.chunk, p.left)
                     tokens = torch.tensor([job.ids[p.done:p.done + n]], device=self.model.device)   # (1, n)
-                    p.work, p.work_ids, p.work_s = self.stepper.pieces(tokens, p.state), n, 0.0
+                    p.work, p.work_ids, p.work_s = self.stepper.pieces(tokens, p.state, logits=n == p.left), n, 0.0
                 try:
                     next(p.work)
                     self._pieces_fed += 1
                     p.work_s += time.perf_counter() - t0
                     self.piece_s += 0.2 * (time.perf_counter() - t0 - self.piece_s)
-                except StopIteration as finished:
-                    p.logits = finished.value[:, -1]                                        # (1, V)
+                except StopIteration as finished:   # (a chunk before the prompt's last: no logits)
+                    p.logits = finished.value[:, -1] if finished.value is not None else None   # (1, V)
                     p.done += p.work_ids
                     self.cache.record_prefill(p.work_ids, p.work_s + time.perf_counter() - t0)
                     p.work = None

@@ -142,27 +142,31 @@ class Stepper:
         self.last_prefill_form = "module"
         return self.model.step(tokens, state, valid=valid, last_only=last_only)
 
-    def pieces(self, tokens: torch.Tensor, state):
+    def pieces(self, tokens: torch.Tensor, state, logits: bool = True):
         """A prompt block (B, T) without pads, `self(tokens, state, last_only=True)` in pieces: a
         generator that yields after each piece of work and returns the same logits (StopIteration.value),
         bit for bit. The native form's chunks run a layer a piece; other forms a chunk a piece. Between
         pieces the state is open: nothing else may step it. The server feeds a long prompt this way, a
-        few pieces between decode steps (engine.serve.scheduler)."""
+        few pieces between decode steps (engine.serve.scheduler). logits=False: a block that is not
+        the prompt's last; the native form skips the output layer (the value returned is then None or
+        logits nobody should read)."""
         if tokens.shape[0] != 1:   # rows of one block prefill as they run alone: one piece
             logits = self(tokens, state, last_only=True)
             yield
             return logits
+        want, out = logits, None
         chunk = self.prefill_chunk or tokens.shape[1]
         for s in range(0, tokens.shape[1], chunk):
             block = tokens[:, s:s + chunk]
             form = self._native_prefill(state, block) if block.shape[1] > 1 else None
             if form is not None and hasattr(form, "prefill_pieces"):
                 self.last_prefill_form = form.name
-                logits = yield from form.prefill_pieces(block, state)
+                head = want and s + chunk >= tokens.shape[1]   # the call's last chunk, when asked
+                out = yield from form.prefill_pieces(block, state, head=head)
             else:
-                logits = self._block(block, state, None)
+                out = self._block(block, state, None)
                 yield
-        return logits
+        return out
 
     def _one_token(self, tokens: torch.Tensor, state) -> torch.Tensor:
         refused = []

@@ -226,11 +226,12 @@ class NativeDecoder:
             except StopIteration as done:
                 return done.value
 
-    def prefill_pieces(self, tokens: torch.Tensor, state, layers: int = 1):
+    def prefill_pieces(self, tokens: torch.Tensor, state, layers: int = 1, head: bool = True):
         """`prefill` in pieces of `layers` layers: a generator that yields after each piece and
         returns prefill's logits (StopIteration.value), bit for bit (the residual stream waits in the
         prefill plan's scratch between pieces). Until it returns, the state is open: nothing else may
-        step it (the server's scheduler decodes other states between pieces)."""
+        step it (the server's scheduler decodes other states between pieces). head=False: a block
+        whose logits nobody reads (not a prompt's last): the output layer is skipped, None returned."""
         span = state.open(tokens)            # shape and capacity checks, as PyTorch
         B, T = tokens.shape
         ids = tokens.to(torch.int64).contiguous()
@@ -249,14 +250,14 @@ class NativeDecoder:
                 n = min(PREFILL_ROWS, T - t0)
                 slot = span.start + t0
                 rope = (None, None) if cos is None else (cos[slot].data_ptr(), sin[slot].data_ptr())
-                out = logits[b].data_ptr() if t0 + n == T else None     # the head for the last block only
+                out = logits[b].data_ptr() if head and t0 + n == T else None   # the head for the last block only
                 for l0 in range(0, self.L, layers):
                     self.prefill_plan.seq = b
                     self.library.gen_prefill_layers(ref, PREFILL_ROWS, n, ids.data_ptr() + b * row_bytes + 8 * t0,
                                                     slot, *rope, None, out, l0, min(l0 + layers, self.L))
                     yield
         state.commit(span)
-        return logits
+        return logits if head else None
 
     def _rope_rows(self, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """The fp32 rotary tables with at least n rows: the model's, asked for again only when they

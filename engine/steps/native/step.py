@@ -91,9 +91,9 @@ class NativeStep:
         """tokens (B, T) -> the last position's logits (B, 1, V), on the thread pool."""
         return self._plan(state).prefill(tokens, state)
 
-    def prefill_pieces(self, tokens: torch.Tensor, state, layers: int = 1):
+    def prefill_pieces(self, tokens: torch.Tensor, state, layers: int = 1, head: bool = True):
         """`prefill` as a generator of pieces of `layers` layers (NativeDecoder.prefill_pieces)."""
-        return self._plan(state).prefill_pieces(tokens, state, layers)
+        return self._plan(state).prefill_pieces(tokens, state, layers, head)
 
     def weights_read(self) -> str:
         """What this step reads for the model's matrices (engine.quant.weights_label's names), from
