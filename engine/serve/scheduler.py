@@ -15,15 +15,18 @@ Each attention path has a `Pool`: one batch state holding every active sequence 
 and the jobs in row order. A loop iteration (1) admits queued jobs: each gets a batch-1 state
 (restored from the prefix cache when its prompt extends a cached one; prompts of one path and
 length that fit one chunk, arriving together, are prefilled at once as one unpadded batch, then
-split); (2) prefills: every prompt with at most one chunk left is finished, and the oldest longer
-one advances by one chunk of `stepper.prefill_chunk` tokens (chunked prefill, as vLLM and
-llama-server do: a long prompt is fed between decode steps, so the running streams keep flowing;
-the chunks start where the stepper's own would, so the tokens equal the API's); a prompt done has
-its first token sampled and its state joined to its pool's batch (`State.concat`: a KV row is
-right-aligned, its leading slots masked pads, so it keeps its own positions); (3) runs one decode
-step per pool over every row; (4) drops finished and cancelled rows (`State.select_rows`, which
-also trims pad slots no kept row needs). Prompts being prefilled hold a row's place: they count
-against max_batch.
+split); (2) prefills: while sequences decode, prompts advance in pieces (`Stepper.pieces`: a layer
+of a chunk of `stepper.prefill_chunk` tokens on the native step, the same bits as the whole chunk),
+oldest first, for about `prefill_share` decode steps' time (chunked prefill, as vLLM and
+llama-server do, sliced finer: the running streams keep flowing whatever the prompt's length; the
+chunks start where the stepper's own would, so the tokens equal the API's); with nothing decoding a
+prompt runs whole; a prompt done has its first token sampled and its state joined to its pool's
+batch (`State.concat`: a KV row is right-aligned, its leading slots pads, never written or read, so
+it keeps its own positions); (3) runs one decode step per pool over every row; (4) drops finished
+and cancelled rows (`State.select_rows`, which also trims pad slots no kept row needs), except
+while a going row holds a long KV cache: finished rows then ride along, decoded and ignored
+(`Pool.layout`), until they are as many as the going rows. Prompts being prefilled hold a row's
+place: they count against max_batch. Idle, the loop hands the C heap's free pages back once.
 
 A request for n choices is one job with n - 1 `copies`: queued, admitted and cancelled as one
 (it takes n rows); its prompt is prefilled once and each copy starts from a copy of that state
