@@ -18,15 +18,16 @@ import json
 import os
 
 
-def rss() -> dict:
-    """VmRSS, RssAnon, RssFile and VmHWM of this process in MB."""
+def rss(exact: bool = False) -> dict:
+    """VmRSS, RssAnon, RssFile and VmHWM of this process in MB (10^6 bytes; whole MB unless exact)."""
     keys = {"VmRSS": "rss", "RssAnon": "anon", "RssFile": "file", "VmHWM": "peak"}
     out = {}
     with open("/proc/self/status") as f:
         for line in f:
             name, _, value = line.partition(":")
             if name in keys:
-                out[keys[name]] = round(int(value.split()[0]) / 1024 * 1.048576)
+                mb = int(value.split()[0]) * 1024 / 1e6
+                out[keys[name]] = mb if exact else round(mb)
     return out
 
 

@@ -21,16 +21,11 @@ import re
 import sys
 import tempfile
 
+from load_memory import rss
+
 
 def status() -> dict:
-    keys = {"VmRSS": "rss", "RssAnon": "anon", "RssFile": "file", "VmHWM": "peak"}
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            name, _, value = line.partition(":")
-            if name in keys:
-                out[keys[name]] = int(value.split()[0]) * 1024 / 1e6
-    return out
+    return rss(exact=True)
 
 
 def file_pages() -> dict:

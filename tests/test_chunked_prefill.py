@@ -73,36 +73,40 @@ def greedy():
     return SamplingParams(temperature=0.0)
 
 
-@pytest.mark.parametrize("path", ["softmax", "linear"])
-def test_a_long_prompt_is_fed_between_decode_steps(llm, path):
-    sched = Scheduler(llm.model, llm.tokenizer, llm.step, max_batch=4)
+def admitted_while_running(sched, path: str, n: int, max_tokens: int) -> tuple[int, list[int]]:
+    """A stream runs on `path`; an n-token prompt (ids(n, 4)) arrives. Returns the stream's tokens
+    between the prompt's arrival and its first token, and the prompt's tokens."""
     sched.start()
     try:
         running = Collector()
         sched.submit(Job(ids(8, 3), path, greedy(), max_tokens=10_000, emit=running, ignore_eos=True))
         while len(running.ids) < 3:
             running.done.wait(0.01)
-        late = Collector()
-        first_seen = []
+        late, first_seen = Collector(), []
 
         def on_late(event):
             if not first_seen:
                 first_seen.append(len(running.ids))
             late(event)
         at_submit = len(running.ids)
-        sched.submit(Job(ids(LONG, 4), path, greedy(), max_tokens=8, emit=on_late))
+        sched.submit(Job(ids(n, 4), path, greedy(), max_tokens=max_tokens, emit=on_late))
         assert late.done.wait(60), late.failed
         assert late.failed is None
-        between = first_seen[0] - at_submit
-        chunks = -(-LONG // llm.step.prefill_chunk)
-        print(f"{between} tokens of the running stream while {chunks} chunks were fed")
-        assert between >= chunks - 2      # one decode step per chunk (one iteration may have begun already)
-        alone = LLM(llm.model, llm.tokenizer, attention=path).generate([ids(LONG, 4)], max_new_tokens=8, temperature=0,
-                                                                     max_context=LONG + 8)[0]
-        assert late.ids == alone.ids      # the server's chunks are the API's: the same tokens
+        return first_seen[0] - at_submit, late.ids
     finally:
         running_job_cancel(sched)
         sched.stop()
+
+
+@pytest.mark.parametrize("path", ["softmax", "linear"])
+def test_a_long_prompt_is_fed_between_decode_steps(llm, path):
+    between, got = admitted_while_running(Scheduler(llm.model, llm.tokenizer, llm.step, max_batch=4), path, LONG, 8)
+    chunks = -(-LONG // llm.step.prefill_chunk)
+    print(f"{between} tokens of the running stream while {chunks} chunks were fed")
+    assert between >= chunks - 2      # one decode step per chunk (one iteration may have begun already)
+    alone = LLM(llm.model, llm.tokenizer, attention=path).generate([ids(LONG, 4)], max_new_tokens=8, temperature=0,
+                                                                 max_context=LONG + 8)[0]
+    assert got == alone.ids           # the server's chunks are the API's: the same tokens
 
 
 def running_job_cancel(sched):
@@ -169,33 +173,13 @@ def test_a_prompt_fed_in_pieces_equals_it_fed_whole(native_llm, path):
 def test_a_long_prompt_goes_a_layer_at_a_time_between_decode_steps(native_llm):
     """With no time to share (prefill_share 0) the server feeds one piece, a layer of a chunk, per
     iteration: the running stream gets a token per piece, and the long prompt's tokens are the API's."""
-    llm = native_llm
+    llm, n = native_llm, 100
     sched = Scheduler(llm.model, llm.tokenizer, llm.step, max_batch=4, prefill_share=0.0)
-    sched.start()
-    try:
-        running = Collector()
-        sched.submit(Job(ids(8, 3), "softmax", greedy(), max_tokens=10_000, emit=running, ignore_eos=True))
-        while len(running.ids) < 3:
-            running.done.wait(0.01)
-        late, first_seen = Collector(), []
-
-        def on_late(event):
-            if not first_seen:
-                first_seen.append(len(running.ids))
-            late(event)
-        at_submit = len(running.ids)
-        n = 100
-        sched.submit(Job(ids(n, 4), "softmax", greedy(), max_tokens=6, emit=on_late))
-        assert late.done.wait(60), late.failed
-        pieces = -(-n // llm.step.prefill_chunk) * llm.model.config.num_hidden_layers
-        between = first_seen[0] - at_submit
-        print(f"{between} tokens of the running stream while {pieces} pieces were fed")
-        assert between >= pieces - 2
-        alone = llm.generate([ids(n, 4)], max_new_tokens=6, temperature=0, max_context=n + 6)[0]
-        assert late.ids == alone.ids
-    finally:
-        running_job_cancel(sched)
-        sched.stop()
+    between, got = admitted_while_running(sched, "softmax", n, 6)
+    pieces = -(-n // llm.step.prefill_chunk) * llm.model.config.num_hidden_layers
+    print(f"{between} tokens of the running stream while {pieces} pieces were fed")
+    assert between >= pieces - 2
+    assert got == llm.generate([ids(n, 4)], max_new_tokens=6, temperature=0, max_context=n + 6)[0].ids
 
 
 def test_a_prompt_state_in_the_prefix_cache_keeps_no_step_plan(native_llm):
