@@ -77,14 +77,18 @@ def test_gen_against_its_own_logits_reads_as_zero_divergence(kquant_file, tmp_pa
             return model(torch.from_numpy(tokens[c:c + 1]).long()[:, :-1])[0, first:].float().numpy()
 
     write_base(tmp_path / "base.kld", tokens, logits)
-    rec = run(monkeypatch, capsys, kquant_file, tmp_path / "base.kld", "--forms", "torch,native", "--threads", 1)
+    write_base(tmp_path / "shifted.kld", tokens, lambda c: logits(c) + np.arange(CFG["vocab_size"]) / 50)
+    rec = run(monkeypatch, capsys, kquant_file, tmp_path / "base.kld", tmp_path / "shifted.kld",
+              "--forms", "torch,native", "--threads", 1, "--batch-size", 2)
     assert rec["chunks"] == N_CHUNK and rec["targets_per_chunk"] == N_CTX - 1 - first
     torch_form, native = rec["forms"]["torch"], rec["forms"]["native"]
     assert torch_form["targets"] == N_CHUNK * (N_CTX - 1 - first)
-    assert torch_form["same_top"] == 1.0
-    assert abs(torch_form["kld_mean"]) < 1e-5      # only the stored rows' 16-bit steps and fp32 header
-    assert abs(torch_form["ppl"] / torch_form["ppl_llama"] - 1) < 1e-5
-    assert native["kld_mean"] < 1e-3 and native["step_form"] == "native"   # the C step's q8 rounding, no more
+    same, shifted = torch_form["against"]["base"], torch_form["against"]["shifted"]
+    assert same["same_top"] == 1.0
+    assert abs(same["kld_mean"]) < 1e-5      # only the stored rows' 16-bit steps and fp32 header
+    assert abs(torch_form["ppl"] / same["ppl_llama"] - 1) < 1e-5
+    assert shifted["kld_mean"] > 0.01 and abs(torch_form["ppl"] / shifted["ppl_llama"] - 1) > 1e-3   # each base its own
+    assert native["against"]["base"]["kld_mean"] < 1e-3 and native["step_form"] == "native"   # the C step's q8 rounding
 
 
 def test_another_models_file_is_refused(kquant_file, tmp_path, monkeypatch, capsys):
@@ -100,3 +104,20 @@ def test_another_models_file_is_refused(kquant_file, tmp_path, monkeypatch, caps
     (tmp_path / "bad.kld").write_bytes(b"not a logits file")
     with pytest.raises(SystemExit, match="kl-divergence-base"):
         run(monkeypatch, capsys, kquant_file, tmp_path / "bad.kld")
+
+
+def test_weights_are_checked_against_a_float_copy(kquant_file, tmp_path):
+    """--f32: gen's decoded blocks against a float copy of the same file (llama-quantize's F32 in real
+    runs; here one written from gen's own decoding): equal, and one changed weight is named."""
+    from engine.quant import dequantize_model
+    model = engine.load(str(kquant_file), attention="softmax").model
+    floats = engine.load(str(kquant_file), attention="softmax").model
+    dequantize_model(floats)
+    write_gguf(tmp_path / "f32.gguf", floats, None, template=None, write_tokenizer=lambda w: None)
+    rec = lcpp_perplexity.weights_against(model, str(tmp_path / "f32.gguf"))
+    assert rec["max_abs_diff"] == 0 and rec["differing"] == [] and {"q4_k", "q6_k"} <= set(rec["block_kinds"])
+    with torch.no_grad():
+        floats.layers[1].mlp.down_proj.weight[3, 7] += 1e-3
+    write_gguf(tmp_path / "off.gguf", floats, None, template=None, write_tokenizer=lambda w: None)
+    rec = lcpp_perplexity.weights_against(model, str(tmp_path / "off.gguf"))
+    assert rec["differing"] == ["layers.1.mlp.down_proj.weight"] and rec["max_abs_diff"] == pytest.approx(1e-3, rel=1e-3)
