@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 import engine
+from common import write_json
 from engine.quant import QuantEmbedding, QuantLinear, QuantStack, dequantize_model, q8_reference
 from engine.steps import make_step
 
@@ -209,8 +210,7 @@ def main() -> None:
     rec["forms"] = forms
     print(json.dumps(rec))
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rec, f, indent=1)
+        write_json(a.json, rec)
 
 
 if __name__ == "__main__":
