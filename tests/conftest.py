@@ -289,3 +289,15 @@ def module_and_native_steps(model, step, ref, fast, follow):
         b.append(step(t[:, None], fast))
         assert step.last_form == "native", step.fallback
     return torch.cat(a, 1), torch.cat(b, 1)
+
+
+def check_rows_alone(step, model, prompt, rows, max_len: int = 40) -> None:
+    """Rows (B, 1) stepped in one batch after the same prompt get the bits each gets alone."""
+    B = rows.shape[0]
+    state = model.init_state(B, max_len, "softmax")
+    step(prompt.expand(B, -1).contiguous(), state, last_only=True)
+    both = step(rows, state)
+    for b in range(B):
+        alone = model.init_state(1, max_len, "softmax")
+        step(prompt, alone, last_only=True)
+        assert torch.equal(step(rows[b:b + 1], alone), both[b:b + 1])

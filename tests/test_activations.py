@@ -11,7 +11,7 @@ from engine import load
 from engine.errors import InvalidArgumentError
 from engine.quant import quantize_model
 from engine.steps import DEFAULT_ACTIVATIONS, Stepper
-from tests.conftest import tiny_model
+from tests.conftest import check_rows_alone, tiny_model
 
 pytestmark = pytest.mark.usefixtures("native_built")   # tests/conftest.py: built, or skipped with the reason
 
@@ -71,14 +71,7 @@ def test_f32_prompt_reads_the_prompt_in_f32_and_decodes_in_q8():
 def test_f32_rows_are_the_same_in_a_batch():
     model = model_of("q4_1")
     step = Stepper(model, "native", activations="f32")
-    rows = torch.randint(3, 160, (3, 1), generator=torch.Generator().manual_seed(2))
-    state = model.init_state(3, 40, "softmax")
-    step(PROMPT.expand(3, -1).contiguous(), state, last_only=True)
-    both = step(rows, state)
-    for b in range(3):
-        alone = model.init_state(1, 40, "softmax")
-        step(PROMPT, alone, last_only=True)
-        assert torch.equal(step(rows[b:b + 1], alone), both[b:b + 1])
+    check_rows_alone(step, model, PROMPT, torch.randint(3, 160, (3, 1), generator=torch.Generator().manual_seed(2)))
 
 
 def test_bad_activations_is_one_line():

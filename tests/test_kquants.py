@@ -19,7 +19,7 @@ gguf = pytest.importorskip("gguf", reason="the gguf package is not installed")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 from chat_fixtures import random_k_blocks, write_gguf  # noqa: E402
-from conftest import tiny_model  # noqa: E402
+from conftest import check_rows_alone, tiny_model  # noqa: E402
 from engine.loader import load_model  # noqa: E402
 from engine.quant import (K_BLOCK_BYTES, QuantLinear, QuantStack, dequantize, linear_q8,  # noqa: E402
                           q8_reference, quantize_activations)
@@ -219,14 +219,7 @@ def test_batched_rows_equal_each_alone(native, k_m):
     """A K-quant stack in a batch of 3 gives each row the bits it gets alone (q8 decode)."""
     _, _, _, model = k_m
     step = Stepper(model, "native", threads=2, activations="q8")
-    rows = torch.tensor([[3], [77], [150]])
-    state = model.init_state(3, 40, "softmax")
-    step(PROMPT.expand(3, -1).contiguous(), state, last_only=True)
-    both = step(rows, state)
-    for b in range(3):
-        alone = model.init_state(1, 40, "softmax")
-        step(PROMPT, alone, last_only=True)
-        assert torch.equal(step(rows[b:b + 1], alone), both[b:b + 1])
+    check_rows_alone(step, model, PROMPT, torch.tensor([[3], [77], [150]]))
 
 
 def test_torch_step_equals_the_module_path(k_m):
