@@ -502,10 +502,11 @@ def _linearize(a: LinearizeArgs, g: Group, log, on_step) -> dict | None:
                  "eval_rows": eval_rows.shape[0],
                  "finetune_tokens_seen": state["finetune_done"] * a.finetune_batch * a.seq_len}
     g.barrier()
-    if not g.main:
-        return None
-    summary = write_output(model, a, state, used, layer_attention if a.hybrid else None, t0, rows_used, lora, g)
-    shutil.rmtree(progress.dir, ignore_errors=True)
+    summary = None
+    if g.main:
+        summary = write_output(model, a, state, used, layer_attention if a.hybrid else None, t0, rows_used, lora, g)
+        shutil.rmtree(progress.dir, ignore_errors=True)
+    g.barrier()   # the ranks leave the group together: none tears it down while rank 0 still writes
     return summary
 
 
