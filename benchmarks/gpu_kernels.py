@@ -11,6 +11,10 @@ heads (G 4), head 64, a bfloat16 KV cache and query, an fp32 linear state.
   (featurize, `linear_attention_step`, cast), and `linear_decode` vs `linear_attention_step` on a
   hedgehog-sized state (F 128) with a gated decay; per batch (the state does not grow with depth).
   Bandwidth: the S and z bytes read / time (the step also writes them back: twice the traffic).
+- hedgehog: `linear_decode_hedgehog` (random hedgehog maps with a gated decay applied inside the kernel,
+  from bf16 q, k, v) vs LinearState's route before it (the map and its gate in torch, then
+  `linear_decode`), and the kernel under other blocks (engine.kernels.linear.HEDGEHOG_TILE, the products
+  of its weight tile, and HEDGEHOG_WARPS: "tile x warps" rows) to check the defaults on a real GPU.
 Time: the median of --reps calls, each timed alone with CUDA events after a 256 MiB write that
 evicts the L2 cache (so a small state is read from memory, as in a real step, not from L2).
 Exits 2 without CUDA. The kernels are internals on purpose (engine.kernels, engine.attention): this
@@ -25,10 +29,12 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from engine.attention.feature_maps import Elu1
+from engine.attention.feature_maps import Elu1, Hedgehog
+from engine.attention.linear import hedgehog_layer
 from engine.attention.softmax import one_query_attention
-from engine.kernels import (linear_attention_step, linear_decode, linear_decode_elu1, softmax_decode,
-                            why_not)
+from engine.kernels import (linear_attention_step, linear_decode, linear_decode_elu1, linear_decode_hedgehog,
+                            softmax_decode, why_not)
+from engine.kernels import linear as linear_kernels
 
 HKV, G, D = 8, 4, 64
 
@@ -129,6 +135,52 @@ def linear_rows(timer, B):
     return rows
 
 
+def hedgehog_torch_map(fm, layer, q, k, v, S, z):
+    """LinearState's decode step of a hedgehog map before the map was fused: the map, its gated decay in
+    torch, then the fused step."""
+    B, H = q.shape[:2]
+    ld = fm.decay(layer, v)
+    phi_k = fm(k, layer, "k")
+    phi_q = fm(q, layer, "q").view(B, HKV, G, 1, phi_k.shape[-1])
+    return linear_decode(phi_q, phi_k, v, S, z, ld[:, :, 0].exp(), out_dtype=q.dtype).view(B, H, 1, -1)
+
+
+def hedgehog_rows(timer, B):
+    fm = Hedgehog(2, HKV * G, HKV, D)
+    fm.add_gate()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in fm.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    fm = fm.cuda().requires_grad_(False)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(B, HKV * G, 1, D, device="cuda", generator=g).bfloat16()
+    k, v = [torch.randn(B, HKV, 1, D, device="cuda", generator=g).bfloat16() for _ in range(2)]
+    S = torch.zeros(B, HKV, 2 * D, D, device="cuda")
+    z = torch.zeros(B, HKV, 2 * D, device="cuda")
+    maps = hedgehog_layer(fm, 1)
+    nbytes = (S.numel() + z.numel()) * 4
+    forms = {"linear_decode_hedgehog": lambda: linear_decode_hedgehog(q, k, v, S, z, maps),
+             "torch map + linear_decode": lambda: hedgehog_torch_map(fm, 1, q, k, v, S, z)}
+    rows = []
+    with torch.inference_mode():
+        for name, fn in forms.items():
+            ms = timer(fn)
+            rows.append({"op": "hedgehog gated F128", "form": name, "batch": B, "ms": ms, "bytes": nbytes,
+                         "GB/s": nbytes / ms / 1e6})
+        saved = linear_kernels.HEDGEHOG_TILE, linear_kernels.HEDGEHOG_WARPS
+        try:
+            for tile in (1024, 2048, 4096, 8192):
+                for warps in (4, 8):
+                    linear_kernels.HEDGEHOG_TILE, linear_kernels.HEDGEHOG_WARPS = tile, warps
+                    ms = timer(forms["linear_decode_hedgehog"])
+                    rows.append({"op": "hedgehog gated F128", "form": f"kernel, tile {tile} x {warps} warps",
+                                 "batch": B, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6})
+        finally:
+            linear_kernels.HEDGEHOG_TILE, linear_kernels.HEDGEHOG_WARPS = saved
+    return rows
+
+
 def table(rows) -> str:
     lines = ["| op | batch | depth | form | ms | GB/s |", "| --- | ---: | ---: | --- | ---: | ---: |"]
     for r in rows:
@@ -153,6 +205,7 @@ def main(argv=None) -> int:
     rows = []
     for B in sorted({b for b, _ in args.shapes}):
         rows += linear_rows(timer, B)
+        rows += hedgehog_rows(timer, B)
     for B, N in args.shapes:
         rows += softmax_rows(timer, B, N)
         torch.cuda.empty_cache()

@@ -6,6 +6,13 @@ shipped hedgehog + gated decay maps" on a model too big to linearize here.
     python benchmarks/gpu_maps.py MODEL_DIR [--device cuda] [--dtype bfloat16] [--batch 1] [--depth 1024]
         [--backend graph] [--steps 64] [--json FILE]
 
+Rows: softmax, linear elu1, linear hedgehog + gated decay with the map inside the fused decode kernel
+(what LinearState picks on CUDA), and the same hedgehog map featurized in torch before the fused step
+(the route before the map was fused: `engine.attention.linear.why_not_hedgehog` patched to refuse), so
+the map's fusion is an A/B in one process. The `map` column says where the map ran: "in kernel" or the
+reason it ran in torch (`LinearState.map_in_kernel_why_not`, asked eagerly: under `--backend compiled`
+the traced torch form runs whatever it says).
+
 Each configuration: a state of depth + steps + warm-up slots, `--prefill` real tokens prefilled (the KV
 cache's remaining depth filled by repeating them, as `gen bench --prefill-tokens` does), then `--warmup`
 untimed and `--steps` timed one-token steps through the run's step (`engine.load`, then per
@@ -23,8 +30,11 @@ import time
 import torch
 
 import engine
+from engine.attention import linear as attention_linear
 from engine.attention.feature_maps import Hedgehog
 from runs import with_run
+
+TORCH_MAP = "hedgehog (map in torch)"   # the A/B row: the torch featurization before the fused step
 
 
 def with_gated_maps(model, seed: int = 0):
@@ -45,8 +55,32 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
+def map_where(state, model) -> str:
+    """Where a linear state's decode applies its feature map: "in kernel", or why not."""
+    if state.path != "linear":
+        return "-"
+    cfg = model.config
+    q = torch.zeros(state.S.shape[1], cfg.num_attention_heads, 1, cfg.head_dim, device=model.device, dtype=model.dtype)
+    kv = torch.zeros(state.S.shape[1], cfg.num_key_value_heads, 1, cfg.head_dim, device=model.device, dtype=model.dtype)
+    reason = state.map_in_kernel_why_not(0, q, kv, kv)
+    return "in kernel" if reason is None else reason
+
+
+class MapInTorch:
+    """Within it, LinearState featurizes a hedgehog map in torch before the fused step (as before the fusion)."""
+    def __enter__(self):
+        self.saved = attention_linear.why_not_hedgehog
+        attention_linear.why_not_hedgehog = lambda *args: "the A/B row: the map featurized in torch"
+
+    def __exit__(self, *exc):
+        attention_linear.why_not_hedgehog = self.saved
+
+
 @torch.inference_mode()
 def time_config(llm, attention, feature_map, a) -> dict:
+    if feature_map == TORCH_MAP:
+        with MapInTorch():
+            return dict(time_config(llm, attention, "hedgehog", a), feature_map=TORCH_MAP)
     model = llm.model
     step = with_run(llm).step                    # a fresh step per configuration
     B, n = a.batch, a.depth + a.warmup + a.steps + 1
@@ -73,7 +107,7 @@ def time_config(llm, attention, feature_map, a) -> dict:
     ms = statistics.median(times) * 1e3
     return {"attention": attention, "feature_map": feature_map, "batch": B, "depth": a.depth,
             "ms_per_step": round(ms, 4), "tokens_per_s": round(B * 1e3 / ms, 1), "state_bytes": state.nbytes,
-            "step_form": step.last_form, "fallback": step.fallback}
+            "step_form": step.last_form, "fallback": step.fallback, "map": map_where(state, model)}
 
 
 def main(argv=None) -> int:
@@ -95,14 +129,14 @@ def main(argv=None) -> int:
     llm = engine.load(a.model, device=a.device, dtype=a.dtype, backend=a.backend)
     model = with_gated_maps(llm.model)
     rows = [time_config(llm, att, fm, a) for att, fm in
-            (("softmax", None), ("linear", "elu1"), ("linear", "hedgehog"))]
+            (("softmax", None), ("linear", "elu1"), ("linear", "hedgehog"), ("linear", TORCH_MAP))]
     name = torch.cuda.get_device_name() if model.device.type == "cuda" else "cpu"
     print(f"{name}, torch {torch.__version__}, {a.model}, {a.dtype}, backend {a.backend}")
-    print("| attention | map | batch | depth | ms/step | tok/s | state bytes | form |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")
+    print("| attention | map | batch | depth | ms/step | tok/s | state bytes | form | map runs |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | --- |")
     for r in rows:
         print(f"| {r['attention']} | {r['feature_map'] or '-'} | {r['batch']} | {r['depth']} | {r['ms_per_step']} | "
-              f"{r['tokens_per_s']} | {r['state_bytes']:,} | {r['step_form']} |")
+              f"{r['tokens_per_s']} | {r['state_bytes']:,} | {r['step_form']} | {r['map']} |")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"device": name, "torch": torch.__version__, "args": vars(a), "results": rows}, f, indent=2)

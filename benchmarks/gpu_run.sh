@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Issue 35's GPU checks and figures in one run, on a machine with one CUDA GPU and no network:
-#   OUT=dir bash benchmarks/gpu_run.sh [full|compiled]     (everything lands in $OUT/gpu.tgz and $OUT/run.log)
+#   OUT=dir bash benchmarks/gpu_run.sh [full|compiled|hedgehog]   (everything lands in $OUT/gpu.tgz and $OUT/run.log)
+# `hedgehog` is the short run for the hedgehog map fused into the linear decode kernel: its CUDA tests, the
+# kernels alone, and benchmarks/gpu_maps.py under `graph` at batch 1 / depth 1k (the row it was slower than
+# softmax in: 2.84 vs 2.19 ms on an H100) and batch 32 / 32k, with the map-in-torch A/B row beside it.
 # 1. the CUDA tests (graph step, Triton kernels, serve/linearize/train/bench on --device cuda);
 # 2. a random checkpoint of Llama-3.2-1B's shape (benchmarks/random_checkpoint.py, bf16);
 # 3. the kernels alone (benchmarks/gpu_kernels.py);
@@ -42,18 +45,25 @@ bench() {   # name, args...
 
 step device 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader;
   python3 -c "import torch, triton, transformers; print(\"torch\", torch.__version__, \"triton\", triton.__version__, \"transformers\", transformers.__version__)"'
-if [ "$MODE" = compiled ]; then TESTS="tests/test_graph_step.py"; else
+if [ "$MODE" = compiled ]; then TESTS="tests/test_graph_step.py";
+elif [ "$MODE" = hedgehog ]; then TESTS="tests/test_kernels.py tests/test_graph_step.py"; else
   TESTS="tests/test_graph_step.py tests/test_kernels.py tests/test_bench_floor.py tests/test_device_training.py tests/test_serve_device.py"; fi
 TAIL=30 step tests 200 python3 -m pytest -q -n 4 -p no:cacheprovider -rs -p no:logging $TESTS \
   -k "(cuda or compile or bandwidth) and not bad_device and not needs_cuda and not compiled_static"
 step model 120 python3 benchmarks/random_checkpoint.py $M --device cuda
-[ "$MODE" = compiled ] || TAIL=30 step kernels 90 python3 benchmarks/gpu_kernels.py --json $W/gpu_kernels.json
-if [ "$MODE" = compiled ]; then   # the second run: the compiled+captured step beside the captured one and the anchor
+[ "$MODE" = compiled ] || TAIL=50 step kernels 150 python3 benchmarks/gpu_kernels.py --json $W/gpu_kernels.json
+# the hedgehog + gated decay row under `graph` at batch 1 (map fused in the kernel, and the map in torch: A/B)
+[ "$MODE" = compiled ] || TAIL=10 step maps_b1_graph 150 python3 benchmarks/gpu_maps.py $M --batch 1 --depth 1024 \
+  --backend graph --json $W/maps_b1_1k_graph.json
+if [ "$MODE" = hedgehog ]; then
+  TAIL=10 step maps_b32_graph 150 python3 benchmarks/gpu_maps.py $M --batch 32 --depth 32768 --backend graph \
+    --json $W/maps_b32_32k_graph.json
+elif [ "$MODE" = compiled ]; then   # the second run: the compiled+captured step beside the captured one and the anchor
   bench b1_graph --batch 1 --contexts 1024 --attention softmax,linear --backend graph
   bench b1_compiled --batch 1 --contexts 1024,32768 --attention softmax,linear --backend compiled
   step hf_compile 180 python3 benchmarks/hf_static_compile.py $M --depth 1024 --steps 64 --json $W/hf_compile_b1_1k.json
-  TAIL=8 step maps_b1 120 python3 benchmarks/gpu_maps.py $M --batch 1 --depth 1024 --json $W/maps_b1_1k.json
-  TAIL=8 step maps_b32 120 python3 benchmarks/gpu_maps.py $M --batch 32 --depth 32768 --json $W/maps_b32_32k.json
+  TAIL=10 step maps_b1 120 python3 benchmarks/gpu_maps.py $M --batch 1 --depth 1024 --json $W/maps_b1_1k.json
+  TAIL=10 step maps_b32 120 python3 benchmarks/gpu_maps.py $M --batch 32 --depth 32768 --json $W/maps_b32_32k.json
 else
   bench b1_graph --batch 1 --contexts 1024,8192,32768 --attention softmax,linear --backend graph
   bench b32_graph --batch 32 --contexts 1024,8192,32768 --attention softmax,linear --backend graph

@@ -17,9 +17,12 @@ import pytest
 import torch
 
 from engine.attention.feature_maps import Elu1, Hedgehog
-from engine.attention.linear import LinearState
+from engine.errors import InvalidArgumentError
+from engine.attention import linear as attention_linear
+from engine.attention.linear import LinearState, hedgehog_layer
 from engine.attention.softmax import one_query_attention
-from engine.kernels import backend, linear_attention_step, linear_decode, linear_decode_elu1, softmax_decode
+from engine.kernels import (backend, linear_attention_step, linear_decode, linear_decode_elu1, linear_decode_hedgehog,
+                            softmax_decode, why_not_hedgehog)
 from engine.kernels import linear as linear_mod
 from engine.kernels import softmax as softmax_mod
 from tests.conftest import ROOT, tiny_config
@@ -55,7 +58,8 @@ def test_kernels_under_the_interpreter():
 
 @needs_triton
 @pytest.mark.skipif(INTERPRETED, reason="this is the interpreted run")
-@pytest.mark.parametrize("kernel", ["linear-elu1", "softmax-bf16", "softmax-fp32", "softmax-combine"])
+@pytest.mark.parametrize("kernel", ["linear-elu1", "linear-hedgehog-gated", "linear-hedgehog", "softmax-bf16",
+                                    "softmax-fp32", "softmax-combine"])
 def test_kernels_compile_for_hopper(kernel):
     """The compiled path, which the interpreter does not take (tl.dot on bfloat16 tensor cores, the
     constexpr branches), compiles for sm_90 on any machine: Triton ships its own ptxas."""
@@ -65,6 +69,11 @@ def test_kernels_compile_for_hopper(kernel):
     fn, types, constexprs = {
         "linear-elu1": (("linear_triton", "linear_decode_kernel"), {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16"},
                         dict(F=64, ELU1=True, HAS_DECAY=True, GB=4, BLOCK_F=32, BLOCK_DV=64)),
+        "linear-hedgehog-gated": (("linear_triton", "hedgehog_decode_kernel"),
+                                  {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16"},
+                                  dict(D=64, HAS_DECAY=True, HAS_GATE=True, GB=4, BLOCK_F=32, BLOCK_D=64)),
+        "linear-hedgehog": (("linear_triton", "hedgehog_decode_kernel"), {"qw_ptr": "*bf16", "kw_ptr": "*fp16"},
+                            dict(D=128, HAS_DECAY=False, HAS_GATE=False, GB=2, BLOCK_F=32, BLOCK_D=128)),
         "softmax-bf16": (("softmax_triton", "softmax_split_kernel"), {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "n_ptr": "*i64",
                                                 "real_ptr": "*u8"},
                          dict(HAS_N=True, HAS_REAL=True, SCALE_PTR=True, FP32_DOT=False, INTERPRET=False,
@@ -77,7 +86,7 @@ def test_kernels_compile_for_hopper(kernel):
     jitted = backend.kernel(*fn)
     names = list(inspect.signature(jitted.fn).parameters)
     signature = {n: "constexpr" if n in constexprs else types.get(n, "*fp32" if n.endswith("_ptr") else
-                 "fp32" if n in ("eps", "scale") else "i32") for n in names}
+                 "fp32" if n in ("eps", "scale", "gate_eps") else "i32") for n in names}
     src = ASTSource(fn=jitted, signature=signature,
                     constexprs={(names.index(c),): v for c, v in constexprs.items()})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
@@ -96,6 +105,8 @@ def close(a, b, tol):
 
 
 # ---------------------------------------------------------------------------------------- linear
+
+FP32, BF16 = torch.float32, torch.bfloat16
 
 def linear_inputs(B, Hkv, G, F, Dv, decay, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
@@ -152,45 +163,141 @@ def test_elu1_fallback_is_the_maps_arithmetic():
     assert torch.equal(linear_mod.elu1(x), Elu1()(x))
 
 
-def hedgehog_state(B, H, Hkv, D, gated, seed=0):
-    cfg = tiny_config(num_attention_heads=H, num_key_value_heads=Hkv, hidden_size=H * D, num_hidden_layers=2)
+def hedgehog_maps(H, Hkv, D, parts, seed=0, scale=0.5, layers=2):
+    """Random hedgehog maps; parts: "" (the map alone), "decay" or "gated" (a decay with a gate)."""
+    cfg = tiny_config(num_attention_heads=H, num_key_value_heads=Hkv, hidden_size=H * D, num_hidden_layers=layers)
     fm = Hedgehog.for_config(cfg)
-    fm.add_gate() if gated else fm.add_decay()
+    if parts == "gated":
+        fm.add_gate()
+    elif parts == "decay":
+        fm.add_decay()
     g = torch.Generator().manual_seed(seed + 100)
     with torch.no_grad():
         for p in fm.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            p.copy_(torch.randn(p.shape, generator=g) * scale)
+    return cfg, fm
+
+
+def hedgehog_state(B, H, Hkv, D, parts, seed=0):
+    cfg, fm = hedgehog_maps(H, Hkv, D, parts, seed)
     return LinearState.allocate(cfg, B, None, "cpu", torch.float32, feature_map=fm)
 
 
+def no_torch_featurization(monkeypatch):
+    """LinearState's fused decode may not take its torch-featurized route (featurize, then linear_decode)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the map ran in torch: the fused map was not chosen")
+    monkeypatch.setattr(attention_linear, "linear_decode", refuse)
+
+
 @interpreted
-@pytest.mark.parametrize("fmap", ["elu1", "hedgehog", "hedgehog-gated"])
+@pytest.mark.parametrize("fmap, dtype", [("elu1", FP32), ("hedgehog", FP32), ("hedgehog-decay", FP32),
+                                         ("hedgehog-gated", FP32), ("hedgehog-gated", BF16)],
+                         ids=["elu1", "hedgehog", "hedgehog-decay", "hedgehog-gated", "hedgehog-gated-bf16"])
 @torch.no_grad()
-def test_state_fused_decode_matches_its_torch_step(fmap):
+def test_state_fused_decode_matches_its_torch_step(monkeypatch, fmap, dtype):
     """LinearState's decode step through the kernels (what it runs on CUDA) == its torch step, S and z
-    included: the learned maps featurized in torch, their decay (gated: per row) handed to the kernel."""
+    included: elu1 and the learned maps applied inside the kernel (chosen by the state: the torch
+    featurization is refused here), their decay (gated: per row) too. bf16 q, k, v: the state's own
+    torch step widens them as the kernel does."""
     B, H, Hkv, D = 2, 4, 2, 16
     if fmap == "elu1":
         cfg = tiny_config(num_attention_heads=H, num_key_value_heads=Hkv, hidden_size=H * D)
         state = LinearState.allocate(cfg, B, None, "cpu", torch.float32, feature_map="elu1")
     else:
-        state = hedgehog_state(B, H, Hkv, D, gated=fmap.endswith("gated"))
+        state = hedgehog_state(B, H, Hkv, D, fmap.removeprefix("hedgehog").removeprefix("-"))
+    no_torch_featurization(monkeypatch)
     g = torch.Generator().manual_seed(2)
     state.S.copy_(torch.randn(state.S.shape, generator=g))
     state.z.copy_(torch.rand(state.z.shape, generator=g) * 8)
     ref = LinearState(lengths=state.lengths.clone(), slots=0, S=state.S.clone(), z=state.z.clone(),
                       feature_map=state.feature_map)
     for _ in range(2):
-        q, k, v = torch.randn(B, H, 1, D, generator=g), torch.randn(B, Hkv, 1, D, generator=g), \
-            torch.randn(B, Hkv, 1, D, generator=g)
+        q, k, v = [(torch.randn(B, n, 1, D, generator=g) * 2).to(dtype) for n in (H, Hkv, Hkv)]
+        assert state.map_in_kernel_why_not(1, q, k, v) is None
         span = ref.open(torch.zeros(B, 1, dtype=torch.long))
         want = ref.attend(1, q, k, v, span)
         ref.commit(span)
         S, z = state._layers[1]
         got = state._fused_decode(1, q, k, v, S, z)
-        assert got.shape == want.shape
-        assert close(got, want, 1e-5)
+        assert got.shape == want.shape and got.dtype == want.dtype == dtype
+        assert close(got, want, 1e-5 if dtype == torch.float32 else 1e-2)
     assert close(state.S, ref.S, 1e-5) and close(state.z, ref.z, 1e-5)
+
+
+def hedgehog_reference_step(fm, layer, q, k, v, S, z):
+    """The torch step of LinearState with map fm: featurize in fp32, decay from fm.decay, linear_attention_step."""
+    B, H, _, D = q.shape
+    Hkv = k.shape[1]
+    phi_k = fm(k, layer, "k")
+    phi_q = fm(q, layer, "q").view(B, Hkv, H // Hkv, 1, 2 * D)
+    v32 = v.to(phi_k.dtype)
+    ld = fm.decay(layer, v32)
+    decay = None if ld is None else (ld if ld.dim() == 2 else ld[:, :, 0]).exp()
+    return linear_attention_step(phi_q, phi_k, v32, S, z, decay).view(B, H, 1, -1)
+
+
+SMOLLM2, ODD = (2, 9, 3, 64), (3, 6, 2, 24)
+
+
+@interpreted
+@pytest.mark.parametrize("shape, dtype, parts", [
+    (SMOLLM2, FP32, ""), (SMOLLM2, FP32, "decay"), (SMOLLM2, FP32, "gated"),
+    (SMOLLM2, BF16, ""), (SMOLLM2, BF16, "decay"), (SMOLLM2, BF16, "gated"),
+    (ODD, FP32, "gated"), (ODD, BF16, "")],
+    ids=["smollm2-fp32-map", "smollm2-fp32-decay", "smollm2-fp32-gated", "smollm2-bf16-map", "smollm2-bf16-decay",
+         "smollm2-bf16-gated", "odd-fp32-gated", "odd-bf16-map"])
+@torch.no_grad()
+def test_hedgehog_decode_applies_the_map_in_the_kernel(shape, dtype, parts):
+    """`linear_decode_hedgehog` from the raw q, k, v == the Hedgehog map's own featurization, decay and
+    gate + the torch step, two steps, S and z included. SmolLM2's attention (9 query heads on 3 kv heads
+    of 64, G 3 padded to a block of 4) on B 2, and D 24 (not a power of two: the column blocks and the
+    head's Dv are masked) with G 3 on B 3. q and k scaled up: softmaxes far from uniform. Layer 1 of 2,
+    maps of a strided layout (slices of the stacked parameters)."""
+    B, H, Hkv, D = shape
+    cfg, fm = hedgehog_maps(H, Hkv, D, parts, scale=0.3)
+    g = torch.Generator().manual_seed(7)
+    S = torch.randn(B, Hkv, 2 * D, D, generator=g)
+    z = torch.rand(B, Hkv, 2 * D, generator=g) * 8
+    S_r, z_r = S.clone(), z.clone()
+    maps = hedgehog_layer(fm, 1)
+    for _ in range(2):
+        q, k, v = [(torch.randn(B, n, 1, D, generator=g) * 2).to(dtype) for n in (H, Hkv, Hkv)]
+        assert why_not_hedgehog(q, k, v, S, z, maps) is None
+        out = linear_decode_hedgehog(q, k, v, S, z, maps)
+        ref = hedgehog_reference_step(fm, 1, q, k, v, S_r, z_r)
+        assert out.shape == (B, H, 1, D) and out.dtype == dtype
+        assert close(out, ref.to(dtype), 1e-5 if dtype == torch.float32 else 1e-2)
+    assert close(S, S_r, 1e-5) and close(z, z_r, 1e-5)
+
+
+@interpreted
+def test_hedgehog_in_kernel_refusals_name_their_reason():
+    """What the kernel does not read falls back to the torch map, with the reason: fp64 maps, maps on
+    another device than the query, maps of another head count, an fp64 state (the fused step's own)."""
+    B, H, Hkv, D = 1, 4, 2, 8
+    cfg, fm = hedgehog_maps(H, Hkv, D, "gated")
+    q, k, v = torch.randn(B, H, 1, D), torch.randn(B, Hkv, 1, D), torch.randn(B, Hkv, 1, D)
+    S, z = torch.zeros(B, Hkv, 2 * D, D), torch.zeros(B, Hkv, 2 * D)
+    maps = hedgehog_layer(fm, 0)
+    assert why_not_hedgehog(q, k, v, S, z, maps) is None
+    assert "float64 hedgehog maps" in why_not_hedgehog(q, k, v, S, z, maps._replace(q_weight=maps.q_weight.double()))
+    assert "q_weight (2, 8, 8)" in why_not_hedgehog(q, k, v, S, z, maps._replace(q_weight=maps.q_weight[:2]))
+    assert "the hedgehog maps are on meta" in why_not_hedgehog(q, k, v, S, z, maps._replace(k_bias=maps.k_bias.to("meta")))
+    assert "float64" in why_not_hedgehog(q, k, v, S.double(), z.double(), maps)
+    state = LinearState.allocate(cfg, B, None, "cpu", torch.float32, feature_map="relu")
+    assert "relu map has no in-kernel form" in state.map_in_kernel_why_not(0, q, k, v)
+
+
+def test_map_in_kernel_falls_back_on_cpu(monkeypatch):
+    """Off CUDA (and without the interpreter) the state says why the map is not in the kernel; a layer the
+    maps lack raises the map's own error, on either route."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    state = hedgehog_state(1, 4, 2, 8, "gated")
+    q, k, v = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8)
+    assert "CUDA" in state.map_in_kernel_why_not(0, q, k, v)
+    with pytest.raises(InvalidArgumentError, match="learned per layer"):
+        hedgehog_layer(state.feature_map, 2)
 
 
 def test_linear_decode_falls_back_to_the_torch_step_on_cpu(monkeypatch):
@@ -319,6 +426,30 @@ def test_cuda_linear_decode_elu1_bf16(B):
 
 @needs_cuda
 @pytest.mark.parametrize("B", [1, 32])
+@pytest.mark.parametrize("parts", ["", "gated"], ids=["map", "gated"])
+@torch.no_grad()
+def test_cuda_hedgehog_decode_llama_1b_shape(B, parts):
+    """The hedgehog map in the kernel, compiled, at Llama-3.2-1B's attention (32 on 8 heads of 64): bf16
+    q, k, v, fp32 maps (as linearized ones load), ten steps against the map + torch step, S and z included."""
+    H, Hkv, D = 32, 8, 64
+    cfg, fm = hedgehog_maps(H, Hkv, D, parts, scale=0.1)
+    fm = fm.cuda()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    S = torch.randn(B, Hkv, 2 * D, D, device="cuda", generator=g)
+    z = torch.rand(B, Hkv, 2 * D, device="cuda", generator=g) * 8
+    S_r, z_r = S.clone(), z.clone()
+    maps = hedgehog_layer(fm, 1)
+    for _ in range(10):
+        q, k, v = [torch.randn(B, n, 1, D, device="cuda", generator=g).bfloat16() for n in (H, Hkv, Hkv)]
+        assert why_not_hedgehog(q, k, v, S, z, maps) is None
+        out = linear_decode_hedgehog(q, k, v, S, z, maps)
+        ref = hedgehog_reference_step(fm, 1, q, k, v, S_r, z_r)
+        assert close(out, ref.bfloat16(), 1e-2)
+    assert close(S, S_r, 1e-4) and close(z, z_r, 1e-4)
+
+
+@needs_cuda
+@pytest.mark.parametrize("B", [1, 32])
 def test_cuda_softmax_decode_32k_bf16(B):
     """Hkv 8, G 4, D 64, a 32k-slot bf16 cache; rows of different lengths (the full cache among them),
     pad keys; against the fp32 torch form and SDPA over each row's real keys."""
@@ -383,6 +514,11 @@ def test_cuda_model_decode_through_the_kernels_equals_cpu(path):
     for device in ("cpu", "cuda"):
         m = model.to(device)
         state = m.init_state(3, 64, attention, feature_map=fmap, device=device)
+        if device == "cuda" and attention == "linear":   # the map runs inside the kernel (elu1, hedgehog)
+            cfg = m.config
+            q = torch.zeros(3, cfg.num_attention_heads, 1, cfg.head_dim, device=device)
+            k = torch.zeros(3, cfg.num_key_value_heads, 1, cfg.head_dim, device=device)
+            assert state.map_in_kernel_why_not(0, q, k, k) is None
         t = tokens.to(device)
         with torch.no_grad():
             out = [m.step(t[:, :12], state, last_only=True)]

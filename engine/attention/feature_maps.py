@@ -177,6 +177,13 @@ class Hedgehog(FeatureMap, nn.Module):
     def has_gate(self) -> bool:
         return self.gate_weight is not None
 
+    def check_layer(self, layer) -> None:
+        """Raise unless these maps have layer `layer` (the registry's instance has none)."""
+        if layer is None or layer >= self.k_weight.shape[0]:
+            raise InvalidArgumentError(
+                "the hedgehog feature map is learned per layer: load a model that ships its maps "
+                "(one written by gen linearize, e.g. smollm2-linear)")
+
     def decay(self, layer=None, v=None):
         if self.decay_logit is None:
             return None
@@ -194,10 +201,7 @@ class Hedgehog(FeatureMap, nn.Module):
     def __call__(self, x: torch.Tensor, layer: int | None = None, role: str = "k") -> torch.Tensor:
         """x (B, heads, T, D) with heads = H for role "q", Hkv for "k" -> (B, heads, T, 2D) fp32."""
         weight = self.q_weight if role == "q" else self.k_weight
-        if layer is None or layer >= weight.shape[0]:
-            raise InvalidArgumentError(
-                "the hedgehog feature map is learned per layer: load a model that ships its maps "
-                "(one written by gen linearize, e.g. smollm2-linear)")
+        self.check_layer(layer)
         bias = (self.q_bias if role == "q" else self.k_bias)[layer]                    # (heads, D)
         x = x if x.dtype in _WIDE else x.to(state_dtype(x.dtype))
         w = weight[layer]

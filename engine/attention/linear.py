@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.base import State, take_rows
-from engine.attention.feature_maps import Elu1, FeatureMap, get_feature_map, state_dtype
-from engine.kernels import linear_decode, linear_decode_elu1
+from engine.attention.feature_maps import GATE_EPS, Elu1, FeatureMap, Hedgehog, get_feature_map, state_dtype
+from engine.kernels import HedgehogLayer, linear_decode, linear_decode_elu1, linear_decode_hedgehog, why_not_hedgehog
 from engine.kernels.linear import EPS, linear_attention_step  # the torch step lives beside its kernel
 from engine.kernels.linear import why_not as kernel_why_not
 
@@ -108,7 +108,7 @@ class LinearState(State):
     def attend(self, layer: int, q, k, v, span):
         """q (B, H, T, D); k, v (B, Hkv, T, D) -> (B, H, T, Dv) in q's dtype."""
         S, z = self._layers[layer]                          # (B, Hkv, F, Dv), (B, Hkv, F)
-        model_layer = layer if self.layer_ids is None else self.layer_ids[layer]
+        model_layer = self.model_layer(layer)
         fm = self.feature_map
         if span.length == 1 and span.real is None:   # decode: featurize without the pad mask
             if q.is_cuda and kernel_why_not(q, S, z, v) is None:
@@ -132,10 +132,31 @@ class LinearState(State):
             z.copy_(z_new)
         return out.flatten(1, 2).to(q.dtype)
 
-    def _fused_decode(self, layer: int, q, k, v, S, z):
-        """The decode step as one Triton kernel (engine.kernels; CUDA): the elu+1 map applied inside
-        it, a learned map (a matmul and a softmax) in torch first. Same arithmetic as the torch step."""
+    def map_in_kernel_why_not(self, layer: int, q, k, v) -> str | None:
+        """None when the one-token decode of state layer `layer` on these q (B, H, 1, D), k, v (B, Hkv, 1, D)
+        runs as one Triton kernel with the feature map applied inside it (elu1; hedgehog with its decay
+        and gate); else why not (the map then runs in torch: before the fused step on CUDA)."""
+        S, z = self._layers[layer]
+        reason = kernel_why_not(q, S, z, v)
         fm = self.feature_map
+        if reason is None and type(fm) is Hedgehog:
+            reason = why_not_hedgehog(q, k, v, S, z, hedgehog_layer(fm, self.model_layer(layer)))
+        elif reason is None and type(fm) is not Elu1:
+            reason = f"the {fm.name} map has no in-kernel form: it runs in torch before the fused step"
+        return reason
+
+    def model_layer(self, layer: int) -> int:
+        return layer if self.layer_ids is None else self.layer_ids[layer]
+
+    def _fused_decode(self, layer: int, q, k, v, S, z):
+        """The decode step as one Triton kernel (engine.kernels; CUDA): the elu+1 map and a hedgehog map
+        (with its decay and gate) applied inside it where `why_not_hedgehog` allows, any other map (a
+        matmul and a softmax for hedgehog) in torch first. Same arithmetic as the torch step."""
+        fm = self.feature_map
+        if type(fm) is Hedgehog:
+            maps = hedgehog_layer(fm, layer)
+            if why_not_hedgehog(q, k, v, S, z, maps) is None:
+                return linear_decode_hedgehog(q, k, v, S, z, maps)
         ld = fm.decay(layer, v)                                             # (Hkv, F), gated (B, Hkv, 1, F)
         decay = None if ld is None else (ld if ld.dim() == 2 else ld[:, :, 0]).exp()
         if type(fm) is Elu1:
@@ -144,6 +165,15 @@ class LinearState(State):
         phi_k = fm(k, layer, "k")                                           # (B, Hkv, 1, F)
         phi_q = fm(q, layer, "q").view(B, k.shape[1], H // k.shape[1], 1, phi_k.shape[-1])
         return linear_decode(phi_q, phi_k, v, S, z, decay, out_dtype=q.dtype).view(B, H, 1, -1)
+
+
+def hedgehog_layer(fm: Hedgehog, layer: int) -> HedgehogLayer:
+    """Model layer `layer`'s hedgehog maps as the decode kernel reads them (raises as the map does when it
+    has no such layer)."""
+    fm.check_layer(layer)
+    dl, gw = fm.decay_logit, fm.gate_weight
+    return HedgehogLayer(fm.q_weight[layer], fm.q_bias[layer], fm.k_weight[layer], fm.k_bias[layer],
+                         None if dl is None else dl[layer], None if gw is None else gw[layer], GATE_EPS)
 
 
 def as_feature_map(fmap: str | FeatureMap) -> FeatureMap:
