@@ -11,6 +11,8 @@
  *   q8_0  w = dw * qw             out += dw * dx * sum(qw * qx)
  *   q4_0  w = dw * (qw - 8)       out += dw * dx * (sum(qw * qx) - 8 * sum(qx))
  *   q4_1  w = dw * qw + m         out += dw * dx * sum(qw * qx) + m * (dx * sum(qx))
+ *   q5_0  w = dw * (qw - 16)      out += dw * dx * (sum(qw * qx) - 16 * sum(qx))     (qw 0..31: nibble | 5th bit)
+ *   q5_1  w = dw * qw + m         as q4_1
  * engine/quant.py:linear_q8 is the PyTorch twin (tests hold them together). The integer dot is
  * one vpdpbusd (u8 x s8 -> i32) per block where the compiler targets AVX512-VNNI (+VL) or AVX-VNNI,
  * maddubs + madd on AVX2, scalar code otherwise; q8_0's signed weights go through the sign trick
@@ -83,9 +85,8 @@ void quantize_x(const float *x, int xs, int B, int K, void *qx, int type) {
     }
 }
 
-static inline size_t qblock_bytes(int type) {
-    return type == T_Q8_0 ? 2 + QK : type == T_Q4_0 ? 2 + QK / 2 : 4 + QK / 2;
-}
+static inline size_t qblock_bytes(int type) { return qk_block_bytes(type); }
+static inline int has_min(int type) { return type == T_Q4_1 || type == T_Q5_1; }   /* w = d q + m */
 
 static inline float f16_at(const unsigned char *p) {   /* an fp16 scale, inline (F16C where targeted) */
     uint16_t h;
@@ -109,12 +110,6 @@ static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
-/* 16 bytes of nibbles -> 32 u8: low nibbles are weights 0..15, high nibbles 16..31 */
-static inline __m256i nibbles_u8(const unsigned char *qs) {   /* the 16 bytes in both halves, the upper shifted by 4 */
-    __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
-    return _mm256_and_si256(_mm256_srlv_epi64(b, _mm256_set_epi64x(4, 4, 0, 0)), _mm256_set1_epi8(0x0f));
-}
-
 static inline float hsum8(__m256 v) {
     __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     a = _mm_add_ps(a, _mm_movehl_ps(a, a));
@@ -131,7 +126,7 @@ static inline __attribute__((always_inline)) __m256 qblock(const unsigned char *
                                                           const int type) {
     __m256i w, x = _mm256_loadu_si256((const __m256i *)xq), s;
     __m128 scale;
-    if (type == T_Q4_1) {
+    if (has_min(type)) {
         uint32_t dm;
         memcpy(&dm, blk, 4);
         __m128 p = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dm)),
@@ -149,6 +144,12 @@ static inline __attribute__((always_inline)) __m256 qblock(const unsigned char *
     } else if (type == T_Q4_0) {   /* sum (q - 8) x = sum q x - 8 sum x: the offset starts lane 0 */
         w = nibbles_u8(blk + 2);
         s = dpbusd(_mm256_zextsi128_si256(_mm_cvtsi32_si128(-8 * sx)), w, x);
+    } else if (type == T_Q5_0) {   /* the same with q's 5th bit from qh, offset 16 */
+        w = _mm256_or_si256(nibbles_u8(blk + 6), q5_high8(blk + 2));
+        s = dpbusd(_mm256_zextsi128_si256(_mm_cvtsi32_si128(-16 * sx)), w, x);
+    } else if (type == T_Q5_1) {
+        w = _mm256_or_si256(nibbles_u8(blk + 8), q5_high8(blk + 4));
+        s = dpbusd(_mm256_setzero_si256(), w, x);
     } else {
         w = nibbles_u8(blk + 4);
         s = dpbusd(_mm256_setzero_si256(), w, x);
@@ -343,7 +344,7 @@ static inline __attribute__((always_inline)) void qtile(const Mat *m, int r0, in
         const unsigned char *row = (const unsigned char *)m->data + (size_t)r * stride;
 #ifdef GEN_X86
         __m256 a0[4], a1[4];
-        __m128 m0[4], m1[4];   /* q4_1: lane 1 sums m_k * dx_k * sum(qx_k) */
+        __m128 m0[4], m1[4];   /* q4_1, q5_1: lane 1 sums m_k * dx_k * sum(qx_k) */
         for (int j = 0; j < 4; j++) {
             a0[j] = a1[j] = _mm256_setzero_ps();
             m0[j] = m1[j] = _mm_setzero_ps();
@@ -362,7 +363,7 @@ static inline __attribute__((always_inline)) void qtile(const Mat *m, int r0, in
                 a0[j] = qblock(b0, xq[j] + k * QK, xds[j] + 2 * k, sx[j][k], a0[j], &m0[j], type);
         }
         for (int j = 0; j < n; j++) {
-            float mt = type == T_Q4_1 ? _mm_cvtss_f32(_mm_shuffle_ps(_mm_add_ps(m0[j], m1[j]), _mm_add_ps(m0[j], m1[j]), 1)) : 0.0f;
+            float mt = has_min(type) ? _mm_cvtss_f32(_mm_shuffle_ps(_mm_add_ps(m0[j], m1[j]), _mm_add_ps(m0[j], m1[j]), 1)) : 0.0f;
             float s = hsum8(_mm256_add_ps(a0[j], a1[j])) + mt;
             float *o = out + (size_t)j * os + (r - r0);
             *o = add ? *o + s : s;
@@ -378,13 +379,21 @@ static inline __attribute__((always_inline)) void qtile(const Mat *m, int r0, in
                 if (type == T_Q8_0) {
                     const signed char *wq = (const signed char *)(blk + 2);
                     for (int i = 0; i < QK; i++) s += wq[i] * x[i];
+                } else if (type == T_Q5_0 || type == T_Q5_1) {
+                    const int head = type == T_Q5_1 ? 8 : 6;
+                    const unsigned char *qs = blk + head;
+                    unsigned char high[QK];
+                    q5_high(blk + head - 4, high);
+                    for (int i = 0; i < QK / 2; i++)
+                        s += ((qs[i] & 0x0f) | high[i]) * x[i] + ((qs[i] >> 4) | high[i + QK / 2]) * x[i + QK / 2];
+                    if (type == T_Q5_0) s -= 16 * sx[j][k];
                 } else {
                     const unsigned char *qs = blk + (type == T_Q4_1 ? 4 : 2);
                     for (int i = 0; i < QK / 2; i++) s += (qs[i] & 0x0f) * x[i] + (qs[i] >> 4) * x[i + QK / 2];
                     if (type == T_Q4_0) s -= 8 * sx[j][k];
                 }
                 acc[j] += (dw * xds[j][2 * k]) * (float)s;
-                if (type == T_Q4_1) mt0[j] += f16_at(blk + 2) * xds[j][2 * k + 1];
+                if (has_min(type)) mt0[j] += f16_at(blk + 2) * xds[j][2 * k + 1];
             }
         }
         for (int j = 0; j < n; j++) {
@@ -584,12 +593,14 @@ static inline __attribute__((always_inline)) void qrows_typed(const Mat *m, int 
 
 #define QROWS_OF(T) static void qrows_##T(const Mat *m, int r0, int r1, const void *qx, int B, float *out, int os, \
                                           int add) { qrows_typed(m, r0, r1, qx, B, out, os, add, T); }
-QROWS_OF(T_Q8_0) QROWS_OF(T_Q4_0) QROWS_OF(T_Q4_1)
+QROWS_OF(T_Q8_0) QROWS_OF(T_Q4_0) QROWS_OF(T_Q4_1) QROWS_OF(T_Q5_0) QROWS_OF(T_Q5_1)
 
 void qmat_rows(const Mat *m, int r0, int r1, const void *qx, int B, float *out, int os, int add) {
     switch (m->type) {
     case T_Q8_0: qrows_T_Q8_0(m, r0, r1, qx, B, out, os, add); break;
     case T_Q4_0: qrows_T_Q4_0(m, r0, r1, qx, B, out, os, add); break;
+    case T_Q5_0: qrows_T_Q5_0(m, r0, r1, qx, B, out, os, add); break;
+    case T_Q5_1: qrows_T_Q5_1(m, r0, r1, qx, B, out, os, add); break;
     case T_Q4_K: qrows_T_Q4_K(m, r0, r1, qx, B, out, os, add); break;
     case T_Q5_K: qrows_T_Q5_K(m, r0, r1, qx, B, out, os, add); break;
     case T_Q6_K: qrows_T_Q6_K(m, r0, r1, qx, B, out, os, add); break;
