@@ -26,9 +26,11 @@ from engine.loader import load_model  # noqa: E402
 from engine.quant import (Q5_BLOCK_BYTES, QuantLinear, QuantStack, dequantize, linear_q8,  # noqa: E402
                           q8_reference, quantize_activations)
 from engine.steps import Stepper  # noqa: E402
+from engine.steps.native.weights import regroup_q5  # noqa: E402
 
 KINDS = {"q5_0": Q.Q5_0, "q5_1": Q.Q5_1}
 TYPE_CODES = {"q5_0": 11, "q5_1": 12}   # gen.h T_Q5_0, T_Q5_1
+T_Q5R = 13                               # gen.h: q5 blocks regrouped per row (weights.regroup_q5)
 # SmolLM2's shape in small: rows of 96 (no multiple of 256: llama-quantize's fallback types), ffn_down's
 # rows of 256 in K-quants; tied embeddings
 CFG = dict(hidden_size=96, intermediate_size=256, num_hidden_layers=4, num_attention_heads=3,
@@ -65,36 +67,57 @@ def native(native_kernels):
     return native_kernels
 
 
+def as_laid(b, kind: str, rows: int, layout: str) -> tuple[torch.Tensor, int]:
+    """(the bytes the C step reads, their type code): the blocks as stored, or regrouped (T_Q5R;
+    q-dot tests skip it where the build has no grouped kernels)."""
+    if layout == "stored":
+        return b, TYPE_CODES[kind]
+    return regroup_q5(b, rows, kind), T_Q5R
+
+
+@pytest.mark.parametrize("layout", ["stored", "regrouped"])
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_native_rows_decode_as_dequantize(native, kind):
+def test_native_rows_decode_as_dequantize(native, kind, layout):
     """kernels.c's decoded rows (what fp32 activations multiply, and prompt blocks widen) are
-    dequantize's values, bit for bit."""
+    dequantize's values, bit for bit, from the stored and the regrouped blocks (11 a row: two
+    groups of 4 and 3 past them); regrouped q5_0 (d q + m, m = -16 d) writes +0 where d (q - 16)
+    is -0 (d = 0 or q = 16): the same value, a zero's sign aside."""
     lib, Mat = native
     b = blocks_of(kind, 6, 352, seed=2)
-    m = Mat(b.data_ptr(), TYPE_CODES[kind], 6, 352)
     want = dequantize(b, kind, (6, 352))
+    b, code = as_laid(b, kind, 6, layout)
+    m = Mat(b.data_ptr(), code, 6, 352)
     for r in range(6):
         row = torch.empty(352)
         lib.row_to_f32(ctypes.byref(m), r, row.data_ptr())
-        assert torch.equal(row.view(torch.int32), want[r].view(torch.int32)), f"row {r}"
+        if layout == "regrouped" and kind == "q5_0":
+            assert torch.equal(row, want[r]) and (row.view(torch.int32) != want[r].view(torch.int32)).sum() == \
+                ((want[r] == 0) & want[r].signbit()).sum(), f"row {r}"
+        else:
+            assert torch.equal(row.view(torch.int32), want[r].view(torch.int32)), f"row {r}"
 
 
+@pytest.mark.parametrize("layout", ["stored", "regrouped"])
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("B", [1, 3, 6])
-def test_native_qdot_equals_linear_q8(native, kind, B):
+def test_native_qdot_equals_linear_q8(native, kind, B, layout):
     """qdot.c's Q5 dots (exact int32 per 32-wide block against the q8 activation block, q5_0's offset
-    16 as 16 sum(qx), q5_1's m as m dx sum(qx)) equal linear_q8's exact sums within fp32 rounding of
-    the per-block scaling (1e-6 of the largest output), whatever the batch; dequantize-then-fp32
-    only loosely (activation rounding: within sum |w| max|x_block| / 254). 11 blocks a row: the
-    kernel's pairs of blocks and the odd one left over."""
+    16 as 16 sum(qx), q5_1's m as m dx sum(qx); regrouped: 4 blocks a load, the 5th bits added
+    under a mask) equal linear_q8's exact sums within fp32 rounding of the per-block scaling (1e-6
+    of the largest output), whatever the batch; dequantize-then-fp32 only loosely (activation
+    rounding: within sum |w| max|x_block| / 254). 11 blocks a row: the kernels' pairs and groups of
+    blocks and the ones left over."""
     lib, Mat = native
+    if layout == "regrouped" and not lib.gen_has_q4_1r():
+        pytest.skip("this build has no grouped q8 kernels (AVX-512 VNNI)")
     rows, cols = 24, 352
     b = blocks_of(kind, rows, cols, seed=3 + B)
+    laid, code = as_laid(b, kind, rows, layout)
     x = torch.randn(B, cols, generator=torch.Generator().manual_seed(B))
     x[0, :32] = 0.0                       # an all-zero activation block
     x[-1, 40] = 30.0                      # an outlier
     got, qx = torch.empty(B, rows), torch.zeros(B, lib.qx_row_bytes(cols), dtype=torch.uint8)
-    m = Mat(b.data_ptr(), TYPE_CODES[kind], rows, cols)
+    m = Mat(laid.data_ptr(), code, rows, cols)
     lib.gen_qmatmul(ctypes.byref(m), x.data_ptr(), B, got.data_ptr(), qx.data_ptr())
     want = linear_q8(x, b, kind, (rows, cols))
     w = dequantize(b, kind, (rows, cols))
@@ -102,13 +125,22 @@ def test_native_qdot_equals_linear_q8(native, kind, B):
     rel = ((got - want).abs().max() / want.abs().max()).item()
     _, dx = quantize_activations(x)
     bound = (dx / 2).repeat_interleave(32, -1) @ w.abs().T
-    print(f"{kind} B{B}: relative to linear_q8 {rel:.1e}; to dequantize-then-fp32 "
+    print(f"{kind} {layout} B{B}: relative to linear_q8 {rel:.1e}; to dequantize-then-fp32 "
           f"{((got - exact).abs() / bound).max():.2f} of the rounding bound")
     assert rel <= 1e-6
     assert ((got - exact).abs() <= bound * 1.001 + 1e-6).all()
     one = torch.empty(1, rows)            # a row's result does not depend on its batch
     lib.gen_qmatmul(ctypes.byref(m), x[-1:].contiguous().data_ptr(), 1, one.data_ptr(), qx.data_ptr())
     assert torch.equal(one[0], got[-1])
+
+
+def test_q5_0_regroups_only_where_m_is_exact():
+    """Regrouped q5_0 runs as d q + m with m = -16 d in f16: exact for every d up to 4094; a block
+    with a larger d leaves the matrix as stored (None), never a rounded m."""
+    b = blocks_of("q5_0", 4, 128, seed=5)
+    assert regroup_q5(b, 4, "q5_0") is not None
+    b.view(4, 4, 22)[2, 1, 0:2] = torch.from_numpy(np.array([5000.0], dtype=np.float16).view(np.uint8))
+    assert regroup_q5(b, 4, "q5_0") is None
 
 
 # ------------------------------------------------------------------ a file of llama-quantize's mix
@@ -210,6 +242,26 @@ def test_native_q8_equals_its_reference(native, q5_file, path):
     assert step.last_form == "native"
     assert tight >= 0.75 and per_step.max() <= 0.1
     assert 1e-6 < d_exact <= 0.1          # q8's rounding shows (the reference above is not vacuous)
+
+
+def test_plan_runs_regrouped_q5_blocks(native, q5_file):
+    """Where the build has the grouped kernels, the q8 plan reads the Q5 matrices regrouped (T_Q5R;
+    stacks as stored) and decodes the same greedy tokens as with every matrix as stored."""
+    from engine.steps.native import NativeStep
+    _, base, *_, model = q5_file
+    ids, types = {}, {}
+    for regroup in (True, False):
+        step = NativeStep(model, threads=2, activations="q8", regroup=regroup)
+        state = model.init_state(1, 40, "softmax")
+        out = [step.prefill(PROMPT, state)[:, -1].argmax(-1)]
+        for _ in range(12):
+            out.append(step(out[-1][:, None], state)[:, -1].argmax(-1))
+        ids[regroup] = torch.stack(out)
+        tables = step.plans[state].tables
+        types[regroup] = {tables["wo"][i].type for i in range(CFG["num_hidden_layers"])}
+    grouped = T_Q5R if step.library.gen_has_q4_1r() else TYPE_CODES[base]
+    assert types == {True: {grouped}, False: {TYPE_CODES[base]}}
+    assert torch.equal(ids[True], ids[False])
 
 
 def test_batched_rows_equal_each_alone(native, q5_file):

@@ -32,7 +32,7 @@ module-level switches for the tests that set them.
 from __future__ import annotations
 
 from engine.runspec import ACTIVATIONS, check_activations  # noqa: F401 (re-exported)
-from engine.steps.native.abi import (FLOAT_TYPES, HEDGEHOG_MAX_D, MODES, T_Q4_1R, T_Q8_0R, TYPES,  # noqa: F401
+from engine.steps.native.abi import (FLOAT_TYPES, HEDGEHOG_MAX_D, MODES, T_Q4_1R, T_Q5R, T_Q8_0R, TYPES,  # noqa: F401
                                      Mat, NativeABIError, Plan, bind)
 from engine.steps.native.build import NativeUnavailableError, library
 from engine.steps.native.cases import why_not

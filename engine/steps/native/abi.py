@@ -27,6 +27,7 @@ _V = ctypes.c_void_p
 TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, "q8_0": 3, "q4_0": 4, "q4_1": 5,
          "q4_k": 8, "q5_k": 9, "q6_k": 10, "q5_0": 11, "q5_1": 12}
 T_Q4_1R, T_Q8_0R = 6, 7   # gen.h: q4_1 / q8_0 blocks regrouped per row (engine.steps.native.weights.regroup)
+T_Q5R = 13                # gen.h: q5_0 / q5_1 blocks regrouped per row (engine.steps.native.weights.regroup_q5)
 FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
 MODES = {"elu1": 1, "relu": 2, "softmax": 3, "cos1": 4, "hedgehog": 5}   # linear feature maps; 0 is softmax attention
 HEDGEHOG_MAX_D = 256   # gen.h
