@@ -2,10 +2,10 @@
 
 `build` maps Hugging Face-named tensors onto the runtime model (`models.weights.hf_to_runtime`),
 copying only what it must fuse or convert; the rest stay views of the file's memory map. A matrix
-whose parts a GGUF file stores as Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K blocks becomes a
-QuantLinear on those very blocks (`quantized_matrices`: q/k rows permuted and parts fused by whole
-rows of blocks, never decoded; parts of different kinds, as Q4_K_M's, a QuantStack), as llama.cpp
-runs them; other GGUF types are dequantized at load. Fused parts are
+whose parts a GGUF file stores as Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K blocks
+becomes a QuantLinear on those very blocks (`quantized_matrices`: q/k rows permuted and parts fused by
+whole rows of blocks, never decoded; parts of different kinds, as Q4_K_M's, a QuantStack), as
+llama.cpp runs them; float GGUF tensors are read as floats. Fused parts are
 copies, so the file pages they were read from are dropped (`release`): RSS holds each matrix once;
 parts the file stores back to back in order (llama.cpp writes ffn_gate then ffn_up) are one view of
 the map instead (`blocks_span`), no copy.
@@ -120,7 +120,7 @@ def build(cfg: ModelConfig, hf_tensors, device, dtype, interleaved_rotary: bool 
 def quantized_embedding(hf_tensors, cfg: ModelConfig, device, dtype, head: QuantLinear | None) -> QuantEmbedding | None:
     """The token embedding on the checkpoint's own blocks (GGUF: any kind `hf_tensors.blocks` hands
     up), looked up in `dtype` a row at a time; a tied lm_head's very blocks tensor (`head`). None
-    where the checkpoint holds it otherwise (floats, Q5_0 / Q5_1): dequantized at load."""
+    where the checkpoint holds it otherwise (floats)."""
     blocks_of = getattr(hf_tensors, "blocks", None)
     found = blocks_of("model.embed_tokens.weight") if blocks_of is not None else None
     if found is None:
@@ -133,10 +133,10 @@ def quantized_embedding(hf_tensors, cfg: ModelConfig, device, dtype, head: Quant
 
 def quantized_matrices(hf_tensors, cfg: ModelConfig, device, interleaved_rotary: bool) -> dict[str, QuantLinear]:
     """Runtime matrices (path -> QuantLinear) whose every part the checkpoint holds as blocks of one
-    kind (`hf_tensors.blocks(name)`: GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K), on those blocks
+    kind (`hf_tensors.blocks(name)`: GGUF Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K), on those blocks
     undecoded: q/k rows permuted from the interleaved rotary layout and q/k/v, gate/up concatenated
     by rows (a row of blocks is a row of weights); parts of different kinds (Q4_K_M's v in Q6_K next
-    to q/k in Q4_K) a QuantStack of them. lm_head of tied embeddings reads the embedding's blocks."""
+    to q/k in Q4_K, or Q8_0 next to Q5_0) a QuantStack of them. lm_head of tied embeddings reads the embedding's blocks."""
     blocks_of = getattr(hf_tensors, "blocks", None)
     if blocks_of is None:
         return {}
@@ -154,7 +154,7 @@ def quantized_matrices(hf_tensors, cfg: ModelConfig, device, interleaved_rotary:
     for path, names in groups.items():
         parts = [blocks_of(n) for n in names]
         if any(p is None for p in parts):
-            continue   # stored as floats or as another type: dequantized at load
+            continue   # a part stored as floats: the whole matrix is read as floats (blocks dequantized)
         rows = [interleaved_to_half(b, heads[n.split(".", 3)[-1]]).reshape(b.shape)
                 if n.split(".", 3)[-1] in heads else b for n, (b, _) in zip(names, parts)]
         out_features = sum(shapes[n][0] for n in names)

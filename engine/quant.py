@@ -9,6 +9,9 @@ Blocks are llama.cpp's (ggml-quants.c), 32 weights along a row each:
   q4_0  fp16 d, 16 bytes of nibbles       w = d * (q - 8)    (d = the signed value of largest |x| / -8)
   q4_1  fp16 d, fp16 m, 16 bytes          w = d * q + m      (m = min, d = (max - min) / 15)
 Nibbles: byte j holds weight j in its low 4 bits and weight j + 16 in its high 4 bits.
+A GGUF file's Q5_0 / Q5_1 (kept as loaded: `Q5_BLOCK_BYTES`; not a `--quantize` target) add a 5th bit:
+  q5_0  fp16 d, 4 bytes qh, 16 bytes      w = d * (q - 16)   (q = nibble | bit j of qh (a little-endian
+  q5_1  fp16 d, fp16 m, 4 bytes qh, 16    w = d * q + m       uint32) << 4, q in 0..31)
 
 K-quants (a GGUF file's Q4_K / Q5_K / Q6_K, kept as loaded: `K_BLOCK_BYTES`; not a `--quantize`
 target) are llama.cpp's super-blocks of 256 weights along a row, in 8 sub-blocks of 32 (Q6_K: 16
@@ -18,7 +21,8 @@ scales of 16 weights):
   q6_k  ql[128], qh[64], int8 scales[16], fp16 d  w = (d s_i) (q - 32)        (q 6 bits: 4 in ql, 2 in qh)
 `dequantize` decodes them as the gguf package does (gguf.quants, the same fp32 operations: equal bit
 for bit). With q8 activations the native step takes their integer dots per 32-wide sub-block against
-the same q8 activation blocks as the other kinds (`linear_q8` is the twin for them too).
+the same q8 activation blocks as the other kinds (`linear_q8` is the twin for them too); q5_0 /
+q5_1 blocks are dotted as q4_0 / q4_1 are (offset 16 instead of 8).
 A matrix fused from parts of different block kinds (Q4_K_M's q/k in Q4_K next to v in Q6_K) is a
 `QuantStack`: the parts' blocks one after another, each run on its own kind.
 
@@ -56,15 +60,20 @@ assert KINDS == QUANT_KINDS, "engine.runspec.QUANT_KINDS names the kinds BLOCK_B
 K_BLOCK_BYTES = {"q4_k": 4 + 12 + QK_K // 2, "q5_k": 4 + 12 + QK_K // 8 + QK_K // 2,
                  "q6_k": QK_K // 2 + QK_K // 4 + QK_K // 16 + 2}
 K_KINDS = tuple(K_BLOCK_BYTES)   # held as a GGUF file stores them, never made here
+Q5_BLOCK_BYTES = {"q5_0": 2 + 4 + QK // 2, "q5_1": 4 + 4 + QK // 2}
+Q5_KINDS = tuple(Q5_BLOCK_BYTES)  # 32-wide, held as a GGUF file stores them, never made here
+WIDE_BLOCK_BYTES = {**BLOCK_BYTES, **Q5_BLOCK_BYTES}   # every 32-wide kind a QuantLinear holds
+HEAD_BYTES = {"q8_0": 2, "q4_0": 2, "q4_1": 4, "q5_0": 6, "q5_1": 8}   # a 32-wide block's bytes before its weights
+OFFSET = {"q4_0": 8, "q5_0": 16}   # w = d * (q - OFFSET); q4_1 / q5_1: w = d * q + m
 
 
 check_kind = check_quantize   # the rule lives in engine.runspec (QUANT_KINDS == KINDS)
 
 
 def check_block_kind(kind: str) -> str:
-    """A kind a QuantLinear can hold: one `quantize` makes, or a K-quant loaded from a file."""
-    if kind not in BLOCK_BYTES and kind not in K_BLOCK_BYTES:
-        raise InvalidArgumentError(f"unknown block kind {kind!r}; valid: {', '.join(KINDS + K_KINDS)}")
+    """A kind a QuantLinear can hold: one `quantize` makes, or a Q5_0 / Q5_1 / K-quant loaded from a file."""
+    if kind not in WIDE_BLOCK_BYTES and kind not in K_BLOCK_BYTES:
+        raise InvalidArgumentError(f"unknown block kind {kind!r}; valid: {', '.join(KINDS + Q5_KINDS + K_KINDS)}")
     return kind
 
 
@@ -75,7 +84,7 @@ def block_weights(kind: str) -> int:
 
 def row_bytes(kind: str, cols: int) -> int:
     """Bytes of one row of `cols` weights in `kind`'s blocks."""
-    return cols // block_weights(kind) * {**BLOCK_BYTES, **K_BLOCK_BYTES}[kind]
+    return cols // block_weights(kind) * {**WIDE_BLOCK_BYTES, **K_BLOCK_BYTES}[kind]
 
 
 def _half_bytes(x: torch.Tensor) -> torch.Tensor:   # (..., 1) float -> (..., 2) uint8, fp16 bits
@@ -154,14 +163,13 @@ def dequantize(blocks: torch.Tensor, kind: str, shape) -> torch.Tensor:
     if kind in K_BLOCK_BYTES:
         q, scale, offset = _k_values(blocks.reshape(rows, cols // QK_K, K_BLOCK_BYTES[kind]), kind)
         return (scale * q.float() - offset).reshape(rows, cols)
-    b = blocks.reshape(rows, cols // QK, BLOCK_BYTES[check_kind(kind)])
+    b = blocks.reshape(rows, cols // QK, WIDE_BLOCK_BYTES[check_block_kind(kind)])
     d = _half_of(b[..., 0:2])                                                        # (rows, nb, 1)
     if kind == "q8_0":
         w = d * b[..., 2:].contiguous().view(torch.int8).float()
     else:
-        qs = b[..., 4:] if kind == "q4_1" else b[..., 2:]
-        q = torch.cat([qs & 0x0F, qs >> 4], -1).float()                              # (rows, nb, 32)
-        w = d * (q - 8) if kind == "q4_0" else d * q + _half_of(b[..., 2:4])
+        q = _nibble_values(b, kind).float()                                          # (rows, nb, 32)
+        w = d * (q - OFFSET[kind]) if kind in OFFSET else d * q + _half_of(b[..., 2:4])
     return w.reshape(rows, cols)
 
 
@@ -174,24 +182,39 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (xb * inv.unsqueeze(-1)).round().to(torch.int32), d
 
 
+def _nibble_values(b: torch.Tensor, kind: str) -> torch.Tensor:
+    """The weights' integers of q4_0 / q4_1 / q5_0 / q5_1 blocks (..., bytes) -> (..., 32) uint8: the
+    nibbles (byte j: weight j low, j + 16 high), for q5 ORed with 16 where weight j's bit of qh (the 4
+    bytes before the nibbles, a little-endian uint32) is set."""
+    head = HEAD_BYTES[kind]
+    qs = b[..., head:]
+    q = torch.cat([qs & 0x0F, qs >> 4], -1)
+    if kind in Q5_BLOCK_BYTES:
+        bits = (b[..., head - 4:head].unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8, device=b.device)) & 1
+        q = q | (bits.reshape(q.shape) << 4)                                          # (..., 4, 8): byte, bit
+    return q
+
+
 def block_integers(blocks: torch.Tensor, kind: str, shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A matrix's blocks as (q (rows, nb, 32) int32, d (rows, nb) fp32, m (rows, nb) fp32 or zeros):
-    w = d * q (q8_0), d * (q - 8) (q4_0, q in 0..15), d * q + m (q4_1)."""
+    """A matrix's 32-wide blocks as (q (rows, nb, 32) int32, d (rows, nb) fp32, m (rows, nb) fp32 or zeros):
+    w = d * q (q8_0), d * (q - 8) (q4_0, q in 0..15), d * q + m (q4_1), d * (q - 16) (q5_0, q in 0..31),
+    d * q + m (q5_1)."""
     rows, cols = shape
-    b = blocks.reshape(rows, cols // QK, BLOCK_BYTES[check_kind(kind)])
+    if check_block_kind(kind) not in WIDE_BLOCK_BYTES:
+        raise InvalidArgumentError(f"{kind} is not a kind of 32-wide blocks")
+    b = blocks.reshape(rows, cols // QK, WIDE_BLOCK_BYTES[kind])
     d = _half_of(b[..., 0:2]).squeeze(-1)
-    m = _half_of(b[..., 2:4]).squeeze(-1) if kind == "q4_1" else torch.zeros_like(d)
+    m = _half_of(b[..., 2:4]).squeeze(-1) if kind in ("q4_1", "q5_1") else torch.zeros_like(d)
     if kind == "q8_0":
         return b[..., 2:].contiguous().view(torch.int8).to(torch.int32), d, m
-    qs = b[..., 4:] if kind == "q4_1" else b[..., 2:]
-    return torch.cat([qs & 0x0F, qs >> 4], -1).to(torch.int32), d, m
+    return _nibble_values(b, kind).to(torch.int32), d, m
 
 
 def linear_q8(x: torch.Tensor, blocks: torch.Tensor, kind: str, shape) -> torch.Tensor:
     """The native step's quantized matmul in PyTorch: x (..., in) -> (..., out) fp32.
 
     Activations rounded to q8 blocks (`quantize_activations`), then sum_k dw dx (qw . qx) per block
-    (q4_0: dw (qw - 8), q4_1: dw qw + m) -- computed as one fp64 matmul of the exactly decoded
+    (q4_0 / q5_0: dw (qw - 8 / 16), q4_1 / q5_1: dw qw + m) -- computed as one fp64 matmul of the exactly decoded
     activations (qx * dx) and weights (dw * qw (+ m)), which is the same sum: exact products, fp64
     rounding (~1e-16) where the C code rounds its per-block scaling and sums to fp32."""
     rows, cols = shape
@@ -202,7 +225,7 @@ def linear_q8(x: torch.Tensor, blocks: torch.Tensor, kind: str, shape) -> torch.
         ws = (scale.double() * q.double() - offset.double()).reshape(rows, cols)
         return (xs @ ws.T).float().reshape(*x.shape[:-1], rows)
     qw, dw, mw = block_integers(blocks, kind, shape)                 # (rows, nb, 32), (rows, nb) x2
-    q = qw.double() - 8 if kind == "q4_0" else qw.double()
+    q = qw.double() - OFFSET.get(kind, 0)
     ws = (q * dw.double().unsqueeze(-1) + mw.double().unsqueeze(-1)).reshape(rows, cols)
     return (xs @ ws.T).float().reshape(*x.shape[:-1], rows)
 

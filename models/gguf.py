@@ -4,7 +4,7 @@
     config                 ModelConfig from the `llama.*` metadata (GGUF_CONFIG, the one mapping)
     tensors                a Mapping of Hugging Face names -> torch tensors (rows, cols), dequantized
                            on access (one tensor at a time, so a load never holds the whole model twice);
-                           tensors.blocks(name): a Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K tensor's own blocks,
+                           tensors.blocks(name): a Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K tensor's own blocks,
                            undecoded (the engine's loader keeps those as they are: engine.quant.QuantLinear)
     meta                   the other metadata the engine uses (`tokenizer.*`, `general.*`), as Python values
 
@@ -45,9 +45,10 @@ ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 INTERLEAVED_ARCHITECTURES = ("llama",)
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 # types whose blocks the engine computes with as they are (engine.quant's layouts, byte for byte the
-# same as ggml's block_q8_0 / q4_0 / q4_1 and the K-quants' super-blocks block_q4_K / q5_K / q6_K):
-# `GGUFTensors.blocks` hands them up undecoded
-BLOCK_KINDS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
+# same as ggml's block_q8_0 / q4_0 / q4_1 / q5_0 / q5_1 and the K-quants' super-blocks block_q4_K /
+# q5_K / q6_K): `GGUFTensors.blocks` hands them up undecoded; the rest (floats) are read as tensors
+BLOCK_KINDS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0", "Q5_1": "q5_1",
+               "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
 
 # `{arch}.<key>` -> ModelConfig field: the one place GGUF metadata meets the config.
 GGUF_CONFIG = {
@@ -128,8 +129,8 @@ class GGUFTensors(Mapping):
 
     def blocks(self, name: str) -> tuple[torch.Tensor, str] | None:
         """The file's own blocks of a tensor of a BLOCK_KINDS type, not decoded: (uint8 (rows, row bytes),
-        "q8_0" | "q4_0" | "q4_1" | "q4_k" | "q5_k" | "q6_k"), a view of the private map. None for any
-        other type (floats, and Q5_0 / Q5_1, which the engine dequantizes: `self[name]`)."""
+        "q8_0" | "q4_0" | "q4_1" | "q5_0" | "q5_1" | "q4_k" | "q5_k" | "q6_k"), a view of the private
+        map. None for any other type (floats: `self[name]`)."""
         t = self._tensors[name]
         kind = BLOCK_KINDS.get(t.tensor_type.name)
         if kind is None:

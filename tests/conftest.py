@@ -301,3 +301,23 @@ def check_rows_alone(step, model, prompt, rows, max_len: int = 40) -> None:
         alone = model.init_state(1, max_len, "softmax")
         step(prompt, alone, last_only=True)
         assert torch.equal(step(rows[b:b + 1], alone), both[b:b + 1])
+
+
+def greedy_against(step, model, ref, prompt, path: str, n: int = 20, synced: bool = False):
+    """Prompt block (1, T), then n greedy steps on `step`; `ref` (a module path) follows on a twin
+    state with the same tokens (synced: the twin reset to `step`'s state before each step, so that
+    each step is compared from the same state). Returns (logits, reference logits) (1 + n, V) and
+    the ids each would pick."""
+    state, twin = model.init_state(1, 64, path), model.init_state(1, 64, path)
+    got = [step(prompt, state, last_only=True)[0, -1]]
+    want = [ref.step(prompt, twin)[0, -1]]
+    ids, ref_ids = [], []
+    for _ in range(n):
+        ids.append(int(got[-1].argmax()))
+        ref_ids.append(int(want[-1].argmax()))
+        tok = torch.tensor([[ids[-1]]])
+        if synced:
+            twin.load_state_dict(state.state_dict())
+        got.append(step(tok, state)[0, -1])
+        want.append(ref.step(tok, twin)[0, -1])
+    return torch.stack(got), torch.stack(want), ids, ref_ids

@@ -19,7 +19,7 @@ gguf = pytest.importorskip("gguf", reason="the gguf package is not installed")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 from chat_fixtures import random_k_blocks, write_gguf  # noqa: E402
-from conftest import check_rows_alone, tiny_model  # noqa: E402
+from conftest import check_rows_alone, greedy_against, tiny_model  # noqa: E402
 from engine.loader import load_model  # noqa: E402
 from engine.quant import (K_BLOCK_BYTES, QuantLinear, QuantStack, dequantize, linear_q8,  # noqa: E402
                           q8_reference, quantize_activations)
@@ -156,23 +156,7 @@ def test_k_m_file_keeps_its_blocks(k_m):
 
 
 def run(step, model, ref, path: str, n: int = 20, synced: bool = False):
-    """Prompt block, then n greedy steps on `step`; `ref` (a module path) follows on a twin state with
-    the same tokens (synced: the twin reset to `step`'s state before each step, so that each step is
-    compared from the same state). Returns (logits, reference logits) (1 + n, V) and the ids each
-    would pick."""
-    state, twin = model.init_state(1, 64, path), model.init_state(1, 64, path)
-    got = [step(PROMPT, state, last_only=True)[0, -1]]
-    want = [ref.step(PROMPT, twin)[0, -1]]
-    ids, ref_ids = [], []
-    for _ in range(n):
-        ids.append(int(got[-1].argmax()))
-        ref_ids.append(int(want[-1].argmax()))
-        tok = torch.tensor([[ids[-1]]])
-        if synced:
-            twin.load_state_dict(state.state_dict())
-        got.append(step(tok, state)[0, -1])
-        want.append(ref.step(tok, twin)[0, -1])
-    return torch.stack(got), torch.stack(want), ids, ref_ids
+    return greedy_against(step, model, ref, PROMPT, path, n, synced)
 
 
 @pytest.mark.parametrize("path", ["softmax", "linear"])

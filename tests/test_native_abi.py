@@ -1,6 +1,6 @@
-"""The native step's faces (issue 31 item 3): the ctypes mirror of gen.h checked against the compiled
-library when it binds, the weight copies owned by the step (nothing hung on the model), and the
-test switches as constructor options."""
+"""The native step's faces (issue 31 item 3): the ctypes mirror of gen.h (structs, and the block kinds'
+type codes) checked against the compiled library when it binds, the weight copies owned by the step
+(nothing hung on the model), and the test switches as constructor options."""
 import ctypes
 import gc
 
@@ -24,6 +24,31 @@ def test_mirror_matches_the_library_field_for_field():
         size, fields = abi._c_layout(lib, s)
         assert size == ctypes.sizeof(cls)
         assert list(fields) == [n for n, *_ in cls._fields_]
+
+
+def test_block_kinds_match_the_library():
+    """gen.h's type codes and block bytes of every block kind (gen_abi's table 2) are TYPES' and
+    engine.quant's; a kind renumbered or missing on the Python side is one clear NativeABIError."""
+    lib = bind()
+    kinds = abi._c_kinds(lib)
+    assert abi.kind_problems(lib) == [] and set(kinds) == {k for k in abi.TYPES if isinstance(k, str)}
+    assert kinds["q5_0"] == (11, 22) and kinds["q5_1"] == (12, 24) and kinds["q4_1"] == (5, 20)
+    swapped = {**abi.TYPES, "q5_0": 12, "q5_1": 11}
+    with pytest.raises(NativeABIError, match="block kind q5_0 is type 11 of 22-byte blocks in gen.h, type 12 of 22 here"):
+        abi.check_layout(lib, types=swapped)
+    fewer = {k: v for k, v in abi.TYPES.items() if k != "q5_1"}
+    with pytest.raises(NativeABIError, match="block kind q5_1 is missing here"):
+        abi.check_layout(lib, types=fewer)
+
+
+def test_bind_checks_the_kinds_again_when_they_change(monkeypatch):
+    """A library already bound is checked again once TYPES differs from the table it was bound with."""
+    bind()
+    monkeypatch.setitem(abi.TYPES, "q5_0", 12)
+    with pytest.raises(NativeABIError, match="block kind q5_0"):
+        bind()
+    monkeypatch.undo()
+    assert abi.layout_problems(bind()) == []
 
 
 def _plan_without(name: str, retype=None):

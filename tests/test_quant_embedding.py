@@ -27,9 +27,11 @@ from models.gguf import read_gguf  # noqa: E402
 CFG = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2, vocab_size=300, max_position_embeddings=128, rope_theta=10000.0)
 PROMPT = torch.tensor([[5, 17, 200, 33, 99, 1, 250, 7, 64, 128, 3]])
-# embedding kind, the matrices' kind, tied: SmolLM2's mix, Llama-3.2-1B Q4_K_M's, an untied K-quant table
+# embedding kind, the matrices' kind, tied: SmolLM2's mix, Llama-3.2-1B Q4_K_M's, an untied K-quant table,
+# and Q5_0 / Q5_1 tables (llama-quantize's fallback types for rows that are no multiple of 256)
 MIXES = {"q8_0-tied": (Q.Q8_0, Q.Q4_1, True), "q6_k-tied": (Q.Q6_K, Q.Q4_K, True),
-         "q4_k-untied": (Q.Q4_K, Q.Q4_K, False)}
+         "q4_k-untied": (Q.Q4_K, Q.Q4_K, False), "q5_0-tied": (Q.Q5_0, Q.Q5_0, True),
+         "q5_1-untied": (Q.Q5_1, Q.Q5_1, False)}
 
 
 @pytest.fixture(scope="module", params=list(MIXES))

@@ -6,7 +6,7 @@ It runs the one-token step of a CPU state (a KV cache; a linear state with any o
 feature maps or learned hedgehog maps; a sliding window + linear state; a hybrid of a KV cache and
 one of those, per layer) of a Llama-shaped model (Llama, Mistral, Qwen2's q/k/v biases, Qwen3's
 per-head q/k norms), any batch size, left-padded rows included, on weights in fp32, f16, bf16 or
-quantized blocks (engine.quant: q8_0, q4_0, q4_1, a GGUF file's q4_k, q5_k, q6_k, and stacks of
+quantized blocks (engine.quant: q8_0, q4_0, q4_1, a GGUF file's q5_0, q5_1, q4_k, q5_k, q6_k, and stacks of
 them), on `threads` threads (RunSpec.threads). The C code reads the model's weight tensors and
 writes the state's own tensors in place through their data pointers, so a prefill on either side
 and decode share one state (`prefill` runs prompt blocks on the pool too). Compute is fp32 (16-bit
@@ -32,7 +32,7 @@ module-level switches for the tests that set them.
 from __future__ import annotations
 
 from engine.runspec import ACTIVATIONS, check_activations  # noqa: F401 (re-exported)
-from engine.steps.native.abi import (FLOAT_TYPES, HEDGEHOG_MAX_D, MODES, T_Q4_1R, T_Q8_0R, TYPES,  # noqa: F401
+from engine.steps.native.abi import (FLOAT_TYPES, HEDGEHOG_MAX_D, MODES, T_Q4_1R, T_Q5R, T_Q8_0R, TYPES,  # noqa: F401
                                      Mat, NativeABIError, Plan, bind)
 from engine.steps.native.build import NativeUnavailableError, library
 from engine.steps.native.cases import why_not

@@ -6,7 +6,9 @@
 C side exports its own table of every field's name, byte offset and size (decode.c `gen_abi`) and
 `bind` compares this mirror with it before any function is called: a field added, moved or retyped
 on one side only raises `NativeABIError` (a `NativeUnavailableError`: the auto backend falls back to
-torch with the reason) instead of letting the step read a plan at the wrong bytes.
+torch with the reason) instead of letting the step read a plan at the wrong bytes. The type codes of
+the block kinds (`TYPES`) are checked the same way against the C side's table of kinds (code and
+block bytes, which must also be engine.quant's).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import ctypes
 
 import torch
 
+from engine.quant import K_BLOCK_BYTES, WIDE_BLOCK_BYTES
 from engine.steps.native.build import NativeUnavailableError, library
 
 ABI_VERSION = 1   # decode.c's GEN_ABI_VERSION: a field's meaning changed without its layout
@@ -22,8 +25,9 @@ _P = ctypes.POINTER(ctypes.c_float)
 _V = ctypes.c_void_p
 # gen.h's element types (T_*) of weights, caches and maps; the quantized kinds as engine.quant names them
 TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, "q8_0": 3, "q4_0": 4, "q4_1": 5,
-         "q4_k": 8, "q5_k": 9, "q6_k": 10}
+         "q4_k": 8, "q5_k": 9, "q6_k": 10, "q5_0": 11, "q5_1": 12}
 T_Q4_1R, T_Q8_0R = 6, 7   # gen.h: q4_1 / q8_0 blocks regrouped per row (engine.steps.native.weights.regroup)
+T_Q5R = 13                # gen.h: q5_0 / q5_1 blocks regrouped per row (engine.steps.native.weights.regroup_q5)
 FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
 MODES = {"elu1": 1, "relu": 2, "softmax": 3, "cos1": 4, "hedgehog": 5}   # linear feature maps; 0 is softmax attention
 HEDGEHOG_MAX_D = 256   # gen.h
@@ -73,9 +77,32 @@ def _c_layout(lib, s: int) -> tuple[int, dict[str, tuple[int, int]]]:
     return total, fields
 
 
-def layout_problems(lib, mat=None, plan=None) -> list[str]:
+def _c_kinds(lib) -> dict[str, tuple[int, int]]:
+    """{block kind: (type code, block bytes)} as the library was compiled (gen_abi's table 2)."""
+    name, code, size = ctypes.c_char_p(), ctypes.c_size_t(), ctypes.c_size_t()
+    out, i = {}, 0
+    while lib.gen_abi(2, i, ctypes.byref(name), ctypes.byref(code), ctypes.byref(size)) == 0:
+        out[name.value.decode()] = (code.value, size.value)
+        i += 1
+    return out
+
+
+def kind_problems(lib, types=None) -> list[str]:
+    """What differs between `types` (this module's TYPES unless given) with engine.quant's block bytes
+    and the library's table of block kinds; [] when they agree."""
+    types = TYPES if types is None else types
+    ours = {k: (code, {**WIDE_BLOCK_BYTES, **K_BLOCK_BYTES}.get(k)) for k, code in types.items() if isinstance(k, str)}
+    theirs = _c_kinds(lib)
+    problems = [f"block kind {k} is missing here (gen.h: type {theirs[k][0]})" for k in theirs if k not in ours]
+    problems += [f"block kind {k} is not in gen.h" for k in ours if k not in theirs]
+    problems += [f"block kind {k} is type {c[0]} of {c[1]}-byte blocks in gen.h, type {o[0]} of {o[1]} here"
+                 for k, c in theirs.items() if (o := ours.get(k)) is not None and o != c]
+    return problems
+
+
+def layout_problems(lib, mat=None, plan=None, types=None) -> list[str]:
     """What differs between the ctypes mirror (`mat`, `plan`: this module's Mat and Plan unless
-    given) and the library's own layout; [] when they agree."""
+    given; `types`: its TYPES) and the library's own layout; [] when they agree."""
     if not hasattr(lib, "gen_abi"):
         return ["the library exports no layout (gen_abi)"]
     lib.gen_abi.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_char_p),
@@ -95,24 +122,24 @@ def layout_problems(lib, mat=None, plan=None) -> list[str]:
                      for n, c in c_fields.items() if (p := py_fields.get(n)) is not None and p != c]
         if ctypes.sizeof(cls) != size:
             problems.append(f"sizeof({struct}) {size} in gen.h, {ctypes.sizeof(cls)} here")
-    return problems
+    return problems + kind_problems(lib, types)
 
 
-def check_layout(lib, mat=None, plan=None) -> None:
+def check_layout(lib, mat=None, plan=None, types=None) -> None:
     """Raise NativeABIError (one line: the first differences) unless the mirror matches the library."""
-    problems = layout_problems(lib, mat, plan)
+    problems = layout_problems(lib, mat, plan, types)
     if problems:
         more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
         raise NativeABIError("the native step's ctypes mirror of gen.h (engine/steps/native/abi.py) does not match "
-                             f"the compiled library: {'; '.join(problems[:3])}{more}; make abi.py's Mat and Plan "
-                             "copy gen.h field for field")
+                             f"the compiled library: {'; '.join(problems[:3])}{more}; make abi.py's Mat, Plan "
+                             "and TYPES copy gen.h field for field")
 
 
 def bind(lib=None) -> ctypes.CDLL:
     """The compiled step (library() unless given) with every entry point's signature set, once its
-    layout matches this module's Mat and Plan (checked again whenever they are replaced)."""
+    layout matches this module's Mat, Plan and TYPES (checked again whenever they change)."""
     lib = library() if lib is None else lib
-    if getattr(lib, "_gen_bound", None) == (Mat, Plan):
+    if getattr(lib, "_gen_bound", None) == (Mat, Plan, TYPES):
         return lib
     check_layout(lib)
     plan = ctypes.POINTER(Plan)
@@ -134,7 +161,7 @@ def bind(lib=None) -> ctypes.CDLL:
     for name, (argtypes, restype) in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, restype
-    lib._gen_bound = (Mat, Plan)
+    lib._gen_bound = (Mat, Plan, dict(TYPES))
     return lib
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.steps.native.abi import FLOAT_TYPES, HEDGEHOG_MAX_D, MODES
+from engine.quant import QuantLinear, QuantStack
+from engine.steps.native.abi import FLOAT_TYPES, HEDGEHOG_MAX_D, MODES, TYPES
 
 
 def state_parts(state) -> tuple:
@@ -19,6 +20,17 @@ def learned_maps(fmap) -> list[torch.Tensor]:
     return [fmap.q_weight, fmap.q_bias, fmap.k_weight, fmap.k_bias]
 
 
+def block_kinds(model) -> set[str]:
+    """The block kinds of the model's quantized matrices (a QuantStack's parts each), adapted copies too."""
+    kinds = set()
+    for m in [*model.modules(), *model.adapted_modules()]:
+        if isinstance(m, QuantStack):
+            kinds.update(k for k, _ in m.parts)
+        elif isinstance(m, QuantLinear):
+            kinds.add(m.kind)
+    return kinds
+
+
 def why_not(model, state, tokens) -> str | None:
     """None for the cases the C step covers; otherwise the reason (the caller falls back)."""
     if tokens.device.type != "cpu":
@@ -28,6 +40,9 @@ def why_not(model, state, tokens) -> str | None:
     dtype = model.embed_tokens.weight.dtype
     if dtype not in FLOAT_TYPES:
         return f"the native step reads fp32, f16 or bf16 weights, not {str(dtype).removeprefix('torch.')}"
+    missing = sorted(block_kinds(model) - set(TYPES))
+    if missing:
+        return f"the native step has no kernels for {', '.join(missing)} blocks; the torch step runs them"
     kv, lin = state_parts(state)
     if lin is not None:
         if lin.S.dtype != torch.float32 or lin.z.dtype != torch.float32:

@@ -52,7 +52,8 @@ void gen_plan_free(Plan *p) {
 /* engine/steps/native/abi.py fills Mat and Plan through ctypes copies of their declarations; at bind
  * time it compares its copies' field names, byte offsets and sizes with these tables (and the
  * version, which moves when a field's meaning changes without its layout), so a field added,
- * moved or retyped on one side only is one clear error instead of a plan read at the wrong bytes. */
+ * moved or retyped on one side only is one clear error instead of a plan read at the wrong bytes;
+ * likewise its type codes of the block kinds with KIND_ABI. */
 #define GEN_ABI_VERSION 1
 #define ABI_FIELD(S, f) {#f, offsetof(S, f), sizeof(((S *)0)->f)},
 #define MAT_FIELDS(X) X(Mat, data) X(Mat, type) X(Mat, rows) X(Mat, cols) X(Mat, split) X(Mat, rest)
@@ -72,16 +73,25 @@ typedef struct { const char *name; size_t offset, size; } AbiField;
 static const AbiField MAT_ABI[] = {MAT_FIELDS(ABI_FIELD)};
 static const AbiField PLAN_ABI[] = {PLAN_FIELDS(ABI_FIELD)};
 
+/* The block kinds Mat.type names, as engine.quant names them: "offset" is the type code, "size" the
+ * bytes of one block (32 weights; K-quants a super-block of 256). Table 2 of gen_abi. */
+#define KIND(name, code, bytes) {name, code, bytes},
+static const AbiField KIND_ABI[] = {
+    KIND("q8_0", T_Q8_0, 2 + QK) KIND("q4_0", T_Q4_0, 2 + QK / 2) KIND("q4_1", T_Q4_1, 4 + QK / 2)
+    KIND("q5_0", T_Q5_0, 6 + QK / 2) KIND("q5_1", T_Q5_1, 8 + QK / 2)
+    KIND("q4_k", T_Q4_K, 144) KIND("q5_k", T_Q5_K, 176) KIND("q6_k", T_Q6_K, 210)};
+
 int gen_abi_version(void) { return GEN_ABI_VERSION; }
 
 int gen_abi(int s, int i, const char **name, size_t *offset, size_t *size) {
-    const AbiField *t = s == 0 ? MAT_ABI : s == 1 ? PLAN_ABI : NULL;
-    const int n = s == 0 ? (int)(sizeof MAT_ABI / sizeof *MAT_ABI) : (int)(sizeof PLAN_ABI / sizeof *PLAN_ABI);
+    const AbiField *t = s == 0 ? MAT_ABI : s == 1 ? PLAN_ABI : s == 2 ? KIND_ABI : NULL;
+    const int n = s == 0 ? (int)(sizeof MAT_ABI / sizeof *MAT_ABI) : s == 1 ? (int)(sizeof PLAN_ABI / sizeof *PLAN_ABI)
+                                                                            : (int)(sizeof KIND_ABI / sizeof *KIND_ABI);
     if (!t || i < -1 || i >= n) return -1;
     if (i == -1) {
-        *name = s == 0 ? "Mat" : "Plan";
+        *name = s == 0 ? "Mat" : s == 1 ? "Plan" : "kinds";
         *offset = 0;
-        *size = s == 0 ? sizeof(Mat) : sizeof(Plan);
+        *size = s == 0 ? sizeof(Mat) : s == 1 ? sizeof(Plan) : 0;
     } else {
         *name = t[i].name;
         *offset = t[i].offset;

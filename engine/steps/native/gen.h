@@ -19,6 +19,24 @@
 #define GEN_X86 1
 #endif
 
+#ifdef GEN_X86
+/* 16 bytes of nibbles -> 32 u8: low nibbles are weights 0..15, high nibbles 16..31 (the 16 bytes in
+ * both halves, the upper shifted by 4) */
+static inline __m256i nibbles_u8(const unsigned char *qs) {
+    __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
+    return _mm256_and_si256(_mm256_srlv_epi64(b, _mm256_set_epi64x(4, 4, 0, 0)), _mm256_set1_epi8(0x0f));
+}
+
+/* q5_high in a vector: byte j = 16 where bit j of h is set, else 0 (llama.cpp's bytes_from_bits_32:
+ * byte j gets h's byte j / 8, every bit but j % 8 set, compared with -1). */
+static inline __m256i q5_high8(uint32_t h) {
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+    const __m256i bytes = _mm256_or_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)h), shuf),
+                                          _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+    return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(16));
+}
+#endif
+
 /* Element types of weights and KV caches. Quantized types are llama.cpp's blocks of 32
  * weights along a row: Q8_0 = fp16 d + 32 int8 (w = d*q); Q4_0 = fp16 d + 16 bytes, weight j
  * in the low nibble of byte j and weight j+16 in the high nibble (w = d*(q-8)); Q4_1 = fp16 d,
@@ -26,14 +44,33 @@
  * of 32 (layouts: engine/quant.py): Q4_K = fp16 d, dmin, 12 bytes of packed 6-bit scales and mins,
  * 128 bytes of nibbles (w = d*sc_j * q - dmin*m_j); Q5_K = the same + 32 bytes of 5th bits;
  * Q6_K = 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales (one per 16), fp16 d
- * (w = d*s * (q - 32)). */
+ * (w = d*s * (q - 32)). Q5_0 = fp16 d, 4 bytes qh, 16 bytes of nibbles as Q4_0's (w = d*(q-16),
+ * q = nibble | (bit j of qh, a little-endian uint32) << 4); Q5_1 = fp16 d, fp16 m, qh, 16 bytes
+ * (w = d*q + m). Every code >= T_Q8_0 is quantized. */
 enum { T_F32 = 0, T_F16 = 1, T_BF16 = 2, T_Q8_0 = 3, T_Q4_0 = 4, T_Q4_1 = 5,
        T_Q4_1R = 6, /* q4_1 blocks regrouped per row: every (d, m) pair, then every 16-byte nibble block (qdot.c) */
        T_Q8_0R = 7, /* q8_0 blocks regrouped per row: every d, then every block's 32 weights + 128 as u8 (qdot.c) */
-       T_Q4_K = 8, T_Q5_K = 9, T_Q6_K = 10 };
+       T_Q4_K = 8, T_Q5_K = 9, T_Q6_K = 10, T_Q5_0 = 11, T_Q5_1 = 12,
+       T_Q5R = 13 /* q5_1 (or q5_0 as m = -16 d) blocks regrouped per row: every (d, m), every qh, every nibble block (qdot.c) */ };
 #define QK 32
 #define QK_K 256
 static inline int is_kquant(int type) { return type >= T_Q4_K && type <= T_Q6_K; }
+/* Bytes of one 32-wide block (T_Q8_0 .. T_Q4_1, T_Q5_0, T_Q5_1; the regrouped kinds: their blocks' bytes) */
+static inline size_t qk_block_bytes(int type) {
+    switch (type) {
+    case T_Q8_0: case T_Q8_0R: return 2 + QK;
+    case T_Q4_0: return 2 + QK / 2;
+    case T_Q5_0: return 2 + 4 + QK / 2;
+    case T_Q5_1: case T_Q5R: return 4 + 4 + QK / 2;
+    default: return 4 + QK / 2;   /* T_Q4_1, T_Q4_1R */
+    }
+}
+/* A q5 block's qh (bit j: weight j's 5th bit) as 32 bytes, 16 where the bit is set, else 0, in
+ * weight order (byte j of the result: weight j), to OR onto the nibbles. */
+static inline uint32_t load_u32(const unsigned char *p) { uint32_t h; memcpy(&h, p, 4); return h; }
+static inline void q5_high(uint32_t h, unsigned char out[QK]) {
+    for (int j = 0; j < QK; j++) out[j] = (unsigned char)(((h >> j) & 1) << 4);
+}
 static inline size_t kblock_bytes(int type) { return type == T_Q4_K ? 144 : type == T_Q5_K ? 176 : 210; }
 /* Sub-block j (0..7) of a q4_k / q5_k super-block's packed 6-bit scale and min (llama.cpp's
  * get_scale_min_k4): bytes 0-3 scales 0-3, 4-7 mins 0-3, 8-11 the low 4 bits of scales / mins 4-7,
@@ -122,7 +159,8 @@ typedef struct {
 
 /* The layout of Mat and Plan as the Python binding checks it (decode.c): struct s (0 Mat, 1 Plan),
  * field i -> its name, byte offset and size; i = -1: the struct's name and sizeof. 0, else -1 (no
- * such field). gen_abi_version: moves when a field's meaning changes without its layout. */
+ * such field). s = 2: block kind i -> its engine.quant name, type code (as offset) and block bytes
+ * (as size). gen_abi_version: moves when a field's meaning changes without its layout. */
 int gen_abi(int s, int i, const char **name, size_t *offset, size_t *size);
 int gen_abi_version(void);
 
@@ -147,7 +185,7 @@ void store_row(void *base, int type, size_t at, int n, const float *src);
 
 /* ---- qdot.c: quantized weights (type >= T_Q8_0) times activations rounded to q8 blocks */
 size_t qx_row_bytes(int K);                                   /* one row of K inputs as q8 blocks */
-/* B rows, qx_row_bytes(K) apart; for T_Q4_1R matrices (`type`) the q bytes of every full group of 4
+/* B rows, qx_row_bytes(K) apart; for T_Q4_1R and T_Q5R matrices (`type`) the q bytes of every full group of 4
  * blocks are stored low halves first (qdot.c) */
 void quantize_x(const float *x, int xs, int B, int K, void *qx, int type);
 void qmat_rows(const Mat *m, int r0, int r1, const void *qx, int B, float *out, int os, int add);

@@ -3,8 +3,8 @@
  * mat_rows computes out[b][r] = W[r] . x[b] for a range of rows and a batch of inputs. Float
  * weights (fp32, f16, bf16) go through register tiles of R rows against N inputs (below, "float
  * weights, any batch"); where the compiler targets AVX-512, through tile.c's tiles instead.
- * Quantized rows are decoded a 32-wide block at a time to fp32 (w = d*q, d*(q-8), d*q + m exactly
- * as engine/quant.py dequantizes) and used for up to 3 inputs, so a batch reads the weights once.
+ * Quantized rows are decoded a 32-wide block at a time to fp32 (w = d*q, d*(q-8), d*q + m, d*(q-16)
+ * exactly as engine/quant.py dequantizes) and used for up to 3 inputs, so a batch reads the weights once.
  * Accumulation is fp32 in a fixed order per (row, input): results do not depend on the batch,
  * threads or chunking. x86 intrinsics where the compiler targets AVX2/F16C, portable scalar code
  * otherwise.
@@ -95,12 +95,7 @@ static inline float f16_at(const unsigned char *p) {
 }
 
 static size_t block_bytes(int type) {   /* K-quants: a super-block of 256 */
-    switch (type) {
-    case T_Q8_0: case T_Q8_0R: return 2 + QK;
-    case T_Q4_0: return 2 + QK / 2;
-    case T_Q4_K: case T_Q5_K: case T_Q6_K: return kblock_bytes(type);
-    default: return 4 + QK / 2;          /* T_Q4_1 */
-    }
+    return is_kquant(type) ? kblock_bytes(type) : qk_block_bytes(type);
 }
 
 /* Weights 32k..32k+31 of a K-quant row into f, as engine/quant.py's dequantize: q4_k / q5_k
@@ -185,10 +180,51 @@ static inline __attribute__((always_inline)) void decode_ksub8(const unsigned ch
 }
 #endif
 
+/* 32 q5 weights as fp32 in w[4]: q = the nibbles at qs (byte j: weight j low, j + 16 high) | bit j of h
+ * << 4; w = d * (q - 16) (one == 0: q5_0) or d * q + m (q5_1; d * q is exact: one rounding, fused or not) */
+static inline __attribute__((always_inline)) void decode_q5(float d, float m, const int one, uint32_t h,
+                                                           const unsigned char *qs, v8 w[4]) {
+#ifdef GEN_X86
+    const __m256i q = _mm256_or_si256(nibbles_u8(qs), q5_high8(h));
+    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int i = 0; i < 4; i++) {
+        const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part[i]));
+        w[i] = one ? (v8)_mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(d), v), _mm256_set1_ps(m))
+                   : (v8)_mm256_mul_ps(_mm256_set1_ps(d), _mm256_sub_ps(v, _mm256_set1_ps(16.0f)));
+    }
+#else
+    float f[QK];
+    unsigned char high[QK];
+    q5_high(h, high);
+    for (int i = 0; i < QK / 2; i++) {
+        const int lo = (qs[i] & 0x0f) | high[i], hi = (qs[i] >> 4) | high[i + QK / 2];
+        f[i] = one ? d * (float)lo + m : d * (float)(lo - 16);
+        f[i + QK / 2] = one ? d * (float)hi + m : d * (float)(hi - 16);
+    }
+    for (int q = 0; q < 4; q++) w[q] = ld8(f + 8 * q);
+#endif
+}
+
 /* Block k of a quantized row (32 consecutive weights from element 32k) as fp32 in w[4]. */
 static inline __attribute__((always_inline)) void decode_block(const unsigned char *row, const int type, int k,
                                                               v8 w[4], int nb) {
     float f[QK] __attribute__((aligned(32)));
+    if (type == T_Q5R) {   /* regrouped (qdot.c): (d, m) at 4k, qh at 4nb (per full group of 4 blocks their
+                            * low 16 bits, then their high 16 bits; past the last group as stored), nibbles at 8nb + 16k */
+        const unsigned char *qh = row + 4 * (size_t)nb;
+        uint32_t h;
+        if (k < nb / 4 * 4) {
+            uint16_t lo, hi;
+            memcpy(&lo, qh + 16 * (size_t)(k / 4) + 2 * (k % 4), 2);
+            memcpy(&hi, qh + 16 * (size_t)(k / 4) + 8 + 2 * (k % 4), 2);
+            h = lo | (uint32_t)hi << 16;
+        } else {
+            h = load_u32(qh + 4 * (size_t)k);
+        }
+        decode_q5(f16_at(row + 4 * (size_t)k), f16_at(row + 4 * (size_t)k + 2), 1, h, row + 8 * (size_t)nb + 16 * (size_t)k, w);
+        return;
+    }
     if (type == T_Q4_1R) {   /* regrouped (qdot.c): block k's (d, m) at 4k, its 16 nibble bytes at 4nb + 16k */
         const float d = f16_at(row + 4 * (size_t)k), m = f16_at(row + 4 * (size_t)k + 2);
         const unsigned char *qs = row + 4 * (size_t)nb + 16 * (size_t)k;
@@ -253,6 +289,11 @@ static inline __attribute__((always_inline)) void decode_block(const unsigned ch
         }
         break;
 #endif
+    }
+    case T_Q5_0: case T_Q5_1: {   /* d (, m), qh, nibbles: w = d * (q - 16) or d * q + m, as Q4_0 / Q4_1 */
+        const int one = type == T_Q5_1, head = one ? 8 : 6;
+        decode_q5(f16_at(blk), one ? f16_at(blk + 2) : 0.0f, one, load_u32(blk + head - 4), blk + head, w);
+        return;
     }
     default: {   /* T_Q4_1 */
         const float d = f16_at(blk), m = f16_at(blk + 2);
@@ -446,7 +487,8 @@ static inline __attribute__((always_inline)) void frows_typed(const Mat *m, int 
 #define ROWS_OF(T) static void rows_##T(const Mat *m, int r0, int r1, const float *x, int xs, int B, float *out, \
                                         int os, int add) { rows_typed(m, r0, r1, x, xs, B, out, os, add, T); }
 FROWS_OF(T_F32) FROWS_OF(T_F16) FROWS_OF(T_BF16) ROWS_OF(T_Q8_0) ROWS_OF(T_Q4_0) ROWS_OF(T_Q4_1)
-ROWS_OF(T_Q4_K) ROWS_OF(T_Q5_K) ROWS_OF(T_Q6_K) ROWS_OF(T_Q4_1R) ROWS_OF(T_Q8_0R)
+ROWS_OF(T_Q4_K) ROWS_OF(T_Q5_K) ROWS_OF(T_Q6_K) ROWS_OF(T_Q4_1R) ROWS_OF(T_Q8_0R) ROWS_OF(T_Q5_0) ROWS_OF(T_Q5_1)
+ROWS_OF(T_Q5R)
 
 void mat_rows(const Mat *m, int r0, int r1, const float *x, int xs, int B, float *out, int os, int add) {
     if (tile_rows(m, r0, r1, x, xs, B, out, os, add)) return;   /* float weights on AVX-512: tile.c */
@@ -461,6 +503,9 @@ void mat_rows(const Mat *m, int r0, int r1, const float *x, int xs, int B, float
     case T_Q6_K: rows_T_Q6_K(m, r0, r1, x, xs, B, out, os, add); break;
     case T_Q4_1R: rows_T_Q4_1R(m, r0, r1, x, xs, B, out, os, add); break;   /* fp32 activations, regrouped blocks */
     case T_Q8_0R: rows_T_Q8_0R(m, r0, r1, x, xs, B, out, os, add); break;
+    case T_Q5_0: rows_T_Q5_0(m, r0, r1, x, xs, B, out, os, add); break;
+    case T_Q5_1: rows_T_Q5_1(m, r0, r1, x, xs, B, out, os, add); break;
+    case T_Q5R: rows_T_Q5R(m, r0, r1, x, xs, B, out, os, add); break;
     default: rows_T_Q4_1(m, r0, r1, x, xs, B, out, os, add); break;
     }
 }

@@ -88,9 +88,9 @@ class NativeDecoder:
     # ------------------------------------------------------------------ building the plan
     def _matrices(self, model, layers, weights: DerivedWeights, q8: bool) -> tuple:
         """(per-name matrix tuples, embed, head) as the C step reads them: fp32 weights holding only
-        16-bit values and q4_1 / q8_0 blocks from the copies `weights` makes once (their originals
-        join self.sources). Prompt blocks in fp32 activations read the same regrouped blocks
-        (kernels.c decodes T_Q4_1R / T_Q8_0R to the values the stored blocks hold), so the native
+        16-bit values and q4_1 / q8_0 / q5_0 / q5_1 blocks from the copies `weights` makes once (their
+        originals join self.sources). Prompt blocks in fp32 activations read the same regrouped blocks
+        (kernels.c decodes T_Q4_1R / T_Q8_0R / T_Q5R to the values the stored blocks hold), so the native
         path never reads a regrouped matrix's original blocks again (DerivedWeights drops their pages)."""
         mats = {n: [matrix(layer[i]) for layer in layers] for i, n in ((1, "qkv"), (2, "wo"), (4, "gu"), (5, "wd"))}
         embed, head = matrix(model.embed_tokens), matrix(model.lm_head)

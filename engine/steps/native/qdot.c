@@ -11,6 +11,8 @@
  *   q8_0  w = dw * qw             out += dw * dx * sum(qw * qx)
  *   q4_0  w = dw * (qw - 8)       out += dw * dx * (sum(qw * qx) - 8 * sum(qx))
  *   q4_1  w = dw * qw + m         out += dw * dx * sum(qw * qx) + m * (dx * sum(qx))
+ *   q5_0  w = dw * (qw - 16)      out += dw * dx * (sum(qw * qx) - 16 * sum(qx))     (qw 0..31: nibble | 5th bit)
+ *   q5_1  w = dw * qw + m         as q4_1
  * engine/quant.py:linear_q8 is the PyTorch twin (tests hold them together). The integer dot is
  * one vpdpbusd (u8 x s8 -> i32) per block where the compiler targets AVX512-VNNI (+VL) or AVX-VNNI,
  * maddubs + madd on AVX2, scalar code otherwise; q8_0's signed weights go through the sign trick
@@ -27,7 +29,7 @@ size_t qx_row_bytes(int K) {
     return (n + 63) & ~(size_t)63;
 }
 
-/* For T_Q4_1R matrices, block k's 32 bytes sit at byte 32 * k as always, but inside every full group
+/* For T_Q4_1R and T_Q5R matrices, block k's 32 bytes sit at byte 32 * k as always, but inside every full group
  * of 4 blocks the 16 low halves (x[0:16] of each block) come first, then the 16 high halves: the
  * order of a 64-byte run of 4 blocks' nibbles split into low and high nibbles (q41r_rows). */
 static void group_halves(signed char *q, int nb) {
@@ -79,13 +81,12 @@ void quantize_x(const float *x, int xs, int B, int K, void *qx, int type) {
             ds[2 * k + 1] = dk * (float)s;
 #endif
         }
-        if (type == T_Q4_1R) group_halves(q, nb);
+        if (type == T_Q4_1R || type == T_Q5R) group_halves(q, nb);
     }
 }
 
-static inline size_t qblock_bytes(int type) {
-    return type == T_Q8_0 ? 2 + QK : type == T_Q4_0 ? 2 + QK / 2 : 4 + QK / 2;
-}
+static inline size_t qblock_bytes(int type) { return qk_block_bytes(type); }
+static inline int has_min(int type) { return type == T_Q4_1 || type == T_Q5_1; }   /* w = d q + m */
 
 static inline float f16_at(const unsigned char *p) {   /* an fp16 scale, inline (F16C where targeted) */
     uint16_t h;
@@ -109,12 +110,6 @@ static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
-/* 16 bytes of nibbles -> 32 u8: low nibbles are weights 0..15, high nibbles 16..31 */
-static inline __m256i nibbles_u8(const unsigned char *qs) {   /* the 16 bytes in both halves, the upper shifted by 4 */
-    __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
-    return _mm256_and_si256(_mm256_srlv_epi64(b, _mm256_set_epi64x(4, 4, 0, 0)), _mm256_set1_epi8(0x0f));
-}
-
 static inline float hsum8(__m256 v) {
     __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     a = _mm_add_ps(a, _mm_movehl_ps(a, a));
@@ -131,7 +126,7 @@ static inline __attribute__((always_inline)) __m256 qblock(const unsigned char *
                                                           const int type) {
     __m256i w, x = _mm256_loadu_si256((const __m256i *)xq), s;
     __m128 scale;
-    if (type == T_Q4_1) {
+    if (has_min(type)) {
         uint32_t dm;
         memcpy(&dm, blk, 4);
         __m128 p = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dm)),
@@ -149,6 +144,12 @@ static inline __attribute__((always_inline)) __m256 qblock(const unsigned char *
     } else if (type == T_Q4_0) {   /* sum (q - 8) x = sum q x - 8 sum x: the offset starts lane 0 */
         w = nibbles_u8(blk + 2);
         s = dpbusd(_mm256_zextsi128_si256(_mm_cvtsi32_si128(-8 * sx)), w, x);
+    } else if (type == T_Q5_0) {   /* the same with q's 5th bit from qh, offset 16 */
+        w = _mm256_or_si256(nibbles_u8(blk + 6), q5_high8(load_u32(blk + 2)));
+        s = dpbusd(_mm256_zextsi128_si256(_mm_cvtsi32_si128(-16 * sx)), w, x);
+    } else if (type == T_Q5_1) {
+        w = _mm256_or_si256(nibbles_u8(blk + 8), q5_high8(load_u32(blk + 4)));
+        s = dpbusd(_mm256_setzero_si256(), w, x);
     } else {
         w = nibbles_u8(blk + 4);
         s = dpbusd(_mm256_setzero_si256(), w, x);
@@ -343,7 +344,7 @@ static inline __attribute__((always_inline)) void qtile(const Mat *m, int r0, in
         const unsigned char *row = (const unsigned char *)m->data + (size_t)r * stride;
 #ifdef GEN_X86
         __m256 a0[4], a1[4];
-        __m128 m0[4], m1[4];   /* q4_1: lane 1 sums m_k * dx_k * sum(qx_k) */
+        __m128 m0[4], m1[4];   /* q4_1, q5_1: lane 1 sums m_k * dx_k * sum(qx_k) */
         for (int j = 0; j < 4; j++) {
             a0[j] = a1[j] = _mm256_setzero_ps();
             m0[j] = m1[j] = _mm_setzero_ps();
@@ -362,7 +363,7 @@ static inline __attribute__((always_inline)) void qtile(const Mat *m, int r0, in
                 a0[j] = qblock(b0, xq[j] + k * QK, xds[j] + 2 * k, sx[j][k], a0[j], &m0[j], type);
         }
         for (int j = 0; j < n; j++) {
-            float mt = type == T_Q4_1 ? _mm_cvtss_f32(_mm_shuffle_ps(_mm_add_ps(m0[j], m1[j]), _mm_add_ps(m0[j], m1[j]), 1)) : 0.0f;
+            float mt = has_min(type) ? _mm_cvtss_f32(_mm_shuffle_ps(_mm_add_ps(m0[j], m1[j]), _mm_add_ps(m0[j], m1[j]), 1)) : 0.0f;
             float s = hsum8(_mm256_add_ps(a0[j], a1[j])) + mt;
             float *o = out + (size_t)j * os + (r - r0);
             *o = add ? *o + s : s;
@@ -378,13 +379,21 @@ static inline __attribute__((always_inline)) void qtile(const Mat *m, int r0, in
                 if (type == T_Q8_0) {
                     const signed char *wq = (const signed char *)(blk + 2);
                     for (int i = 0; i < QK; i++) s += wq[i] * x[i];
+                } else if (type == T_Q5_0 || type == T_Q5_1) {
+                    const int head = type == T_Q5_1 ? 8 : 6;
+                    const unsigned char *qs = blk + head;
+                    unsigned char high[QK];
+                    q5_high(load_u32(blk + head - 4), high);
+                    for (int i = 0; i < QK / 2; i++)
+                        s += ((qs[i] & 0x0f) | high[i]) * x[i] + ((qs[i] >> 4) | high[i + QK / 2]) * x[i + QK / 2];
+                    if (type == T_Q5_0) s -= 16 * sx[j][k];
                 } else {
                     const unsigned char *qs = blk + (type == T_Q4_1 ? 4 : 2);
                     for (int i = 0; i < QK / 2; i++) s += (qs[i] & 0x0f) * x[i] + (qs[i] >> 4) * x[i + QK / 2];
                     if (type == T_Q4_0) s -= 8 * sx[j][k];
                 }
                 acc[j] += (dw * xds[j][2 * k]) * (float)s;
-                if (type == T_Q4_1) mt0[j] += f16_at(blk + 2) * xds[j][2 * k + 1];
+                if (has_min(type)) mt0[j] += f16_at(blk + 2) * xds[j][2 * k + 1];
             }
         }
         for (int j = 0; j < n; j++) {
@@ -417,18 +426,24 @@ static inline __attribute__((always_inline)) Q8In q8_inputs(const unsigned char 
  * the 4 blocks' (d * dx) spread to their lanes by one permute, one FMA, and the 4 pairs' m * dx *
  * sum(qx) in the odd lanes of one multiply. About a quarter of the instructions of qblock per
  * block. Blocks past the last full group go one at a time in 128-bit lanes (their x halves are in
- * natural order). Exact int32 dots; the fp32 sums per (row, input) do not depend on the batch. */
+ * natural order). Exact int32 dots; the fp32 sums per (row, input) do not depend on the batch.
+ * five: q5 regrouped (T_Q5R), 24 bytes a block: every (d, m) pair (q5_0's as m = -16 d: d (q - 16) =
+ * d q - 16 d), then every block's qh, the 4 of a full group as their low 16 bits (the 5th bits of the
+ * weights in the group load's low nibbles, one 64-bit mask) then their high 16 bits (a mask for the
+ * high nibbles), past the last group as stored; then every nibble block. Each mask adds 16 to its
+ * bytes (one masked add per 64 weights), then the same dots as q4_1's. */
 static inline __attribute__((always_inline)) void q41r_tile(const Mat *m, int r0, int r1, const unsigned char *qx,
-                                                           size_t rs, const int n, float *out, int os, int add) {
+                                                           size_t rs, const int n, float *out, int os, int add,
+                                                           const int five) {
     const int K = m->cols, nb = K / QK, ng = nb / 4;
-    const size_t stride = (size_t)nb * 20;
+    const size_t stride = (size_t)nb * (five ? 24 : 20);
     const Q8In in = q8_inputs(qx, rs, n, K);
-    const __m512i lo4 = _mm512_set1_epi8(0x0f);
-    const __m128i lo4x = _mm_set1_epi8(0x0f);
+    const __m512i lo4 = _mm512_set1_epi8(0x0f), b16 = _mm512_set1_epi8(16);
+    const __m128i lo4x = _mm_set1_epi8(0x0f), b16x = _mm_set1_epi8(16);
     const __m512i spread = _mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0);
     for (int r = r0; r < r1; r++) {
         const unsigned char *row = (const unsigned char *)m->data + (size_t)r * stride;
-        const unsigned char *dm = row, *qs = row + 4 * (size_t)nb;
+        const unsigned char *dm = row, *qh = row + 4 * (size_t)nb, *qs = row + (five ? 8 : 4) * (size_t)nb;
         __m512 acc[4];                /* per input: the groups' sums, 16 lanes */
         __m256 macc[4];               /* odd lanes: the groups' m * dx * sum(qx) */
         __m128 tacc[4], tm[4];        /* the blocks past the last group: sums, m terms (lane 1) */
@@ -439,7 +454,14 @@ static inline __attribute__((always_inline)) void q41r_tile(const Mat *m, int r0
         }
         for (int g = 0; g < ng; g++) {
             const __m512i z = _mm512_loadu_si512(qs + 64 * (size_t)g);
-            const __m512i lo = _mm512_and_si512(z, lo4), hi = _mm512_and_si512(_mm512_srli_epi16(z, 4), lo4);
+            __m512i lo = _mm512_and_si512(z, lo4), hi = _mm512_and_si512(_mm512_srli_epi16(z, 4), lo4);
+            if (five) {   /* the 4 blocks' 5th bits of weights 0..15, then of 16..31: one mask each */
+                uint64_t ml, mh;
+                memcpy(&ml, qh + 16 * (size_t)g, 8);
+                memcpy(&mh, qh + 16 * (size_t)g + 8, 8);
+                lo = _mm512_mask_add_epi8(lo, (__mmask64)ml, lo, b16);
+                hi = _mm512_mask_add_epi8(hi, (__mmask64)mh, hi, b16);
+            }
             const __m256 dmf = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dm + 16 * (size_t)g)));
             for (int j = 0; j < n; j++) {
                 const signed char *xg = in.q[j] + 128 * (size_t)g;
@@ -453,7 +475,12 @@ static inline __attribute__((always_inline)) void q41r_tile(const Mat *m, int r0
         }
         for (int k = 4 * ng; k < nb; k++) {
             const __m128i q = _mm_loadu_si128((const __m128i *)(qs + 16 * (size_t)k));
-            const __m128i lo = _mm_and_si128(q, lo4x), hi = _mm_and_si128(_mm_srli_epi16(q, 4), lo4x);
+            __m128i lo = _mm_and_si128(q, lo4x), hi = _mm_and_si128(_mm_srli_epi16(q, 4), lo4x);
+            if (five) {
+                const uint32_t h = load_u32(qh + 4 * (size_t)k);
+                lo = _mm_mask_add_epi8(lo, (__mmask16)(h & 0xffff), lo, b16x);
+                hi = _mm_mask_add_epi8(hi, (__mmask16)(h >> 16), hi, b16x);
+            }
             uint32_t pair;
             memcpy(&pair, dm + 4 * (size_t)k, 4);
             const __m128 dmf = _mm_cvtph_ps(_mm_cvtsi32_si128((int)pair));
@@ -555,11 +582,20 @@ static inline __attribute__((always_inline)) void q80r_tile(const Mat *m, int r0
         default: break;                                                                            \
         }                                                                                          \
     }
+static inline __attribute__((always_inline)) void q41r_only(const Mat *m, int r0, int r1, const unsigned char *qx,
+                                                           size_t rs, const int n, float *out, int os, int add) {
+    q41r_tile(m, r0, r1, qx, rs, n, out, os, add, 0);
+}
+static inline __attribute__((always_inline)) void q5r_tile(const Mat *m, int r0, int r1, const unsigned char *qx,
+                                                          size_t rs, const int n, float *out, int os, int add) {
+    q41r_tile(m, r0, r1, qx, rs, n, out, os, add, 1);
+}
 QROWS_GROUPED(qrows_q80r, q80r_tile)
-QROWS_GROUPED(qrows_q41r, q41r_tile)
+QROWS_GROUPED(qrows_q41r, q41r_only)
+QROWS_GROUPED(qrows_q5r, q5r_tile)
 #endif
 
-/* 1 where this build runs T_Q4_1R and T_Q8_0R matrices (AVX-512 VNNI): the Python side regroups only then. */
+/* 1 where this build runs T_Q4_1R, T_Q8_0R and T_Q5R matrices (AVX-512 VNNI): the Python side regroups only then. */
 int gen_has_q4_1r(void) {
 #ifdef GEN_Q41R
     return 1;
@@ -584,17 +620,20 @@ static inline __attribute__((always_inline)) void qrows_typed(const Mat *m, int 
 
 #define QROWS_OF(T) static void qrows_##T(const Mat *m, int r0, int r1, const void *qx, int B, float *out, int os, \
                                           int add) { qrows_typed(m, r0, r1, qx, B, out, os, add, T); }
-QROWS_OF(T_Q8_0) QROWS_OF(T_Q4_0) QROWS_OF(T_Q4_1)
+QROWS_OF(T_Q8_0) QROWS_OF(T_Q4_0) QROWS_OF(T_Q4_1) QROWS_OF(T_Q5_0) QROWS_OF(T_Q5_1)
 
 void qmat_rows(const Mat *m, int r0, int r1, const void *qx, int B, float *out, int os, int add) {
     switch (m->type) {
     case T_Q8_0: qrows_T_Q8_0(m, r0, r1, qx, B, out, os, add); break;
     case T_Q4_0: qrows_T_Q4_0(m, r0, r1, qx, B, out, os, add); break;
+    case T_Q5_0: qrows_T_Q5_0(m, r0, r1, qx, B, out, os, add); break;
+    case T_Q5_1: qrows_T_Q5_1(m, r0, r1, qx, B, out, os, add); break;
     case T_Q4_K: qrows_T_Q4_K(m, r0, r1, qx, B, out, os, add); break;
     case T_Q5_K: qrows_T_Q5_K(m, r0, r1, qx, B, out, os, add); break;
     case T_Q6_K: qrows_T_Q6_K(m, r0, r1, qx, B, out, os, add); break;
 #ifdef GEN_Q41R
     case T_Q4_1R: qrows_q41r(m, r0, r1, qx, B, out, os, add); break;
+    case T_Q5R: qrows_q5r(m, r0, r1, qx, B, out, os, add); break;
     case T_Q8_0R: qrows_q80r(m, r0, r1, qx, B, out, os, add); break;
 #endif
     default: qrows_T_Q4_1(m, r0, r1, qx, B, out, os, add); break;

@@ -26,7 +26,7 @@ class NativeStep:
     """The native form: `why_not(state, tokens)`, then `step(tokens, state)` via `__call__`.
 
     threads: the pool's thread count (the caller's included; RunSpec.threads); None: default_threads().
-    activations: what quantized matrices (q8_0, q4_0, q4_1 blocks) multiply: "f32", the activations as
+    activations: what quantized matrices (blocks of any kind) multiply: "f32", the activations as
     they are against the blocks decoded in the dots (PyTorch's arithmetic), "q8", the activations
     rounded to q8 blocks and integer dots (llama.cpp's: ~3x faster here, and a greedy answer can
     flip: PITFALLS 28), or "f32-prompt": prompt blocks in f32, decode steps in q8 (the prompt read as

@@ -7,7 +7,8 @@ Two kinds of copies, each made once per (tensor, storage, version) and kept by t
 them (a weak key: the cache never keeps a weight alive, and forgets a copy when its weight dies):
   exact16    fp32 weights holding only 16-bit values (a checkpoint stored in f16 or bf16, loaded in
              fp32) as f16 / bf16 copies: the same fp32 products from half the bytes
-  regrouped  q4_1 / q8_0 blocks regrouped per row for the grouped q8 kernels (gen.h T_Q4_1R / T_Q8_0R);
+  regrouped  q4_1 / q8_0 / q5_0 / q5_1 blocks regrouped per row for the grouped q8 kernels (gen.h
+             T_Q4_1R / T_Q8_0R / T_Q5R);
              the step reads only these afterwards (fp32 prompt blocks too), so the originals' pages are
              handed back to the kernel (`page_out`: a GGUF's memory-mapped blocks leave the resident
              set and fault back in from the file if PyTorch code reads them again)
@@ -20,7 +21,7 @@ import weakref
 import torch
 
 from engine.quant import QuantLinear, QuantStack, weights_label
-from engine.steps.native.abi import T_Q4_1R, T_Q8_0R, TYPES
+from engine.steps.native.abi import T_Q4_1R, T_Q5R, T_Q8_0R, TYPES
 from models.pages import hand_back
 
 
@@ -79,6 +80,35 @@ def regroup(blocks: torch.Tensor, rows: int, q4_1: bool) -> torch.Tensor:
     return out
 
 
+def regroup_q5(blocks: torch.Tensor, rows: int, kind: str) -> torch.Tensor | None:
+    """q5_0 / q5_1 blocks regrouped per row for the C step's grouped kernel (gen.h T_Q5R), 24 bytes a
+    block: every block's f16 (d, m) pair (q5_0's w = d (q - 16) as d q + m with m = -16 d, exact in
+    f16 but where d is beyond 4094 or not finite: then None, the blocks run as stored), then every
+    block's qh (within each full group of 4 blocks their low 16 bits, then their high 16 bits: the
+    5th bits of the group load's low and high nibbles, one mask each), then every 16-byte nibble
+    block. Written into the one new tensor. (q5_0's d q + m is d (q - 16) exactly, but +0 where
+    that is -0: the same value, a zero's sign aside.)"""
+    one = kind == "q5_1"
+    size, head = (24, 4) if one else (22, 2)
+    per_row = blocks.reshape(rows, -1, size)
+    n = per_row.shape[1]
+    full = n // 4 * 4
+    out = torch.empty(rows, n * 24, dtype=torch.uint8, device=blocks.device)
+    dm = out[:, :4 * n].view(rows, n, 4)
+    dm[:, :, :head].copy_(per_row[:, :, :head])
+    if not one:   # m = -16 d, when every one is an exact f16
+        d = per_row[:, :, :2].contiguous().view(torch.float16).float()
+        m = (-16 * d).to(torch.float16)
+        if not torch.equal(m.float(), -16 * d):
+            return None
+        dm[:, :, 2:].copy_(m.view(torch.uint8))
+    qh, src = out[:, 4 * n:8 * n].view(rows, n, 4), per_row[:, :, head:head + 4]
+    qh[:, :full].view(rows, full // 4, 2, 4, 2).copy_(src[:, :full].reshape(rows, full // 4, 4, 2, 2).transpose(2, 3))
+    qh[:, full:].copy_(src[:, full:])
+    out[:, 8 * n:].view(rows, n, 16).copy_(per_row[:, :, head + 4:])
+    return out
+
+
 def page_out(t: torch.Tensor) -> bool:
     """Hand the whole pages inside a CPU tensor's bytes back to the kernel without changing a value
     (models.pages.hand_back): a memory map's pages of a file are dropped and read again from the file
@@ -93,7 +123,7 @@ class DerivedWeights:
     """The copies one step reads instead of the model's weights (see the module docstring).
 
     exact16: fp32 weights of 16-bit values run from 16-bit copies (False: from the fp32 tensors);
-    regroup: q4_1 / q8_0 blocks run regrouped where the build has those kernels (False: as stored)."""
+    regroup: q4_1 / q8_0 / q5 blocks run regrouped where the build has those kernels (False: as stored)."""
 
     def __init__(self, exact16: bool = True, regroup: bool = True):
         self.exact16_on, self.regroup_on = bool(exact16), bool(regroup)
@@ -135,15 +165,28 @@ class DerivedWeights:
             return out
         return self._derived(blocks, "regrouped", make)
 
+    def regrouped_q5(self, blocks: torch.Tensor, rows: int, kind: str) -> torch.Tensor | None:
+        """`regroup_q5(blocks, rows, kind)`, made once (None: it does not apply); the original's pages
+        handed back when it does (`page_out`)."""
+        def make(b):
+            out = regroup_q5(b, rows, kind)
+            if out is not None:
+                page_out(b)
+            return out
+        return self._derived(blocks, "regrouped-q5", make)
+
     def narrow(self, m: tuple, grouped: bool) -> tuple:
         """The matrix tuple the C step reads for `m` (a `matrix` tuple): a 16-bit copy of exactly-16-bit
-        fp32 weights, q4_1 / q8_0 blocks regrouped where `grouped` (this build has those kernels and
+        fp32 weights, q4_1 / q8_0 / q5 blocks regrouped where `grouped` (this build has those kernels and
         the step rounds activations to q8), else m's own (a QuantStack's segments: as stored)."""
         if len(m) > 4:
             return m
         if m[1] in (TYPES["q4_1"], TYPES["q8_0"]) and grouped:
             q41 = m[1] == TYPES["q4_1"]
             return self.regrouped(m[0], m[2], q41), T_Q4_1R if q41 else T_Q8_0R, m[2], m[3]
+        if m[1] in (TYPES["q5_0"], TYPES["q5_1"]) and grouped:
+            q5 = self.regrouped_q5(m[0], m[2], "q5_1" if m[1] == TYPES["q5_1"] else "q5_0")
+            return m if q5 is None else (q5, T_Q5R, m[2], m[3])
         w = self.exact16(m[0])
         return m if w is m[0] else (w, TYPES[w.dtype], m[2], m[3])
 
