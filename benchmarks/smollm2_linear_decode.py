@@ -25,6 +25,7 @@ from common import load_average, options
 # (card row, gen bench arguments selecting it)
 ROWS = [
     ("softmax", ["--model", "smollm2-linear", "--attention", "softmax"]),
+    ("control", ["--model", "smollm2-control"]),
     ("all linear, elu1", ["--model", "smollm2", "--attention", "linear", "--feature-map", "elu1"]),
     ("all linear, learned", ["--model", "smollm2-linear", "--attention", "linear"]),
     ("hybrid K=2", ["--model", "smollm2-linear", "--attention", "hybrid", "--softmax-layers", "auto:2"]),
@@ -40,6 +41,7 @@ ROWS = [
     ("hybrid K=4 + window 256", ["--model", "smollm2-linear", "--attention", "hybrid", "--softmax-layers", "auto:4",
                                  "--window", "256"]),
     ("default (hybrid K=8 + window 256)", ["--model", "smollm2-linear", "--attention", "default"]),
+    ("default, linear branch off", ["--model", "smollm2-linear", "--attention", "default", "--feature-map", "zero"]),
 ]
 
 

@@ -90,6 +90,8 @@ def linearize_cmd(model_name, data, out, tokens, finetune_tokens, seq_len, layer
             raise
         if summary is None:   # a rank other than 0 of a torchrun launch: rank 0 reports
             return
-        click.echo(f"wrote {out}: mean relative transfer loss {summary['mean_relative_transfer_loss']:.3f}, "
-                   f"{summary['finetune_steps_done']} finetune steps, {summary['wall_seconds_this_run']:.0f} s")
+        transfer = "a softmax control (no transfer)" if control else \
+            f"mean relative transfer loss {summary['mean_relative_transfer_loss']:.3f}"
+        click.echo(f"wrote {out}: {transfer}, {summary['finetune_steps_done']} finetune steps, "
+                   f"{summary['wall_seconds_this_run']:.0f} s this run")
     run_guarded(run)

