@@ -25,7 +25,7 @@ from common import load_average, options
 # (card row, gen bench arguments selecting it)
 ROWS = [
     ("softmax", ["--model", "smollm2-linear", "--attention", "softmax"]),
-    ("control", ["--model", "smollm2-control"]),
+    ("control", ["--model", "smollm2-control", "--attention", "softmax"]),
     ("all linear, elu1", ["--model", "smollm2", "--attention", "linear", "--feature-map", "elu1"]),
     ("all linear, learned", ["--model", "smollm2-linear", "--attention", "linear"]),
     ("hybrid K=2", ["--model", "smollm2-linear", "--attention", "hybrid", "--softmax-layers", "auto:2"]),
