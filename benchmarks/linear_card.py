@@ -2,7 +2,7 @@
 perplexity on held-out texts, passkey retrieval, decode state and time, against softmax and the control.
 
     python benchmarks/linear_card.py run OUT --general general.txt --legal legal.txt [--rows softmax,control]
-    python benchmarks/linear_card.py table OUT [--decode DIR/summary.json]
+    python benchmarks/linear_card.py table OUT [--decode DIR/summary.json] [--bundle card.json]
 
 `run` calls `gen eval` once per (configuration, measurement) and keeps each answer as
 OUT/<row>.<measurement>.json, written whole when the command ends: a rerun skips what is there, so an
@@ -143,7 +143,7 @@ def table(a) -> str:
             cells.append(versus(ppl["perplexity"] if ppl else None, t, ".2f"))
         for what, n in PASSKEY.items():
             pk = read(a.out, key, what)
-            cell = pk["tasks"]["passkey"]["lengths"][str(n)] if pk else None
+            cell = (pk or {}).get("tasks", {}).get("passkey", {}).get("lengths", {}).get(str(n))
             cells.append(f"{cell['correct']}/{cell['trials']}" if cell else "-")
         state, ms = decode.get(decode_row, (None, None))
         cells += [f"{state / 2**20:.1f} MiB" if state else "-", f"{ms:.1f}" if ms else "-"]
@@ -166,11 +166,19 @@ def main() -> None:
     t = sub.add_parser("table", help="print the card's table from OUT")
     t.add_argument("out")
     t.add_argument("--decode", help="summary.json of benchmarks/smollm2_linear_decode.py")
+    t.add_argument("--bundle", help="also write every cell, the decode summary and the table to this JSON")
     a = ap.parse_args()
     if a.mode == "run":
         run(a)
-    else:
-        print(table(a))
+        return
+    text = table(a)
+    print(text)
+    if a.bundle:
+        cells = {name[:-5]: json.load(open(os.path.join(a.out, name))) for name in sorted(os.listdir(a.out))
+                 if name.endswith(".json") and name.split(".")[0] in {k for k, *_ in ROWS}}
+        decode = json.load(open(a.decode)) if a.decode else None
+        with open(a.bundle, "w") as f:
+            json.dump({"table": text, "cells": cells, "decode": decode}, f, indent=1)
 
 
 if __name__ == "__main__":
