@@ -321,3 +321,30 @@ def greedy_against(step, model, ref, prompt, path: str, n: int = 20, synced: boo
         got.append(step(tok, state)[0, -1])
         want.append(ref.step(tok, twin)[0, -1])
     return torch.stack(got), torch.stack(want), ids, ref_ids
+
+
+def check_qmatmul(lib, mat, x, b, kind: str, shape: tuple[int, int], label: str) -> None:
+    """The native q8 matmul `mat` (a Mat over blocks `b` of `kind`) on activations x [B, cols]: equal to
+    linear_q8's exact sums within fp32 rounding of the per-block scaling (1e-6 of the largest output),
+    within the activations' q8 rounding of dequantize-then-fp32, and a row's result independent of
+    its batch."""
+    import ctypes
+
+    from engine.quant import dequantize, linear_q8, quantize_activations
+    rows, cols = shape
+    got, qx = torch.empty(x.shape[0], rows), torch.zeros(x.shape[0], lib.qx_row_bytes(cols), dtype=torch.uint8)
+    lib.gen_qmatmul(ctypes.byref(mat), x.data_ptr(), x.shape[0], got.data_ptr(), qx.data_ptr())
+    want = linear_q8(x, b, kind, shape)
+    w = dequantize(b, kind, shape)
+    exact = x @ w.T
+    rel = ((got - want).abs().max() / want.abs().max()).item()
+    # dequantize-then-fp32: each activation moves by at most half its block's q8 step (max|x| / 254)
+    _, dx = quantize_activations(x)
+    bound = (dx / 2).repeat_interleave(32, -1) @ w.abs().T
+    print(f"{label}: relative to linear_q8 {rel:.1e}; to dequantize-then-fp32 "
+          f"{((got - exact).abs() / bound).max():.2f} of the rounding bound")
+    assert rel <= 1e-6
+    assert ((got - exact).abs() <= bound * 1.001 + 1e-6).all()
+    one = torch.empty(1, rows)
+    lib.gen_qmatmul(ctypes.byref(mat), x[-1:].contiguous().data_ptr(), 1, one.data_ptr(), qx.data_ptr())
+    assert torch.equal(one[0], got[-1])

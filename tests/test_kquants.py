@@ -19,10 +19,9 @@ gguf = pytest.importorskip("gguf", reason="the gguf package is not installed")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 from chat_fixtures import random_k_blocks, write_gguf  # noqa: E402
-from conftest import check_rows_alone, greedy_against, tiny_model  # noqa: E402
+from conftest import check_qmatmul, check_rows_alone, greedy_against, tiny_model  # noqa: E402
 from engine.loader import load_model  # noqa: E402
-from engine.quant import (K_BLOCK_BYTES, QuantLinear, QuantStack, dequantize, linear_q8,  # noqa: E402
-                          q8_reference, quantize_activations)
+from engine.quant import K_BLOCK_BYTES, QuantLinear, QuantStack, dequantize, q8_reference  # noqa: E402
 from engine.steps import Stepper  # noqa: E402
 
 KINDS = {"q4_k": Q.Q4_K, "q5_k": Q.Q5_K, "q6_k": Q.Q6_K}
@@ -87,23 +86,7 @@ def test_native_qdot_equals_linear_q8(native, kind, B):
     x = torch.randn(B, cols, generator=torch.Generator().manual_seed(B))
     x[0, :32] = 0.0                       # an all-zero activation block
     x[-1, 40] = 30.0                      # an outlier
-    got, qx = torch.empty(B, rows), torch.zeros(B, lib.qx_row_bytes(cols), dtype=torch.uint8)
-    m = Mat(b.data_ptr(), TYPE_CODES[kind], rows, cols)
-    lib.gen_qmatmul(ctypes.byref(m), x.data_ptr(), B, got.data_ptr(), qx.data_ptr())
-    want = linear_q8(x, b, kind, (rows, cols))
-    w = dequantize(b, kind, (rows, cols))
-    exact = x @ w.T
-    rel = ((got - want).abs().max() / want.abs().max()).item()
-    # dequantize-then-fp32: each activation moves by at most half its block's q8 step (max|x| / 254)
-    _, dx = quantize_activations(x)
-    bound = (dx / 2).repeat_interleave(32, -1) @ w.abs().T
-    print(f"{kind} B{B}: relative to linear_q8 {rel:.1e}; to dequantize-then-fp32 "
-          f"{((got - exact).abs() / bound).max():.2f} of the rounding bound")
-    assert rel <= 1e-6
-    assert ((got - exact).abs() <= bound * 1.001 + 1e-6).all()
-    one = torch.empty(1, rows)            # a row's result does not depend on its batch
-    lib.gen_qmatmul(ctypes.byref(m), x[-1:].contiguous().data_ptr(), 1, one.data_ptr(), qx.data_ptr())
-    assert torch.equal(one[0], got[-1])
+    check_qmatmul(lib, Mat(b.data_ptr(), TYPE_CODES[kind], rows, cols), x, b, kind, (rows, cols), f"{kind} B{B}")
 
 
 # ------------------------------------------------------------------ a Q4_K_M / Q5_K_M file
