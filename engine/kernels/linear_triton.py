@@ -36,6 +36,14 @@ def state_block(S_ptr, z_ptr, b, h, fs, ds, f_ok, d_ok, sS_b, sS_h, sS_f, sS_d, 
 
 
 @jit
+def store_readout(out_ptr, b, h, gs, ds, g_ok, d_ok, so_b, so_h, so_g, so_d, num, den, eps):
+    """out[b, h, g, :] = num / (den + eps) for the group's query heads g, in the output's dtype."""
+    out = num / (den[:, None] + eps)
+    o_at = out_ptr + b * so_b + h * so_h + gs[:, None] * so_g + ds[None, :] * so_d
+    tl.store(o_at, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+
+
+@jit
 def linear_decode_kernel(
         q_ptr, k_ptr, v_ptr, S_ptr, z_ptr, d_ptr, out_ptr, eps,
         Hkv, G, Dv,
@@ -76,9 +84,7 @@ def linear_decode_kernel(
                            q, k, v, d, HAS_DECAY)
         num += n
         den += m
-    out = num / (den[:, None] + eps)
-    o_at = out_ptr + b * so_b + h * so_h + gs[:, None] * so_g + ds[None, :] * so_d
-    tl.store(o_at, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+    store_readout(out_ptr, b, h, gs, ds, g_ok, d_ok, so_b, so_h, so_g, so_d, num, den, eps)
 
 
 @jit
@@ -203,6 +209,4 @@ def hedgehog_decode_kernel(
                                q, k, v, d, HAS_DECAY)
             num += n
             den += m
-    out = num / (den[:, None] + eps)
-    o_at = out_ptr + b * so_b + h * so_h + gs[:, None] * so_g + ds[None, :] * so_d
-    tl.store(o_at, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+    store_readout(out_ptr, b, h, gs, ds, g_ok, d_ok, so_b, so_h, so_g, so_d, num, den, eps)
