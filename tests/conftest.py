@@ -348,3 +348,15 @@ def check_qmatmul(lib, mat, x, b, kind: str, shape: tuple[int, int], label: str)
     one = torch.empty(1, rows)
     lib.gen_qmatmul(ctypes.byref(mat), x[-1:].contiguous().data_ptr(), 1, one.data_ptr(), qx.data_ptr())
     assert torch.equal(one[0], got[-1])
+
+
+def check_dequantize_equals_gguf(b, kind: str, shape: tuple[int, int], gguf_type) -> None:
+    """engine.quant.dequantize of blocks `b` equals the gguf package's own decoding, bit for bit."""
+    import numpy as np
+    from gguf.quants import dequantize as gguf_dequantize
+
+    from engine.quant import dequantize
+    ours = dequantize(b, kind, shape)
+    ref = gguf_dequantize(b.numpy(), gguf_type)
+    assert ours.dtype == torch.float32 and ref.shape == shape
+    assert np.array_equal(ours.numpy().view(np.int32), ref.view(np.int32))

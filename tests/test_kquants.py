@@ -19,7 +19,8 @@ gguf = pytest.importorskip("gguf", reason="the gguf package is not installed")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 from chat_fixtures import random_k_blocks, write_gguf  # noqa: E402
-from conftest import check_qmatmul, check_rows_alone, greedy_against, tiny_model  # noqa: E402
+from conftest import (check_dequantize_equals_gguf, check_qmatmul, check_rows_alone,  # noqa: E402
+                      greedy_against, tiny_model)
 from engine.loader import load_model  # noqa: E402
 from engine.quant import K_BLOCK_BYTES, QuantLinear, QuantStack, dequantize, q8_reference  # noqa: E402
 from engine.steps import Stepper  # noqa: E402
@@ -47,10 +48,7 @@ def blocks_of(kind: str, rows: int, cols: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_dequantize_equals_gguf_bit_for_bit(kind):
     b = blocks_of(kind, 8, 768, seed=1)
-    ours = dequantize(b, kind, (8, 768))
-    ref = gguf.quants.dequantize(b.numpy(), KINDS[kind])
-    assert ours.dtype == torch.float32 and ref.shape == (8, 768)
-    assert np.array_equal(ours.numpy().view(np.int32), ref.view(np.int32))
+    check_dequantize_equals_gguf(b, kind, (8, 768), KINDS[kind])
 
 
 # ------------------------------------------------------------------ the native kernels
