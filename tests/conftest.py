@@ -360,3 +360,23 @@ def check_dequantize_equals_gguf(b, kind: str, shape: tuple[int, int], gguf_type
     ref = gguf_dequantize(b.numpy(), gguf_type)
     assert ours.dtype == torch.float32 and ref.shape == shape
     assert np.array_equal(ours.numpy().view(np.int32), ref.view(np.int32))
+
+
+def check_native_q8_decode(model, prompt, path: str, label: str) -> None:
+    """The native q8 step against the q8 reference from the same state (1e-5 of the logits' scale on
+    most steps, 0.1 at worst, where torch's and C's fp32 sums put an activation at a q8 rounding tie),
+    and against dequantize-then-fp32 only loosely (q8's rounding must show: the reference is not
+    vacuous)."""
+    from engine.quant import q8_reference
+    from engine.steps import Stepper
+    step = Stepper(model, "native", threads=2, activations="q8")
+    got, want, _, _ = greedy_against(step, model, q8_reference(model), prompt, path, synced=True)
+    per_step = (got - want).abs().amax(-1) / want.abs().amax(-1)
+    q8, deq, _, _ = greedy_against(Stepper(model, "native", threads=2, activations="q8"), model, model, prompt, path)
+    d_exact = ((q8 - deq).abs().amax(-1) / deq.abs().amax(-1)).max().item()
+    tight = (per_step <= 1e-5).float().mean().item()
+    print(f"{label} {path}: native q8 vs q8 reference max {per_step.max():.1e} ({tight:.0%} of steps within "
+          f"1e-5); vs dequantize-then-fp32 {d_exact:.1e}")
+    assert step.last_form == "native"
+    assert tight >= 0.75 and per_step.max() <= 0.1
+    assert 1e-6 < d_exact <= 0.1

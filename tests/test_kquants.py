@@ -19,10 +19,10 @@ gguf = pytest.importorskip("gguf", reason="the gguf package is not installed")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 from chat_fixtures import random_k_blocks, write_gguf  # noqa: E402
-from conftest import (check_dequantize_equals_gguf, check_qmatmul, check_rows_alone,  # noqa: E402
+from conftest import (check_dequantize_equals_gguf, check_native_q8_decode, check_qmatmul, check_rows_alone,  # noqa: E402
                       greedy_against, tiny_model)
 from engine.loader import load_model  # noqa: E402
-from engine.quant import K_BLOCK_BYTES, QuantLinear, QuantStack, dequantize, q8_reference  # noqa: E402
+from engine.quant import K_BLOCK_BYTES, QuantLinear, QuantStack, dequantize  # noqa: E402
 from engine.steps import Stepper  # noqa: E402
 
 KINDS = {"q4_k": Q.Q4_K, "q5_k": Q.Q5_K, "q6_k": Q.Q6_K}
@@ -166,18 +166,7 @@ def test_native_q8_equals_its_reference(native, k_m, path):
     two round it a q8 step apart: measured on random Q4_K and Q5_K models, ~1e-2 on 1 first token
     in 16, ~1e-7 on the others); and against dequantize-then-fp32 only loosely."""
     name, base, _, model = k_m
-    step = Stepper(model, "native", threads=2, activations="q8")
-    got, want, _, _ = run(step, model, q8_reference(model), path, synced=True)
-    scale = want.abs().amax(-1)
-    per_step = (got - want).abs().amax(-1) / scale
-    q8, deq, _, _ = run(Stepper(model, "native", threads=2, activations="q8"), model, model, path)
-    d_exact = ((q8 - deq).abs().amax(-1) / deq.abs().amax(-1)).max().item()
-    tight = (per_step <= 1e-5).float().mean().item()
-    print(f"{name} {path}: native q8 vs q8 reference max {per_step.max():.1e} ({tight:.0%} of steps within "
-          f"1e-5); vs dequantize-then-fp32 {d_exact:.1e}")
-    assert step.last_form == "native"
-    assert tight >= 0.75 and per_step.max() <= 0.1
-    assert 1e-6 < d_exact <= 0.1          # q8's rounding shows (the reference above is not vacuous)
+    check_native_q8_decode(model, PROMPT, path, name)
 
 
 def test_batched_rows_equal_each_alone(native, k_m):

@@ -21,10 +21,10 @@ gguf = pytest.importorskip("gguf", reason="the gguf package is not installed")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 from chat_fixtures import write_gguf  # noqa: E402
-from conftest import (check_dequantize_equals_gguf, check_qmatmul, check_rows_alone,  # noqa: E402
+from conftest import (check_dequantize_equals_gguf, check_native_q8_decode, check_qmatmul, check_rows_alone,  # noqa: E402
                       greedy_against, tiny_model)
 from engine.loader import load_model  # noqa: E402
-from engine.quant import Q5_BLOCK_BYTES, QuantLinear, QuantStack, dequantize, q8_reference  # noqa: E402
+from engine.quant import Q5_BLOCK_BYTES, QuantLinear, QuantStack, dequantize  # noqa: E402
 from engine.steps import Stepper  # noqa: E402
 from engine.steps.native.weights import regroup_q5  # noqa: E402
 
@@ -213,17 +213,7 @@ def test_native_q8_equals_its_reference(native, q5_file, path):
     scale on most steps, 0.1 at worst, where torch's and C's fp32 sums put an activation at a q8
     rounding tie); against dequantize-then-fp32 only loosely."""
     name, *_, model = q5_file
-    step = Stepper(model, "native", threads=2, activations="q8")
-    got, want, _, _ = greedy_against(step, model, q8_reference(model), PROMPT, path, synced=True)
-    per_step = (got - want).abs().amax(-1) / want.abs().amax(-1)
-    q8, deq, _, _ = greedy_against(Stepper(model, "native", threads=2, activations="q8"), model, model, PROMPT, path)
-    d_exact = ((q8 - deq).abs().amax(-1) / deq.abs().amax(-1)).max().item()
-    tight = (per_step <= 1e-5).float().mean().item()
-    print(f"{name} {path}: native q8 vs q8 reference max {per_step.max():.1e} ({tight:.0%} of steps within "
-          f"1e-5); vs dequantize-then-fp32 {d_exact:.1e}")
-    assert step.last_form == "native"
-    assert tight >= 0.75 and per_step.max() <= 0.1
-    assert 1e-6 < d_exact <= 0.1          # q8's rounding shows (the reference above is not vacuous)
+    check_native_q8_decode(model, PROMPT, path, name)
 
 
 def test_plan_runs_regrouped_q5_blocks(native, q5_file):
