@@ -380,3 +380,17 @@ def check_native_q8_decode(model, prompt, path: str, label: str) -> None:
     assert step.last_form == "native"
     assert tight >= 0.75 and per_step.max() <= 0.1
     assert 1e-6 < d_exact <= 0.1
+
+
+def check_native_f32_decode(model, prompt, path: str, label: str) -> None:
+    """The native step with fp32 activations on one thread (each matrix runs whole) against the module
+    path on dequantized weights: the same products summed in another order (1e-4 of the logits' scale
+    over the prompt and 20 steps), greedy ids equal."""
+    from engine.steps import Stepper
+    step = Stepper(model, "native", threads=1, activations="f32")
+    got, want, ids, ref_ids = greedy_against(step, model, model, prompt, path)
+    assert step.last_form == "native" and step.last_prefill_form == "native"
+    rel = ((got - want).abs().amax(-1) / want.abs().amax(-1)).max().item()
+    print(f"{label} {path}: native f32 vs dequantize-then-fp32, max relative logit diff {rel:.1e}")
+    assert rel <= 1e-4
+    assert ids == ref_ids

@@ -19,8 +19,9 @@ gguf = pytest.importorskip("gguf", reason="the gguf package is not installed")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 from chat_fixtures import random_k_blocks, write_gguf  # noqa: E402
-from conftest import (check_dequantize_equals_gguf, check_native_q8_decode, check_qmatmul, check_rows_alone,  # noqa: E402
-                      greedy_against, tiny_model)
+from conftest import (  # noqa: E402
+    check_dequantize_equals_gguf, check_native_f32_decode, check_native_q8_decode, check_qmatmul, check_rows_alone,
+    greedy_against, tiny_model)
 from engine.loader import load_model  # noqa: E402
 from engine.quant import K_BLOCK_BYTES, QuantLinear, QuantStack, dequantize  # noqa: E402
 from engine.steps import Stepper  # noqa: E402
@@ -148,13 +149,7 @@ def test_native_f32_equals_dequantize_then_fp32(native, k_m, path):
     name, base, _, model = k_m
     # one thread: each matrix runs whole (the pool's chunks of 2 threads start at q/k/v's segment
     # boundary, so a stack's rows past its first segment get tested at an offset only here)
-    step = Stepper(model, "native", threads=1, activations="f32")
-    got, want, ids, ref_ids = run(step, model, model, path)
-    assert step.last_form == "native" and step.last_prefill_form == "native"
-    rel = ((got - want).abs().amax(-1) / want.abs().amax(-1)).max().item()
-    print(f"{name} {path}: native f32 vs dequantize-then-fp32, max relative logit diff {rel:.1e}")
-    assert rel <= 1e-4
-    assert ids == ref_ids
+    check_native_f32_decode(model, PROMPT, path, name)
 
 
 @pytest.mark.parametrize("path", ["softmax", "linear"])
