@@ -105,6 +105,11 @@ def task_scores(answer: dict | None) -> dict[str, float]:
     return {t: answer["tasks"][t]["metrics"][m]["value"] for t, m in TASKS.items() if t in answer.get("tasks", {})}
 
 
+def average(scores: dict[str, float]) -> float | None:
+    """The six tasks' mean, or None while any is missing."""
+    return sum(scores.values()) / len(TASKS) if len(scores) == len(TASKS) else None
+
+
 def table(a) -> str:
     decode = {}
     if a.decode:
@@ -117,8 +122,7 @@ def table(a) -> str:
     texts = [t for t in ("stories", "general", "legal") if any(read(a.out, k, t) for k, *_ in ROWS)]
     ref = {"softmax": {}, "control": {}}
     for key in ref:
-        scores = task_scores(read(a.out, key, "tasks"))
-        ref[key]["avg"] = sum(scores.values()) / len(TASKS) if len(scores) == len(TASKS) else None
+        ref[key]["avg"] = average(task_scores(read(a.out, key, "tasks")))
         for t in texts:
             ppl = read(a.out, key, t)
             ref[key][t] = ppl["perplexity"] if ppl else None
@@ -136,8 +140,7 @@ def table(a) -> str:
     for key, name, _, decode_row in ROWS:
         scores = task_scores(read(a.out, key, "tasks"))
         cells = [f"{scores[t]:.2f}" if t in scores else "-" for t in TASKS]
-        avg = sum(scores.values()) / len(TASKS) if len(scores) == len(TASKS) else None
-        cells.append(versus(avg, "avg", ".3f"))
+        cells.append(versus(average(scores), "avg", ".3f"))
         for t in texts:
             ppl = read(a.out, key, t)
             cells.append(versus(ppl["perplexity"] if ppl else None, t, ".2f"))
