@@ -6,12 +6,18 @@ separated by `<|endoftext|>` lines (the format `gen eval`, `gen train` and `gen 
     python scripts/text_corpus.py html /usr/share/doc/python3.11/html > python-docs.txt
     python scripts/text_corpus.py fortunes /usr/share/games/fortunes/{literature,people,...} > fortunes.txt
     python scripts/text_corpus.py fortunes FILE... --exclude FILE...    # minus every fortune of the --exclude files
+    apt-get install -y debian-handbook
+    python scripts/text_corpus.py html /usr/share/doc/debian-handbook/html/en-US > handbook.txt
+    pip download --no-deps chatterbot-corpus==1.3.3 && unzip chatterbot_corpus-*.whl
+    python scripts/text_corpus.py dialogue chatterbot_corpus/data/english > dialogue.txt
 
 html: one document per page, the text of the page's main body (the standard library's
 html.parser; scripts, styles, navigation, headers and footers dropped), pages in sorted path
 order. fortunes: fortunes (the files' '%' lines separate them) joined into documents of about
 1,000 characters; `--exclude` drops every fortune that also occurs (ignoring case, spacing and
-punctuation) in the files after it: a training text held apart from an evaluation text.
+punctuation) in the files after it: a training text held apart from an evaluation text. dialogue: the
+conversations of chatterbot-corpus YAML files (`conversations: [[line, reply, ...], ...]`) as
+alternating "A:"/"B:" lines, joined into documents of about 1,000 characters.
 """
 from __future__ import annotations
 
@@ -106,11 +112,32 @@ def fortune_docs(files, exclude=()):
         yield buf
 
 
+def dialogue_docs(root: Path):
+    import yaml     # PyYAML: a dependency of the eval extra (lm-eval)
+
+    buf = ""
+    for path in sorted(root.rglob("*.yml")):
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        for conv in data.get("conversations") or []:
+            lines = [str(x).strip() for x in conv if str(x).strip()]
+            if len(lines) < 2:
+                continue
+            text = "\n".join(f"{'AB'[i % 2]}: {line}" for i, line in enumerate(lines))
+            buf = f"{buf}\n\n{text}" if buf else text
+            if len(buf) >= 1000:
+                yield buf
+                buf = ""
+    if buf:
+        yield buf
+
+
 def main(argv):
-    if len(argv) < 2 or argv[0] not in ("html", "fortunes"):
-        sys.exit("usage: text_corpus.py html DIR | fortunes FILE...")
+    if len(argv) < 2 or argv[0] not in ("html", "fortunes", "dialogue"):
+        sys.exit("usage: text_corpus.py html DIR | fortunes FILE... | dialogue DIR")
     if argv[0] == "html":
         docs = html_docs(Path(argv[1]))
+    elif argv[0] == "dialogue":
+        docs = dialogue_docs(Path(argv[1]))
     else:
         files = argv[1:]
         cut = files.index("--exclude") if "--exclude" in files else len(files)

@@ -1,13 +1,15 @@
 """Rows that finish while a going row holds a long KV cache stay in the batch state, decoded and
 ignored, instead of being dropped by a copy of every going row (a 4k-token SmolLM2 row is ~190 MB: a
 stall of every stream each time one ends; issue 29). They leave once they are as many as the going
-rows, or with the next join; nobody's tokens change."""
+rows, or with the next join; nobody's tokens change. (A KV batch on the CPU is a slab, whose rows leave in
+place: tests/test_serve_slab.py.)"""
 from __future__ import annotations
 
 import pytest
 
 import engine.serve.scheduler as scheduler
 from engine.api import LLM
+from engine.attention.softmax import KVState
 from engine.sampling import SamplingParams
 from tests.conftest import tiny_model
 from tests.test_state_mixed import TRAINED, drive, mixed_model
@@ -22,6 +24,9 @@ def model_for(kind: str):
 @pytest.mark.parametrize("kind", ["softmax", "hybrid-hedgehog", "hybrid-window-hedgehog"])
 def test_finished_rows_ride_along_while_a_long_row_lives_and_change_nobody(kind, monkeypatch):
     llm = LLM(model_for(kind), None, backend="auto")
+    # a KV batch laid out as a slab drops rows in place (tests/test_serve_slab.py); as one that is not
+    # (any device but the CPU) it lets them ride along
+    monkeypatch.setattr(KVState, "slabs", False)
     long = ("long", [1, 5, 9, 20, 3, 7, 11, 2, 8, 6, 4, 4], SamplingParams(temperature=0.9, seed=7), 30)
     shorts = [(f"s{i}", [1, 7 + i], SamplingParams(temperature=0.8, seed=i), 4 + 3 * i) for i in range(4)]
     alone = {job[0]: drive(llm, {0: [job]})[job[0]] for job in [long, *shorts]}

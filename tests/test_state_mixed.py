@@ -100,10 +100,11 @@ def test_a_saved_state_file_continues_identically_on_the_models_own_maps(tmp_pat
 
 
 # ---------------------------------------------------------------------- the serve scheduler on mixed states
-def drive(llm, jobs_at: dict, cache=None, iterations: int = 80) -> dict:
+def drive(llm, jobs_at: dict, cache=None, iterations: int = 80, **settings) -> dict:
     """Run a Scheduler by hand (no thread, no HTTP): jobs_at {iteration: [(key, ids, params, n)]}.
-    Returns {key: token ids}."""
-    sched = Scheduler(llm.model, llm.tokenizer, llm.step, max_batch=8, cache=cache or PrefixCache(max_entries=0))
+    Returns {key: token ids}. settings: more Scheduler arguments."""
+    sched = Scheduler(llm.model, llm.tokenizer, llm.step, max_batch=8, cache=cache or PrefixCache(max_entries=0),
+                      **settings)
     outs: dict = {}
     peak = 0
     for it in range(iterations):

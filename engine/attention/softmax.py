@@ -39,8 +39,11 @@ class KVState(State):
     slot_real: torch.Tensor = None  # (B, S_max) bool, False at pad slots
     unset: bool = False             # slots past `slots` may be unwritten memory (module docstring)
     pads_unset: bool = False        # so may pad slots among the written ones
+    slab: tuple | None = None       # (k, v, slot_real, lengths) of a cache with spare rows and slots:
+                                    # this state is its first B rows (`concat(rows=, headroom=)`)
 
     path = "softmax"
+    slabs = True    # concat(rows=, headroom=) lays out a slab that rows join and leave in place
 
     @classmethod
     def allocate(cls, cfg, batch: int, max_len: int, device, dtype, **_) -> "KVState":
@@ -126,26 +129,94 @@ class KVState(State):
         return out
 
     @classmethod
-    def concat(cls, states, max_len=None) -> "KVState":
+    def concat(cls, states, max_len=None, rows: int = 0, headroom: int = 0) -> "KVState":
+        """The states' rows in one batch, right-aligned to the longest (a row's leading slots pads).
+        rows / headroom (CPU): a slab, where later rows join and leave in place (`join`, `keep_rows`)
+        without moving the others: memory for `rows` rows, the rows aligned at slot >= `headroom`
+        (so a prompt up to that long joins right-aligned), and room to decode `headroom` more steps
+        than `max_len` asks. Untouched slots cost address space only (module docstring)."""
         cls.check_same_identity(states, "shapes or dtypes")
-        P = max(s.slots for s in states)
-        max_len = max(max_len or max(s.max_len for s in states), P)
+        n = sum(s.batch_size for s in states)
+        P0 = max(s.slots for s in states)
+        max_len = max(max_len or max(s.max_len for s in states), P0)
+        slab = (rows > n or headroom > 0) and states[0].device.type == "cpu"
+        P = max(P0, headroom) if slab else P0
+        if slab:
+            max_len = P + max(max_len - P0, headroom)
         L, _, Hkv, _, D = states[0].k.shape
-        out = cls.allocate_shape(L, sum(s.batch_size for s in states), Hkv, max_len, D,
+        out = cls.allocate_shape(L, max(n, rows) if slab else n, Hkv, max_len, D,
                                  states[0].device, states[0].k.dtype, zero=False)
-        b = 0
+        if slab and out.batch_size > n:
+            out = out._slab_view(n, out)
+        out._place(states, 0, P)
+        out._laid_out(any(s.unset for s in states), any(s.pads_unset for s in states))
+        return out
+
+    def _slab_view(self, n: int, base: "KVState | None" = None) -> "KVState":
+        """A state over the first n rows of this slab's memory (base: a state holding all of it)."""
+        k, v, real, lengths = self.slab if base is None else (base.k, base.v, base.slot_real, base.lengths)
+        if base is None:
+            lengths[:self.batch_size].copy_(self.lengths)     # a commit may have rebound lengths
+        out = KVState(lengths=lengths[:n], slots=self.slots if base is None else 0, k=k[:, :n], v=v[:, :n],
+                      slot_real=real[:n], slab=(k, v, real, lengths))
+        out.padded, out.unset, out.pads_unset = self.padded, self.unset, self.pads_unset
+        return out
+
+    def join(self, states, max_len) -> "KVState | None":
+        """This batch and the states' rows, the new rows written into this slab's spare rows (nothing
+        of this batch's rows is moved): a new state over the same memory, or None where they do not
+        fit (no slab, too few spare rows, a state longer than this batch's slots, or fewer spare
+        slots than `max_len` - the longest row's slots asks)."""
+        if self.slab is None or not states:
+            return None
+        self.check_same_identity([self] + list(states), "shapes or dtypes")
+        n, P = self.batch_size, self.slots
+        m = n + sum(s.batch_size for s in states)
+        longest = max([P] + [s.slots for s in states])
+        if m > self.slab[0].shape[1] or longest > P or P + max_len - longest > self.max_len:
+            return None
+        out = self._slab_view(m)
+        out._place(states, n, P)
+        out._laid_out(self.unset or any(s.unset for s in states),
+                      self.pads_unset or any(s.pads_unset for s in states))
+        return out
+
+    def keep_rows(self, keep: list[int]) -> tuple["KVState", list[int]] | None:
+        """Rows `keep` of this slab in place: each dropped row's place among the first len(keep)
+        rows is taken by a kept row from beyond them (one row's real slots copied; the rest do not
+        move). Returns (the new state, the old row index of each of its rows), or None for no slab."""
+        if self.slab is None:
+            return None
+        keep = sorted(int(i) for i in keep)
+        m = len(keep)
+        order = list(range(m))
+        holes = [i for i in range(m) if i not in set(keep)]
+        movers = [i for i in keep if i >= m]
+        out = self._slab_view(m)
+        first = self.first_real_slot().tolist()
+        P = self.slots
+        for hole, src in zip(holes, movers):
+            f = first[src]
+            for t in (out.slab[0], out.slab[1]):
+                t[:, hole, :, f:P] = t[:, src, :, f:P]
+            out.slot_real[hole, :P] = self.slot_real[src, :P]
+            out.lengths[hole] = self.lengths[src]
+            order[hole] = src
+        out._after_regroup()
+        return out, order
+
+    def _place(self, states, b: int, P: int) -> None:
+        """The states' rows into rows b.. of this batch, right-aligned to slot P (sets slots = P)."""
         for s in states:
             rows, lo = slice(b, b + s.batch_size), P - s.slots      # right-align: pads in [0, lo)
             for r, f in enumerate(s.first_real_slot().tolist()):
-                out._put_row(b + r, lo + f, P, s, r, f)
-            out.slot_real[rows, :lo] = False
-            out.slot_real[rows, lo:P] = s.slot_real[:, :s.slots]
-            out.lengths[rows] = s.lengths
+                self._put_row(b + r, lo + f, P, s, r, f)
+            self.slot_real[rows, :lo] = False
+            self.slot_real[rows, lo:P] = s.slot_real[:, :s.slots]
+            self.lengths[rows] = s.lengths
             b += s.batch_size
-        out.slots = P
-        out._after_regroup()
-        out._laid_out(any(s.unset for s in states), any(s.pads_unset for s in states))
-        return out
+        self.slots = P
+        self._after_regroup()
 
     def _put_row(self, row: int, at: int, end: int, src: "KVState", src_row: int, src_from: int) -> None:
         """Row `row`'s slots [at, end) <- src's row `src_row` from slot `src_from` (its real slots on);

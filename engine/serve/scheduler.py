@@ -187,7 +187,7 @@ class Scheduler:
 
     def __init__(self, model, tokenizer, stepper, max_batch: int = 16, max_queue: int | None = None,
                  feature_map: str | None = None, cache: PrefixCache | None = None,
-                 prefill_share: float = PREFILL_SHARE):
+                 prefill_share: float = PREFILL_SHARE, kv_headroom: int | None = None):
         self.model, self.tokenizer, self.stepper = model, tokenizer, stepper
         # while sequences decode, prompts are fed in pieces for about this many times the decode step's
         # time per iteration (_feed): the streams' gaps stay ~(1 + share) steps, a prompt's prefill runs
@@ -198,6 +198,9 @@ class Scheduler:
         self._pieces_fed = 0          # pieces fed this iteration (one always is)
         self._trimmed_at = 0          # the iteration count when the heap was last trimmed (_idle)
         self.max_batch = max_batch
+        # a KV batch's rows sit at slot >= this (KVState.concat(headroom=)): a prompt up to this long
+        # joins a running batch without moving it
+        self.kv_headroom = kv_headroom if kv_headroom is not None else model.config.max_position_embeddings
         self.max_queue = max_queue if max_queue is not None else 4 * max_batch
         self.feature_map = feature_map
         self.cache = cache if cache is not None else PrefixCache()
@@ -571,11 +574,29 @@ class Scheduler:
         rows = pool.rows + [run for run, _ in items]
         states = ([pool.state] if pool.state is not None else []) + [state for _, state in items]
         try:
-            pool.state = type(states[0]).concat(states, max_len=self._capacity(states, rows))
+            pool.state = self._joined(pool.state, [state for _, state in items], states, rows)
             pool.rows, pool.layout = rows, pool.layout + [run for run, _ in items]
             self.peak_active = max(self.peak_active, self.active)
         except Exception as e:   # noqa: BLE001
             self._fail(pool, rows, e)
+
+    def _joined(self, running, new: list, states: list, rows: list):
+        """The pool's batch state with the new states' rows. A KV cache on the CPU is a slab
+        (KVState.concat(rows=, headroom=)): a row joins in place, written into a spare row, and no
+        running row moves (the copy of every running row was the stall of issue 29 at a long prompt's
+        end); where it does not fit (no spare row or slot), a new slab is laid out, every row copied."""
+        max_len = self._capacity(states, rows)
+        if running is not None and hasattr(running, "join"):
+            joined = running.join(new, max_len)
+            if joined is not None:
+                return joined
+        cls = type(states[0])
+        if states[0].device.type == "cpu" and getattr(cls, "slabs", False):
+            try:
+                return cls.concat(states, max_len=max_len, rows=self.max_batch, headroom=self.kv_headroom)
+            except RuntimeError:   # the address space refused (a huge context): as many rows as now
+                pass
+        return cls.concat(states, max_len=max_len)
 
     @staticmethod
     def _capacity(states, rows) -> int | None:
@@ -624,7 +645,14 @@ class Scheduler:
         going = set(map(id, pool.rows))
         keep = [b for b, r in enumerate(pool.layout) if id(r) in going]
         dead = len(pool.layout) - len(keep)
-        if dead < len(keep) and self._long_kv(pool.state, keep):
+        moved = [b for b in keep if b >= len(keep)]   # a slab moves only these, into the holes
+        if dead < len(keep) and self._long_kv(pool.state, moved if hasattr(pool.state, "keep_rows") else keep):
+            return
+        kept = pool.state.keep_rows(keep) if hasattr(pool.state, "keep_rows") else None
+        if kept is not None:
+            pool.state, order = kept
+            pool.layout = [pool.layout[b] for b in order]
+            pool.rows = list(pool.layout)
             return
         # the kept rows' capacity stays enough: the slots trimmed are pads no kept row needs
         pool.state, pool.layout = pool.state.select_rows(keep), list(pool.rows)
@@ -632,7 +660,7 @@ class Scheduler:
     @staticmethod
     def _long_kv(state, rows: list[int]) -> bool:
         """Whether one of `rows` holds at least DEFER_DROP_FROM tokens of KV cache (a copy to avoid)."""
-        return state.max_len is not None and int(state.lengths[rows].max()) >= DEFER_DROP_FROM
+        return state.max_len is not None and bool(rows) and int(state.lengths[rows].max()) >= DEFER_DROP_FROM
 
     def _fail(self, pool: Pool, rows: list, error: Exception) -> None:
         self.failures += 1

@@ -64,7 +64,8 @@ class Server:
         self._chat_eos: frozenset | None = None
         self._token_texts: dict[int, str] = {}
         self.scheduler = Scheduler(llm.model, llm.tokenizer, llm.step, max_batch=max_batch, max_queue=max_queue,
-                                   feature_map=llm.feature_map, cache=cache, prefill_share=prefill_share)
+                                   feature_map=llm.feature_map, cache=cache, prefill_share=prefill_share,
+                                   kv_headroom=min(self.max_context, self.max_prompt or self.max_context))
         self.fingerprint = fingerprint(llm, name)
 
     # ------------------------------------------------------------------ requests -> jobs

@@ -314,7 +314,8 @@ static void att_fn(const void *ctx, int g0, int g1, float *out, int os, int add,
         const uint8_t *real = c->slot_real ? c->slot_real + (size_t)cb * p->S_max : NULL;
         int t0 = 0, gaps = 0;
         if (real) {
-            while (t0 < slot && !real[t0]) t0++;
+            const uint8_t *first = memchr(real, 1, (size_t)slot);   /* bools: 0 or 1; a cache with headroom */
+            t0 = first ? (int)(first - real) : slot;                 /* leads with thousands of pads */
             for (int t = t0; t < slot && !gaps; t++) gaps = !real[t];
         }
         int n = slot + 1 - t0;

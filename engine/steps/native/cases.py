@@ -63,7 +63,20 @@ def why_not(model, state, tokens) -> str | None:
                 f"sliding_window); the torch step runs it")
     if kv is not None and any(t.dtype not in FLOAT_TYPES for t in kv.tensors()):
         return f"the native step reads an fp32, f16 or bf16 KV cache, not {kv.k.dtype}"
-    tensors = state.tensors()
-    if not all(t.is_contiguous() for t in tensors):
+    kv_tensors = [] if kv is None else [kv.k, kv.v]
+    if not all(t.is_contiguous() for t in state.tensors() if not any(t is u for u in kv_tensors)) or \
+            (kv is not None and kv_rows(kv) is None):
         return "the native step needs a contiguous state"
     return None
+
+
+def kv_rows(kv) -> int | None:
+    """The rows a KV cache's memory holds: its batch, or more where k and v are the first rows of a
+    cache with spare rows (KVState.concat(rows=)); None for any other layout."""
+    L, B, Hkv, S, D = kv.k.shape
+    inner = Hkv * S * D
+    rows = kv.k.stride(0) // inner if L > 1 else B
+    for t in (kv.k, kv.v):
+        if t.stride()[1:] != (inner, S * D, D, 1) or (L > 1 and (t.stride(0) != rows * inner or rows < B)):
+            return None
+    return rows

@@ -236,7 +236,7 @@ void gen_decode_step(const Plan *p, const int64_t *tokens, int slot, const float
     matmul(p, &p->head, p->xb, C, logits, p->V, 0);
 }
 
-/* A prompt block on a prefill plan (Bc > 0, made for up to `rows_max` rows): tokens (n) of
+/* A prompt block on a prefill plan (Bc > 0, seq >= 0, made for up to `rows_max` rows): tokens (n) of
  * sequence p->seq at slots slot..slot+n-1, every row on the pool like a batch (its keys and values
  * written before any row attends, each row to the keys up to its own slot). cos/sin: the rotary
  * rows of those positions, D apart. Layers [l0, l1) only (0, L: the whole block; the same block in
@@ -244,7 +244,7 @@ void gen_decode_step(const Plan *p, const int64_t *tokens, int slot, const float
  * the last row's logits (V) after layer L - 1 unless logits is NULL. */
 void gen_prefill_layers(Plan *p, int rows_max, int n, const int64_t *tokens, int slot, const float *cos,
                         const float *sin, const uint8_t *slot_real, float *logits, int l0, int l1) {
-    if (p->Bc <= 0 || n < 1 || n > rows_max || l0 < 0 || l1 > p->L || l0 >= l1) return;
+    if (!prompt_plan(p) || n < 1 || n > rows_max || l0 < 0 || l1 > p->L || l0 >= l1) return;
     const int C = p->C;
     pool_quiesce();   /* no late worker still reads this plan's row count */
     p->B = n;

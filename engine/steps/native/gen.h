@@ -123,7 +123,8 @@ typedef struct {
     int nthreads;                          /* threads the step may use, the caller's included */
     float *tscratch;                       /* per thread: tscratch + tid * tscratch_floats (owned by C) */
     size_t tscratch_floats;
-    int Bc, seq;                           /* prefill plans: the cache's batch and the block's sequence; decode: 0 */
+    int Bc, seq;                           /* the cache's rows when it holds more than B (0: B); a prompt
+                                              plan's sequence (>= 0), a decode plan's -1 (row b is sequence b) */
     /* MODE_HEDGEHOG: learned maps, y = x W + b, phi = [softmax(y), softmax(-y)] (F = 2D), in hh_type:
      * hq_w (L, H, D, D), hq_b (L, H, D) for queries; hk_w (L, Hkv, D, D), hk_b (L, Hkv, D) for keys */
     const void *hq_w, *hq_b, *hk_w, *hk_b;
@@ -325,11 +326,13 @@ static inline void axpy_f32(float *restrict y, float a, const float *restrict x,
 #define CHUNKS_PER_THREAD 4     /* chunks a phase is cut into, per thread (dynamic claiming) */
 extern long long gen_par_min_macs;   /* a phase below this many multiply-adds runs on the caller alone */
 
-/* A decode plan's row b is sequence b at `slot`; a prefill plan's (Bc > 0) row r is token r of a
- * block of sequence `seq` (of a cache holding Bc sequences), at slot + r. */
+/* A decode plan's row b is sequence b at `slot` (of a cache holding Bc >= B sequences when Bc > 0:
+ * the first B of a cache with spare rows, seq -1); a prompt plan's (Bc > 0, seq >= 0) row r is token r
+ * of a block of sequence `seq` (of a cache holding Bc sequences), at slot + r. */
+static inline int prompt_plan(const Plan *p) { return p->Bc > 0 && p->seq >= 0; }
 static inline int cache_batch(const Plan *p) { return p->Bc > 0 ? p->Bc : p->B; }
-static inline int cache_seq(const Plan *p, int r) { return p->Bc > 0 ? p->seq : r; }
-static inline int row_slot(const Plan *p, int slot, int r) { return p->Bc > 0 ? slot + r : slot; }
+static inline int cache_seq(const Plan *p, int r) { return prompt_plan(p) ? p->seq : r; }
+static inline int row_slot(const Plan *p, int slot, int r) { return prompt_plan(p) ? slot + r : slot; }
 /* ------------------------------------------------------------------ per-thread scratch */
 #define KCH 32   /* 16-bit cache rows widened to fp32 this many at a time */
 
@@ -341,11 +344,11 @@ static inline size_t att_scratch(const Plan *p) {
     return G * p->S_max + (2 + G + KCH) * (size_t)p->D;
 }
 
-/* A prompt plan with fp32 activations on quantized weights (q8_acts 0, Bc > 0) widens DQ_ROWS rows of
+/* A prompt plan with fp32 activations on quantized weights (q8_acts 0) widens DQ_ROWS rows of
  * a matrix at a time into the thread's scratch and runs the float row kernels on them (decode.c). */
 #define DQ_ROWS 16
 static inline size_t dq_scratch(const Plan *p) {
-    if (p->q8_acts || p->Bc <= 0) return 0;
+    if (p->q8_acts || !prompt_plan(p)) return 0;
     size_t w = (size_t)p->C;
     if ((size_t)p->H * p->D > w) w = (size_t)p->H * p->D;
     if ((size_t)p->I > w) w = (size_t)p->I;

@@ -17,13 +17,21 @@ import torch
 
 from engine.attention.linear import EPS
 from engine.steps.native.abi import MODES, TYPES, Mat, NativeUnavailableError, Plan, bind, mat, ptr
-from engine.steps.native.cases import learned_maps, state_parts
+from engine.steps.native.cases import kv_rows, learned_maps, state_parts
 from engine.steps.native.weights import DerivedWeights, layer_modules, matrix
 
 PREFILL_ROWS = 64   # a prompt block runs this many tokens at a time (the rows of one batched step)
 _V = ctypes.c_void_p
 _P = ctypes.POINTER(ctypes.c_float)
 _DATA_PTR, _DTYPE, _VERSION = torch.Tensor.data_ptr, operator.attrgetter("dtype"), operator.attrgetter("_version")
+
+
+def cache_rows(kv) -> int:
+    """kv_rows, a layout it refuses raised."""
+    rows = kv_rows(kv)
+    if rows is None:
+        raise NativeUnavailableError("the native step needs a KV cache laid out (L, B, Hkv, S, D), rows contiguous")
+    return rows
 
 
 class NativeDecoder:
@@ -51,6 +59,7 @@ class NativeDecoder:
         if norm_type < 0 or any(TYPES.get(n.dtype) != norm_type for n in norms):
             raise NativeUnavailableError("the native step needs the norm weights in one float dtype")
         kv, lin = state_parts(state)
+        self.cache_rows = state.batch_size if kv is None else cache_rows(kv)
         tensors = state.tensors()   # [k, v], [S, z], or a hybrid's [k, v, S, z] (+ a window's [wk, wv])
         if lin is not None and lin.path == "window":
             tensors = tensors + [lin.wreal]   # (B, W) bool, shifted in place by commit: checked too
@@ -159,6 +168,8 @@ class NativeDecoder:
                           wreal=lin.wreal.data_ptr())
         if kv is not None:
             fields.update(k=kv.k.data_ptr(), v=kv.v.data_ptr(), kv_type=TYPES[kv.k.dtype])
+            if self.cache_rows != state.batch_size:   # the first B rows of a cache with spare rows
+                fields.update(Bc=self.cache_rows, seq=-1)
         if maps:
             fields.update({n: t.data_ptr() for n, t in zip(("hq_w", "hq_b", "hk_w", "hk_b"), maps)},
                           hh_type=TYPES[maps[0].dtype])
@@ -189,7 +200,7 @@ class NativeDecoder:
             plan = Plan()
             ctypes.memmove(ctypes.byref(plan), self.plan_ref, ctypes.sizeof(Plan))   # every field, then rows and scratch
             plan.tscratch, plan.tscratch_floats = None, 0
-            plan.B, plan.Bc = PREFILL_ROWS, self.B
+            plan.B, plan.Bc, plan.seq = PREFILL_ROWS, self.cache_rows, 0
             plan.q8_acts = int(self.q8_prompt)
             for n, t in self.prefill_scratch.items():
                 setattr(plan, n, ptr(t))

@@ -1,0 +1,143 @@
+"""A KV batch on the CPU is a slab (KVState.concat(rows=, headroom=)): spare rows, and its rows
+right-aligned at a slot past any prompt the server takes, so a row joins by writing itself into a
+spare row and leaves by one tail row moving into its place, and no other row's keys move (issue 29:
+a 4k-token prompt joining 16 streams copied all their caches, ~1 GB, a ~350 ms stall of every
+stream). Each row still computes what it computes alone, bit for bit on the native step."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.api import LLM
+from engine.attention.softmax import KVState
+from engine.sampling import SamplingParams
+from engine.steps import Stepper
+from tests.conftest import poison_unwritten, tiny_model
+from tests.test_batch_shapes import smollm2_shaped
+from tests.test_state_mixed import TRAINED, drive
+
+pytestmark = pytest.mark.usefixtures("native_built")   # tests/conftest.py: built, or skipped with the reason
+
+PROMPTS = [[1, 5, 9, 20, 3], [1, 7], [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 1], [2, 8, 6]]
+STEPS = 10
+
+
+def prefill(step, model, ids):
+    s = model.init_state(1, len(ids) + STEPS, "softmax")
+    return s, step(torch.tensor([ids]), s, last_only=True)[:, -1]
+
+
+def solo(step, model, ids):
+    s, logits = prefill(step, model, ids)
+    out = [int(logits.argmax())]
+    for _ in range(STEPS - 1):
+        out.append(int(step(torch.tensor([[out[-1]]]), s)[0, -1].argmax()))
+    return out
+
+
+def real_keys(state, row):
+    """Row `row`'s real keys and values, in slot order."""
+    real = state.slot_real[row, :state.slots]
+    return state.k[:, row, :, :state.slots][:, :, real].clone(), state.v[:, row, :, :state.slots][:, :, real].clone()
+
+
+@pytest.mark.parametrize("form", ["native", "torch"])
+def test_rows_join_and_leave_a_slab_in_place_and_decode_as_alone(form):
+    """On SmolLM2's shapes (q8_0): rows 0 and 1 start a slab; row 2 (longer than the batch's own
+    slots, within the headroom) and row 3 join in place (the slab's memory and the running rows'
+    keys untouched); row 1 leaves (the tail row moves into its place); the unwritten slots hold NaN
+    throughout. Every row's greedy tokens equal its solo run."""
+    model = smollm2_shaped("q8_0", "softmax")
+    step = Stepper(model, form, threads=2)
+    with torch.no_grad():
+        want = [solo(step, model, ids) for ids in PROMPTS]
+        outs, rows = [[] for _ in PROMPTS], []
+        state = None
+        for t in range(STEPS + 4):
+            joining = {0: [0, 1], 2: [2], 3: [3]}.get(t, [])
+            if joining:
+                parts = [prefill(step, model, PROMPTS[i]) for i in joining]
+                for i, (_, logits) in zip(joining, parts):
+                    outs[i].append(int(logits.argmax()))
+                states = [s for s, _ in parts]
+                if state is None:
+                    state = KVState.concat(states, max_len=8 + STEPS, rows=6, headroom=24)
+                    assert state.k.shape[1] == 2 and state.slab[0].shape[1] == 6 and state.slots == 24
+                else:
+                    before = state.k.data_ptr(), [real_keys(state, b) for b in range(len(rows))]
+                    state = state.join(states, max_len=max(s.slots for s in states) + STEPS)
+                    assert state is not None, "the rows did not fit the slab"
+                    assert state.k.data_ptr() == before[0], "the slab was laid out again"
+                    for b, (k, v) in enumerate(before[1]):
+                        got = real_keys(state, b)
+                        assert torch.equal(got[0], k) and torch.equal(got[1], v), f"row {b} moved"
+                rows += joining
+                poison_unwritten(state)
+            if rows:
+                logits = step(torch.tensor([[outs[i][-1]] for i in rows]), state)[:, -1]
+                assert torch.isfinite(logits).all()
+                for b, i in enumerate(rows):
+                    outs[i].append(int(logits[b].argmax()))
+            if t == 4:   # row 1 leaves early: row 3 (the tail) takes its place
+                keep = [b for b, i in enumerate(rows) if i != 1]
+                ptr = state.k.data_ptr()
+                state, order = state.keep_rows(keep)
+                assert state.k.data_ptr() == ptr and order == [0, 3, 2]
+                rows = [rows[b] for b in order]
+                poison_unwritten(state)
+            done = [b for b, i in enumerate(rows) if len(outs[i]) >= STEPS]
+            if done:
+                keep = [b for b in range(len(rows)) if b not in done]
+                if not keep:
+                    break
+                state, order = state.keep_rows(keep)
+                rows = [rows[b] for b in order]
+    assert [o[:STEPS] for i, o in enumerate(outs) if i != 1] == [w for i, w in enumerate(want) if i != 1]
+    assert outs[1] == want[1][:len(outs[1])]
+
+
+def test_a_row_that_does_not_fit_is_refused_by_join():
+    """join answers None (the caller lays out a new slab) for a row longer than the batch's slots,
+    with no spare row, or without the slots its tokens need."""
+    model = tiny_model(seed=1, num_key_value_heads=2)
+    step = Stepper(model, "torch")
+    with torch.no_grad():
+        a, b, c = (prefill(step, model, ids)[0] for ids in PROMPTS[:3])
+        slab = KVState.concat([a], max_len=5 + STEPS, rows=2, headroom=8)
+        assert slab.join([c], max_len=18 + STEPS) is None        # 18 tokens > 8 slots
+        assert slab.join([b], max_len=2 + 1000) is None          # no room for 1,000 tokens
+        two = slab.join([b], max_len=2 + STEPS)
+        assert two is not None and two.batch_size == 2
+        assert two.join([b], max_len=2 + STEPS) is None          # no spare row left
+        assert KVState.concat([a], max_len=5 + STEPS).join([b], 2 + STEPS) is None   # not a slab
+
+
+def test_the_scheduler_joins_a_long_prompt_without_moving_the_running_rows(monkeypatch):
+    """The server's loop: three rows run, a prompt longer than any of them joins, rows finish; the
+    only rows ever copied into a batch are the new ones (one each), and every job's tokens equal its
+    run alone. A prompt longer than the headroom lays the slab out anew (every row copied), tokens
+    still unchanged."""
+    llm = LLM(tiny_model(seed=1, num_key_value_heads=2, trained_for=TRAINED), None, backend="auto")
+    jobs = {0: [("a", [1, 5, 9], SamplingParams(temperature=0.9, seed=7), 30)],
+            2: [("b", [1, 7], SamplingParams(temperature=0), 6), ("c", [2, 3, 4], SamplingParams(temperature=0), 12)],
+            6: [("long", list(range(3, 40)), SamplingParams(temperature=0.8, seed=2), 10)]}
+    alone = {job[0]: drive(llm, {0: [job]})[job[0]] for at in jobs.values() for job in at}
+    copied = []
+    put = KVState._put_row
+
+    def counting(self, row, at, end, src, src_row, src_from):
+        copied.append(end - at)
+        return put(self, row, at, end, src, src_row, src_from)
+
+    monkeypatch.setattr(KVState, "_put_row", counting)
+    together = drive(llm, jobs, kv_headroom=64)
+    for key, ids in alone.items():
+        assert together[key] == ids, key
+    # one copy per joining row, each of its own prompt's slots: no running row was copied
+    assert sorted(copied) == sorted([3, 2, 3, 37]), copied
+
+    copied.clear()
+    together = drive(llm, jobs, kv_headroom=16)   # the long prompt does not fit: laid out anew
+    for key, ids in alone.items():
+        assert together[key] == ids, key
+    assert len(copied) > 4, copied
