@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import engine.serve.scheduler as scheduler
 from engine.api import LLM
 from engine.attention.softmax import KVState
 from engine.sampling import SamplingParams
@@ -141,3 +142,77 @@ def test_the_scheduler_joins_a_long_prompt_without_moving_the_running_rows(monke
     for key, ids in alone.items():
         assert together[key] == ids, key
     assert len(copied) > 4, copied
+
+
+def staged_llm():
+    return LLM(tiny_model(seed=1, num_key_value_heads=2, num_hidden_layers=4, trained_for=TRAINED), None,
+               backend="auto")
+
+
+STAGED_JOBS = {0: [("a", [1, 5, 9], SamplingParams(temperature=0.9, seed=7), 30)],
+               2: [("b", [1, 7], SamplingParams(temperature=0), 6), ("c", [2, 3, 4], SamplingParams(temperature=0), 12)],
+               6: [("long", list(range(3, 40)), SamplingParams(temperature=0.8, seed=2), 10)],
+               7: [("d", [5, 6], SamplingParams(temperature=0.7, seed=4), 8)]}
+
+
+def watch_staging(monkeypatch, on_stage=None) -> list:
+    """Rows a layer of KV is 1,024 bytes here (4 layers x 2 heads x 16 x fp32 x k, v): rows over 10 KB
+    (the 37-token prompt) join a layer a step. Returns a list that gets, per iteration with a staged
+    row, the layers it holds."""
+    monkeypatch.setattr(scheduler, "STAGE_BYTES", 10 * 1024)
+    seen = []
+    real = scheduler.Scheduler._stage
+
+    def watched(self, path):
+        st = self.pools[path].staging
+        if st is not None:
+            seen.append(st.layer)
+            if on_stage is not None:
+                on_stage(self, st)
+        return real(self, path)
+
+    monkeypatch.setattr(scheduler.Scheduler, "_stage", watched)
+    return seen
+
+
+def test_a_long_row_joins_a_layer_a_step_and_changes_nobody(monkeypatch):
+    """The long prompt's row is copied into the slab over 4 steps (a layer each; the row that arrives
+    meanwhile waits, then joins); nothing of the running rows is copied, and every job's tokens
+    equal its run alone."""
+    llm = staged_llm()
+    alone = {job[0]: drive(llm, {0: [job]})[job[0]] for at in STAGED_JOBS.values() for job in at}
+    seen = watch_staging(monkeypatch)
+    copied = []
+    put = KVState._put_row
+    monkeypatch.setattr(KVState, "_put_row", lambda self, *a: (copied.append(a[2] - a[1]), put(self, *a))[1])
+    together = drive(llm, STAGED_JOBS, kv_headroom=64)
+    for key, ids in alone.items():
+        assert together[key] == ids, key
+    assert seen == [0, 1, 2, 3], seen
+    assert sorted(copied) == sorted([3, 2, 3, 2]), copied   # a, b, c and d: no running row, not the long one
+
+
+@pytest.mark.parametrize("event", ["cancelled", "batch ends"])
+def test_a_staged_row_whose_batch_changes_still_joins(monkeypatch, event):
+    """The staged job cancelled mid-copy: it sends nothing more, the waiting row joins, the others go
+    on unchanged. Every running row gone mid-copy (cancelled): the staged row joins a new batch, its
+    tokens unchanged."""
+    llm = staged_llm()
+    alone = {job[0]: drive(llm, {0: [job]})[job[0]] for at in STAGED_JOBS.values() for job in at}
+    gone = set()
+
+    def change(sched, st):
+        if st.layer != 2:
+            return
+        pool = next(p for p in sched.pools.values() if p.staging is st)
+        for run in [st.run] if event == "cancelled" else pool.rows:
+            run.job.cancel()
+            gone.add(run.job)
+    seen = watch_staging(monkeypatch, change)
+    together = drive(llm, STAGED_JOBS, kv_headroom=64)
+    assert seen[:3] == [0, 1, 2], seen
+    stopped = {key for key, ids in alone.items() if len(together[key]) < len(ids)}
+    assert len(stopped) == len(gone) >= 1 and ("long" in stopped) == (event == "cancelled"), (stopped, gone)
+    for key, ids in alone.items():
+        assert together[key] == ids[:len(together[key])], key
+        assert key in stopped or together[key] == ids, key

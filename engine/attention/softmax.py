@@ -218,6 +218,38 @@ class KVState(State):
         self.slots = P
         self._after_regroup()
 
+    def row_bytes(self) -> int:
+        """Bytes of one row's real keys and values, every layer (the most it holds; what a copy of it writes)."""
+        L, _, Hkv, _, D = self.k.shape
+        return 2 * L * Hkv * D * self.k.element_size() * int(self.lengths.max()) if self.batch_size else 0
+
+    def stage(self, state: "KVState", slot: int, layers: range) -> bool:
+        """Copy `layers` of batch-1 `state`'s row into this slab's next spare row (row B), its real
+        slots ending at `slot`: a long row joins over several steps, a few layers a step (issue 29;
+        `join_staged` ends it). False (nothing written) where it cannot: no slab, no spare row, or
+        `slot` before the state's slots or past this slab's."""
+        row = self.batch_size
+        if (self.slab is None or state.batch_size != 1 or row >= self.slab[0].shape[1]
+                or not state.slots <= slot <= self.max_len or state.identity() != self.identity()):
+            return False
+        f = int(state.first_real_slot()[0])
+        at = slot - state.slots + f
+        for mine, theirs in zip(self.slab[:2], (state.k, state.v)):
+            mine[layers.start:layers.stop, row, :, at:slot] = theirs[layers.start:layers.stop, 0, :, f:state.slots]
+        return True
+
+    def join_staged(self, state: "KVState") -> "KVState":
+        """This batch and `state`'s row, every layer of which `stage` copied (at slot == self.slots)."""
+        n, P = self.batch_size, self.slots
+        out = self._slab_view(n + 1)
+        lo = P - state.slots
+        out.slot_real[n, :lo] = False
+        out.slot_real[n, lo:P] = state.slot_real[0, :state.slots]
+        out.lengths[n] = state.lengths[0]
+        out._after_regroup()
+        out._laid_out(self.unset or state.unset, True)
+        return out
+
     def _put_row(self, row: int, at: int, end: int, src: "KVState", src_row: int, src_from: int) -> None:
         """Row `row`'s slots [at, end) <- src's row `src_row` from slot `src_from` (its real slots on);
         off the CPU the row's other slots are zeroed (module docstring)."""

@@ -175,9 +175,31 @@ class Pool:
     state: object = None
     rows: list = field(default_factory=list)      # Running, in row order: the rows still going
     layout: list = field(default_factory=list)    # Running of every state row, going or finished
+    staging: "Staging | None" = None              # a long row joining a few layers a step
+    waiting: list = field(default_factory=list)   # (Running, state) to join once it has joined
+
+    def pending(self) -> list:
+        """The Running of rows not in the batch yet (staged or waiting)."""
+        return ([self.staging.run] if self.staging is not None else []) + [run for run, _ in self.waiting]
+
+
+@dataclass
+class Staging:
+    """A long prompt's row joining a slab over several steps (Scheduler._stage): `per` layers of its
+    keys and values copied a step into the slab's next spare row, its real slots ending at `slot`,
+    the batch's slots once every layer is in (one step a loop iteration gets it there)."""
+    run: object
+    state: object
+    slot: int
+    per: int
+    layer: int = 0
 
 
 PREFILL_SHARE = 1.0   # Scheduler.prefill_share's default
+# A row whose keys and values exceed this many bytes joins a running KV slab over several steps, about
+# this many a step (whole layers): copying a 4k-token SmolLM2 row at once (~190 MB, its pages faulted
+# in) stalled every stream ~70 ms. Measured on the 2-core VM: 8 MB a step cost ~3 ms.
+STAGE_BYTES = 8 << 20
 DEFER_DROP_FROM = 1024   # a finished row stays in the batch while a going row holds this many KV tokens
 
 
@@ -240,7 +262,7 @@ class Scheduler:
             self.thread.join(timeout)
         for job in list(self.pending) + [p.run.job for p in self.prefilling]:
             job.fail(SHUTTING_DOWN, 503)
-        for job in [r.job for p in self.pools.values() for r in p.rows]:
+        for job in [r.job for p in self.pools.values() for r in p.rows + p.pending()]:
             job.emit(Failure(SHUTTING_DOWN, 503))
         self.pending.clear()
         self.prefilling.clear()
@@ -290,8 +312,8 @@ class Scheduler:
     # ------------------------------------------------------------------ introspection
     @property
     def active(self) -> int:
-        """Sequences holding a decoding state (rows of the batch states)."""
-        return sum(len(p.rows) for p in list(self.pools.values()))
+        """Sequences holding a decoding state (rows of the batch states, and rows joining them)."""
+        return sum(len(p.rows) + len(p.pending()) for p in list(self.pools.values()))
 
     @property
     def prefilling_rows(self) -> int:
@@ -341,7 +363,8 @@ class Scheduler:
             try:
                 self._iterate(new)
             except Exception as e:   # noqa: BLE001 -- a bug in the loop itself: fail what is in flight, go on
-                rows = [r for pool in self.pools.values() for r in pool.rows] + [p.run for p in self.prefilling]
+                rows = [r for pool in self.pools.values() for r in pool.rows + pool.pending()] + \
+                    [p.run for p in self.prefilling]
                 in_pools = {id(r.job) for r in rows}
                 copies = [c for p in self.prefilling for c in p.run.job.copies]
                 self.pools.clear()
@@ -396,6 +419,8 @@ class Scheduler:
                 self._first_tokens(prefill.run, prefill.state, prefill.logits))
         for path, items in joining.items():
             self._join(path, items)
+        for path in list(self.pools):
+            self._stage(path)
         t0 = time.perf_counter()
         for path in list(self.pools):
             self._step(path)
@@ -571,6 +596,80 @@ class Scheduler:
         if not items:   # every job admitted on this path ended at its first token: nothing joins
             return
         pool = self.pools.setdefault(path, Pool())
+        if pool.staging is not None:   # after the staged row (its slot is fixed: the batch must not change)
+            pool.waiting.extend(items)
+            return
+        now = [it for it in items if not self._stages(pool, *it)]
+        later = [it for it in items if not any(it is x for x in now)]
+        if now:
+            self._join_now(pool, now)
+        for i, (run, state) in enumerate(later):
+            per = self._stages(pool, run, state)
+            if per:
+                # the row's slots end where the batch's will be when its last layer is in: `steps`
+                # iterations from now, this one included, each copying `per` layers then stepping once
+                steps = -(-state.k.shape[0] // per)
+                pool.staging = Staging(run, state, pool.state.slots + steps - 1, per)
+                pool.waiting.extend(later[i + 1:])
+                return
+            self._join_now(pool, [(run, state)])
+
+    def _stages(self, pool, run, state) -> int:
+        """Layers a step to copy `state`'s row into `pool`'s slab over several steps, or 0: join at once
+        (a row of at most STAGE_BYTES, no slab, no spare row or slot)."""
+        slab = pool.state
+        if slab is None or getattr(slab, "slab", None) is None or not hasattr(state, "row_bytes") \
+                or type(state) is not type(slab) or state.batch_size != 1:
+            return 0
+        size = state.row_bytes()
+        if size <= STAGE_BYTES:
+            return 0
+        L = state.k.shape[0]
+        per = max(1, STAGE_BYTES * L // size)
+        steps = -(-L // per)
+        slot = slab.slots + steps - 1
+        remaining = max(r.job.max_tokens - len(r.job.generated) for r in pool.rows + pool.pending() + [run])
+        if slab.batch_size >= slab.slab[0].shape[1] or state.slots > slot or slot + remaining > slab.max_len:
+            return 0
+        return per
+
+    def _stage(self, path: str) -> None:
+        """Copy the next layers of the pool's staged row; with its last in, the row joins (and then
+        the rows that waited for it). A staged job cancelled, or a batch that changed under it (its
+        rows all ended): the row joins the ordinary way."""
+        pool = self.pools[path]
+        st = pool.staging
+        if st is None:
+            return
+        if st.run.job.cancelled or pool.state is None or not pool.rows or pool.state.slots > st.slot:
+            pool.staging, items = None, [(st.run, st.state)] + pool.waiting
+            pool.waiting = []
+            items = [it for it in items if not it[0].job.cancelled]
+            if pool.state is None or not pool.rows:
+                pool.state, pool.rows, pool.layout = None, [], []
+            self._join(path, items)
+            return
+        L = st.state.k.shape[0]
+        layers = range(st.layer, min(L, st.layer + st.per))
+        try:
+            if not pool.state.stage(st.state, st.slot, layers):
+                raise RuntimeError("the slab refused the staged row")
+            st.layer = layers.stop
+            if st.layer < L:
+                return
+            if pool.state.slots != st.slot:
+                raise RuntimeError(f"the batch is at slot {pool.state.slots}, the staged row ends at {st.slot}")
+            pool.state = pool.state.join_staged(st.state)
+            pool.rows, pool.layout = pool.rows + [st.run], pool.layout + [st.run]
+            self.peak_active = max(self.peak_active, self.active)
+        except Exception as e:   # noqa: BLE001 -- this row fails; the batch goes on
+            self.failures += 1
+            st.run.job.emit(Failure(f"join failed: {type(e).__name__}: {e}"))
+        pool.staging, waiting = None, pool.waiting
+        pool.waiting = []
+        self._join(path, waiting)
+
+    def _join_now(self, pool: Pool, items: list) -> None:
         rows = pool.rows + [run for run, _ in items]
         states = ([pool.state] if pool.state is not None else []) + [state for _, state in items]
         try:
@@ -609,7 +708,8 @@ class Scheduler:
         pool = self.pools[path]
         self._drop(pool, [r for r in pool.rows if r.job.cancelled])
         if not pool.rows:
-            del self.pools[path]
+            if not pool.pending():   # (a staged row joins anew next iteration: _stage)
+                del self.pools[path]
             return
         tokens = torch.tensor([[r.job.generated[-1]] for r in pool.layout], device=self.model.device)   # (B, 1)
         try:
@@ -625,7 +725,7 @@ class Scheduler:
             self.steps += 1
             done = [r for r, going in zip(pool.rows, self._emit(pool.rows, logits)) if not going]
         except Exception as e:   # noqa: BLE001 -- fails this batch only; the loop goes on
-            self._fail(pool, pool.rows, e)
+            self._fail(pool, pool.rows + pool.pending(), e)
             del self.pools[path]
             return
         self._drop(pool, done)
@@ -641,6 +741,8 @@ class Scheduler:
         pool.rows = [r for r in pool.rows if id(r) not in gone_ids]
         if not pool.rows:
             pool.state, pool.layout = None, []
+            return
+        if pool.staging is not None:   # its row and slot are fixed until it is in: the rest ride along
             return
         going = set(map(id, pool.rows))
         keep = [b for b, r in enumerate(pool.layout) if id(r) in going]
