@@ -6,10 +6,14 @@ Part 1, per chunk size: prefill tokens/s of a `--prompt`-token prompt fed throug
 median time of one chunk. Part 2, per chunk size, path and number of running streams: the server's
 scheduler (in-process) decodes N greedy streams; once they run, a `--prompt`-token prompt is
 admitted; the streams' inter-token gaps while it is fed are compared with their median gap before it
-came (issue 29's target: worst <= 3x median). Chunk 0 = the whole prompt in one block (no chunking).
+came (issue 29's target: worst <= 3x median), and with a control run: the same streams with no long
+prompt, their median gap over the same tokens, and each gap against the control's at the same token
+(the median of the 33 control gaps around it): a stream's step grows with its context (SmolLM2, one
+stream: 2.7 ms at 20 tokens, ~8 ms at 3k), with or without the prompt, so the gap the admission adds
+is the gap beyond the control's at that token. Chunk 0 = the whole prompt in one block (no chunking).
 With `--long-tokens N` (> 1) the long prompt goes on decoding N tokens: its row joins the running
-streams' batch (the join copies every row's real slots into a new batch state), and the gaps are
-counted until it ends; the default (1) ends it at its first token, so the join is not measured. The
+streams' batch (a KV row over 8 MB a few layers a step: engine.serve.scheduler.STAGE_BYTES), and the
+gaps are counted until it ends; the default (1) ends it at its first token, so the join is not measured. The
 gaps table also gives the median gap while the prompt is admitted and the three worst, with when
 each began relative to the long prompt's first token (< 0: while it was fed).
 Prints one table per part and, with --json, writes the records. The model loads through `engine.load`;
@@ -28,7 +32,7 @@ import torch
 
 from engine import load
 from engine.sampling import SamplingParams
-from engine.serve.scheduler import Job, Scheduler
+from engine.serve.scheduler import PREFILL_SHARE, Job, Scheduler
 from runs import with_run
 
 
@@ -62,54 +66,83 @@ class Stream:
         self.times.append(time.perf_counter())
 
 
-def gaps(llm, path: str, chunk: int, streams: int, n: int, before: int = 20, long_tokens: int = 1) -> dict:
+def run_streams(llm, path: str, chunk: int, streams: int, before: int, max_tokens: int, long=None,
+                share: float = PREFILL_SHARE):
+    """N greedy streams on the server's scheduler; once each has `before` tokens, `long` (prompt ids,
+    tokens to decode) is admitted and the streams go on until it ends; without `long` they go on for
+    `max_tokens`. Returns (each stream's token times, admitted time, the long prompt's token times)."""
     step = with_run(llm, prefill_chunk=chunk).step
-    sched = Scheduler(llm.model, llm.tokenizer, step, max_batch=streams + 1)
+    sched = Scheduler(llm.model, llm.tokenizer, step, max_batch=streams + 1, prefill_share=share)
     sched.start()
     params = SamplingParams(temperature=0.0)
     runs = [Stream() for _ in range(streams)]
-    # enough tokens to outlast the admission (one token per stream per chunk fed, plus a margin), and no
-    # more: a softmax row's KV cache is allocated for its whole max_tokens (16 rows x 100k tokens of
-    # SmolLM2's f32 KV is ~74 GB)
-    max_tokens = before + n // (chunk or n) + 512 + long_tokens
     jobs = [Job(prompt_ids(8, llm.model.config.vocab_size, seed=i + 1), path, params, max_tokens=max_tokens,
                 emit=r, ignore_eos=True) for i, r in enumerate(runs)]
+    firsts, admitted = [], None
     try:
         for job in jobs:
             sched.submit(job)
         while min(len(r.times) for r in runs) < before:
             time.sleep(0.005)
-        first, last, firsts = threading.Event(), threading.Event(), []
-
-        def long_token(event):
-            firsts.append(time.perf_counter())
-            first.set()
-            if getattr(event, "finish_reason", "failed") is not None:
-                last.set()
         admitted = time.perf_counter()
-        sched.submit(Job(prompt_ids(n, llm.model.config.vocab_size, seed=99), path, params, max_tokens=long_tokens,
-                         emit=long_token, ignore_eos=True))
-        first.wait(600)
-        last.wait(600)
-        done = time.perf_counter()
+        if long is not None:
+            ids, long_tokens = long
+            last = threading.Event()
+
+            def long_token(event):
+                firsts.append(time.perf_counter())
+                if getattr(event, "finish_reason", "failed") is not None:
+                    last.set()
+            sched.submit(Job(ids, path, params, max_tokens=long_tokens, emit=long_token, ignore_eos=True))
+            last.wait(600)
+        else:
+            while min(len(r.times) for r in runs) < max_tokens:
+                time.sleep(0.005)
     finally:
         for job in jobs:
             job.cancel()
         sched.stop()
-    calm, busy, when = [], [], []
-    for r in runs:
-        t = r.times
+    return [r.times for r in runs], admitted, firsts
+
+
+def gaps(llm, path: str, chunk: int, streams: int, n: int, before: int = 20, long_tokens: int = 1,
+         share: float = PREFILL_SHARE) -> dict:
+    # the streams outlast the admission (under one token per prompt token: a chunk is fed over
+    # several steps), and no more: a KV row's room is reserved for its whole max_tokens
+    max_tokens = before + n + 512 + long_tokens
+    times, admitted, firsts = run_streams(llm, path, chunk, streams, before, max_tokens,
+                                          long=(prompt_ids(n, llm.model.config.vocab_size, seed=99), long_tokens),
+                                          share=share)
+    done = firsts[-1]
+    calm, busy, when, spans = [], [], [], []
+    for t in times:
         calm += [b - a for a, b in zip(t, t[1:]) if b < admitted]
-        for a, b in zip(t, t[1:]):
-            if b >= admitted and a <= done:   # gaps that overlap the admission
-                busy.append(b - a)
-                when.append(a - firsts[0])    # where it began: < 0 while the prompt is fed, >= 0 once it decodes
+        idx = [i for i, (a, b) in enumerate(zip(t, t[1:])) if b >= admitted and a <= done]   # overlapping the admission
+        busy += [t[i + 1] - t[i] for i in idx]
+        when += [t[i] - firsts[0] for i in idx]   # where it began: < 0 while the prompt is fed, >= 0 once it decodes
+        spans.append((idx[0], idx[-1] + 1) if idx else (0, 0))
+    # the control: the same streams with no long prompt, over the same tokens (a stream's step grows with
+    # its context: what the admission itself costs is the gap beyond the control's at that token)
+    hi = max(b for _, b in spans) + 1
+    control, _, _ = run_streams(llm, path, chunk, streams, before, hi)
+    same = [b - a for t, (lo, up) in zip(control, spans) for a, b in zip(t[lo:up], t[lo + 1:up + 1])]
+    # each gap against the control's gaps at the same tokens (the median of the 33 around it)
+    ratios = []
+    for t, c, (lo, up) in zip(times, control, spans):
+        cg = [b - a for a, b in zip(c, c[1:])]
+        ratios += [(t[i + 1] - t[i]) / statistics.median(cg[max(0, i - 16):i + 17]) for i in range(lo, up)]
     median = statistics.median(calm)
     worst = max(busy) if busy else float("nan")
+    control_median = statistics.median(same) if same else float("nan")
     top = sorted(zip(busy, when), reverse=True)[:5]
-    return {"chunk": chunk, "path": path, "streams": streams, "prompt": n, "median_gap_ms": 1e3 * median,
+    return {"chunk": chunk, "path": path, "streams": streams, "prompt": n, "prefill_share": share,
+            "median_gap_ms": 1e3 * median,
             "worst_gap_ms": 1e3 * worst, "worst_over_median": worst / median, "ttft_s": firsts[0] - admitted,
             "long_tokens": long_tokens, "busy_median_gap_ms": 1e3 * statistics.median(busy) if busy else None,
+            "control_median_gap_ms": 1e3 * control_median, "control_worst_gap_ms": 1e3 * max(same) if same else None,
+            "worst_over_control_median": worst / control_median,
+            "worst_over_control_same_token": max(ratios) if ratios else None,
+            "median_over_control_same_token": statistics.median(ratios) if ratios else None,
             "top_gaps_ms_at_s": [(round(1e3 * g, 1), round(w, 3)) for g, w in top],
             "tokens_while_admitting": len(busy)}
 
@@ -124,6 +157,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--long-tokens", type=int, default=1, help="tokens the long prompt decodes (> 1: its row "
                     "joins the running batch, and the join is measured)")
+    ap.add_argument("--shares", default=str(PREFILL_SHARE), help="prefill_share values (decode steps' time "
+                    "of prompt pieces an iteration)")
     ap.add_argument("--json", dest="json_path")
     a = ap.parse_args()
     chunks = [int(c) for c in a.chunks.split(",")]
@@ -137,17 +172,20 @@ def main() -> None:
             records.append(r)
             print(f"| {path} | {chunk or 'whole'} | {r['prefill_tokens_per_s']:.0f} | {r['chunk_ms_median']:.1f} |",
                   flush=True)
-    print("\n| path | streams | chunk | median gap ms | while admitting | worst gap ms | worst / median | "
+    print("\n| path | streams | chunk | share | median gap ms | while admitting | worst gap ms | worst / median | "
+          "control: median gap ms, same tokens | worst / control | gap / control's at its token: median, worst | "
           "TTFT of the long prompt s | 3 worst gaps ms (s from the long prompt's first token) |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for path in paths:
         for s in streams:
-            for chunk in chunks:
-                r = gaps(llm, path, chunk, s, a.prompt, long_tokens=a.long_tokens)
+            for chunk, share in [(c, float(x)) for c in chunks for x in a.shares.split(",")]:
+                r = gaps(llm, path, chunk, s, a.prompt, long_tokens=a.long_tokens, share=share)
                 records.append(r)
                 top = ", ".join(f"{g} ({w:+.2f})" for g, w in r["top_gaps_ms_at_s"][:3])
-                print(f"| {path} | {s} | {chunk or 'whole'} | {r['median_gap_ms']:.1f} | {r['busy_median_gap_ms']:.1f} | "
-                      f"{r['worst_gap_ms']:.1f} | {r['worst_over_median']:.1f}x | {r['ttft_s']:.1f} | {top} |", flush=True)
+                print(f"| {path} | {s} | {chunk or 'whole'} | {share:g} | {r['median_gap_ms']:.1f} | {r['busy_median_gap_ms']:.1f} | "
+                      f"{r['worst_gap_ms']:.1f} | {r['worst_over_median']:.1f}x | {r['control_median_gap_ms']:.1f} | "
+                      f"{r['worst_over_control_median']:.1f}x | {r['median_over_control_same_token']:.1f}x, "
+                      f"{r['worst_over_control_same_token']:.1f}x | {r['ttft_s']:.1f} | {top} |", flush=True)
     if a.json_path:
         with open(a.json_path, "w") as f:
             json.dump({"model": a.model, "records": records}, f, indent=1)

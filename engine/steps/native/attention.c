@@ -293,57 +293,64 @@ static void attend_group(const Plan *p, const float *q, const void *K, const voi
     memcpy(o, acc, (size_t)G * D * sizeof(float));
 }
 
-/* KV groups [g0, g1) of every row: out[b*os + ((g - g0)*G + j)*D + d] for the group's G query
- * heads j. Each key and value row is read once per group (from memory; the group's other heads
- * take it from L1): GQA reads the cache once, not once per query head.
+/* Units [u0, u1) of (row, KV group) pairs, u = b*Hkv + g: out[(u - u0)*G*D + j*D + d] for the group's G
+ * query heads j (the units of one row side by side are that row of att: the pool runs the pairs as
+ * one row of B*H*D columns, so rows of different lengths spread over the threads). Each key and
+ * value row is read once per group (from memory; the group's other heads take it from L1): GQA
+ * reads the cache once, not once per query head.
  *
  * A row attends to its real keys only, as if they were all it held: leading pad slots are skipped
  * (the keys start at its first real slot), and a row with pads between real slots attends to a
  * packed copy of its real keys and values. So a row computes exactly what it computes alone, in a
- * batch of any lengths: every blocked loop above (8 and 4 keys per dot, KCH values per partial
- * sum) groups the same keys the same way (PITFALLS #22). */
-static void att_fn(const void *ctx, int g0, int g1, float *out, int os, int add, float *scratch) {
+ * batch of any lengths, on any split over threads: every blocked loop above (8 and 4 keys per dot,
+ * KCH values per partial sum) groups the same keys the same way (PITFALLS #22). */
+static void att_fn(const void *ctx, int u0, int u1, float *out, int os, int add, float *scratch) {
     const AttCtx *c = ctx;
     const Plan *p = c->p;
     const int D = p->D, G = p->H / p->Hkv, QKV = (p->H + 2 * p->Hkv) * D, Bc = cache_batch(p);
     const size_t es = p->kv_type == T_F32 ? 4 : 2, row_bytes = (size_t)D * es;
     char *packed = NULL;   /* (2, n, D) in kv_type: a row's real keys, then its real values */
-    (void)add;
-    for (int b = 0; b < p->B; b++) {
-        const int cb = cache_seq(p, b), slot = row_slot(p, c->slot, b);
-        const uint8_t *real = c->slot_real ? c->slot_real + (size_t)cb * p->S_max : NULL;
-        int t0 = 0, gaps = 0;
-        if (real) {
-            const uint8_t *first = memchr(real, 1, (size_t)slot);   /* bools: 0 or 1; a cache with headroom */
-            t0 = first ? (int)(first - real) : slot;                 /* leads with thousands of pads */
-            for (int t = t0; t < slot && !gaps; t++) gaps = !real[t];
-        }
-        int n = slot + 1 - t0;
-        if (gaps) {
-            n = 1;
-            for (int t = t0; t < slot; t++) n += real[t] != 0;
-            packed = realloc(packed, 2 * (size_t)(slot + 1) * row_bytes);
-            if (!packed) abort();
-        }
-        for (int g = g0; g < g1; g++) {
-            const float *q = p->qkv_out + (size_t)b * QKV + (size_t)g * G * D;   /* head j: q + j*D */
-            const size_t base = (((size_t)c->l * Bc + cb) * p->Hkv + g) * p->S_max * D;
-            const char *K = (const char *)p->k + (base + (size_t)t0 * D) * es;
-            const char *V = (const char *)p->v + (base + (size_t)t0 * D) * es;
-            float *o = out + (size_t)b * os + (size_t)(g - g0) * G * D;   /* head j: o + j*D */
-            if (gaps) {
-                char *pk = packed, *pv = packed + (size_t)n * row_bytes;
-                for (int t = t0, i = 0; t <= slot; t++)
-                    if (real[t] || t == slot) {
-                        memcpy(pk + (size_t)i * row_bytes, K + (size_t)(t - t0) * row_bytes, row_bytes);
-                        memcpy(pv + (size_t)i * row_bytes, V + (size_t)(t - t0) * row_bytes, row_bytes);
-                        i++;
-                    }
-                K = pk;
-                V = pv;
+    (void)add; (void)os;
+    int b = -1, cb = 0, slot = 0, t0 = 0, gaps = 0, n = 0;
+    const uint8_t *real = NULL;
+    for (int u = u0; u < u1; u++) {
+        const int g = u % p->Hkv;
+        if (u / p->Hkv != b) {   /* a new row: where its real keys start, and whether pads lie between */
+            b = u / p->Hkv;
+            cb = cache_seq(p, b);
+            slot = row_slot(p, c->slot, b);
+            real = c->slot_real ? c->slot_real + (size_t)cb * p->S_max : NULL;
+            t0 = 0, gaps = 0;
+            if (real) {
+                const uint8_t *first = memchr(real, 1, (size_t)slot);   /* bools: 0 or 1; a cache with */
+                t0 = first ? (int)(first - real) : slot;                 /* headroom leads with many pads */
+                for (int t = t0; t < slot && !gaps; t++) gaps = !real[t];
             }
-            attend_group(p, q, K, V, n, G, scratch, o);
+            n = slot + 1 - t0;
+            if (gaps) {
+                n = 1;
+                for (int t = t0; t < slot; t++) n += real[t] != 0;
+                packed = realloc(packed, 2 * (size_t)(slot + 1) * row_bytes);
+                if (!packed) abort();
+            }
         }
+        const float *q = p->qkv_out + (size_t)b * QKV + (size_t)g * G * D;   /* head j: q + j*D */
+        const size_t base = (((size_t)c->l * Bc + cb) * p->Hkv + g) * p->S_max * D;
+        const char *K = (const char *)p->k + (base + (size_t)t0 * D) * es;
+        const char *V = (const char *)p->v + (base + (size_t)t0 * D) * es;
+        float *o = out + (size_t)(u - u0) * G * D;   /* head j: o + j*D */
+        if (gaps) {
+            char *pk = packed, *pv = packed + (size_t)n * row_bytes;
+            for (int t = t0, i = 0; t <= slot; t++)
+                if (real[t] || t == slot) {
+                    memcpy(pk + (size_t)i * row_bytes, K + (size_t)(t - t0) * row_bytes, row_bytes);
+                    memcpy(pv + (size_t)i * row_bytes, V + (size_t)(t - t0) * row_bytes, row_bytes);
+                    i++;
+                }
+            K = pk;
+            V = pv;
+        }
+        attend_group(p, q, K, V, n, G, scratch, o);
     }
     free(packed);
 }
@@ -359,12 +366,12 @@ void softmax_attention(const Plan *p, int l, int slot, const uint8_t *slot_real)
         }
     AttCtx c = {p, l, slot, slot_real};
     long long macs = 2LL * p->B * p->H * (row_slot(p, slot, p->B - 1) + 1) * D;
+    const int units = p->B * p->Hkv;   /* (row, KV group) pairs, each G heads wide: att as one row */
     if (p->nthreads <= 1 || macs < gen_par_min_macs) {
-        att_fn(&c, 0, p->Hkv, p->att, p->H * D, 0, p->tscratch);
+        att_fn(&c, 0, units, p->att, units * (p->H / p->Hkv) * D, 0, p->tscratch);
         return;
     }
-    /* units: KV groups, each G heads wide (a group's heads are adjacent columns of att) */
-    int per = (p->Hkv + p->nthreads * CHUNKS_PER_THREAD - 1) / (p->nthreads * CHUNKS_PER_THREAD);
-    pool_run(p->nthreads, att_fn, &c, sizeof c, p->Hkv, (p->H / p->Hkv) * D, per, p->B, p->att, p->H * D, 0,
+    int per = (units + p->nthreads * CHUNKS_PER_THREAD - 1) / (p->nthreads * CHUNKS_PER_THREAD);
+    pool_run(p->nthreads, att_fn, &c, sizeof c, units, (p->H / p->Hkv) * D, per, 1, p->att, p->B * p->H * D, 0,
              p->tscratch, p->tscratch_floats, fn_scratch(p));
 }
