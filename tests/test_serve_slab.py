@@ -216,3 +216,17 @@ def test_a_staged_row_whose_batch_changes_still_joins(monkeypatch, event):
     for key, ids in alone.items():
         assert together[key] == ids[:len(together[key])], key
         assert key in stopped or together[key] == ids, key
+
+
+def test_a_slab_counts_the_bytes_its_rows_hold_not_its_room():
+    """nbytes of a slab: its rows' real keys and values (what /health's batch bytes report), not the
+    spare rows and headroom it reserves as address space."""
+    model = tiny_model(seed=1, num_key_value_heads=2)
+    step = Stepper(model, "torch")
+    with torch.no_grad():
+        a, b = (prefill(step, model, ids)[0] for ids in PROMPTS[:2])
+        slab = KVState.concat([a, b], max_len=5 + STEPS, rows=8, headroom=100)
+        plain = KVState.concat([a, b], max_len=5 + STEPS)
+    L, _, Hkv, _, D = slab.k.shape
+    assert slab.nbytes == 2 * L * Hkv * D * 4 * (5 + 2)
+    assert plain.nbytes == plain.k.numel() * 8 > slab.nbytes

@@ -218,6 +218,15 @@ class KVState(State):
         self.slots = P
         self._after_regroup()
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the keys and values held. A slab's rows: their real slots only (its spare rows,
+        pads and room are address space no page of which was written: not resident)."""
+        if self.slab is None:
+            return super().nbytes
+        L, _, Hkv, _, D = self.k.shape
+        return 2 * L * Hkv * D * self.k.element_size() * int(self.lengths.sum())
+
     def row_bytes(self) -> int:
         """Bytes of one row's real keys and values, every layer (the most it holds; what a copy of it writes)."""
         L, _, Hkv, _, D = self.k.shape
