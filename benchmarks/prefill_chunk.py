@@ -143,6 +143,8 @@ def gaps(llm, path: str, chunk: int, streams: int, n: int, before: int = 20, lon
             "worst_over_control_median": worst / control_median,
             "worst_over_control_same_token": max(ratios) if ratios else None,
             "median_over_control_same_token": statistics.median(ratios) if ratios else None,
+            "p99_over_control_same_token": sorted(ratios)[int(0.99 * (len(ratios) - 1))] if ratios else None,
+            "gaps_over_3x_control_same_token": sum(r > 3 for r in ratios),
             "top_gaps_ms_at_s": [(round(1e3 * g, 1), round(w, 3)) for g, w in top],
             "tokens_while_admitting": len(busy)}
 

@@ -195,7 +195,10 @@ class Staging:
     layer: int = 0
 
 
-PREFILL_SHARE = 1.0   # Scheduler.prefill_share's default
+# Scheduler.prefill_share's default, by measurement (docs/measurements.md, "Chunked prefill"): SmolLM2,
+# one stream, a 4k prompt admitted: worst gap / the stream's gap at the same token with no prompt
+# 3.4-4.3x at 1.0, 2.4-2.5x at 0.5 (the prompt's TTFT 1.4-1.5x longer)
+PREFILL_SHARE = 0.5
 # A row whose keys and values exceed this many bytes joins a running KV slab over several steps, about
 # this many a step (whole layers): copying a 4k-token SmolLM2 row at once (~190 MB, its pages faulted
 # in) stalled every stream ~70 ms. Measured on the 2-core VM: 8 MB a step cost ~3 ms.
