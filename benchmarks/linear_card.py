@@ -2,6 +2,7 @@
 perplexity on held-out texts, passkey retrieval, decode state and time, against softmax and the control.
 
     python benchmarks/linear_card.py run OUT --general general.txt --legal legal.txt [--rows softmax,control]
+    python benchmarks/linear_card.py run OUT ... --rows linear --linear-model DIR   # a candidate set
     python benchmarks/linear_card.py table OUT [--decode DIR/summary.json] [--bundle card.json]
 
 `run` calls `gen eval` once per (configuration, measurement) and keeps each answer as
@@ -77,7 +78,8 @@ def run(a) -> None:
             path = os.path.join(a.out, f"{key}.{what}.json")
             if os.path.exists(path):
                 continue
-            cmd = ["gen", "eval", *rows[key], *extra, "--threads", str(a.threads), "--json"]
+            args = [a.linear_model if x == "smollm2-linear" else x for x in rows[key]]
+            cmd = ["gen", "eval", *args, *extra, "--threads", str(a.threads), "--json"]
             print("$", shlex.join(cmd), flush=True)
             t0 = time.perf_counter()
             done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
@@ -166,6 +168,8 @@ def main() -> None:
     r.add_argument("--legal", help="licence texts (scripts/eval_texts.py legal)")
     r.add_argument("--limit", type=int, default=100, help="items per task (default: 100)")
     r.add_argument("--threads", type=int, default=1)
+    r.add_argument("--linear-model", default="smollm2-linear",
+                   help="the linearized model of the rows that name smollm2-linear (a candidate set's directory)")
     t = sub.add_parser("table", help="print the card's table from OUT")
     t.add_argument("out")
     t.add_argument("--decode", help="summary.json of benchmarks/smollm2_linear_decode.py")
