@@ -189,3 +189,17 @@ def test_compare_hf_without_transformers_says_how_to_install(model_dir, monkeypa
     model, tok = load_model(model_dir)
     with pytest.raises(BenchError, match="pip install"):
         compare_hf(model_dir, model, tok, new_tokens=4, repeats=1)
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_1"])
+def test_model_info_counts_quantized_matrices(kind):
+    """A quantized model has as many parameters as its float self (the bench report said 0.04M for
+    SmolLM2-135M: only the norms were counted), and fewer weight bytes."""
+    from engine.bench import model_info
+    from engine.quant import quantize_model
+    model = tiny_model(seed=3, hidden_size=64, intermediate_size=128)
+    before = model_info(model)
+    assert quantize_model(model, kind) == []
+    after = model_info(model)
+    assert after["parameters"] == before["parameters"]
+    assert 0 < after["weight_bytes"] < before["weight_bytes"] / 3

@@ -40,6 +40,8 @@ __all__ = ["BenchSettings", "BenchError", "DEFAULT_CONTEXTS", "run_bench", "writ
 
 
 def model_info(model) -> dict:
+    """Parameters and weight bytes: float parameters, and quantized matrices (engine.quant: blocks
+    buffers, counted as their rows x columns and their blocks' bytes; a tied head counted once)."""
     cfg = model.config
     seen, n_params, n_bytes = set(), 0, 0
     for p in model.parameters():
@@ -47,6 +49,13 @@ def model_info(model) -> dict:
             seen.add(id(p))
             n_params += p.numel()
             n_bytes += p.numel() * p.element_size()
+    for m in model.modules():
+        blocks = getattr(m, "blocks", None)
+        key = isinstance(blocks, torch.Tensor) and (blocks.data_ptr(), blocks.numel())
+        if key and hasattr(m, "in_features") and key not in seen:   # a tied head: a view of the same bytes
+            seen.add(key)
+            n_params += m.in_features * m.out_features
+            n_bytes += blocks.numel() * blocks.element_size()
     return {"parameters": n_params, "weight_bytes": n_bytes, "layers": cfg.num_hidden_layers,
             "hidden_size": cfg.hidden_size, "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
             "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size,
