@@ -155,11 +155,11 @@ STAGED_JOBS = {0: [("a", [1, 5, 9], SamplingParams(temperature=0.9, seed=7), 30)
                7: [("d", [5, 6], SamplingParams(temperature=0.7, seed=4), 8)]}
 
 
-def watch_staging(monkeypatch, on_stage=None) -> list:
+def watch_staging(monkeypatch, on_stage=None, stage_bytes: int = 10 * 1024) -> list:
     """Rows a layer of KV is 1,024 bytes here (4 layers x 2 heads x 16 x fp32 x k, v): rows over 10 KB
     (the 37-token prompt) join a layer a step. Returns a list that gets, per iteration with a staged
     row, the layers it holds."""
-    monkeypatch.setattr(scheduler, "STAGE_BYTES", 10 * 1024)
+    monkeypatch.setattr(scheduler, "STAGE_BYTES", stage_bytes)
     seen = []
     real = scheduler.Scheduler._stage
 
@@ -216,6 +216,36 @@ def test_a_staged_row_whose_batch_changes_still_joins(monkeypatch, event):
     for key, ids in alone.items():
         assert together[key] == ids[:len(together[key])], key
         assert key in stopped or together[key] == ids, key
+
+
+@pytest.mark.parametrize("first", ["joins", "cancelled"])
+def test_a_long_row_that_waited_for_another_joins_after_one_pass(monkeypatch, first):
+    """Two long prompts ready at once (prefilled together): the first is staged, the second waits,
+    then is staged as the first joins (or is cancelled mid-copy). Each row's layers are copied once
+    (4 layers, one a step) and the second joins while the batch still runs: not restaged step after
+    step until the batch empties (its slot was fixed a step short of where the batch was when its
+    last layer went in)."""
+    llm = staged_llm()
+    jobs = {0: [("a", [1, 5, 9], SamplingParams(temperature=0.9, seed=7), 40)],
+            6: [("long", list(range(3, 17)), SamplingParams(temperature=0.8, seed=2), 10),
+                ("long2", list(range(4, 18)), SamplingParams(temperature=0.8, seed=3), 10)]}
+    alone = {job[0]: drive(llm, {0: [job]})[job[0]] for at in jobs.values() for job in at}
+
+    def cancel_first(sched, st):
+        if first == "cancelled" and st.layer == 2 and st.run.job.ids == jobs[6][0][1]:
+            st.run.job.cancel()
+    watch_staging(monkeypatch, cancel_first, stage_bytes=4 * 1024)   # a 14-token row: 14 KB, a layer a step
+    staged = []
+    real = KVState.stage
+    monkeypatch.setattr(KVState, "stage", lambda self, state, slot, layers: (
+        staged.append((id(state), layers.start)), real(self, state, slot, layers))[1])
+    together = drive(llm, jobs, kv_headroom=64)
+    for key, ids in alone.items():
+        assert together[key] == ids[:len(together[key])], key
+        assert together[key] == ids or (key == "long" and first == "cancelled"), key
+    assert len(set(row for row, _ in staged)) == 2, staged
+    first_pass = [0, 1, 2, 3] if first == "joins" else [0, 1]
+    assert [layer for _, layer in staged] == first_pass + [0, 1, 2, 3], staged
 
 
 def test_a_slab_counts_the_bytes_its_rows_hold_not_its_room():
