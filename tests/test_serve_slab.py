@@ -12,6 +12,7 @@ import engine.serve.scheduler as scheduler
 from engine.api import LLM
 from engine.attention.softmax import KVState
 from engine.sampling import SamplingParams
+from engine.serve import PrefixCache
 from engine.steps import Stepper
 from tests.conftest import poison_unwritten, tiny_model
 from tests.test_batch_shapes import smollm2_shaped
@@ -246,6 +247,33 @@ def test_a_long_row_that_waited_for_another_joins_after_one_pass(monkeypatch, fi
     assert len(set(row for row, _ in staged)) == 2, staged
     first_pass = [0, 1, 2, 3] if first == "joins" else [0, 1]
     assert [layer for _, layer in staged] == first_pass + [0, 1, 2, 3], staged
+
+
+def test_a_slab_under_steady_load_stays_as_long_as_its_rows():
+    """Jobs arriving one after another, the batch never empty: a slab's rows cannot shift left in
+    place, so its slots grow a step at a time; a new slab laid out (no room left) must drop the
+    leading slots that are pads in every row, as select_rows does, or a server under steady load
+    lays out ever longer slabs (address space, and per-step scans of slot_real, growing with uptime)
+    until an allocation fails and every stream fails. Each job's tokens still equal its run alone."""
+    llm = LLM(tiny_model(seed=1, num_key_value_heads=2, trained_for=TRAINED), None, backend="auto")
+    prompts = [[1, 2, 3, 4], [5, 6, 7], [1, 9, 9, 9, 2]]
+    greedy = SamplingParams(temperature=0)
+    alone = [drive(llm, {0: [("x", ids, greedy, 12)]})["x"] for ids in prompts]
+    sched = scheduler.Scheduler(llm.model, llm.tokenizer, llm.step, max_batch=4, kv_headroom=8,
+                                cache=PrefixCache(max_entries=0))
+    outs, longest = {}, 0
+    for it in range(160):
+        new = [] if it % 5 or it >= 140 else [scheduler.Job(
+            ids=prompts[it % 3], path=llm.attention, params=greedy, max_tokens=12, ignore_eos=True,
+            emit=lambda ev, k=it: outs.setdefault(k, []).append(ev.id))]
+        sched._iterate(new)
+        pool = sched.pools.get(llm.attention)
+        if pool is not None and pool.state is not None:
+            assert pool.state.slab is not None
+            longest = max(longest, pool.state.slots)
+    assert len(outs) == 28 and all(ids == alone[k % 3] for k, ids in outs.items())
+    # rows hold at most 5 + 12 tokens; the slab sits at slot >= 8 with room for 12 more
+    assert longest <= 8 + 2 * (5 + 12), longest
 
 
 def test_a_slab_counts_the_bytes_its_rows_hold_not_its_room():
