@@ -371,8 +371,12 @@ class KVState(State):
         out = torch.empty_like(q)
         for key, rows in groups.items():
             at = slice(rows[0], rows[-1] + 1) if rows[-1] - rows[0] + 1 == len(rows) else rows
-            slots = real[rows[0]].nonzero()[:, 0] if key < 0 else slice(key, n)
-            out[at] = self._one_query(q[at], keys[at][:, :, slots], values[at][:, :, slots])
+            if key < 0:   # one row (a slice): a view of it, then a copy of its real slots
+                slots = real[rows[0]].nonzero()[:, 0]
+                k, v = keys[at][:, :, slots], values[at][:, :, slots]
+            else:         # the slots first (a view), then the rows: a copy of their real slots only, not
+                k, v = keys[:, :, key:][at], values[:, :, key:][at]   # the pads (a slab's thousands)
+            out[at] = self._one_query(q[at], k, v)
         return out
 
 
