@@ -12,6 +12,7 @@ import engine.serve.scheduler as scheduler
 from engine.api import LLM
 from engine.attention.softmax import KVState
 from engine.sampling import SamplingParams
+from engine.serve import PrefixCache
 from engine.steps import Stepper
 from tests.conftest import poison_unwritten, tiny_model
 from tests.test_batch_shapes import smollm2_shaped
@@ -155,11 +156,11 @@ STAGED_JOBS = {0: [("a", [1, 5, 9], SamplingParams(temperature=0.9, seed=7), 30)
                7: [("d", [5, 6], SamplingParams(temperature=0.7, seed=4), 8)]}
 
 
-def watch_staging(monkeypatch, on_stage=None) -> list:
+def watch_staging(monkeypatch, on_stage=None, stage_bytes: int = 10 * 1024) -> list:
     """Rows a layer of KV is 1,024 bytes here (4 layers x 2 heads x 16 x fp32 x k, v): rows over 10 KB
     (the 37-token prompt) join a layer a step. Returns a list that gets, per iteration with a staged
     row, the layers it holds."""
-    monkeypatch.setattr(scheduler, "STAGE_BYTES", 10 * 1024)
+    monkeypatch.setattr(scheduler, "STAGE_BYTES", stage_bytes)
     seen = []
     real = scheduler.Scheduler._stage
 
@@ -216,6 +217,90 @@ def test_a_staged_row_whose_batch_changes_still_joins(monkeypatch, event):
     for key, ids in alone.items():
         assert together[key] == ids[:len(together[key])], key
         assert key in stopped or together[key] == ids, key
+
+
+@pytest.mark.parametrize("first", ["joins", "cancelled"])
+def test_a_long_row_that_waited_for_another_joins_after_one_pass(monkeypatch, first):
+    """Two long prompts ready at once (prefilled together): the first is staged, the second waits,
+    then is staged as the first joins (or is cancelled mid-copy). Each row's layers are copied once
+    (4 layers, one a step) and the second joins while the batch still runs: not restaged step after
+    step until the batch empties (its slot was fixed a step short of where the batch was when its
+    last layer went in)."""
+    llm = staged_llm()
+    jobs = {0: [("a", [1, 5, 9], SamplingParams(temperature=0.9, seed=7), 40)],
+            6: [("long", list(range(3, 17)), SamplingParams(temperature=0.8, seed=2), 10),
+                ("long2", list(range(4, 18)), SamplingParams(temperature=0.8, seed=3), 10)]}
+    alone = {job[0]: drive(llm, {0: [job]})[job[0]] for at in jobs.values() for job in at}
+
+    def cancel_first(sched, st):
+        if first == "cancelled" and st.layer == 2 and st.run.job.ids == jobs[6][0][1]:
+            st.run.job.cancel()
+    watch_staging(monkeypatch, cancel_first, stage_bytes=4 * 1024)   # a 14-token row: 14 KB, a layer a step
+    staged = []
+    real = KVState.stage
+    monkeypatch.setattr(KVState, "stage", lambda self, state, slot, layers: (
+        staged.append((id(state), layers.start)), real(self, state, slot, layers))[1])
+    together = drive(llm, jobs, kv_headroom=64)
+    for key, ids in alone.items():
+        assert together[key] == ids[:len(together[key])], key
+        assert together[key] == ids or (key == "long" and first == "cancelled"), key
+    assert len(set(row for row, _ in staged)) == 2, staged
+    first_pass = [0, 1, 2, 3] if first == "joins" else [0, 1]
+    assert [layer for _, layer in staged] == first_pass + [0, 1, 2, 3], staged
+
+
+def test_a_slab_under_steady_load_stays_as_long_as_its_rows():
+    """Jobs arriving one after another, the batch never empty: a slab's rows cannot shift left in
+    place, so its slots grow a step at a time; a new slab laid out (no room left) must drop the
+    leading slots that are pads in every row, as select_rows does, or a server under steady load
+    lays out ever longer slabs (address space, and per-step scans of slot_real, growing with uptime)
+    until an allocation fails and every stream fails. Each job's tokens still equal its run alone."""
+    llm = LLM(tiny_model(seed=1, num_key_value_heads=2, trained_for=TRAINED), None, backend="auto")
+    prompts = [[1, 2, 3, 4], [5, 6, 7], [1, 9, 9, 9, 2]]
+    greedy = SamplingParams(temperature=0)
+    alone = [drive(llm, {0: [("x", ids, greedy, 12)]})["x"] for ids in prompts]
+    sched = scheduler.Scheduler(llm.model, llm.tokenizer, llm.step, max_batch=4, kv_headroom=8,
+                                cache=PrefixCache(max_entries=0))
+    outs, longest = {}, 0
+    for it in range(160):
+        new = [] if it % 5 or it >= 140 else [scheduler.Job(
+            ids=prompts[it % 3], path=llm.attention, params=greedy, max_tokens=12, ignore_eos=True,
+            emit=lambda ev, k=it: outs.setdefault(k, []).append(ev.id))]
+        sched._iterate(new)
+        pool = sched.pools.get(llm.attention)
+        if pool is not None and pool.state is not None:
+            assert pool.state.slab is not None
+            longest = max(longest, pool.state.slots)
+    assert len(outs) == 28 and all(ids == alone[k % 3] for k, ids in outs.items())
+    # rows hold at most 5 + 12 tokens; the slab sits at slot >= 8 with room for 12 more
+    assert longest <= 8 + 2 * (5 + 12), longest
+
+
+def test_the_torch_step_copies_no_pad_of_a_slab(monkeypatch):
+    """Rows with the same first real slot that are not neighbours (in a slab: n > 1 choices joined
+    together, then a tail row moved between them) attend over a copy of their keys: it holds their
+    real slots, not the slab's leading pads (it copied all 4k of them, a row a layer a step: on
+    SmolLM2's shapes 3 rows decoded 5x slower). The rows still decode as alone."""
+    model = tiny_model(seed=1, num_key_value_heads=2)
+    step = Stepper(model, "torch")
+    prompts = [[2, 8, 6], [1, 7], [5, 9, 3]]
+    copies = []
+    one_query = KVState._one_query
+    monkeypatch.setattr(KVState, "_one_query", lambda self, q, keys, values: (
+        copies.append(keys.untyped_storage().nbytes()) if keys.untyped_storage().data_ptr() !=
+        self.k.untyped_storage().data_ptr() else None, one_query(self, q, keys, values))[1])
+    with torch.no_grad():
+        want = [solo(step, model, ids) for ids in prompts]
+        parts = [prefill(step, model, ids) for ids in prompts]
+        state = KVState.concat([s for s, _ in parts], max_len=3 + STEPS, rows=4, headroom=4096)
+        outs = [[int(logits.argmax())] for _, logits in parts]
+        for _ in range(STEPS - 1):
+            logits = step(torch.tensor([[o[-1]] for o in outs]), state)[:, -1]
+            for o, row in zip(outs, logits):
+                o.append(int(row.argmax()))
+    assert outs == want
+    L, _, Hkv, _, D = state.k.shape
+    assert copies and max(copies) <= 2 * Hkv * (3 + STEPS) * D * 4, max(copies)   # rows 0 and 2, their slots
 
 
 def test_a_slab_counts_the_bytes_its_rows_hold_not_its_room():

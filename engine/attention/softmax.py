@@ -109,6 +109,10 @@ class KVState(State):
         first = real.int().argmax(1)
         return torch.where(real.any(1), first, torch.full_like(first, self.slots))
 
+    def _lead_pads(self) -> int:
+        """The leading slots that are pads in every row."""
+        return min(self.first_real_slot().tolist()) if self.batch_size and self.slots else 0
+
     def select_rows(self, idx, max_len=None) -> "KVState":
         # each row copied from its first real slot straight into an uninitialised cache; on the CPU
         # nothing else is written (module docstring), elsewhere the rest is zeroed
@@ -140,7 +144,10 @@ class KVState(State):
         P0 = max(s.slots for s in states)
         max_len = max(max_len or max(s.max_len for s in states), P0)
         slab = (rows > n or headroom > 0) and states[0].device.type == "cpu"
-        P = max(P0, headroom) if slab else P0
+        # a slab drops the leading slots that are pads in every row of a state (a running slab's: its
+        # rows never shift left in place, so under steady load its slots grow with every step)
+        drops = [s._lead_pads() if slab else 0 for s in states]
+        P = max([headroom] + [s.slots - d for s, d in zip(states, drops)]) if slab else P0
         if slab:
             max_len = P + max(max_len - P0, headroom)
         L, _, Hkv, _, D = states[0].k.shape
@@ -148,7 +155,7 @@ class KVState(State):
                                  states[0].device, states[0].k.dtype, zero=False)
         if slab and out.batch_size > n:
             out = out._slab_view(n, out)
-        out._place(states, 0, P)
+        out._place(states, 0, P, drops)
         out._laid_out(any(s.unset for s in states), any(s.pads_unset for s in states))
         return out
 
@@ -205,14 +212,15 @@ class KVState(State):
         out._after_regroup()
         return out, order
 
-    def _place(self, states, b: int, P: int) -> None:
-        """The states' rows into rows b.. of this batch, right-aligned to slot P (sets slots = P)."""
-        for s in states:
-            rows, lo = slice(b, b + s.batch_size), P - s.slots      # right-align: pads in [0, lo)
+    def _place(self, states, b: int, P: int, drops=None) -> None:
+        """The states' rows into rows b.. of this batch, right-aligned to slot P (sets slots = P), each
+        state's first drops[i] slots (pads in each of its rows: `_lead_pads`) left out."""
+        for s, drop in zip(states, drops or [0] * len(states)):
+            rows, lo = slice(b, b + s.batch_size), P - (s.slots - drop)   # right-align: pads in [0, lo)
             for r, f in enumerate(s.first_real_slot().tolist()):
-                self._put_row(b + r, lo + f, P, s, r, f)
+                self._put_row(b + r, lo + f - drop, P, s, r, f)
             self.slot_real[rows, :lo] = False
-            self.slot_real[rows, lo:P] = s.slot_real[:, :s.slots]
+            self.slot_real[rows, lo:P] = s.slot_real[:, drop:s.slots]
             self.lengths[rows] = s.lengths
             b += s.batch_size
         self.slots = P
@@ -363,8 +371,12 @@ class KVState(State):
         out = torch.empty_like(q)
         for key, rows in groups.items():
             at = slice(rows[0], rows[-1] + 1) if rows[-1] - rows[0] + 1 == len(rows) else rows
-            slots = real[rows[0]].nonzero()[:, 0] if key < 0 else slice(key, n)
-            out[at] = self._one_query(q[at], keys[at][:, :, slots], values[at][:, :, slots])
+            if key < 0:   # one row (a slice): a view of it, then a copy of its real slots
+                slots = real[rows[0]].nonzero()[:, 0]
+                k, v = keys[at][:, :, slots], values[at][:, :, slots]
+            else:         # the slots first (a view), then the rows: a copy of their real slots only, not
+                k, v = keys[:, :, key:][at], values[:, :, key:][at]   # the pads (a slab's thousands)
+            out[at] = self._one_query(q[at], k, v)
         return out
 
 

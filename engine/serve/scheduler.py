@@ -651,6 +651,7 @@ class Scheduler:
             if pool.state is None or not pool.rows:
                 pool.state, pool.rows, pool.layout = None, [], []
             self._join(path, items)
+            self._staged_now(path, st)
             return
         L = st.state.k.shape[0]
         layers = range(st.layer, min(L, st.layer + st.per))
@@ -671,6 +672,14 @@ class Scheduler:
         pool.staging, waiting = None, pool.waiting
         pool.waiting = []
         self._join(path, waiting)
+        self._staged_now(path, st)
+
+    def _staged_now(self, path: str, was) -> None:
+        """A row `_stage` staged just now (its `_join`, after this iteration's copy) copies its first
+        layers now: its slot counts this iteration's step, so one copy a step brings it in on time."""
+        st = self.pools[path].staging
+        if st is not None and st is not was:
+            self._stage(path)
 
     def _join_now(self, pool: Pool, items: list) -> None:
         rows = pool.rows + [run for run, _ in items]
