@@ -97,38 +97,36 @@ def _key(text: str) -> str:   # a fortune compared without case, spacing or punc
     return re.sub(r"[^a-z0-9]+", "", text.lower())
 
 
-def fortune_docs(files, exclude=()):
+def joined(items, size: int = 1000):
+    """Items packed into documents of about `size` characters (blank lines between them)."""
     buf = ""
-    held_out = {_key(item) for f in exclude for item in fortunes(f)}
-    for f in files:
-        for item in fortunes(f):
-            if _key(item) in held_out:
-                continue
-            buf = f"{buf}\n\n{item}" if buf else item
-            if len(buf) >= 1000:
-                yield buf
-                buf = ""
+    for item in items:
+        buf = f"{buf}\n\n{item}" if buf else item
+        if len(buf) >= size:
+            yield buf
+            buf = ""
     if buf:
         yield buf
 
 
-def dialogue_docs(root: Path):
+def fortune_docs(files, exclude=()):
+    held_out = {_key(item) for f in exclude for item in fortunes(f)}
+    return joined(item for f in files for item in fortunes(f) if _key(item) not in held_out)
+
+
+def conversations(root: Path):
     import yaml     # PyYAML: a dependency of the eval extra (lm-eval)
 
-    buf = ""
     for path in sorted(root.rglob("*.yml")):
         data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
         for conv in data.get("conversations") or []:
             lines = [str(x).strip() for x in conv if str(x).strip()]
-            if len(lines) < 2:
-                continue
-            text = "\n".join(f"{'AB'[i % 2]}: {line}" for i, line in enumerate(lines))
-            buf = f"{buf}\n\n{text}" if buf else text
-            if len(buf) >= 1000:
-                yield buf
-                buf = ""
-    if buf:
-        yield buf
+            if len(lines) >= 2:
+                yield "\n".join(f"{'AB'[i % 2]}: {line}" for i, line in enumerate(lines))
+
+
+def dialogue_docs(root: Path):
+    return joined(conversations(root))
 
 
 def main(argv):
