@@ -315,3 +315,12 @@ def test_a_slab_counts_the_bytes_its_rows_hold_not_its_room():
     L, _, Hkv, _, D = slab.k.shape
     assert slab.nbytes == 2 * L * Hkv * D * 4 * (5 + 2)
     assert plain.nbytes == plain.k.numel() * 8 > slab.nbytes
+
+
+def test_a_slab_reserves_at_most_half_the_memory():
+    """SmolLM2 (46 KB of fp32 KV a token, 16 rows): 8k of headroom fits 24 GB; a 128k context of a
+    1B model (64 KB a token) is cut to what half the memory holds."""
+    gib = 1 << 30
+    assert scheduler.slab_headroom(8192, 16, 46080, ram=24 * gib) == 8192
+    cut = scheduler.slab_headroom(131072, 16, 65536, ram=24 * gib)
+    assert cut < 131072 and 16 * 2 * cut * 65536 <= 12 * gib < 16 * 2 * (cut + 1) * 65536

@@ -40,6 +40,7 @@ step fails that pool's jobs only; the loop goes on.
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
@@ -204,6 +205,15 @@ PREFILL_SHARE = 0.5
 # in) stalled every stream ~70 ms. Measured on the 2-core VM: 8 MB a step cost ~3 ms.
 STAGE_BYTES = 8 << 20
 DEFER_DROP_FROM = 1024   # a finished row stays in the batch while a going row holds this many KV tokens
+
+
+def slab_headroom(headroom: int, rows: int, token_bytes: int, ram: int | None = None) -> int:
+    """The headroom of a KV slab, at most what keeps its address space (rows x (2 x headroom) slots,
+    the headroom and as much room again) within half the machine's memory: a 128k-token context's slab
+    would be refused by the kernel's overcommit check. A prompt longer than it joins by a new layout."""
+    if ram is None:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(0, min(headroom, ram // 2 // max(1, rows * 2 * token_bytes)))
 
 
 class Scheduler:
@@ -703,8 +713,10 @@ class Scheduler:
                 return joined
         cls = type(states[0])
         if states[0].device.type == "cpu" and getattr(cls, "slabs", False):
+            L, _, Hkv, _, D = states[0].k.shape
+            headroom = slab_headroom(self.kv_headroom, self.max_batch, 2 * L * Hkv * D * states[0].k.element_size())
             try:
-                return cls.concat(states, max_len=max_len, rows=self.max_batch, headroom=self.kv_headroom)
+                return cls.concat(states, max_len=max_len, rows=self.max_batch, headroom=headroom)
             except RuntimeError:   # the address space refused (a huge context): as many rows as now
                 pass
         return cls.concat(states, max_len=max_len)
