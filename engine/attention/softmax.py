@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import Span, State, row_runs, take_rows
+from engine.attention.base import Span, State, take_rows
 from engine.errors import ContextFullError
 
 # Decode (one query, no mask) from this many cached keys on uses two matmuls instead of SDPA:
@@ -197,7 +197,8 @@ class KVState(State):
         keep = sorted(int(i) for i in keep)
         m = len(keep)
         order = list(range(m))
-        holes = [i for i in range(m) if i not in set(keep)]
+        kept = set(keep)
+        holes = [i for i in range(m) if i not in kept]
         movers = [i for i in keep if i >= m]
         out = self._slab_view(m)
         first = self.first_real_slot().tolist()
@@ -212,12 +213,13 @@ class KVState(State):
         out._after_regroup()
         return out, order
 
-    def _place(self, states, b: int, P: int, drops=None) -> None:
+    def _place(self, states, b: int, P: int, drops=None, copy: bool = True) -> None:
         """The states' rows into rows b.. of this batch, right-aligned to slot P (sets slots = P), each
-        state's first drops[i] slots (pads in each of its rows: `_lead_pads`) left out."""
+        state's first drops[i] slots (pads in each of its rows: `_lead_pads`) left out. copy=False:
+        their keys and values are there already (`stage`), only the bookkeeping is set."""
         for s, drop in zip(states, drops or [0] * len(states)):
             rows, lo = slice(b, b + s.batch_size), P - (s.slots - drop)   # right-align: pads in [0, lo)
-            for r, f in enumerate(s.first_real_slot().tolist()):
+            for r, f in enumerate(s.first_real_slot().tolist() if copy else []):
                 self._put_row(b + r, lo + f - drop, P, s, r, f)
             self.slot_real[rows, :lo] = False
             self.slot_real[rows, lo:P] = s.slot_real[:, drop:s.slots]
@@ -227,18 +229,22 @@ class KVState(State):
         self._after_regroup()
 
     @property
+    def token_bytes(self) -> int:
+        """Bytes of one token's keys and values, every layer."""
+        L, _, Hkv, _, D = self.k.shape
+        return 2 * L * Hkv * D * self.k.element_size()
+
+    @property
     def nbytes(self) -> int:
         """Bytes of the keys and values held. A slab's rows: their real slots only (its spare rows,
         pads and room are address space no page of which was written: not resident)."""
         if self.slab is None:
             return super().nbytes
-        L, _, Hkv, _, D = self.k.shape
-        return 2 * L * Hkv * D * self.k.element_size() * int(self.lengths.sum())
+        return self.token_bytes * int(self.lengths.sum())
 
     def row_bytes(self) -> int:
         """Bytes of one row's real keys and values, every layer (the most it holds; what a copy of it writes)."""
-        L, _, Hkv, _, D = self.k.shape
-        return 2 * L * Hkv * D * self.k.element_size() * int(self.lengths.max()) if self.batch_size else 0
+        return self.token_bytes * int(self.lengths.max()) if self.batch_size else 0
 
     def stage(self, state: "KVState", slot: int, layers: range) -> bool:
         """Copy `layers` of batch-1 `state`'s row into this slab's next spare row (row B), its real
@@ -257,13 +263,8 @@ class KVState(State):
 
     def join_staged(self, state: "KVState") -> "KVState":
         """This batch and `state`'s row, every layer of which `stage` copied (at slot == self.slots)."""
-        n, P = self.batch_size, self.slots
-        out = self._slab_view(n + 1)
-        lo = P - state.slots
-        out.slot_real[n, :lo] = False
-        out.slot_real[n, lo:P] = state.slot_real[0, :state.slots]
-        out.lengths[n] = state.lengths[0]
-        out._after_regroup()
+        out = self._slab_view(self.batch_size + 1)
+        out._place([state], self.batch_size, self.slots, copy=False)
         out._laid_out(self.unset or state.unset, True)
         return out
 
@@ -316,7 +317,7 @@ class KVState(State):
         """A new state from `state_dict()` output, with capacity `max_len` (default: the slots saved). A
         sliding-window state's (its identity names the window) loads through SlidingKVState instead
         (engine.attention.hybrid.saved_state_class picks the class)."""
-        k, meta = sd["tensors"]["k"], sd["meta"]
+        k = sd["tensors"]["k"]
         L, B, Hkv, n, D = k.shape
         out = cls.allocate_shape(L, B, Hkv, max(max_len or n, n), D, device or k.device, k.dtype)
         out.load_state_dict(sd)

@@ -207,6 +207,11 @@ STAGE_BYTES = 8 << 20
 DEFER_DROP_FROM = 1024   # a finished row stays in the batch while a going row holds this many KV tokens
 
 
+def _is_slab(state) -> bool:
+    """A KV batch laid out as a slab (KVState.concat(rows=, headroom=)): rows join and leave in place."""
+    return getattr(state, "slab", None) is not None
+
+
 def slab_headroom(headroom: int, rows: int, token_bytes: int, ram: int | None = None) -> int:
     """The headroom of a KV slab, at most what keeps its address space (rows x (2 x headroom) slots,
     the headroom and as much room again) within half the machine's memory: a 128k-token context's slab
@@ -612,39 +617,37 @@ class Scheduler:
         if pool.staging is not None:   # after the staged row (its slot is fixed: the batch must not change)
             pool.waiting.extend(items)
             return
-        now = [it for it in items if not self._stages(pool, *it)]
-        later = [it for it in items if not any(it is x for x in now)]
+        now, later = [], []
+        for it in items:
+            (later if self._staging(pool, *it) else now).append(it)
         if now:
             self._join_now(pool, now)
         for i, (run, state) in enumerate(later):
-            per = self._stages(pool, run, state)
-            if per:
-                # the row's slots end where the batch's will be when its last layer is in: `steps`
-                # iterations from now, this one included, each copying `per` layers then stepping once
-                steps = -(-state.k.shape[0] // per)
-                pool.staging = Staging(run, state, pool.state.slots + steps - 1, per)
+            staging = self._staging(pool, run, state)   # again: the joins before it may have moved the batch
+            if staging is not None:
+                pool.staging = staging
                 pool.waiting.extend(later[i + 1:])
                 return
             self._join_now(pool, [(run, state)])
 
-    def _stages(self, pool, run, state) -> int:
-        """Layers a step to copy `state`'s row into `pool`'s slab over several steps, or 0: join at once
-        (a row of at most STAGE_BYTES, no slab, no spare row or slot)."""
+    def _staging(self, pool, run, state) -> Staging | None:
+        """How `state`'s row joins `pool`'s slab over several steps, or None: at once (a row of at most
+        STAGE_BYTES, no slab, no spare row or slot)."""
         slab = pool.state
-        if slab is None or getattr(slab, "slab", None) is None or not hasattr(state, "row_bytes") \
-                or type(state) is not type(slab) or state.batch_size != 1:
-            return 0
+        if not _is_slab(slab) or type(state) is not type(slab) or state.batch_size != 1:
+            return None
         size = state.row_bytes()
         if size <= STAGE_BYTES:
-            return 0
+            return None
         L = state.k.shape[0]
         per = max(1, STAGE_BYTES * L // size)
-        steps = -(-L // per)
-        slot = slab.slots + steps - 1
+        # the row's slots end where the batch's will be when its last layer is in: `steps` iterations
+        # from now, this one included, each copying `per` layers then stepping once
+        slot = slab.slots + -(-L // per) - 1
         remaining = max(r.job.max_tokens - len(r.job.generated) for r in pool.rows + pool.pending() + [run])
         if slab.batch_size >= slab.slab[0].shape[1] or state.slots > slot or slot + remaining > slab.max_len:
-            return 0
-        return per
+            return None
+        return Staging(run, state, slot, per)
 
     def _stage(self, path: str) -> None:
         """Copy the next layers of the pool's staged row; with its last in, the row joins (and then
@@ -713,8 +716,7 @@ class Scheduler:
                 return joined
         cls = type(states[0])
         if states[0].device.type == "cpu" and getattr(cls, "slabs", False):
-            L, _, Hkv, _, D = states[0].k.shape
-            headroom = slab_headroom(self.kv_headroom, self.max_batch, 2 * L * Hkv * D * states[0].k.element_size())
+            headroom = slab_headroom(self.kv_headroom, self.max_batch, states[0].token_bytes)
             try:
                 return cls.concat(states, max_len=max_len, rows=self.max_batch, headroom=headroom)
             except RuntimeError:   # the address space refused (a huge context): as many rows as now
@@ -771,12 +773,12 @@ class Scheduler:
         going = set(map(id, pool.rows))
         keep = [b for b, r in enumerate(pool.layout) if id(r) in going]
         dead = len(pool.layout) - len(keep)
-        moved = [b for b in keep if b >= len(keep)]   # a slab moves only these, into the holes
-        if dead < len(keep) and self._long_kv(pool.state, moved if hasattr(pool.state, "keep_rows") else keep):
+        slab = _is_slab(pool.state)
+        moved = [b for b in keep if b >= len(keep)] if slab else keep   # a slab moves these only, into the holes
+        if dead < len(keep) and self._long_kv(pool.state, moved):
             return
-        kept = pool.state.keep_rows(keep) if hasattr(pool.state, "keep_rows") else None
-        if kept is not None:
-            pool.state, order = kept
+        if slab:
+            pool.state, order = pool.state.keep_rows(keep)
             pool.layout = [pool.layout[b] for b in order]
             pool.rows = list(pool.layout)
             return
