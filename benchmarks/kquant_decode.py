@@ -3,11 +3,13 @@
     python benchmarks/kquant_decode.py write --shape 1b --out /tmp/llama1b-q4km.gguf
     python benchmarks/kquant_decode.py run /tmp/llama1b-q4km.gguf --steps 32 --json out.json
 
-`write` makes a random Llama-shaped GGUF the way llama.cpp's Q4_K_M lays one out: q, k, o, gate, up
+`write` makes a random GGUF of a real model's shape (llama, qwen2 or qwen3 architecture) the way llama.cpp's Q4_K_M lays one out: q, k, o, gate, up
 in Q4_K; v and down in Q6_K on the layers llama.cpp's `use_more_bits` picks (the first and last
 eighth, every third between), Q4_K elsewhere; the output (or, tied, the token embedding) in Q6_K;
 norms F32. The blocks are random (valid fp16 scales giving weights of std ~0.05): the gguf package
 cannot quantize K-quants, and speed and memory do not depend on the values. --base q5_k: Q5_K_M.
+Biases (Qwen2) and q/k norms (Qwen3) are F32 as llama.cpp writes them. The file says
+`tokenizer.ggml.model` "none" (no vocabulary: llama.cpp's tools load it; prompts are token ids).
 
 `run` loads it (engine.load), then prints one JSON record: RSS after load, the bytes of the matrices
 one decode step reads (per layer qkv, o, gate_up, down, and lm_head, as the model holds them:
@@ -28,8 +30,14 @@ import time
 import numpy as np
 import torch
 
-SHAPES = {   # Llama-3.2-1B's dimensions; a ~0.3B model with a 32k vocabulary
+SHAPES = {   # Llama-3.2-1B's dimensions (Mistral's GGUFs are written as llama too); Qwen2.5-1.5B's
+    # (q/k/v biases) and Qwen3-1.7B's (per-head q/k norms, head_dim 128 != hidden / heads); a ~0.3B
+    # model with a 32k vocabulary
     "1b": dict(hidden=2048, inter=8192, layers=16, heads=32, kv=8, vocab=128256, tied=True),
+    "qwen2.5-1.5b": dict(arch="qwen2", hidden=1536, inter=8960, layers=28, heads=12, kv=2, vocab=151936,
+                         tied=True, theta=1000000.0, eps=1e-6),
+    "qwen3-1.7b": dict(arch="qwen3", hidden=2048, inter=6144, layers=28, heads=16, kv=8, head_dim=128,
+                       vocab=151936, tied=True, theta=1000000.0, eps=1e-6),
     "300m": dict(hidden=1024, inter=2816, layers=16, heads=16, kv=4, vocab=32000, tied=False),
 }
 WEIGHT_STD = {"Q4_K": 257.0, "Q5_K": 520.0, "Q6_K": 1370.0}   # std of a weight / d over random bytes
@@ -60,18 +68,21 @@ def write(shape: str, out: str, base: str) -> None:
     s, rng = SHAPES[shape], np.random.default_rng(0)
     base_t = Q.Q4_K if base == "q4_k" else Q.Q5_K
     C, I, L, H, Hkv, V = s["hidden"], s["inter"], s["layers"], s["heads"], s["kv"], s["vocab"]
-    D = C // H
-    w = gguf.GGUFWriter(out, "llama")
+    D, arch = s.get("head_dim", C // H), s.get("arch", "llama")
+    w = gguf.GGUFWriter(out, arch)
     w.add_block_count(L)
     w.add_context_length(4096)
     w.add_embedding_length(C)
     w.add_feed_forward_length(I)
     w.add_head_count(H)
     w.add_head_count_kv(Hkv)
-    w.add_rope_freq_base(500000.0)
-    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(s.get("theta", 500000.0))
+    w.add_layer_norm_rms_eps(s.get("eps", 1e-5))
     w.add_rope_dimension_count(D)
+    w.add_key_length(D)
+    w.add_value_length(D)
     w.add_vocab_size(V)
+    w.add_tokenizer_model("none")
 
     def mat(name, rows, cols, qtype):
         w.add_tensor(name, random_blocks(rows, cols, qtype, rng), raw_dtype=qtype)
@@ -84,6 +95,12 @@ def write(shape: str, out: str, base: str) -> None:
         more = more_bits(i, L)
         w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(C, dtype=np.float32))
         w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(C, dtype=np.float32))
+        if arch == "qwen2":
+            for n, rows in (("q", H * D), ("k", Hkv * D), ("v", Hkv * D)):
+                w.add_tensor(f"blk.{i}.attn_{n}.bias", rng.normal(0, 0.02, rows).astype(np.float32))
+        if arch == "qwen3":
+            for n in ("q", "k"):
+                w.add_tensor(f"blk.{i}.attn_{n}_norm.weight", np.ones(D, dtype=np.float32))
         mat(f"blk.{i}.attn_q.weight", H * D, C, base_t)
         mat(f"blk.{i}.attn_k.weight", Hkv * D, C, base_t)
         mat(f"blk.{i}.attn_v.weight", Hkv * D, C, Q.Q6_K if more else base_t)
