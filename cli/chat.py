@@ -43,7 +43,7 @@ HELP_LINE = "/reset starts over, /exit or Ctrl-D leaves, Ctrl-C stops a reply"
 @activations_option
 def chat_cmd(model_name, attention, softmax_layers, window, feature_map, system, max_new_tokens, temperature, top_k, top_p, min_p,
              repetition_penalty, seed, device, dtype, kv_dtype, max_context, backend, threads, verbose, prefill_chunk,
-             activations):
+             activations, sparse_keys=None):
     """Chat with a model that has a chat template: each line you type is a message, the reply streams back.
 
     /reset starts a new conversation, /exit or Ctrl-D leaves, Ctrl-C stops a reply (the conversation
@@ -62,7 +62,7 @@ def chat_cmd(model_name, attention, softmax_layers, window, feature_map, system,
         make_config(**settings)                      # bad settings fail before the model loads
         llm = load_quietly(model_name, attention, feature_map, device, dtype, backend, threads,
                            softmax_layers=softmax_layers, window=window, kv_dtype=kv_dtype,
-                           prefill_chunk=prefill_chunk, activations=activations)
+                           prefill_chunk=prefill_chunk, activations=activations, sparse_keys=sparse_keys)
         session = llm.chat_session(system=system, max_context=max_context)
         sampling = describe_sampling({**llm.chat_sampling, **settings})   # a bad generation config fails here
         tty = sys.stdin.isatty()

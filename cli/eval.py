@@ -60,13 +60,13 @@ TASK_NAMES = (*TASKS, "passkey")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def eval_cmd(model_name, attention, softmax_layers, window, feature_map, data, task_list, task_file, limit, lengths,
              depths, trials, seed, results_dir, context, max_docs, batch_size, device, dtype, quantize, threads,
-             as_json):
+             as_json, sparse_keys=None):
     """Perplexity: each document scored as BOS + text + EOS; bits per byte is the headline.
     Tasks: accuracy (with lm-eval's standard errors) per task, one configuration per run."""
     tasks = check_modes(data, task_list, task_file, limit, lengths, depths, results_dir, max_docs, trials)
     if data is not None:
         return perplexity(model_name, attention, softmax_layers, window, feature_map, data, context, max_docs,
-                          batch_size, device, dtype, quantize, threads, as_json)
+                          batch_size, device, dtype, quantize, threads, as_json, sparse_keys)
 
     def run():
         if threads is not None:
@@ -84,7 +84,7 @@ def eval_cmd(model_name, attention, softmax_layers, window, feature_map, data, t
                     yamls[name if name not in TASK_NAMES else f"{name}_file"] = path
             llm = load_quietly(model_name, attention, feature_map, device, dtype, quantize=quantize,
                                threads=threads or available_cores(),   # as for perplexity: all cores by default
-                               softmax_layers=softmax_layers, window=window)
+                               softmax_layers=softmax_layers, window=window, sparse_keys=sparse_keys)
             trained = llm.model.config.max_position_embeddings
             if context is not None and context > trained:
                 warn(f"--context {context} is beyond the model's trained positions ({trained}): scored, but the "
@@ -126,12 +126,13 @@ def eval_cmd(model_name, attention, softmax_layers, window, feature_map, data, t
 
 
 def perplexity(model_name, attention, softmax_layers, window, feature_map, data, context, max_docs, batch_size,
-               device, dtype, quantize, threads, as_json):
+               device, dtype, quantize, threads, as_json, sparse_keys=None):
     def run():
         if threads is not None:
             set_threads(threads)
         model, tokenizer = load_model(model_name, spec=lambda cfg: RunSpec.resolve(
-            cfg, attention=attention, softmax_layers=softmax_layers, window=window, device=device, dtype=dtype))
+            cfg, attention=attention, softmax_layers=softmax_layers, window=window, device=device, dtype=dtype,
+            sparse_keys=sparse_keys))
         trained = model.config.max_position_embeddings
         if context is not None and context > trained:
             warn(f"--context {context} is beyond the model's trained positions ({trained}): scored, but the model's "

@@ -49,7 +49,7 @@ from engine.steps import DEFAULT_ACTIVATIONS, DEFAULT_PREFILL_CHUNK
 def generate_cmd(prompt, prompt_opt, ids, chat_message, model_name, attention, softmax_layers, window, feature_map, max_new_tokens,
                  temperature,
                  top_k, top_p, min_p, repetition_penalty, seed, stop, device, dtype, kv_dtype, max_context, echo, backend, native,
-                 threads, quantize, verbose, as_json, prefill_chunk, activations):
+                 threads, quantize, verbose, as_json, prefill_chunk, activations, sparse_keys=None):
     """Generate a continuation of PROMPT ('-' reads it from stdin) and stream it to stdout.
 
     A prompt equal to a subcommand's name goes after `--` (`gen -- bench`) or in --prompt.
@@ -68,7 +68,7 @@ def generate_cmd(prompt, prompt_opt, ids, chat_message, model_name, attention, s
         make_config(**settings)                      # bad settings fail before the model loads
         llm = load_quietly(model_name, attention, feature_map, device, dtype, "native" if native else backend,
                           threads, quantize, softmax_layers=softmax_layers, window=window, kv_dtype=kv_dtype,
-                          prefill_chunk=prefill_chunk, activations=activations)
+                          prefill_chunk=prefill_chunk, activations=activations, sparse_keys=sparse_keys)
         if chat_message is None and isinstance(the_prompt, str) and llm.tokenizer is None:
             fail(f"{model_name} ships no tokenizer, so it cannot read text; give the prompt as token ids: --ids 1,2,3")
         if chat_message is not None:   # keep the stream: dropping it would close its generation
@@ -160,7 +160,7 @@ def prefill_progress():
 
 
 def load_quietly(model_name, attention, feature_map, device, dtype, backend="auto", threads=None, quantize=None,
-                 softmax_layers=None, window=None, kv_dtype=None, prefill_chunk=DEFAULT_PREFILL_CHUNK,
+                 softmax_layers=None, window=None, kv_dtype=None, prefill_chunk=DEFAULT_PREFILL_CHUNK, sparse_keys=None,
                  activations=DEFAULT_ACTIVATIONS):
     """Load; a warning (weights not trained for this attention path) becomes one stderr line. On a
     terminal, a load that takes over LOADING_NOTICE_S says "loading NAME ..." once that time has
@@ -176,7 +176,8 @@ def load_quietly(model_name, attention, feature_map, device, dtype, backend="aut
             warnings.simplefilter("always")
             llm = load(model_name, attention=attention, feature_map=feature_map, device=device, dtype=dtype,
                        backend=backend, threads=threads, quantize=quantize, softmax_layers=softmax_layers,
-                       window=window, kv_dtype=kv_dtype, prefill_chunk=prefill_chunk, activations=activations)
+                       window=window, kv_dtype=kv_dtype, prefill_chunk=prefill_chunk, activations=activations,
+                       sparse_keys=sparse_keys)
     finally:
         notice.cancel()
     took = time.perf_counter() - t0

@@ -75,7 +75,7 @@ def serve_cmd(model_name, attention, softmax_layers, window, feature_map, host, 
               max_context, dtype, kv_dtype, device, backend, threads, max_prompt, queue_timeout, max_body, api_key,
               allow_hosts, cors_origins, docs, prefill_chunk, max_tokens_cap, max_connections, read_timeout,
               timeout_keep_alive, shutdown_grace, served_names, activations, prefill_share=PREFILL_SHARE,
-              open_page=False):
+              open_page=False, sparse_keys=None):
     """Serve MODEL over HTTP: /v1/models, /v1/completions, /v1/chat/completions (OpenAI format, SSE streams),
     and a page at / comparing attention configurations side by side."""
     if max_batch < 1:
@@ -124,7 +124,7 @@ def serve_cmd(model_name, attention, softmax_layers, window, feature_map, host, 
                                              prefill_chunk=prefill_chunk, activations=activations,
                                              max_tokens_cap=max_tokens_cap,
                                              aliases=served_names, device=device,
-                                             prefill_share=prefill_share))
+                                             prefill_share=prefill_share, sparse_keys=sparse_keys))
     if open_page:
         open_when_ready(page_url(host, port))
     run_guarded(lambda: run(server, host=host, port=port, policy=policy, grace=shutdown_grace))

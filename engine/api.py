@@ -31,7 +31,7 @@ from engine.loader import load_parts
 from engine.sampling import SamplingParams, chat_sampling
 from engine.state_io import SavedState, load as load_state_file, save as save_state_file
 from engine.runspec import (DEFAULT_ACTIVATIONS, DEFAULT_PREFILL_CHUNK, RunSpec, check_activations, check_attention,
-                            check_backend, check_prefill_chunk, check_threads, check_window)
+                            check_backend, check_prefill_chunk, check_sparse_keys, check_threads, check_window)
 from engine.steps import Stepper
 from engine.quant import quantize_model
 from engine.threads import available_cores, set_threads
@@ -54,7 +54,7 @@ def load(model: str = "tiny", attention: str | None = None, feature_map: str | N
          backend: str = "auto", threads: int | None = None, native: bool = False,
          quantize: str | None = None, softmax_layers=None, window: int | None = None,
          kv_dtype: str | torch.dtype | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-         activations: str = DEFAULT_ACTIVATIONS) -> "LLM":
+         activations: str = DEFAULT_ACTIVATIONS, sparse_keys: int | None = None) -> "LLM":
     """Load a registered model name (`tiny`) or a checkpoint path; attention None = the model's own.
 
     backend: which form runs one-token decode steps (engine.steps): "auto" (default: the C step
@@ -62,7 +62,9 @@ def load(model: str = "tiny", attention: str | None = None, feature_map: str | N
     native=True is an alias of backend="native". threads: CPU threads (default: engine.threads).
     quantize: "q8_0", "q4_0" or "q4_1" keeps the matrices as quantized blocks (engine.quant).
     attention="hybrid", softmax_layers=[2, 9, 11] (or "auto:K"): those layers keep a KV cache, the
-    rest run linear; window=W: linear layers also attend exactly to the last W keys
+    rest run linear; window=W: linear layers also attend exactly to the last W keys; sparse_keys=M
+    (with a window): each linear layer and head also keeps the M keys its state recalls worst exact
+    (engine.attention.sparse; None: the checkpoint's own with its own mode, else 0)
     (engine.runspec.RunSpec.resolve says what each combination means).
     kv_dtype: the KV cache's dtype (default: the model's), e.g. "float16" under fp32 weights, as
     llama.cpp keeps its cache: half the cache's bytes, keys and values rounded to 16 bits.
@@ -81,8 +83,9 @@ def load(model: str = "tiny", attention: str | None = None, feature_map: str | N
         get_feature_map(feature_map)
     options = dict(attention=attention, softmax_layers=softmax_layers, window=window, feature_map=feature_map,
                    dtype=dtype, kv_dtype=kv_dtype, device=device, backend=backend, native=native, threads=threads,
-                   quantize=quantize, activations=activations, prefill_chunk=prefill_chunk)
+                   quantize=quantize, activations=activations, prefill_chunk=prefill_chunk, sparse_keys=sparse_keys)
     check_window(window)
+    check_sparse_keys(sparse_keys)
     check_threads(threads)
     if threads is not None and threads > available_cores():
         warnings.warn(f"threads={threads} is more than the {available_cores()} cores this process may run on; "

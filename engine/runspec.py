@@ -192,6 +192,7 @@ class RunSpec:
     attention: str = "softmax"                      # softmax | linear | hybrid
     layer_attention: tuple[str, ...] | None = None  # hybrid: per layer softmax or linear
     window: int = 0                                 # linear layers also attend exactly to the last W keys
+    sparse_keys: int = 0                            # with a window: M hard keys per layer and head kept exact (LoLA)
     feature_map: str = "elu1"                       # the linear layers' feature map (hedgehog: learned)
     map_set: str | None = None                      # which set of a linearized directory's maps (None: default)
     dtype: torch.dtype = torch.float32
@@ -209,14 +210,14 @@ class RunSpec:
                 window: int | None = None, feature_map: str | None = None, dtype=None, kv_dtype=None,
                 device="cpu", backend: str = "auto", native: bool = False, threads: int | None = None,
                 quantize: str | None = None, activations: str = DEFAULT_ACTIVATIONS,
-                prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> "RunSpec":
+                prefill_chunk: int = DEFAULT_PREFILL_CHUNK, sparse_keys: int | None = None) -> "RunSpec":
         """The run `cfg` (the checkpoint's config) and the user's options ask for; nothing given: the
         checkpoint's own default. attention="softmax": the base model unchanged; "linear" without
         `window`: every layer a pure linear RNN; `softmax_layers` ("2,9,11", [2, 9, 11], "auto:K")
         implies hybrid, and hybrid without it takes the config's layer_attention. threads None: the
         native pool on every core (`default_threads`), PyTorch on 1; N: both on N. The feature map's
         name is checked where it is looked up (engine.attention.get_feature_map, a layer above)."""
-        mode = resolve_mode(cfg, attention, softmax_layers, window)
+        mode = resolve_mode(cfg, attention, softmax_layers, window, sparse_keys)
         check_threads(threads)
         return cls(**mode, feature_map=feature_map or cfg.feature_map,
                    dtype=parse_dtype(dtype) or torch.float32, kv_dtype=parse_dtype(kv_dtype),
@@ -238,6 +239,7 @@ class RunSpec:
                 raise InvalidArgumentError(HYBRID_NEEDS_LAYERS)
             layers = tuple(cfg.layer_attention)
         return cls(attention=path, layer_attention=layers, window=cfg.window,   # (a softmax run reads none)
+                   sparse_keys=cfg.sparse_keys if cfg.window else 0,
                    map_set=map_set_for(path, cfg.window), feature_map=feature_map or cfg.feature_map, **settings)
 
     def with_path(self, cfg: ModelConfig, attention: str | None = None, feature_map: str | None = None) -> "RunSpec":
@@ -266,7 +268,8 @@ class RunSpec:
 
     def run_config(self, cfg: ModelConfig) -> ModelConfig:
         """`cfg` with this run's attention, layers and window (for formulas that read a config)."""
-        return cfg.replace(attention=self.attention, layer_attention=self.layer_attention, window=self.linear_window)
+        return cfg.replace(attention=self.attention, layer_attention=self.layer_attention, window=self.linear_window,
+                           sparse_keys=self.sparse_keys if self.linear_window else 0)
 
     @property
     def linear_window(self) -> int:
@@ -276,13 +279,14 @@ class RunSpec:
     @property
     def mode(self) -> tuple:
         """What decides the arithmetic of a sequence's attention (a batch holds one mode)."""
-        return (self.attention, self.layer_attention, self.window, self.feature_map, self.map_set)
+        return (self.attention, self.layer_attention, self.window, self.sparse_keys, self.feature_map, self.map_set)
 
     def describe(self) -> str:
         out = self.attention
         if self.attention == "hybrid":
             out += f" (softmax layers {','.join(str(i) for i, p in enumerate(self.layer_attention) if p == 'softmax')})"
-        return out + (f" + window {self.window}" if self.window else "")
+        out += f" + window {self.window}" if self.window else ""
+        return out + (f" + {self.sparse_keys} sparse keys" if self.sparse_keys and self.linear_window else "")
 
 
 def map_set_for(attention: str, window: int) -> str | None:
@@ -291,37 +295,58 @@ def map_set_for(attention: str, window: int) -> str | None:
     return NO_WINDOW if attention in ("linear", "hybrid") and not window else None
 
 
-def resolve_mode(cfg: ModelConfig, attention=None, softmax_layers=None, window=None) -> dict:
-    """The attention fields of a RunSpec (attention, layer_attention, window, map_set) for the options."""
+def check_sparse_keys(sparse_keys) -> int | None:
+    """None (the config's) or an integer >= 0: the hard keys each linear layer and head keeps exact."""
+    if sparse_keys is not None and (isinstance(sparse_keys, bool) or not isinstance(sparse_keys, int) or sparse_keys < 0):
+        raise WindowError(f"--sparse-keys must be an integer >= 0 (the keys each linear layer keeps exact past its "
+                          f"window; 0: none), got {sparse_keys!r}")
+    return sparse_keys
+
+
+def resolve_mode(cfg: ModelConfig, attention=None, softmax_layers=None, window=None, sparse_keys=None) -> dict:
+    """The attention fields of a RunSpec (attention, layer_attention, window, sparse_keys, map_set) for the
+    options. The sparse cache (`sparse_keys`) runs on linear layers with a window: the config's own with
+    its mode, else 0 unless given."""
     check_window(window)
+    check_sparse_keys(sparse_keys)
     if attention is None and softmax_layers is None and window is None:
-        return mode_fields(cfg.attention, cfg.layer_attention, cfg.window)
+        out = mode_fields(cfg.attention, cfg.layer_attention, cfg.window,
+                          cfg.sparse_keys if sparse_keys is None else sparse_keys)
+    else:
+        out = mode_fields(**_explicit_mode(cfg, attention, softmax_layers, window), sparse_keys=sparse_keys or 0)
+    if sparse_keys and not (out["window"] and out["attention"] != "softmax"):
+        raise WindowError(f"--sparse-keys {sparse_keys} keeps hard keys exact past a linear layer's window; this run "
+                          f"has {'no linear layers' if out['attention'] == 'softmax' else 'no window'} (add --window W)")
+    return out
+
+
+def _explicit_mode(cfg: ModelConfig, attention, softmax_layers, window) -> dict:
     path = check_attention(attention or ("hybrid" if softmax_layers is not None else cfg.attention))
     if softmax_layers is not None and path != "hybrid":
         raise InvalidArgumentError(f"--softmax-layers needs --attention hybrid (got {path})")
     if path == "softmax":
         if window is not None:
             raise WindowError("--window applies to linear layers; softmax attention has none")
-        return mode_fields("softmax", None, 0)
+        return {"attention": "softmax", "layer_attention": None, "window": 0}
     if path == "linear":
-        return mode_fields("linear", None, window or 0)
+        return {"attention": "linear", "layer_attention": None, "window": window or 0}
     if softmax_layers is None:
         if cfg.layer_attention is None:
             raise InvalidArgumentError(HYBRID_NEEDS_LAYERS)
         layers = cfg.layer_attention
     else:
         layers = parse_softmax_layers(softmax_layers, cfg)
-    return mode_fields("hybrid", layers, window or 0)
+    return {"attention": "hybrid", "layer_attention": layers, "window": window or 0}
 
 
-def mode_fields(attention: str, layer_attention, window: int) -> dict:
+def mode_fields(attention: str, layer_attention, window: int, sparse_keys: int = 0) -> dict:
     window = window if attention != "softmax" else 0
     return {"attention": attention, "layer_attention": None if layer_attention is None else tuple(layer_attention),
-            "window": window, "map_set": map_set_for(attention, window)}
+            "window": window, "sparse_keys": sparse_keys if window else 0, "map_set": map_set_for(attention, window)}
 
 
 __all__ = ["RunSpec", "resolve_mode", "map_set_for", "check_attention", "check_window", "check_no_decay_with_window",
-           "check_threads", "check_backend", "check_activations", "check_quantize", "check_prefill_chunk",
+           "check_sparse_keys", "check_threads", "check_backend", "check_activations", "check_quantize", "check_prefill_chunk",
            "parse_dtype", "parse_device", "parse_softmax_layers", "layer_attention_for", "highest_loss_layers",
            "UnknownAttentionError", "WindowError", "DecayWindowError", "ThreadsError", "BACKENDS", "ACTIVATIONS",
            "QUANT_KINDS", "DEFAULT_PREFILL_CHUNK", "DEFAULT_ACTIVATIONS", "DTYPES", "NO_WINDOW"]

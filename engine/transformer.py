@@ -23,6 +23,7 @@ from engine.attention import (State, get_feature_map,
 from engine.attention.feature_maps import FeatureMap, Hedgehog
 from engine.attention.hybrid import allocate_state
 from engine.attention.sliding import sliding_softmax_attention, sliding_softmax_reference
+from engine.attention.sparse import sparse_window_attention
 from engine.attention.window import window_attention, window_linear_reference
 from engine.errors import InvalidArgumentError
 from engine.runspec import RunSpec
@@ -345,7 +346,8 @@ class Transformer(nn.Module):
         return allocate_state(self.config, run.attention, batch, max_len or self.config.max_position_embeddings,
                               device or self.device, dtype or self.dtype, feature_map=fmap,
                               layer_attention=run.layer_attention, window=run.window,
-                              kv_dtype=kv_dtype or (run.kv_dtype if dtype is None else None))
+                              kv_dtype=kv_dtype or (run.kv_dtype if dtype is None else None),
+                              sparse_keys=run.sparse_keys if run.linear_window else 0)
 
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor, state: State, valid: torch.Tensor | None = None,
@@ -384,7 +386,10 @@ class Transformer(nn.Module):
         paths = run.layer_paths(self.config.num_hidden_layers)
         fmap = self.feature_map(run.feature_map) if "linear" in paths else None
         window = run.window
-        if window:
+        if window and run.sparse_keys:   # one plain-torch form: the reference is the same code
+            linear = lambda q, k, v, i: sparse_window_attention(q, k, v, fmap, window, run.sparse_keys,  # noqa: E731
+                                                                valid, i)
+        elif window:
             linear_fn = window_linear_reference if reference else window_attention
             linear = lambda q, k, v, i: linear_fn(q, k, v, fmap, window, valid, i)  # noqa: E731
         elif reference:

@@ -72,6 +72,7 @@ class ModelConfig:
     torch_dtype: str | None = None              # dtype the weights were saved in, informational
     layer_attention: tuple[str, ...] | None = None  # attention "hybrid": per layer "softmax" or "linear"
     window: int = 0                             # linear layers also attend exactly to the last W keys (0: off)
+    sparse_keys: int = 0                        # with a window: hard keys per layer and head kept exact (0: off)
     transfer_loss: tuple[float, ...] | None = None  # per layer, relative transfer loss of learned maps (linearize)
     # RoPE frequency scaling: {"rope_type": "llama3" | "linear", <its keys in ROPE_SCALINGS>} or None
     rope_scaling: dict | None = None
@@ -133,6 +134,9 @@ class ModelConfig:
             bad("attention hybrid needs layer_attention (per layer softmax or linear)")
         if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 0:
             bad(f"window must be a non-negative integer, got {self.window!r}")
+        sk = self.sparse_keys
+        if not isinstance(sk, int) or isinstance(sk, bool) or sk < 0:
+            bad(f"sparse_keys must be a non-negative integer, got {sk!r}")
         sw = self.sliding_window
         if sw is not None and (isinstance(sw, bool) or not isinstance(sw, int) or sw <= 0):
             bad(f"sliding_window must be a positive integer or null, got {sw!r}")
@@ -271,6 +275,8 @@ class ModelConfig:
             d["use_sliding_window"] = False
         if d["torch_dtype"] is None:
             del d["torch_dtype"]
+        if not d["sparse_keys"]:
+            del d["sparse_keys"]
         return d
 
     def to_json(self, path: str | os.PathLike) -> None:

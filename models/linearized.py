@@ -50,7 +50,7 @@ MAP_NAMES = {"feature_map.q.weight": "hedgehog.q_weight", "feature_map.q.bias": 
              "feature_map.decay": "hedgehog.decay_logit", "feature_map.gate": "hedgehog.gate_weight"}
 DECAY, GATE = "feature_map.decay", "feature_map.gate"   # the optional map tensors (a gate needs the decay)
 # the keys of DIR/config.json that override the base model's config
-OVERRIDES = ("feature_map", "attention", "layer_attention", "window", "transfer_loss")
+OVERRIDES = ("feature_map", "attention", "layer_attention", "window", "sparse_keys", "transfer_loss")
 # configurations a directory may ship a second set of maps for (config.json "variants"):
 # "no_window" = every run whose linear layers have no window (`--attention linear` without
 # `--window`, hybrids without it); which one a run takes is the engine's choice (engine.loader)

@@ -12,6 +12,7 @@ from engine.attention.linear import (LinearState, linear_attention,
 from engine.attention.sliding import SlidingKVState
 from engine.attention.softmax import (KVState, softmax_attention,
                                       softmax_attention_reference)
+from engine.attention.sparse import SparseWindowState
 from engine.attention.window import WindowState
 from engine.runspec import check_attention
 from models.config import ATTENTION_PATHS
@@ -25,6 +26,6 @@ def check_path(name: str) -> str:
     return check_attention(name)
 
 
-__all__ = ["Span", "State", "saved_state_class", "KVState", "SlidingKVState", "LinearState", "WindowState", "HybridState", "STATES", "PATHS",
+__all__ = ["Span", "State", "saved_state_class", "KVState", "SlidingKVState", "LinearState", "WindowState", "SparseWindowState", "HybridState", "STATES", "PATHS",
            "FEATURE_MAPS", "check_path", "get_feature_map", "softmax_attention", "softmax_attention_reference",
            "linear_attention", "linear_attention_reference"]

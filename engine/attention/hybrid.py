@@ -18,6 +18,7 @@ from engine.attention.base import Span, State
 from engine.attention.linear import LinearState
 from engine.attention.sliding import SlidingKVState
 from engine.attention.softmax import KVState
+from engine.attention.sparse import BLOCK as SPARSE_BLOCK, SparseWindowState
 from engine.attention.window import WindowState
 from engine.errors import InvalidArgumentError
 from engine.runspec import (HYBRID_NEEDS_LAYERS, check_attention, highest_loss_layers, layer_attention_for,  # noqa: F401
@@ -33,6 +34,8 @@ def saved_state_class(meta: dict, states: dict = PART_STATES):
     adds the hybrid)."""
     if meta.get("path") == "softmax" and meta.get("softmax_window"):
         return SlidingKVState
+    if meta.get("path") == "window" and meta.get("sparse_keys"):
+        return SparseWindowState
     return states[meta["path"]]
 
 
@@ -46,7 +49,7 @@ class HybridState(State):
 
     @classmethod
     def allocate(cls, cfg, batch: int, max_len, device, dtype, feature_map=None, layer_attention=None,
-                 window: int = 0, kv_dtype=None) -> "HybridState":
+                 window: int = 0, kv_dtype=None, sparse_keys: int = 0) -> "HybridState":
         soft = [i for i, p in enumerate(layer_attention) if p == "softmax"]
         lin = [i for i, p in enumerate(layer_attention) if p != "softmax"]
         parts, where = [], [None] * len(layer_attention)
@@ -57,10 +60,7 @@ class HybridState(State):
             for j, i in enumerate(soft):
                 where[i] = (0, j)
         if lin:
-            kind = WindowState if window else LinearState
-            extra = {"window": window} if window else {}
-            parts.append(kind.allocate(cfg, batch, max_len, device, dtype, feature_map=feature_map, layers=lin,
-                                       **extra))
+            parts.append(linear_state(cfg, batch, max_len, device, dtype, feature_map, window, sparse_keys, lin))
             for j, i in enumerate(lin):
                 where[i] = (len(parts) - 1, j)
         paths = tuple("softmax" if p == "softmax" else parts[-1].path for p in layer_attention)
@@ -162,35 +162,54 @@ def kv_state(cfg) -> type:
     return SlidingKVState if cfg.softmax_window else KVState
 
 
+def held_keys(window: int, sparse_keys: int) -> int:
+    """Keys and values a linear layer's state holds exactly per key/value head."""
+    return window + SPARSE_BLOCK - 1 + sparse_keys if window and sparse_keys else window
+
+
+def linear_state(cfg, batch: int, max_len, device, dtype, feature_map, window: int, sparse_keys: int,
+                 layers=None) -> State:
+    """The state of linear layers: LinearState, with a window WindowState, with a window and a sparse
+    cache of hard keys SparseWindowState."""
+    if window and sparse_keys:
+        return SparseWindowState.allocate(cfg, batch, max_len, device, dtype, feature_map=feature_map, layers=layers,
+                                          window=window, sparse_keys=sparse_keys)
+    if window:
+        return WindowState.allocate(cfg, batch, max_len, device, dtype, feature_map=feature_map, layers=layers,
+                                    window=window)
+    return LinearState.allocate(cfg, batch, max_len, device, dtype, feature_map=feature_map, layers=layers)
+
+
 def allocate_state(cfg, path: str, batch: int, max_len, device, dtype, feature_map=None,
-                   layer_attention=None, window: int = 0, kv_dtype=None) -> State:
-    """The state for `path` ("softmax", "linear", "hybrid"); a window turns linear layers into WindowState.
-    kv_dtype: the KV cache's dtype (default `dtype`), e.g. float16 under fp32 weights as llama.cpp keeps it."""
+                   layer_attention=None, window: int = 0, kv_dtype=None, sparse_keys: int = 0) -> State:
+    """The state for `path` ("softmax", "linear", "hybrid"); a window turns linear layers into WindowState
+    (SparseWindowState with `sparse_keys`). kv_dtype: the KV cache's dtype (default `dtype`), e.g.
+    float16 under fp32 weights as llama.cpp keeps it."""
     check_attention(path)
     if path == "softmax":
         return kv_state(cfg).allocate(cfg, batch, max_len, device, kv_dtype or dtype)
     if path == "linear":
-        if window:
-            return WindowState.allocate(cfg, batch, max_len, device, dtype, feature_map=feature_map, window=window)
-        return LinearState.allocate(cfg, batch, max_len, device, dtype, feature_map=feature_map)
+        return linear_state(cfg, batch, max_len, device, dtype, feature_map, window, sparse_keys)
     if layer_attention is None:
         raise InvalidArgumentError(HYBRID_NEEDS_LAYERS)
     return HybridState.allocate(cfg, batch, max_len, device, dtype, feature_map=feature_map,
-                                layer_attention=layer_attention, window=window, kv_dtype=kv_dtype)
+                                layer_attention=layer_attention, window=window, kv_dtype=kv_dtype,
+                                sparse_keys=sparse_keys)
 
 
 def state_bytes(cfg, layer_attention, context: int, batch: int = 1, dtype_bytes: int = 4,
-                feature_dim: int | None = None, window: int = 0, kv_bytes: int | None = None) -> int:
+                feature_dim: int | None = None, window: int = 0, kv_bytes: int | None = None,
+                sparse_keys: int = 0) -> int:
     """The per-layer formula of a (hybrid) state's bytes at `context` tokens (what `nbytes` reports).
 
     softmax layer: 2 * Hkv * context * D * kv_bytes (KV cache at capacity `context`; kv_bytes
     defaults to dtype_bytes); linear layer: Hkv * (F * D + F) * 4 (fp32 S and z) + 2 * Hkv * W * D *
-    dtype_bytes (the window).
+    dtype_bytes (the window; with a sparse cache of M keys, W + 63 recent keys and M cached ones).
     """
     D, Hkv = cfg.head_dim, cfg.num_key_value_heads
     F_ = feature_dim if feature_dim is not None else D
     per = {"softmax": 2 * Hkv * context * D * (kv_bytes or dtype_bytes),
-           "linear": Hkv * (F_ * D + F_) * 4 + 2 * Hkv * window * D * dtype_bytes}
+           "linear": Hkv * (F_ * D + F_) * 4 + 2 * Hkv * held_keys(window, sparse_keys) * D * dtype_bytes}
     return batch * sum(per[p] for p in layer_attention)
 
 

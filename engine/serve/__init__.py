@@ -23,7 +23,7 @@ from engine.steps import DEFAULT_ACTIVATIONS, DEFAULT_PREFILL_CHUNK
 def open_server(model: str, attention: str | None = None, feature_map: str | None = None, dtype=None,
                 backend: str = "auto", threads: int | None = None, max_batch: int = 16,
                 max_context: int | None = None, max_queue: int | None = None, softmax_layers=None,
-                window: int | None = None, kv_dtype=None, max_prompt: int | None = None,
+                window: int | None = None, kv_dtype=None, max_prompt: int | None = None, sparse_keys: int | None = None,
                 queue_timeout: float | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                 activations: str = DEFAULT_ACTIVATIONS,
                 max_tokens_cap: int | None = None, aliases: tuple[str, ...] = (), device="cpu",
@@ -44,6 +44,7 @@ def open_server(model: str, attention: str | None = None, feature_map: str | Non
     llm = load(model, attention=attention, feature_map=feature_map, device=device, dtype=dtype, backend=backend,
                threads=threads,
                softmax_layers=softmax_layers, window=window, kv_dtype=kv_dtype, prefill_chunk=prefill_chunk,
+               sparse_keys=sparse_keys,
                activations=activations)
     limits = {} if queue_timeout is None else {"queue_timeout": queue_timeout}
     names = tuple(aliases) or (str(model),)

@@ -33,11 +33,14 @@ def configuration(llm, model: str, dtype: str | None = None, quantize: str | Non
     """What decides a configuration's scores: model, path per layer, window, feature map, weights, context."""
     spec = llm.spec
     paths = list(spec.layer_paths(llm.model.config.num_hidden_layers))
-    return {"model": str(model), "attention": llm.attention,
-            "softmax_layers": [i for i, p in enumerate(paths) if p == "softmax"] if llm.attention == "hybrid" else None,
-            "window": spec.linear_window, "feature_map": llm.feature_map or (spec.feature_map if "linear" in paths
-                                                                                   else None),
-            "dtype": str(dtype or "float32"), "quantize": quantize, "context": context}
+    out = {"model": str(model), "attention": llm.attention,
+           "softmax_layers": [i for i, p in enumerate(paths) if p == "softmax"] if llm.attention == "hybrid" else None,
+           "window": spec.linear_window, "feature_map": llm.feature_map or (spec.feature_map if "linear" in paths
+                                                                                  else None),
+           "dtype": str(dtype or "float32"), "quantize": quantize, "context": context}
+    if spec.linear_window and spec.sparse_keys:   # named only when on: earlier results keep their file names
+        out["sparse_keys"] = spec.sparse_keys
+    return out
 
 
 def slug(conf: dict) -> str:
@@ -48,6 +51,8 @@ def slug(conf: dict) -> str:
         parts.append(f"{len(conf['softmax_layers'])}sm")
     if conf.get("window"):
         parts.append(f"w{conf['window']}")
+    if conf.get("sparse_keys"):
+        parts.append(f"s{conf['sparse_keys']}")
     for key in ("feature_map", "quantize"):
         if conf.get(key):
             parts.append(str(conf[key]))

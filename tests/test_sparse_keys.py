@@ -1,0 +1,190 @@
+"""Window + sparse cache of hard keys + linear (`--sparse-keys`, engine.attention.sparse): the block form
+against a token-at-a-time reference written from the definition, prefill + steps at every kind of
+split, padded rows == each alone, saved and regrouped states, and the rules of the option."""
+import pytest
+import torch
+
+from engine.attention.feature_maps import get_feature_map
+from engine.attention.linear import EPS
+from engine.attention.sparse import BLOCK, SparseWindowState, sparse_window_attention
+from engine.errors import InvalidArgumentError
+from engine.runspec import RunSpec, WindowError
+from engine.steps import Stepper
+from engine.steps.native.cases import why_not
+from tests.conftest import tiny_config, tiny_model
+
+
+def max_diff(a, b):
+    d = (a.float() - b.float()).abs().max().item()
+    print(f"max |diff| = {d:.3e}")
+    return d
+
+
+def reference(q, k, v, fmap, W: int, M: int):
+    """One row (B = 1), one position at a time, from the definition: query t sees exactly the keys after
+    the last decision's window and its own, the cached ones, and S, z; at every multiple e of BLOCK the
+    keys before e - W + 1 that are not decided yet and the cached ones compete by self-recall error
+    |v - S^T phi(k) / (z . phi(k))|; the M largest stay, the rest go into S, z. Plain lists, float64."""
+    _, H, T, D = q.shape
+    Hkv = k.shape[1]
+    G = H // Hkv
+    q, k, v = q[0].double(), k[0].double(), v[0].double()
+    pk = fmap(k[None].float(), None, "k")[0].double()
+    pq = fmap(q[None].float(), None, "q")[0].double()
+    out = torch.zeros(H, T, v.shape[-1], dtype=torch.float64)
+    for h in range(Hkv):
+        S, z = torch.zeros(pk.shape[-1], D, dtype=torch.float64), torch.zeros(pk.shape[-1], dtype=torch.float64)
+        recent, cache = [], []
+        for t in range(T):
+            recent.append(t)
+            for g in range(G):
+                qh = h * G + g
+                exact = recent + cache
+                s = torch.stack([q[qh, t] @ k[h, j] for j in exact]) * D ** -0.5
+                a = torch.exp(s - s.max())
+                num = (a[:, None] * v[h, exact]).sum(0) + pq[qh, t] @ S
+                den = a.sum() + pq[qh, t] @ z
+                out[qh, t] = num / (den + EPS)
+            e = t + 1
+            if e % BLOCK == 0:
+                leaving = [j for j in recent if j < e - W + 1]
+                recent = [j for j in recent if j >= e - W + 1]
+                cand = cache + leaving
+                err = {j: (v[h, j] - (pk[h, j] @ S) / (pk[h, j] @ z + EPS)).norm().item() for j in cand}
+                cache = sorted(cand, key=lambda j: -err[j])[:M]
+                for j in cand:
+                    if j not in cache:
+                        S = S + torch.outer(pk[h, j], v[h, j])
+                        z = z + pk[h, j]
+    return out[None]
+
+
+@pytest.mark.parametrize("W,M", [(5, 3), (1, 0), (70, 2)], ids=["W5-M3", "W1-M0", "W70-M2"])
+def test_block_form_equals_the_definition(W, M):
+    g = torch.Generator().manual_seed(W + M)
+    T = 2 * BLOCK + 40
+    q, k, v = torch.randn(1, 4, T, 8, generator=g), torch.randn(1, 2, T, 8, generator=g), torch.randn(1, 2, T, 8, generator=g)
+    fmap = get_feature_map("elu1")
+    assert max_diff(sparse_window_attention(q, k, v, fmap, W, M), reference(q, k, v, fmap, W, M)) <= 1e-5
+
+
+def test_a_cache_as_long_as_the_sequence_is_softmax_attention():
+    """Nothing goes into the state when the cache can hold every key: exact causal softmax attention."""
+    g = torch.Generator().manual_seed(0)
+    T = 2 * BLOCK + 10
+    q, k, v = torch.randn(1, 4, T, 8, generator=g), torch.randn(1, 2, T, 8, generator=g), torch.randn(1, 2, T, 8, generator=g)
+    soft = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                            is_causal=True)
+    assert max_diff(sparse_window_attention(q, k, v, get_feature_map("elu1"), 3, T), soft) <= 1e-5
+    short = sparse_window_attention(q, k, v, get_feature_map("elu1"), 3, 2)
+    assert max_diff(short, soft) > 1e-3   # with a small cache the state serves the rest
+
+
+@pytest.mark.parametrize("fmap,kv", [("hedgehog", 2), ("elu1", 4)], ids=["hedgehog-GQA", "elu1-MHA"])
+def test_prefill_then_steps_equals_the_full_sequence_at_every_kind_of_split(fmap, kv):
+    """Decisions fall at the row's own positions, so one block, a prefix + steps, and chunks all agree."""
+    model = tiny_model(num_key_value_heads=kv, window=5, sparse_keys=3, feature_map=fmap)
+    T = 2 * BLOCK + 20
+    tokens = torch.randint(0, 97, (1, T), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(tokens, "linear")
+        whole = model.init_state(1, None, "linear")
+        assert isinstance(whole, SparseWindowState)
+        assert max_diff(model.step(tokens, whole), full) <= 1e-5
+        for split in (1, BLOCK - 1, BLOCK, BLOCK + 1, T - 1):
+            state = model.init_state(1, None, "linear")
+            outs = [model.step(tokens[:, :split], state)] + [model.step(tokens[:, i:i + 1], state) for i in range(split, T)]
+            assert max_diff(torch.cat(outs, 1), full) <= 1e-5
+            assert torch.equal(state.cuse, whole.cuse)
+            assert max_diff(state.S, whole.S) <= 1e-4 * whole.S.abs().max().item()
+        chunks = model.init_state(1, None, "linear")
+        outs = [model.step(tokens[:, i:i + 37], chunks) for i in range(0, T, 37)]
+        assert max_diff(torch.cat(outs, 1), full) <= 1e-5
+    assert bool(whole.cuse.all())   # past two decisions every cache slot holds a key
+
+
+@pytest.mark.parametrize("backend", ["torch", "module", "auto"])
+def test_padded_batch_equals_each_alone(backend):
+    """Rows decide at their own positions whatever their pads: a batch row equals its run alone."""
+    model = tiny_model(num_key_value_heads=2, window=4, sparse_keys=2, feature_map="hedgehog")
+    step = Stepper(model, backend)
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randint(0, 97, (BLOCK + 9,), generator=g).tolist(), torch.randint(0, 97, (BLOCK - 3,), generator=g).tolist()
+    pad = len(a) - len(b)
+    batch = torch.tensor([a, [0] * pad + b])
+    real = torch.tensor([[True] * len(a), [False] * pad + [True] * len(b)])
+    state = model.init_state(2, None, "linear")
+    with torch.no_grad():
+        out = step(batch, state, valid=real)
+        nxt = [step(torch.tensor([[12 + i], [20 + i]]), state) for i in range(8)]
+        for row, ids, base in ((0, a, 12), (1, b, 20)):
+            alone = model.init_state(1, None, "linear")
+            o = model.step(torch.tensor([ids]), alone)
+            assert max_diff(out[row, -1], o[0, -1]) <= 1e-5
+            for i in range(8):
+                assert max_diff(nxt[i][row], model.step(torch.tensor([[base + i]]), alone)[0]) <= 1e-5
+
+
+def test_hybrid_saved_and_regrouped_states_continue_the_same():
+    model = tiny_model(num_hidden_layers=3, num_key_value_heads=2, window=3, sparse_keys=2, feature_map="hedgehog",
+                       attention="hybrid", layer_attention=("linear", "softmax", "linear"))
+    tokens = torch.randint(0, 97, (1, BLOCK + 30), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        state = model.init_state(1, 200)
+        model.step(tokens, state)
+        assert isinstance(state.parts[-1], SparseWindowState)
+        sd = state.state_dict()
+        from engine.attention import STATES, saved_state_class
+        again = saved_state_class(sd["meta"], STATES).from_state_dict(sd, max_len=200,
+                                                                      feature_map=model.feature_map("hedgehog"))
+        two = state.select_rows([0, 0])
+        nxt = torch.tensor([[5]])
+        want = model.step(nxt, state)
+        assert max_diff(model.step(nxt, again), want) <= 1e-6
+        got = model.step(torch.tensor([[5], [5]]), two)
+        assert max_diff(got[0], want[0]) <= 1e-6 and max_diff(got[1], want[0]) <= 1e-6
+
+
+def test_the_state_is_constant_in_the_context():
+    model = tiny_model(num_key_value_heads=2, window=8, sparse_keys=4)
+    state = model.init_state(1, None, "linear")
+    before = state.nbytes
+    with torch.no_grad():
+        model.step(torch.randint(0, 97, (1, 3 * BLOCK)), state)
+    cfg = model.config
+    D, Hkv, L = cfg.head_dim, cfg.num_key_value_heads, cfg.num_hidden_layers
+    assert state.nbytes == before == L * Hkv * ((D * D + D) * 4 + 2 * (8 + BLOCK - 1 + 4) * D * 4)
+
+
+def test_the_native_step_says_why_not_and_the_torch_step_runs_it():
+    model = tiny_model(num_key_value_heads=2, window=4, sparse_keys=2)
+    state = model.init_state(1, None, "linear")
+    assert "sparse" in why_not(model, state, torch.tensor([[1]]))
+
+
+def test_the_option_needs_a_window():
+    cfg = tiny_config(window=0)
+    with pytest.raises(WindowError, match="--sparse-keys 4 .* no window"):
+        RunSpec.resolve(cfg, attention="linear", sparse_keys=4)
+    with pytest.raises(WindowError, match="no linear layers"):
+        RunSpec.resolve(cfg, attention="softmax", sparse_keys=4)
+    with pytest.raises(InvalidArgumentError, match="integer >= 0"):
+        RunSpec.resolve(cfg, attention="linear", window=4, sparse_keys=-1)
+    assert RunSpec.resolve(cfg, attention="linear", window=4, sparse_keys=4).sparse_keys == 4
+    assert RunSpec.resolve(cfg, attention="linear", window=4).sparse_keys == 0
+    own = tiny_config(window=4, sparse_keys=8, attention="linear")
+    assert RunSpec.resolve(own).sparse_keys == 8                    # the config's own mode keeps its cache
+    assert RunSpec.resolve(own, sparse_keys=0).sparse_keys == 0     # switched off
+    assert RunSpec.resolve(own, attention="linear", window=16).sparse_keys == 0   # an explicit mode names its own
+
+
+def test_cli_refuses_sparse_keys_without_a_window_in_one_line():
+    from click.testing import CliRunner
+    from cli.main import main
+    r = CliRunner().invoke(main, ["--model", "tiny", "--attention", "linear", "--sparse-keys", "4", "-n", "2", "hi"])
+    assert r.exit_code == 2, r.output
+    err = r.stderr if hasattr(r, "stderr") else r.output
+    assert "--sparse-keys" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    r = CliRunner().invoke(main, ["--model", "tiny", "--attention", "linear", "--window", "4", "--sparse-keys", "4",
+                                  "-n", "3", "--temperature", "0", "--json", "hi"])
+    assert r.exit_code == 0, r.output
