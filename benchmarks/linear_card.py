@@ -8,9 +8,9 @@ perplexity on held-out texts, passkey retrieval, decode state and time, against 
 `run` calls `gen eval` once per (configuration, measurement) and keeps each answer as
 OUT/<row>.<measurement>.json, written whole when the command ends: a rerun skips what is there, so an
 interrupted grid resumes. Measurements: `tasks` (piqa, hellaswag, arc_easy, arc_challenge, winogrande,
-lambada, `--limit`), `stories` / `general` / `legal` (perplexity of the first 40 documents), `pk2k` and
-`pk8k` (passkey, 20 trials, 2,048 and 8,182 tokens: 8,182 + the 10 answer tokens fill SmolLM2's 8,192
-positions). `table` prints the markdown table from OUT; state bytes and decode ms/token at 32k come from
+lambada, `--limit`), `stories` / `general` / `legal` (perplexity of the first 40 documents), `pk1k`, `pk2k`
+and `pk8k` (passkey, 20 trials, 1,024, 2,048 and 8,182 tokens: 8,182 + the 10 answer tokens fill SmolLM2's
+8,192 positions). `table` prints the markdown table from OUT; state bytes and decode ms/token at 32k come from
 `benchmarks/smollm2_linear_decode.py`'s summary.json (`--decode`), whose row names ROWS gives.
 
 The task average is the metric each task's papers quote: piqa acc_norm, hellaswag acc_norm, arc_easy acc,
@@ -48,10 +48,12 @@ ROWS = [
      "default (hybrid K=8 + window 256)"),
     ("window_only", "the default, linear branch off (`--feature-map zero`)",
      ["--model", "smollm2-linear", "--feature-map", "zero"], "default, linear branch off"),
+    ("default_s64", "the default + a sparse cache of 64 keys (`--sparse-keys 64`)",
+     ["--model", "smollm2-linear", "--sparse-keys", "64"], "default + 64 sparse keys"),
 ]
 TASKS = {"piqa": "acc_norm", "hellaswag": "acc_norm", "arc_easy": "acc", "arc_challenge": "acc_norm",
          "winogrande": "acc", "lambada": "acc"}
-PASSKEY = {"pk2k": 2048, "pk8k": 8182}
+PASSKEY = {"pk1k": 1024, "pk2k": 2048, "pk8k": 8182}
 
 
 def measurements(a) -> dict[str, list[str]]:
@@ -130,7 +132,7 @@ def table(a) -> str:
             ref[key][t] = ppl["perplexity"] if ppl else None
     head = (["configuration"] + list(TASKS) + ["average (x softmax / x control)"]
             + [f"{t} ppl (x softmax / x control)" for t in texts]
-            + ["passkey 2k", "passkey 8k", "state 32k", "ms/token 32k"])
+            + ["passkey 1k", "passkey 2k", "passkey 8k", "state 32k", "ms/token 32k"])
     lines = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
 
     def versus(value, what, fmt):
@@ -162,7 +164,7 @@ def main() -> None:
     r = sub.add_parser("run", help="run the grid, skipping what OUT holds")
     r.add_argument("out")
     r.add_argument("--rows", help="comma-separated row keys (default: all): " + ",".join(k for k, *_ in ROWS))
-    r.add_argument("--only", help="comma-separated measurements: tasks,stories,general,legal,pk2k,pk8k")
+    r.add_argument("--only", help="comma-separated measurements: tasks,stories,general,legal,pk1k,pk2k,pk8k")
     r.add_argument("--stories", default="../shared/data/tinystories/valid.txt")
     r.add_argument("--general", help="held-out general English (the card: held-out fortunes)")
     r.add_argument("--legal", help="licence texts (scripts/eval_texts.py legal)")

@@ -9,7 +9,7 @@ For each file, one after the other (never two at once), each in a fresh process:
   --prompt-token prompt, and the peak (VmHWM); the issue's budget 1.25 x file + state + baseline.
 - llama.cpp: `llama-bench -m FILE -p 0 -n 0 -pg P,N -r 1 --no-warmup -t T` (the same prompt and
   generation as one test; its context is P + N tokens; its other settings are its defaults: memory
-  map on, batch 2048 / ubatch 512), its peak RSS as GNU time reports it (`/usr/bin/time -f %M`: a
+  map on, batch 2048 / ubatch 512, blocks repacked; and again with `--repack 0`), its peak RSS as GNU time reports it (`/usr/bin/time -f %M`: a
   small process forks and execs it; a Python parent's own rusage would fold the parent's peak into the
   child's, since Linux carries the exec'ing image's high-water mark over).
 
@@ -66,9 +66,10 @@ def gen_record(path: str, attention: str, a) -> dict:
         return json.load(open(f.name))
 
 
-def lcpp_record(path: str, a) -> dict:
+def lcpp_record(path: str, a, extra: tuple[str, ...] = ()) -> dict:
     cmd = [a.llama_bench, "-m", path, "-p", "0", "-n", "0", "-pg", f"{a.prompt},{a.tokens}", "-r", "1",
            "--no-warmup", "-t", str(a.threads or os.cpu_count())]
+    cmd += list(extra)
     mb, rc, last = peak_mb(cmd)
     if rc != 0:
         raise SystemExit(f"llama-bench failed on {path}: {last}")
@@ -82,6 +83,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-repack-run", type=int, default=1, help="also llama-bench with --repack 0 (by default its CPU "
+                    "backend repacks Q4_0 / Q4_K / IQ4_NL blocks into interleaved copies: anonymous memory beside the "
+                    "map); 0: skip")
     ap.add_argument("--llama-bench", default=find_llama_bench(), help="llama.cpp's llama-bench (benchmarks/peers.sh builds it)")
     ap.add_argument("--json")
     a = ap.parse_args()
@@ -94,6 +98,8 @@ def main() -> None:
         path = resolve(model)
         rec = {"model": model, "path": path, "file_mb": round(os.path.getsize(path) / 1e6),
                "llama.cpp": lcpp_record(path, a)}
+        if a.no_repack_run:
+            rec["llama.cpp_no_repack"] = lcpp_record(path, a, ("--repack", "0"))
         for att in a.attention.split(","):
             rec[att] = gen_record(path, att, a)
         records.append(rec)
@@ -101,11 +107,12 @@ def main() -> None:
             g = rec[att]
             rows.append(f"| {os.path.basename(path)} | {rec['file_mb']:,} | {att} | {g['rss_import_engine']['rss']} | "
                         f"{g['rss_after_generate']['rss']:,} | {g['rss_after_generate']['peak']:,} | {g['budget_mb']:,} | "
-                        f"{rec['llama.cpp']['peak']:,} |")
+                        f"{rec['llama.cpp']['peak']:,} | {rec.get('llama.cpp_no_repack', {}).get('peak', '-'):,} |")
         print(rows[-1], file=sys.stderr, flush=True)
     print(f"prompt {a.prompt} tokens, {a.tokens} generated, {a.threads} threads; MB = 10^6 bytes")
-    print("| file | MB | gen path | gen `import engine` | gen after generate | gen peak | budget 1.25 x file + state + import | llama.cpp peak |")
-    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| file | MB | gen path | gen `import engine` | gen after generate | gen peak | budget 1.25 x file + state + import "
+          "| llama.cpp peak | llama.cpp peak, --repack 0 |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     print("\n".join(rows))
     if a.json:
         with open(a.json, "w") as f:

@@ -43,6 +43,6 @@ def test_cells_against_softmax_and_control(tmp_path):
     assert cells[1:7] == ["0.20"] * 6                       # the metric each task's papers quote
     assert cells[7] == "0.200 (0.40x / 0.50x)"              # the average, x softmax / x control
     assert cells[8] == "16.00 (1.60x / 2.00x)"              # stories perplexity
-    assert cells[9:] == ["3/20", "-", "3.0 MiB", "4.5"]     # passkey 2k, 8k missing, state, best median
+    assert cells[9:] == ["-", "3/20", "-", "3.0 MiB", "4.5"]   # passkey 1k and 8k missing, 2k, state, best median
     assert row(text, "hybrid, 2")[7] == "-"                  # no cell, no number
     assert "general" not in text.splitlines()[0]             # a text nobody measured is no column
