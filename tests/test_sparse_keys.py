@@ -188,3 +188,14 @@ def test_cli_refuses_sparse_keys_without_a_window_in_one_line():
     r = CliRunner().invoke(main, ["--model", "tiny", "--attention", "linear", "--window", "4", "--sparse-keys", "4",
                                   "-n", "3", "--temperature", "0", "--json", "hi"])
     assert r.exit_code == 0, r.output
+
+
+def test_api_batch_of_prompts_equals_each_alone():
+    """`generate` on a padded batch (prompts of different lengths crossing decisions at different steps)."""
+    from engine import load
+    llm = load("tiny", attention="linear", window=8, sparse_keys=4, backend="auto")
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (BLOCK + 6, 2 * BLOCK - 20, 9)]
+    together = llm.generate(prompts, max_new_tokens=40, temperature=0)
+    for p, r in zip(prompts, together):
+        assert llm.generate([p], max_new_tokens=40, temperature=0)[0].ids == r.ids
