@@ -16,8 +16,8 @@ the last decision and the M cached ones are scored by their self-recall error ag
 
     err_j = || v_j - S^T phi(k_j) / (z . phi(k_j) + EPS) ||
 
-(how far the state would recall v_j from k_j); the M largest stay cached, the rest are folded into
-S and z. Between decisions a query sees the keys (b - W, t] exactly (b: the last decision's position,
+(how far the state would recall v_j from k_j, rounded to 3 decimals; among equal errors the later
+candidate wins); the M largest stay cached, the rest are folded into S and z. Between decisions a query sees the keys (b - W, t] exactly (b: the last decision's position,
 W the window: W to W + BLOCK - 1 keys, its own included), the cached ones and the state.
 
 State per layer: S (B, Hkv, F, Dv) and z (B, Hkv, F) fp32; the recent keys and values (B, Hkv,
@@ -39,6 +39,7 @@ from engine.attention.window import refuse_decay
 
 BLOCK = 64   # tokens between two decisions of what the cache keeps
 NEG = float("-inf")
+ERR_DECIMALS = 3   # self-recall errors compare rounded to this many decimals (ties: the later candidate)
 
 
 def held(n: int, window: int) -> int:
@@ -107,8 +108,12 @@ def decide(mem: Memory, e: int, fmap, layer, window: int) -> None:
     use = torch.cat([mem.cuse, mem.cuse.new_ones(ek.shape[:2])], 1)
     pk = fmap(cand_k[None], layer, "k")[0]                                       # (Hkv, M + n, F)
     recall = (pk @ mem.S) / (pk @ mem.z[..., None] + EPS)
-    err = (cand_v - recall).norm(dim=-1).masked_fill(~use, NEG)
-    keep = err.topk(M, -1).indices if M else err[:, :0].long()
+    err = torch.round((cand_v - recall).norm(dim=-1), decimals=ERR_DECIMALS).masked_fill(~use, -1.0)
+    # the M largest errors; among equal ones the later candidate (a leaving key before a cached one, the
+    # newer of two leaving ones): repeated tokens have equal values in the first layer, and the step
+    # forms, whose values differ in the last bits, must pick the same keys
+    n = err.shape[-1]
+    keep = (n - 1) - torch.sort(err.flip(-1), dim=-1, descending=True, stable=True).indices[:, :M]
     kept = torch.zeros_like(use).scatter_(1, keep, True) & use
     fold = (use & ~kept).to(pk.dtype)[..., None]
     mem.S = mem.S + (pk * fold).transpose(-1, -2) @ cand_v
@@ -213,32 +218,56 @@ class SparseWindowState(State):
 
     def attend(self, layer: int, q, k, v, span):
         """q (B, H, T, D); k, v (B, Hkv, T, D) -> (B, H, T, D) in q's dtype; pads get zeros."""
-        model_layer = layer if self.layer_ids is None else self.layer_ids[layer]
         B, H, T, D = q.shape
         out = q.new_zeros(B, H, T, self.rv.shape[-1])
-        R = self.rk.shape[3]
         for b in range(B):
             real = slice(None) if span.real is None else span.real[b]
-            n = int(self.lengths[b])
-            h = held(n, self.window)
-            sd = self.S.dtype
-            mem = Memory(self.S[layer, b], self.z[layer, b], self.rk[layer, b, :, R - h:].to(sd),
-                         self.rv[layer, b, :, R - h:].to(sd), self.ck[layer, b].to(sd), self.cv[layer, b].to(sd),
-                         self.cuse[layer, b])
             qb, kb, vb = q[b][:, real], k[b][:, real], v[b][:, real]
             if qb.shape[1] == 0:
                 continue
-            o = row_attention(qb, kb, vb, n, mem, self.feature_map, model_layer, self.window)
+            n = int(self.lengths[b])
+            mem = self._memory(layer, b, held(n, self.window))
+            o = row_attention(qb, kb, vb, n, mem, self.feature_map, self._model_layer(layer), self.window)
             out[b][:, real] = o.to(q.dtype)
-            self.S[layer, b].copy_(mem.S)
-            self.z[layer, b].copy_(mem.z)
-            h = mem.rk.shape[1]
-            self.rk[layer, b, :, R - h:].copy_(mem.rk)
-            self.rv[layer, b, :, R - h:].copy_(mem.rv)
-            self.ck[layer, b].copy_(mem.ck)
-            self.cv[layer, b].copy_(mem.cv)
-            self.cuse[layer, b].copy_(mem.cuse)
+            self._store(layer, b, mem)
         return out
+
+    def held_counts(self) -> torch.Tensor:
+        """(B,) int32: the recent keys each row holds now (what the C step reads before a token)."""
+        n = self.lengths
+        return (n - (n - n % BLOCK - self.window + 1).clamp(min=0)).to(torch.int32)
+
+    def decide_rows(self, before: torch.Tensor) -> None:
+        """The decisions a one-token step left to its caller (the C step appends keys but folds none):
+        every row whose length went from `before` to a multiple of BLOCK decides, in every layer, as
+        `attend` would have."""
+        crossed = (self.lengths % BLOCK == 0) & (self.lengths == before + 1)
+        for b in [int(i) for i in torch.nonzero(crossed).flatten()]:
+            e = int(self.lengths[b])
+            for layer in range(self.S.shape[0]):
+                mem = self._memory(layer, b, min(e, self.window + BLOCK - 1))
+                decide(mem, e, self.feature_map, self._model_layer(layer), self.window)
+                self._store(layer, b, mem)
+
+    def _model_layer(self, layer: int) -> int:
+        return layer if self.layer_ids is None else self.layer_ids[layer]
+
+    def _memory(self, layer: int, b: int, h: int) -> Memory:
+        """Row b's memory in layer `layer` (fp32 copies), its newest h recent keys held."""
+        R, sd = self.rk.shape[3], self.S.dtype
+        return Memory(self.S[layer, b], self.z[layer, b], self.rk[layer, b, :, R - h:].to(sd),
+                      self.rv[layer, b, :, R - h:].to(sd), self.ck[layer, b].to(sd), self.cv[layer, b].to(sd),
+                      self.cuse[layer, b])
+
+    def _store(self, layer: int, b: int, mem: Memory) -> None:
+        R, h = self.rk.shape[3], mem.rk.shape[1]
+        self.S[layer, b].copy_(mem.S)
+        self.z[layer, b].copy_(mem.z)
+        self.rk[layer, b, :, R - h:].copy_(mem.rk)
+        self.rv[layer, b, :, R - h:].copy_(mem.rv)
+        self.ck[layer, b].copy_(mem.ck)
+        self.cv[layer, b].copy_(mem.cv)
+        self.cuse[layer, b].copy_(mem.cuse)
 
 
 @fp32_under_autocast

@@ -62,7 +62,8 @@ class Plan(ctypes.Structure):   # gen.h Plan, field for field (checked by `bind`
                 + [("wk", _V), ("wv", _V), ("wreal", _V), ("W", ctypes.c_int), ("w_type", ctypes.c_int)]
                 + [("hh_decay", _P), ("hh_logit", _P), ("hh_gate", _P)]
                 + [("q8_acts", ctypes.c_int)]
-                + [("qkv_bias", ctypes.POINTER(_P)), ("q_norm", ctypes.POINTER(_V)), ("k_norm", ctypes.POINTER(_V))])
+                + [("qkv_bias", ctypes.POINTER(_P)), ("q_norm", ctypes.POINTER(_V)), ("k_norm", ctypes.POINTER(_V))]
+                + [(n, _V) for n in ("rk", "rv", "ck", "cv", "cuse", "sp_held")] + [("R", ctypes.c_int), ("M", ctypes.c_int)])
 
 
 def _c_layout(lib, s: int) -> tuple[int, dict[str, tuple[int, int]]]:

@@ -48,8 +48,9 @@ def why_not(model, state, tokens) -> str | None:
         if lin.S.dtype != torch.float32 or lin.z.dtype != torch.float32:
             return "the native step needs an fp32 linear state"
         if getattr(lin, "sparse_keys", 0):
-            return "the native step has no sparse cache of keys (--sparse-keys); the torch step runs it"
-        if lin.path == "window" and (lin.wk.dtype not in FLOAT_TYPES or lin.window < 1):
+            if lin.rk.dtype not in FLOAT_TYPES:
+                return f"the native step reads recent and cached keys in fp32, f16 or bf16, not {lin.rk.dtype}"
+        elif lin.path == "window" and (lin.wk.dtype not in FLOAT_TYPES or lin.window < 1):
             return f"the native step reads a window of fp32, f16 or bf16 keys, not {lin.wk.dtype}"
         if lin.feature_map.name not in MODES:
             return f"the native step has no feature map {lin.feature_map.name!r}"

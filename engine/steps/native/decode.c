@@ -67,7 +67,8 @@ void gen_plan_free(Plan *p) {
     X(Plan, hq_w) X(Plan, hq_b) X(Plan, hk_w) X(Plan, hk_b) X(Plan, hh_type) \
     X(Plan, layer_mode) X(Plan, layer_index) X(Plan, linear_rope) \
     X(Plan, wk) X(Plan, wv) X(Plan, wreal) X(Plan, W) X(Plan, w_type) \
-    X(Plan, hh_decay) X(Plan, hh_logit) X(Plan, hh_gate) X(Plan, q8_acts) X(Plan, qkv_bias) X(Plan, q_norm) X(Plan, k_norm)
+    X(Plan, hh_decay) X(Plan, hh_logit) X(Plan, hh_gate) X(Plan, q8_acts) X(Plan, qkv_bias) X(Plan, q_norm) X(Plan, k_norm) \
+    X(Plan, rk) X(Plan, rv) X(Plan, ck) X(Plan, cv) X(Plan, cuse) X(Plan, sp_held) X(Plan, R) X(Plan, M)
 
 typedef struct { const char *name; size_t offset, size; } AbiField;
 static const AbiField MAT_ABI[] = {MAT_FIELDS(ABI_FIELD)};
@@ -216,6 +217,7 @@ static void layers(const Plan *p, const int64_t *tokens, int slot, const float *
                 for (int h = 0; h < H + Hkv; h++) rotate(q + h * D, cb, sb, D);
             }
         if (mode == MODE_SOFTMAX) softmax_attention(p, li, slot, slot_real);
+        else if (p->R > 0) sparse_attention(p, li, l);
         else if (p->W > 0) window_attention(p, li, l);
         else linear_attention(p, li, l);
         matmul(p, &p->wo[l], p->att, H * D, p->x, C, 1);

@@ -156,6 +156,16 @@ typedef struct {
      * to every head before rotary. NULL: none (Llama). */
     const float *const *qkv_bias;
     const void *const *q_norm, *const *k_norm;
+    /* Sliding window + a sparse cache of hard keys (R > 0, W 0; engine/attention/sparse.py): per
+     * linear layer, cache row and key/value head the recent keys and values rk, rv (L_lin, Bc, Hkv, R,
+     * D) right-aligned in w_type, of which the newest sp_held[row] are held (the step appends its own
+     * key), and the cached ones ck, cv (L_lin, Bc, Hkv, M, D) in w_type with cuse (L_lin, Bc, Hkv, M)
+     * bytes (1: slot in use). Nothing is folded into S, z here: which keys stay cached is decided
+     * outside the step, every 64 tokens of a row (SparseWindowState.decide_rows). */
+    void *rk, *rv, *ck, *cv;
+    const uint8_t *cuse;
+    const int *sp_held;
+    int R, M;
 } Plan;
 
 /* The layout of Mat and Plan as the Python binding checks it (decode.c): struct s (0 Mat, 1 Plan),
@@ -356,12 +366,14 @@ static inline size_t dq_scratch(const Plan *p) {
 }
 
 static inline size_t fn_scratch(const Plan *p) {
-    size_t att = att_scratch(p) + 3 * (size_t)(p->F + 1) + (size_t)p->W + 1 + 2 * (size_t)p->D + 16, dq = dq_scratch(p);
+    size_t att = att_scratch(p) + 3 * (size_t)(p->F + 1) + (size_t)p->W + (size_t)p->R + (size_t)p->M + 1
+                 + 2 * (size_t)p->D + 16, dq = dq_scratch(p);
     return att > dq ? att : dq;
 }
 
 void softmax_attention(const Plan *p, int l, int slot, const uint8_t *slot_real);   /* attention.c */
 void linear_attention(const Plan *p, int l, int ml);                                 /* linear.c */
 void window_attention(const Plan *p, int l, int ml);                                 /* linear.c */
+void sparse_attention(const Plan *p, int l, int ml);                                 /* linear.c */
 
 #endif

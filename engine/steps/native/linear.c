@@ -204,3 +204,61 @@ void window_attention(const Plan *p, int l, int ml) {
         }
     }
 }
+
+/* Sliding window + a sparse cache of hard keys, one token per row (engine/attention/sparse.py with
+ * T = 1): the query attends exactly to the row's held recent keys, its own and the cached ones in
+ * use, and through phi to S, z, in one normalisation (as window_attention); then its key and value
+ * join the recent ones (the held ones move one slot left). l: layer inside the state; ml: model layer. */
+void sparse_attention(const Plan *p, int l, int ml) {
+    const int D = p->D, F = p->F, R = p->R, M = p->M, G = p->H / p->Hkv, QKV = (p->H + 2 * p->Hkv) * D;
+    float *phi_q = p->tscratch + att_scratch(p) + F + 1, *sc = phi_q + F + 1;
+    float *krow = sc + R + M + 1, *vrow = krow + D;
+    const size_t row_bytes = (size_t)D * (p->w_type == T_F32 ? 4 : 2);
+    for (int b = 0; b < p->B; b++) {
+        const int cb = cache_seq(p, b), h = p->sp_held[cb];
+        const float *q = p->qkv_out + (size_t)b * QKV, *k = q + p->H * D, *v = k + p->Hkv * D;
+        for (int g = 0; g < p->Hkv; g++) {
+            const size_t sg = ((size_t)l * cache_batch(p) + cb) * p->Hkv + g, rb = sg * R * D, cbase = sg * M * D;
+            const float *S = p->S + sg * F * D, *z = p->z + sg * F;
+            const uint8_t *use = p->cuse + sg * M;
+            for (int j = 0; j < G; j++) {
+                const int hh = g * G + j;
+                const float *qh = q + hh * D;
+                float *out = p->att + (size_t)b * p->H * D + hh * D, mx = -INFINITY;
+                for (int t = 0; t < h; t++) {   /* scores: held keys, the query's own, cached keys */
+                    load_row(p->rk, p->w_type, rb + (size_t)(R - h + t) * D, D, krow);
+                    sc[t] = dot_f32(qh, krow, D) * p->scale;
+                    if (sc[t] > mx) mx = sc[t];
+                }
+                sc[h] = dot_f32(qh, k + g * D, D) * p->scale;
+                if (sc[h] > mx) mx = sc[h];
+                for (int i = 0; i < M; i++) {
+                    if (!use[i]) continue;
+                    load_row(p->ck, p->w_type, cbase + (size_t)i * D, D, krow);
+                    sc[h + 1 + i] = dot_f32(qh, krow, D) * p->scale;
+                    if (sc[h + 1 + i] > mx) mx = sc[h + 1 + i];
+                }
+                phi(p, ml, hh, 1, qh, phi_q);
+                float den = read_state(S, z, phi_q, F, D, out);
+                for (int t = 0; t <= h + M; t++) {
+                    const float *vt = vrow;
+                    if (t < h) load_row(p->rv, p->w_type, rb + (size_t)(R - h + t) * D, D, vrow);
+                    else if (t == h) vt = v + g * D;
+                    else if (use[t - h - 1]) load_row(p->cv, p->w_type, cbase + (size_t)(t - h - 1) * D, D, vrow);
+                    else continue;
+                    const float a = expf(sc[t] - mx);
+                    den += a;
+                    #pragma omp simd
+                    for (int d = 0; d < D; d++) out[d] += a * vt[d];
+                }
+                den += p->lin_eps;
+                for (int d = 0; d < D; d++) out[d] /= den;
+            }
+            char *rk = (char *)p->rk + rb * (row_bytes / D), *rv = (char *)p->rv + rb * (row_bytes / D);
+            memmove(rk + (size_t)(R - h - 1) * row_bytes, rk + (size_t)(R - h) * row_bytes, (size_t)h * row_bytes);
+            memmove(rv + (size_t)(R - h - 1) * row_bytes, rv + (size_t)(R - h) * row_bytes, (size_t)h * row_bytes);
+            store_row(p->rk, p->w_type, rb + (size_t)(R - 1) * D, D, k + g * D);
+            store_row(p->rv, p->w_type, rb + (size_t)(R - 1) * D, D, v + g * D);
+        }
+    }
+}

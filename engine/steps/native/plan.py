@@ -16,6 +16,7 @@ import operator
 import torch
 
 from engine.attention.linear import EPS
+from engine.attention.sparse import SparseWindowState
 from engine.steps.native.abi import MODES, TYPES, Mat, NativeUnavailableError, Plan, bind, mat, ptr
 from engine.steps.native.cases import kv_rows, learned_maps, state_parts
 from engine.steps.native.weights import DerivedWeights, layer_modules, matrix
@@ -62,7 +63,8 @@ class NativeDecoder:
         self.cache_rows = state.batch_size if kv is None else cache_rows(kv)
         tensors = state.tensors()   # [k, v], [S, z], or a hybrid's [k, v, S, z] (+ a window's [wk, wv])
         if lin is not None and lin.path == "window":
-            tensors = tensors + [lin.wreal]   # (B, W) bool, shifted in place by commit: checked too
+            # a window's (B, W) bool, shifted in place by commit; a sparse cache's slots in use: checked too
+            tensors = tensors + [lin.cuse if isinstance(lin, SparseWindowState) else lin.wreal]
         learned = lin is not None and lin.feature_map.name == "hedgehog"
         maps = [t.detach() for t in learned_maps(lin.feature_map)] if learned else []
         flat += maps                # checked before every step as the weights are
@@ -163,7 +165,12 @@ class NativeDecoder:
                       q8_acts=int(q8))
         if lin is not None:
             fields.update(S=ptr(lin.S), z=ptr(lin.z))
-        if lin is not None and lin.path == "window":
+        if isinstance(lin, SparseWindowState):   # W stays 0: the recent keys are rk, rv
+            self.sp_held = torch.zeros(self.cache_rows, dtype=torch.int32)
+            fields.update(rk=lin.rk.data_ptr(), rv=lin.rv.data_ptr(), ck=lin.ck.data_ptr(), cv=lin.cv.data_ptr(),
+                          cuse=lin.cuse.data_ptr(), sp_held=self.sp_held.data_ptr(), R=lin.rk.shape[3],
+                          M=lin.ck.shape[3], w_type=TYPES[lin.rk.dtype])
+        elif lin is not None and lin.path == "window":
             fields.update(wk=lin.wk.data_ptr(), wv=lin.wv.data_ptr(), w_type=TYPES[lin.wk.dtype], W=lin.window,
                           wreal=lin.wreal.data_ptr())
         if kv is not None:
@@ -306,7 +313,19 @@ class NativeDecoder:
         if kv is not None:
             real = kv.slot_real.data_ptr()   # (B, S_max) bool, one byte each
         logits = torch.empty(self.B, 1, self.V)
+        sparse = self.sparse_part(state)
+        if sparse is not None:
+            before = sparse.lengths.clone()
+            self.sp_held[:self.B].copy_(sparse.held_counts())
         self.library.gen_decode_step(self.plan_ref, ids.data_ptr(), span.start, cos, sin, stride, real,
                                      logits.data_ptr())
         state.commit(span)
+        if sparse is not None:
+            sparse.decide_rows(before)
         return logits
+
+    @staticmethod
+    def sparse_part(state):
+        """The state's SparseWindowState (alone or a hybrid's linear part), else None."""
+        lin = state_parts(state)[1]
+        return lin if isinstance(lin, SparseWindowState) else None
