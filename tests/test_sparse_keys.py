@@ -10,7 +10,6 @@ from engine.attention.sparse import BLOCK, SparseWindowState, sparse_window_atte
 from engine.errors import InvalidArgumentError
 from engine.runspec import RunSpec, WindowError
 from engine.steps import Stepper
-from engine.steps.native.cases import why_not
 from tests.conftest import tiny_config, tiny_model
 
 
