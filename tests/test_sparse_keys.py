@@ -231,3 +231,16 @@ def test_api_batch_of_prompts_equals_each_alone():
     together = llm.generate(prompts, max_new_tokens=40, temperature=0)
     for p, r in zip(prompts, together):
         assert llm.generate([p], max_new_tokens=40, temperature=0)[0].ids == r.ids
+
+
+def test_bench_reaches_a_depth_by_moving_the_counters():
+    """gen bench's --prefill-tokens: a sparse state extended from a prefill to a deep context steps on
+    (for timing: its recent keys are read as many as a row that deep holds)."""
+    from engine.bench.depth import extend_to_depth
+    model = tiny_model(num_key_value_heads=2, window=4, sparse_keys=2, max_position_embeddings=4096)
+    state = model.init_state(1, None, "linear")
+    with torch.no_grad():
+        model.step(torch.randint(0, 97, (1, 2 * BLOCK)), state)
+        extend_to_depth(state, 3000)
+        assert int(state.held_counts()[0]) == 3000 % BLOCK + 4 - 1
+        assert torch.isfinite(model.step(torch.tensor([[5]]), state)).all()

@@ -5,7 +5,8 @@ state can be brought from a real prefill of P tokens to depth N > P by repeating
 keys/values (real activations, not random numbers: no odd magnitudes or denormals) into slots
 P..N-1 of the KV cache and setting the position counters to N, so rotary, masks and the attention
 read exactly what a state that prefilled N tokens would hold in size. Linear states (S, z) and
-sliding windows do not grow with the context: only their counters move. The text that such a
+sliding windows (and a sparse cache's recent and cached keys) do not grow with the context: only their
+counters move. The text that such a
 state "holds" is meaningless: this is for timing and memory, never for outputs.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from engine.attention.hybrid import HybridState
 from engine.attention.linear import LinearState
 from engine.attention.softmax import KVState
+from engine.attention.sparse import SparseWindowState
 from engine.attention.window import WindowState
 from engine.errors import InvalidArgumentError
 
@@ -36,7 +38,7 @@ def extend_to_depth(state, depth: int) -> None:
                 n = min(held, depth - start)
                 cache[:, :, :, start:start + n].copy_(cache[:, :, :, :n])
                 start += n
-    elif not isinstance(state, (LinearState, WindowState)):
+    elif not isinstance(state, (LinearState, WindowState, SparseWindowState)):
         raise InvalidArgumentError(f"extend_to_depth does not know the {type(state).__name__} state")
     state.slots = depth
     state.lengths.fill_(depth)
