@@ -44,6 +44,8 @@ def parse_attention(ctx, param, value):
                                        "(default: the config's layer_attention)")
 @click.option("--window", type=int, help="sliding window W of the window configuration (without a window entry: "
                                          "of linear and hybrid, as in gen)")
+@click.option("--sparse-keys", type=int, metavar="M", help="with a window: M hard keys per layer and head kept exact "
+                                                          "(as in gen; 0: off; default: the model's own)")
 @click.option("--prefill-tokens", type=int, metavar="P",
               help="prefill P real tokens per depth and fill the KV cache to the depth by repeating their "
                    "keys/values (decode time depends on the depth, not the values) [default: the whole depth]")
@@ -69,7 +71,7 @@ def parse_attention(ctx, param, value):
 @click.option("--quiet", is_flag=True, help="no progress bar")
 def bench_cmd(model_name, contexts, attention, softmax_layers, window, prefill_tokens, feature_map, steps, warmup,
               threads, dtype, kv_dtype, device, json_path, plot_path, compare_hf, hf_new_tokens, hf_repeats, isolate, backend,
-              native, weights, batch, quiet):
+              native, weights, batch, quiet, sparse_keys=None):
     """Prefill to each depth, then time decode steps, for each attention path, on one checkpoint.
 
     Prints a table and a summary naming the crossover depth; --json and --plot save them.
@@ -80,6 +82,7 @@ def bench_cmd(model_name, contexts, attention, softmax_layers, window, prefill_t
                 check_output_path(out)
         settings = BenchSettings(model=model_name, contexts=contexts or DEFAULT_CONTEXTS,
                                  attentions=attention, softmax_layers=softmax_layers, window=window,
+                                 sparse_keys=sparse_keys,
                                  prefill_tokens=prefill_tokens,
                                  feature_map=feature_map, steps=steps, warmup=warmup, threads=threads,
                                  dtype=dtype, kv_dtype=kv_dtype, device=device, isolate=isolate,

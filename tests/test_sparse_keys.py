@@ -244,3 +244,19 @@ def test_bench_reaches_a_depth_by_moving_the_counters():
         extend_to_depth(state, 3000)
         assert int(state.held_counts()[0]) == 3000 % BLOCK + 4 - 1
         assert torch.isfinite(model.step(torch.tensor([[5]]), state)).all()
+
+
+def test_gen_bench_runs_sparse_keys_and_its_state_formula_holds(tmp_path):
+    import json
+    from click.testing import CliRunner
+    from cli.main import main
+    out = tmp_path / "b.json"
+    r = CliRunner().invoke(main, ["bench", "--model", "tiny", "--attention", "window", "--window", "4", "--sparse-keys",
+                                  "2", "--contexts", "80", "--steps", "2", "--warmup", "0", "--no-isolate", "--quiet",
+                                  "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    rec = json.loads(out.read_text())["results"][0]
+    assert rec["configuration"] == "linear + window 4 + 2 sparse keys" and rec["sparse_keys"] == 2
+    assert rec["state_bytes"] == rec["state_bytes_formula"]
+    r = CliRunner().invoke(main, ["bench", "--model", "tiny", "--attention", "softmax", "--sparse-keys", "2"])
+    assert r.exit_code == 2 and "--sparse-keys applies to linear layers with a window" in r.output

@@ -19,7 +19,7 @@ commands run with the same options (`--attention linear --window 64` here is `ge
 from __future__ import annotations
 
 from engine.errors import InvalidArgumentError
-from engine.runspec import RunSpec, check_attention, check_window
+from engine.runspec import RunSpec, check_attention, check_sparse_keys, check_window
 
 ENTRIES = ("softmax", "linear", "hybrid", "window", "default")
 ALIASES = {"both": ("softmax", "linear"), "all": ("softmax", "linear", "hybrid", "window")}
@@ -49,7 +49,7 @@ def entry_window(entry: str, entries, window: int | None) -> int | None:
     return None
 
 
-def check_entries(entries, softmax_layers, window) -> None:
+def check_entries(entries, softmax_layers, window, sparse_keys=None) -> None:
     """What can be refused without the model (one line each)."""
     if softmax_layers is not None and "hybrid" not in entries:
         raise InvalidArgumentError("--softmax-layers applies to hybrid configurations: add hybrid to --attention "
@@ -57,26 +57,34 @@ def check_entries(entries, softmax_layers, window) -> None:
     check_window(window)
     if window is not None and not {"linear", "hybrid", "window"} & set(entries):
         raise InvalidArgumentError("--window applies to linear layers: add linear, hybrid or window to --attention")
+    check_sparse_keys(sparse_keys)
+    if sparse_keys and not ({"window", "default"} & set(entries) or (window and {"linear", "hybrid"} & set(entries))):
+        raise InvalidArgumentError("--sparse-keys applies to linear layers with a window: add window or default to "
+                                   "--attention, or give --window W")
 
 
-def preset(cfg, entry: str, softmax_layers=None, window: int | None = None, **settings) -> RunSpec:
+def preset(cfg, entry: str, softmax_layers=None, window: int | None = None, sparse_keys: int | None = None,
+           **settings) -> RunSpec:
     """The RunSpec of one entry on the checkpoint's config `cfg` (checked against the model); settings:
     the rest of the run as `RunSpec.resolve` takes it (feature_map, dtype, kv_dtype, device, backend,
-    threads, quantize, ...)."""
+    threads, quantize, ...). sparse_keys: entries whose linear layers run with a window (the others
+    have none to keep)."""
     if entry == "softmax":
         return RunSpec.resolve(cfg, attention="softmax", **settings)
     if entry == "linear":
-        return RunSpec.resolve(cfg, attention="linear", window=window, **settings)
+        return RunSpec.resolve(cfg, attention="linear", window=window, sparse_keys=sparse_keys if window else None,
+                               **settings)
     if entry == "hybrid":
-        return RunSpec.resolve(cfg, attention="hybrid", softmax_layers=softmax_layers, window=window, **settings)
+        return RunSpec.resolve(cfg, attention="hybrid", softmax_layers=softmax_layers, window=window,
+                               sparse_keys=sparse_keys if window else None, **settings)
     if entry == "window":
         w = window if window is not None else (cfg.window or None)
         if w is None:
             raise InvalidArgumentError("the window configuration needs --window W (this model's config has no "
                                        "window), e.g. --window 64")
-        return RunSpec.resolve(cfg, attention="linear", window=w, **settings)
+        return RunSpec.resolve(cfg, attention="linear", window=w, sparse_keys=sparse_keys, **settings)
     if entry == "default":
-        return RunSpec.resolve(cfg, **settings)   # the checkpoint's own mode
+        return RunSpec.resolve(cfg, sparse_keys=sparse_keys, **settings)   # the checkpoint's own mode
     check_attention(entry, ENTRIES)
 
 
@@ -97,8 +105,11 @@ def describe(rt) -> dict:
         label = rt.attention
     if window:
         label += f" + window {window}"
+    sparse = rt.sparse_keys if window else 0
+    if sparse:
+        label += f" + {sparse} sparse keys"
     return {"attention": rt.attention, "softmax_layers": soft if rt.attention == "hybrid" else None,
-            "window": window, "configuration": label}
+            "window": window, "sparse_keys": sparse, "configuration": label}
 
 
 def layer_paths(rt) -> tuple[str, ...]:

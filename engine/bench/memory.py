@@ -57,8 +57,9 @@ def config_state_bytes(rt, slots: int, dtype: torch.dtype, feature_map: str | No
         cache = (kv_dtype or dtype) if rt.attention == "softmax" else dtype
         return state_bytes_formula(rt, rt.attention, slots, cache, feature_map, batch)
     F_ = get_feature_map(feature_map or rt.feature_map).out_dim(rt.head_dim)
-    return per_layer_state_bytes(rt, layer_paths(rt), slots, batch, dtype_bytes(dtype), F_,
-                                 rt.window if rt.attention != "softmax" else 0, dtype_bytes(kv_dtype or dtype))
+    window = rt.window if rt.attention != "softmax" else 0
+    return per_layer_state_bytes(rt, layer_paths(rt), slots, batch, dtype_bytes(dtype), F_, window,
+                                 dtype_bytes(kv_dtype or dtype), sparse_keys=rt.sparse_keys if window else 0)
 
 
 def prefill_work_bytes(cfg, attention: str, tokens: int, dtype: torch.dtype, feature_map: str | None = None) -> int:

@@ -68,6 +68,7 @@ class BenchSettings:
     seed: int = 0
     softmax_layers: str | None = None   # hybrid entries: "2,9,11" or "auto:K"; None: the config's layer_attention
     window: int | None = None           # window entries (and linear/hybrid ones when no window entry is listed)
+    sparse_keys: int | None = None      # entries whose linear layers have a window: M hard keys kept exact
     prefill_tokens: int | None = None   # real tokens prefilled per depth (the rest repeated); None: the whole depth
     contexts_sorted: tuple[int, ...] = field(init=False, repr=False)
 
@@ -78,7 +79,7 @@ class BenchSettings:
         object.__setattr__(self, "attentions", parse_attentions(self.attentions))
         if self.softmax_layers is not None and not isinstance(self.softmax_layers, str):
             object.__setattr__(self, "softmax_layers", ",".join(str(i) for i in self.softmax_layers))
-        check_entries(self.attentions, self.softmax_layers, self.window)
+        check_entries(self.attentions, self.softmax_layers, self.window, self.sparse_keys)
         if self.prefill_tokens is not None and (isinstance(self.prefill_tokens, bool) or self.prefill_tokens < 1):
             raise InvalidArgumentError(f"prefill_tokens must be >= 1, got {self.prefill_tokens!r}")
         if self.feature_map is not None:
@@ -128,7 +129,8 @@ class BenchSettings:
     def run_options(self) -> dict:
         """What every entry's RunSpec takes from these settings besides its attention."""
         return {"feature_map": self.feature_map, "dtype": self.dtype, "kv_dtype": self.kv_dtype,
-                "device": self.device, "backend": self.backend, "threads": self.threads, "quantize": self.quantize}
+                "device": self.device, "backend": self.backend, "threads": self.threads, "quantize": self.quantize,
+                "sparse_keys": self.sparse_keys}
 
     def runtime(self, cfg, entry: str):
         """(runtime config, record keys) of one entry on the checkpoint's config (its preset's config)."""
@@ -238,12 +240,12 @@ def measure(model, attention: str, context: int, steps: int, warmup: int,
 
 def measure_entry(model, entry: str, context: int, steps: int, warmup: int, feature_map=None, seed: int = 0,
                   backend: str = "auto", batch: int = 1, prefill_tokens=None, softmax_layers=None,
-                  window=None, threads: int | None = None) -> dict:
+                  window=None, threads: int | None = None, sparse_keys: int | None = None) -> dict:
     """`measure` for one bench entry (softmax, linear, hybrid, window, default): the entry's RunSpec
     preset (engine.bench.configs.preset; the model's config untouched), on `threads` native threads."""
     spec, keys = configure(model.config, entry, softmax_layers, window, feature_map=feature_map,
                            kv_dtype=model.kv_dtype, dtype=model.dtype, device=model.device, backend=backend,
-                           threads=threads)
+                           threads=threads, sparse_keys=sparse_keys)
     rec = measure(model, spec.attention, context, steps, warmup, feature_map, seed, backend, batch,
                   prefill_tokens, spec=spec, threads=threads)
     rec.update(keys)
@@ -258,7 +260,7 @@ def run_in_process(model, settings: BenchSettings, attention: str, context: int)
     rec = measure_entry(model, attention, context, settings.steps, settings.warmup, settings.feature_map,
                         settings.seed, settings.backend, settings.batch, settings.prefill_tokens,
                         settings.softmax_layers if attention == "hybrid" else None, settings.window_for(attention),
-                        threads=settings.threads)
+                        threads=settings.threads, sparse_keys=settings.sparse_keys)
     rec["weights"] = settings.weights or rec["weights_stored"]
     rec["peak_rss_bytes"] = peak_rss_bytes()
     rec["rss_method"] = ("VmHWM of the bench process itself (--no-isolate): the peak over everything "
@@ -274,7 +276,7 @@ def run_isolated(model_path: str, settings: BenchSettings, attention: str, conte
            "feature_map": settings.feature_map, "seed": settings.seed, "backend": settings.backend,
            "quantize": settings.quantize, "batch": settings.batch, "prefill_tokens": settings.prefill_tokens,
            "softmax_layers": settings.softmax_layers if attention == "hybrid" else None,
-           "window": settings.window_for(attention)}
+           "window": settings.window_for(attention), "sparse_keys": settings.sparse_keys}
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

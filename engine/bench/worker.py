@@ -18,7 +18,7 @@ def main() -> int:
     job = json.loads(sys.stdin.read())
     set_threads(job.get("threads"))
     try:
-        options = {k: job.get(k) for k in ("feature_map", "kv_dtype", "threads", "quantize")}
+        options = {k: job.get(k) for k in ("feature_map", "kv_dtype", "threads", "quantize", "sparse_keys")}
         model, _ = load_model(job["model"], spec=lambda cfg: preset(   # the row's run: its set of maps, its dtypes
             cfg, job["attention"], job.get("softmax_layers"), job.get("window"), dtype=job["dtype"],
             device=job["device"], backend=job.get("backend", "auto"), **options))
@@ -28,7 +28,7 @@ def main() -> int:
         rec = measure_entry(model, job["attention"], job["context"], job["steps"], job["warmup"],
                             job.get("feature_map"), job.get("seed", 0), job.get("backend", "auto"),
                             job.get("batch", 1), job.get("prefill_tokens"), job.get("softmax_layers"),
-                            job.get("window"), threads=job.get("threads"))
+                            job.get("window"), threads=job.get("threads"), sparse_keys=job.get("sparse_keys"))
     except EngineError as e:
         print(f"gen: error: {e}", file=sys.stderr)
         return 2
