@@ -260,3 +260,18 @@ def test_gen_bench_runs_sparse_keys_and_its_state_formula_holds(tmp_path):
     assert rec["state_bytes"] == rec["state_bytes_formula"]
     r = CliRunner().invoke(main, ["bench", "--model", "tiny", "--attention", "softmax", "--sparse-keys", "2"])
     assert r.exit_code == 2 and "--sparse-keys applies to linear layers with a window" in r.output
+
+
+def test_the_graph_step_leaves_a_hybrid_with_a_sparse_cache_to_the_torch_step():
+    """The CUDA graph form knows KV, linear, window and hybrid states; a hybrid whose linear layers keep a
+    sparse cache decides in Python every 64 tokens (nothing a captured graph can replay) and has none of
+    the window's buffers: the graph form refuses it with its reason (on any device, as it refuses a
+    sliding KV cache), so the torch step runs it, instead of the capture raising AttributeError."""
+    from engine.steps.graph_step import GraphStep
+    from engine.steps.torch_step import TorchStep
+    model = tiny_model(num_hidden_layers=3, num_key_value_heads=2, window=3, sparse_keys=2, attention="hybrid",
+                       layer_attention=("linear", "softmax", "linear"))
+    state = model.init_state(1, 100)
+    assert isinstance(state.parts[-1], SparseWindowState)
+    reason = GraphStep(model, TorchStep(model)).why_not(state, torch.tensor([[5]]))
+    assert reason is not None and "sparse" in reason
