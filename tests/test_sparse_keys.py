@@ -198,8 +198,8 @@ def test_the_option_needs_a_window():
     cfg = tiny_config(window=0)
     with pytest.raises(WindowError, match="--sparse-keys 4 .* no window"):
         RunSpec.resolve(cfg, attention="linear", sparse_keys=4)
-    with pytest.raises(WindowError, match="no linear layers"):
-        RunSpec.resolve(cfg, attention="softmax", sparse_keys=4)
+    with pytest.raises(WindowError, match=r"no linear layers \(use --attention linear or hybrid with --window W\)"):
+        RunSpec.resolve(cfg, attention="softmax", sparse_keys=4)   # a softmax run refuses --window: not the fix
     with pytest.raises(InvalidArgumentError, match="integer >= 0"):
         RunSpec.resolve(cfg, attention="linear", window=4, sparse_keys=-1)
     assert RunSpec.resolve(cfg, attention="linear", window=4, sparse_keys=4).sparse_keys == 4
