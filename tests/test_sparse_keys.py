@@ -275,3 +275,17 @@ def test_the_graph_step_leaves_a_hybrid_with_a_sparse_cache_to_the_torch_step():
     assert isinstance(state.parts[-1], SparseWindowState)
     reason = GraphStep(model, TorchStep(model)).why_not(state, torch.tensor([[5]]))
     assert reason is not None and "sparse" in reason
+
+
+def test_the_page_names_the_servers_sparse_cache_where_its_panes_differ_by_it():
+    """A request's own attention or window runs without the server's sparse cache (an explicit mode names
+    its own; a request has no sparse_keys field): the page's default pane says the cache it runs, so the
+    default and the "linear + window W" pane (the same run minus the cache) are told apart."""
+    from engine.api import load
+    from engine.serve import Server
+    from engine.serve.page import page_config
+    llm = load("tiny", attention="linear", window=4, sparse_keys=2)
+    offered = {c["id"]: c for c in page_config(Server(llm, "tiny"))["configurations"]}
+    assert "2 sparse keys" in offered["default"]["label"] and "sparse" not in offered["linear"]["label"]
+    spec = llm.spec.for_request(llm.model.config, offered["linear"]["attention"], None, offered["linear"]["window"])
+    assert spec.sparse_keys == 0 and llm.spec.sparse_keys == 2
