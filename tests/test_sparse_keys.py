@@ -258,6 +258,7 @@ def test_gen_bench_runs_sparse_keys_and_its_state_formula_holds(tmp_path):
     rec = json.loads(out.read_text())["results"][0]
     assert rec["configuration"] == "linear + window 4 + 2 sparse keys" and rec["sparse_keys"] == 2
     assert rec["state_bytes"] == rec["state_bytes_formula"]
+    assert "sparse" in json.loads(out.read_text())["summary"]["state_formulas"]["per layer"]   # the legend says it
     r = CliRunner().invoke(main, ["bench", "--model", "tiny", "--attention", "softmax", "--sparse-keys", "2"])
     assert r.exit_code == 2 and "--sparse-keys applies to linear layers with a window" in r.output
 
