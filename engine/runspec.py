@@ -315,8 +315,10 @@ def resolve_mode(cfg: ModelConfig, attention=None, softmax_layers=None, window=N
     else:
         out = mode_fields(**_explicit_mode(cfg, attention, softmax_layers, window), sparse_keys=sparse_keys or 0)
     if sparse_keys and not (out["window"] and out["attention"] != "softmax"):
+        lacks = ("no linear layers (use --attention linear or hybrid with --window W)" if out["attention"] == "softmax"
+                 else "no window (add --window W)")
         raise WindowError(f"--sparse-keys {sparse_keys} keeps hard keys exact past a linear layer's window; this run "
-                          f"has {'no linear layers' if out['attention'] == 'softmax' else 'no window'} (add --window W)")
+                          f"has {lacks}")
     return out
 
 

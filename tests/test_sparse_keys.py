@@ -198,8 +198,8 @@ def test_the_option_needs_a_window():
     cfg = tiny_config(window=0)
     with pytest.raises(WindowError, match="--sparse-keys 4 .* no window"):
         RunSpec.resolve(cfg, attention="linear", sparse_keys=4)
-    with pytest.raises(WindowError, match="no linear layers"):
-        RunSpec.resolve(cfg, attention="softmax", sparse_keys=4)
+    with pytest.raises(WindowError, match=r"no linear layers \(use --attention linear or hybrid with --window W\)"):
+        RunSpec.resolve(cfg, attention="softmax", sparse_keys=4)   # a softmax run refuses --window: not the fix
     with pytest.raises(InvalidArgumentError, match="integer >= 0"):
         RunSpec.resolve(cfg, attention="linear", window=4, sparse_keys=-1)
     assert RunSpec.resolve(cfg, attention="linear", window=4, sparse_keys=4).sparse_keys == 4
@@ -258,5 +258,35 @@ def test_gen_bench_runs_sparse_keys_and_its_state_formula_holds(tmp_path):
     rec = json.loads(out.read_text())["results"][0]
     assert rec["configuration"] == "linear + window 4 + 2 sparse keys" and rec["sparse_keys"] == 2
     assert rec["state_bytes"] == rec["state_bytes_formula"]
+    assert "sparse" in json.loads(out.read_text())["summary"]["state_formulas"]["per layer"]   # the legend says it
     r = CliRunner().invoke(main, ["bench", "--model", "tiny", "--attention", "softmax", "--sparse-keys", "2"])
     assert r.exit_code == 2 and "--sparse-keys applies to linear layers with a window" in r.output
+
+
+def test_the_graph_step_leaves_a_hybrid_with_a_sparse_cache_to_the_torch_step():
+    """The CUDA graph form knows KV, linear, window and hybrid states; a hybrid whose linear layers keep a
+    sparse cache decides in Python every 64 tokens (nothing a captured graph can replay) and has none of
+    the window's buffers: the graph form refuses it with its reason (on any device, as it refuses a
+    sliding KV cache), so the torch step runs it, instead of the capture raising AttributeError."""
+    from engine.steps.graph_step import GraphStep
+    from engine.steps.torch_step import TorchStep
+    model = tiny_model(num_hidden_layers=3, num_key_value_heads=2, window=3, sparse_keys=2, attention="hybrid",
+                       layer_attention=("linear", "softmax", "linear"))
+    state = model.init_state(1, 100)
+    assert isinstance(state.parts[-1], SparseWindowState)
+    reason = GraphStep(model, TorchStep(model)).why_not(state, torch.tensor([[5]]))
+    assert reason is not None and "sparse" in reason
+
+
+def test_the_page_names_the_servers_sparse_cache_where_its_panes_differ_by_it():
+    """A request's own attention or window runs without the server's sparse cache (an explicit mode names
+    its own; a request has no sparse_keys field): the page's default pane says the cache it runs, so the
+    default and the "linear + window W" pane (the same run minus the cache) are told apart."""
+    from engine.api import load
+    from engine.serve import Server
+    from engine.serve.page import page_config
+    llm = load("tiny", attention="linear", window=4, sparse_keys=2)
+    offered = {c["id"]: c for c in page_config(Server(llm, "tiny"))["configurations"]}
+    assert "2 sparse keys" in offered["default"]["label"] and "sparse" not in offered["linear"]["label"]
+    spec = llm.spec.for_request(llm.model.config, offered["linear"]["attention"], None, offered["linear"]["window"])
+    assert spec.sparse_keys == 0 and llm.spec.sparse_keys == 2

@@ -33,7 +33,8 @@ STATE_FORMULAS = {
     "softmax": "2 * L * B * Hkv * D * T * bytes(dtype)   (T = slots the cache holds)",
     "linear": "L * B * Hkv * (F * Dv + F) * 4   (fp32; per key/value head under GQA; F = feature_map.out_dim(D))",
     "per layer": ("sum over layers: softmax layer 2 * B * Hkv * D * T * bytes(dtype); linear layer "
-                  "B * Hkv * (F * Dv + F) * 4 + 2 * B * Hkv * W * D * bytes(dtype)   (W = window, 0 without)"),
+                  "B * Hkv * (F * Dv + F) * 4 + 2 * B * Hkv * W * D * bytes(dtype)   (W = window, 0 without; with M sparse "
+                  "keys W + 63 + M: the recent keys up to a decision's 64 and the cached ones)"),
 }
 
 __all__ = ["BenchSettings", "BenchError", "DEFAULT_CONTEXTS", "run_bench", "write_json"]

@@ -53,7 +53,8 @@ def configurations(llm) -> list[dict]:
 
     def note(path):
         return "" if path in trained or (path == "hybrid" and "linear" in trained) else " (untrained)"
-    out = [{"id": "default", "attention": None, "label": f"default: {llm.attention}"},
+    sparse = f" + {spec.sparse_keys} sparse keys" if w and spec.sparse_keys else ""   # a request's own mode runs none
+    out = [{"id": "default", "attention": None, "label": f"default: {llm.attention}{sparse}"},
            {"id": "softmax", "attention": "softmax", "label": "softmax" + note("softmax")},
            {"id": "linear", "attention": "linear", **extra, "label": "linear" + window + note("linear")}]
     layers = spec.layer_attention if spec.layer_attention is not None else cfg.layer_attention

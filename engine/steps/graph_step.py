@@ -30,6 +30,7 @@ import torch
 from engine.attention import HybridState, KVState, LinearState, WindowState
 from engine.attention.sliding import sliding_part
 from engine.attention.base import Span
+from engine.attention.sparse import SparseWindowState
 from engine.steps.decode_attention import softmax_decode
 from engine.steps.torch_step import DecodePlan, TorchStep, decode_one, layer_stack
 
@@ -183,6 +184,9 @@ class GraphStep:
         if sliding_part(state) is not None:
             return (f"the graph step has no sliding-window KV cache (a ring of {sliding_part(state).softmax_window} "
                     f"slots, Mistral's sliding_window); the torch step runs it")
+        if any(isinstance(p, SparseWindowState) for p in parts_of(state)):
+            return ("the graph step has no sparse cache of hard keys (its decisions every 64 tokens run in Python); "
+                    "the torch step runs it")
         if tokens.device.type != "cuda":
             return f"the graph step runs on CUDA only, not {tokens.device.type}"
         if self.broken is not None:
