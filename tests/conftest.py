@@ -291,6 +291,37 @@ def module_and_native_steps(model, step, ref, fast, follow):
     return torch.cat(a, 1), torch.cat(b, 1)
 
 
+def check_padded_pair_alone(model, step, a: list[int], b: list[int], steps: int, path: str = "linear") -> None:
+    """Prompts a and b (len(a) > len(b)) in one left-padded batch on `step`, then `steps` one-token
+    steps (tokens 12 + i and 20 + i): each row's logits equal its own run alone on the module path."""
+    pad = len(a) - len(b)
+    batch = torch.tensor([a, [0] * pad + b])
+    real = torch.tensor([[True] * len(a), [False] * pad + [True] * len(b)])
+    state = model.init_state(2, None, path)
+    with torch.no_grad():
+        out = step(batch, state, valid=real)
+        nxt = [step(torch.tensor([[12 + i], [20 + i]]), state) for i in range(steps)]
+        for row, ids, base in ((0, a, 12), (1, b, 20)):
+            alone = model.init_state(1, None, path)
+            o = model.step(torch.tensor([ids]), alone)
+            assert (out[row, -1] - o[0, -1]).abs().max().item() <= 1e-5
+            for i in range(steps):
+                assert (nxt[i][row] - model.step(torch.tensor([[base + i]]), alone)[0]).abs().max().item() <= 1e-5
+
+
+def native_after_prefill(model, prompt, real, follow, max_len: int):
+    """A prompt (left-padded by `real`) prefilled on the module path into a state and copied into a
+    twin; then `follow` token by token on the module path and on the native step (which must run every
+    step). Returns (module state, native state, module logits, native logits)."""
+    from engine.steps import Stepper
+    ref, fast = model.init_state(prompt.shape[0], max_len), model.init_state(prompt.shape[0], max_len)
+    with torch.no_grad():
+        model.step(prompt, ref, valid=real)
+        fast.load_state_dict(ref.state_dict())
+        a, b = module_and_native_steps(model, Stepper(model, "native", threads=2), ref, fast, follow)
+    return ref, fast, a, b
+
+
 def check_rows_alone(step, model, prompt, rows, max_len: int = 40) -> None:
     """Rows (B, 1) stepped in one batch after the same prompt get the bits each gets alone."""
     B = rows.shape[0]

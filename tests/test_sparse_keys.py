@@ -10,7 +10,7 @@ from engine.attention.sparse import BLOCK, SparseWindowState, sparse_window_atte
 from engine.errors import InvalidArgumentError
 from engine.runspec import RunSpec, WindowError
 from engine.steps import Stepper
-from tests.conftest import tiny_config, tiny_model
+from tests.conftest import check_padded_pair_alone, tiny_config, tiny_model
 
 
 def max_diff(a, b):
@@ -111,19 +111,7 @@ def test_padded_batch_equals_each_alone(backend):
     step = Stepper(model, backend)
     g = torch.Generator().manual_seed(2)
     a, b = torch.randint(0, 97, (BLOCK + 9,), generator=g).tolist(), torch.randint(0, 97, (BLOCK - 3,), generator=g).tolist()
-    pad = len(a) - len(b)
-    batch = torch.tensor([a, [0] * pad + b])
-    real = torch.tensor([[True] * len(a), [False] * pad + [True] * len(b)])
-    state = model.init_state(2, None, "linear")
-    with torch.no_grad():
-        out = step(batch, state, valid=real)
-        nxt = [step(torch.tensor([[12 + i], [20 + i]]), state) for i in range(8)]
-        for row, ids, base in ((0, a, 12), (1, b, 20)):
-            alone = model.init_state(1, None, "linear")
-            o = model.step(torch.tensor([ids]), alone)
-            assert max_diff(out[row, -1], o[0, -1]) <= 1e-5
-            for i in range(8):
-                assert max_diff(nxt[i][row], model.step(torch.tensor([[base + i]]), alone)[0]) <= 1e-5
+    check_padded_pair_alone(model, step, a, b, 8)
 
 
 def test_hybrid_saved_and_regrouped_states_continue_the_same():
@@ -176,17 +164,12 @@ def test_native_step_equals_module_path_across_decisions(case, padded):
     and S agree after. bf16: keys and values kept in bf16 on both sides (3e-2, as test_window), 40
     steps, before any decision: the forms' keys differ in bf16's last bits, which may turn a near tie of
     two errors (their choice is exact only as far as the values are)."""
-    from tests.conftest import module_and_native_steps, prompt_and_follow
+    from tests.conftest import native_after_prefill, prompt_and_follow
     cfg = dict(SPARSE_NATIVE[case])
     dtype = cfg.pop("dtype", torch.float32)
     model = tiny_model(**{"attention": "linear", "num_key_value_heads": 2, **cfg}).to(dtype)
     prompt, real, follow = prompt_and_follow(11, padded, follow=BLOCK + 6 if dtype == torch.float32 else 40)
-    ref, fast = model.init_state(3, 100), model.init_state(3, 100)
-    with torch.no_grad():
-        model.step(prompt, ref, valid=real)
-        fast.load_state_dict(ref.state_dict())
-        step = Stepper(model, "native", threads=2)
-        a, b = module_and_native_steps(model, step, ref, fast, follow)
+    ref, fast, a, b = native_after_prefill(model, prompt, real, follow, 100)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     assert max_diff(a, b) <= tol
     lin_ref, lin_fast = (s.parts[-1] if s.path == "hybrid" else s for s in (ref, fast))

@@ -7,7 +7,8 @@ from engine.attention.linear import CHUNK
 from engine.attention.window import window_attention, window_linear_reference
 from engine.attention.feature_maps import get_feature_map
 from engine.steps import Stepper
-from tests.conftest import check_every_split, module_and_native_steps, prompt_and_follow, tiny_model
+from tests.conftest import (check_every_split, check_padded_pair_alone, native_after_prefill, prompt_and_follow,
+                            tiny_model)
 
 
 def max_diff(a, b):
@@ -79,18 +80,7 @@ def test_padded_batch_equals_each_alone(backend):
     from engine.steps import Stepper
     model = tiny_model(num_key_value_heads=2, window=4, feature_map="softmax")
     step = Stepper(model, backend)
-    a, b = [5, 6, 7, 8, 9, 10, 11], [3, 4, 5]
-    batch = torch.tensor([a, [0] * 4 + b])
-    real = torch.tensor([[True] * 7, [False] * 4 + [True] * 3])
-    state = model.init_state(2, None, "linear")
-    out = step(batch, state, valid=real)
-    nxt = [step(torch.tensor([[12 + i], [20 + i]]), state) for i in range(6)]
-    for row, ids, base in ((0, a, 12), (1, b, 20)):
-        alone = model.init_state(1, None, "linear")
-        o = model.step(torch.tensor([ids]), alone)
-        assert max_diff(out[row, -1], o[0, -1]) <= 1e-5
-        for i in range(6):
-            assert max_diff(nxt[i][row], model.step(torch.tensor([[base + i]]), alone)[0]) <= 1e-5
+    check_padded_pair_alone(model, step, [5, 6, 7, 8, 9, 10, 11], [3, 4, 5], 6)
 
 
 def test_state_is_constant_in_the_context():
@@ -127,14 +117,11 @@ def test_native_step_equals_module_path(case, padded):
     dtype = cfg.pop("dtype", torch.float32)
     model = tiny_model(**{"attention": "linear", "num_key_value_heads": 2, **cfg}).to(dtype)
     prompt, real, follow = prompt_and_follow(11, padded)
-    ref, fast = model.init_state(3, 32), model.init_state(3, 32)
-    model.step(prompt, ref, valid=real)
-    fast.load_state_dict(ref.state_dict())
-    step = Stepper(model, "native", threads=2)
-    a, b = module_and_native_steps(model, step, ref, fast, follow)
+    ref, fast, a, b = native_after_prefill(model, prompt, real, follow, 32)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     assert max_diff(a, b) <= tol
     first = next(iter(ref.state_dict()["tensors"]))   # the state's first tensor, as far as it is written
     want, got = ref.state_dict()["tensors"][first], fast.state_dict()["tensors"][first]
     assert max_diff(want, got) <= tol * (1 + want.abs().max().item())
+    step = Stepper(model, "native", threads=2)
     assert step(prompt, model.init_state(3, 32), last_only=True) is not None and step.last_prefill_form == "module"

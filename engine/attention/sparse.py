@@ -33,9 +33,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.base import State, take_rows
-from engine.attention.feature_maps import FeatureMap, get_feature_map, state_dtype
+from engine.attention.feature_maps import FeatureMap, state_dtype
 from engine.attention.linear import EPS, as_feature_map, fp32_under_autocast
-from engine.attention.window import refuse_decay
+from engine.attention.window import refuse_decay, saved_state
 
 BLOCK = 64   # tokens between two decisions of what the cache keeps
 NEG = float("-inf")
@@ -206,15 +206,7 @@ class SparseWindowState(State):
 
     @classmethod
     def from_state_dict(cls, sd, max_len: int | None = None, device=None, feature_map=None) -> "SparseWindowState":
-        t, meta = sd["tensors"], sd["meta"]
-        device = device or t["S"].device
-        ids = meta.get("layer_ids")
-        out = cls(lengths=torch.zeros(t["S"].shape[1], dtype=torch.long, device=device), slots=0,
-                  **{n: torch.zeros_like(t[n], device=device) for n in cls.NAMES}, window=int(meta["window"]),
-                  feature_map=feature_map or get_feature_map(meta["feature_map"]),
-                  layer_ids=None if ids is None else tuple(ids))
-        out.load_state_dict(sd)
-        return out
+        return saved_state(cls, sd, cls.NAMES, device, feature_map, window=int(sd["meta"]["window"]))
 
     def attend(self, layer: int, q, k, v, span):
         """q (B, H, T, D); k, v (B, Hkv, T, D) -> (B, H, T, D) in q's dtype; pads get zeros."""

@@ -109,15 +109,7 @@ class WindowState(State):
     def from_state_dict(cls, sd, max_len: int | None = None, device=None, feature_map=None) -> "WindowState":
         """A new state from `state_dict()` output (`max_len` is ignored: the state does not grow).
         feature_map: the map object to run (a model's learned maps); default: the fixed map saved by name."""
-        t, meta = sd["tensors"], sd["meta"]
-        device = device or t["S"].device
-        ids = meta.get("layer_ids")
-        out = cls(lengths=torch.zeros(t["S"].shape[1], dtype=torch.long, device=device), slots=0,
-                  **{n: torch.zeros_like(t[n], device=device) for n in ("S", "z", "wk", "wv", "wreal")},
-                  feature_map=feature_map or get_feature_map(meta["feature_map"]),
-                  layer_ids=None if ids is None else tuple(ids))
-        out.load_state_dict(sd)
-        return out
+        return saved_state(cls, sd, ("S", "z", "wk", "wv", "wreal"), device, feature_map)
 
     def attend(self, layer: int, q, k, v, span):
         """q (B, H, T, D); k, v (B, Hkv, T, D) -> (B, H, T, D) in q's dtype."""
@@ -139,6 +131,20 @@ class WindowState(State):
         real = span.real if span.real is not None else self.wreal.new_ones(self.batch_size, span.length)
         self.wreal.copy_(torch.cat([self.wreal, real], 1)[:, span.length:])
         super().commit(span)
+
+
+def saved_state(cls, sd, names, device=None, feature_map=None, **fields):
+    """A `cls` state (batch and layers as saved) from `state_dict()` output: its tensors `names`, the
+    feature map (`feature_map`, else the fixed one saved by name), `fields`; loaded and checked."""
+    t, meta = sd["tensors"], sd["meta"]
+    device = device or t["S"].device
+    ids = meta.get("layer_ids")
+    out = cls(lengths=torch.zeros(t["S"].shape[1], dtype=torch.long, device=device), slots=0,
+              **{n: torch.zeros_like(t[n], device=device) for n in names},
+              feature_map=feature_map or get_feature_map(meta["feature_map"]),
+              layer_ids=None if ids is None else tuple(ids), **fields)
+    out.load_state_dict(sd)
+    return out
 
 
 def refuse_decay(fmap: FeatureMap) -> FeatureMap:
