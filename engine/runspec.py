@@ -255,12 +255,16 @@ class RunSpec:
                                    feature_map=feature_map or self.feature_map)
 
     def for_request(self, cfg: ModelConfig, attention: str | None = None, softmax_layers=None,
-                    window: int | None = None) -> "RunSpec":
+                    window: int | None = None, sparse_keys: int | None = None) -> "RunSpec":
         """This spec with a request's attention options resolved against `cfg` (the checkpoint's config)
-        exactly as `resolve` does for the CLI: none given, this spec unchanged."""
+        exactly as `resolve` does for the CLI: none given, this spec unchanged; `sparse_keys` alone, this
+        spec's mode with that many sparse keys (it needs linear layers with a window)."""
         if attention is None and softmax_layers is None and window is None:
-            return self
-        return dataclasses.replace(self, **resolve_mode(cfg, attention, softmax_layers, window))
+            if sparse_keys is None:
+                return self
+            mode = self.run_config(cfg)
+            return dataclasses.replace(self, **resolve_mode(mode, None, None, None, sparse_keys))
+        return dataclasses.replace(self, **resolve_mode(cfg, attention, softmax_layers, window, sparse_keys))
 
     def layer_paths(self, num_layers: int) -> tuple[str, ...]:
         """Per layer "softmax" or "linear" (a window does not change a layer's path)."""

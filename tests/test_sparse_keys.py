@@ -273,3 +273,29 @@ def test_the_page_names_the_servers_sparse_cache_where_its_panes_differ_by_it():
     assert "2 sparse keys" in offered["default"]["label"] and "sparse" not in offered["linear"]["label"]
     spec = llm.spec.for_request(llm.model.config, offered["linear"]["attention"], None, offered["linear"]["window"])
     assert spec.sparse_keys == 0 and llm.spec.sparse_keys == 2
+
+
+def test_a_server_request_names_its_sparse_keys(small_model_dir):
+    """`sparse_keys` in a request, alone (the server's mode with that many) or with its own window: the
+    greedy text of `load(..., sparse_keys=M)`; without a window, or negative, a 400 naming the field."""
+    httpx = pytest.importorskip("httpx")
+    from engine.api import load
+    from engine.serve import Server
+    from test_serve_support import NAME, LiveServer
+    srv = LiveServer(Server(load(str(small_model_dir), attention="linear", window=4), NAME))
+    prompt = "the cat sat on the mat and then " * 2   # ~56 tokens: the decision at 64 falls in the generation
+    try:
+        for extra, want in (({"sparse_keys": 2}, dict(window=4, sparse_keys=2)),
+                            ({"attention": "linear", "window": 6, "sparse_keys": 3}, dict(window=6, sparse_keys=3)),
+                            ({}, dict(window=4))):
+            body = {"model": NAME, "prompt": prompt, "max_tokens": 20, "temperature": 0, "ignore_eos": True, **extra}
+            r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            alone = load(str(small_model_dir), attention="linear", **want)
+            assert r.json()["choices"][0]["text"] == alone.generate(prompt, max_new_tokens=20, temperature=0,
+                                                                    ignore_eos=True).text
+        for extra in ({"attention": "softmax", "sparse_keys": 2}, {"sparse_keys": -1}):
+            r = httpx.post(srv.url + "/v1/completions", json={"model": NAME, "prompt": "hi", **extra}, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "sparse_keys", r.text
+    finally:
+        srv.stop()

@@ -59,6 +59,7 @@ class Sampling(BaseModel):
     attention: str | None = None
     softmax_layers: str | list[int] | None = None
     window: int | None = None
+    sparse_keys: int | None = None    # with a window: hard keys per linear layer and head kept exact
     ignore_eos: bool = False          # as vLLM: run to max_tokens (benchmarks)
 
     @field_validator("response_format")

@@ -149,17 +149,18 @@ class Server:
         return jobs[0]
 
     def request_spec(self, req):
-        """The run a request asks for: its attention, softmax_layers and window resolved against the
+        """The run a request asks for: its attention, softmax_layers, window and sparse_keys resolved against the
         checkpoint's config by the rules `gen --attention ...` goes through (RunSpec.for_request), so
         `attention: linear` means on this model what `gen --attention linear` means; none given: the
         server's own run. A bad value, or a run needing a set of learned maps this server did not
         load, is a 400 naming the field."""
         try:
-            spec = self.llm.spec.for_request(self.llm.model.config, req.attention, req.softmax_layers, req.window)
+            spec = self.llm.spec.for_request(self.llm.model.config, req.attention, req.softmax_layers, req.window,
+                                             req.sparse_keys)
         except EngineError as e:
             text = str(e)
             first = text.split(" ", 1)[0]
-            param = ("window" if first == "--window" else
+            param = ("window" if first == "--window" else "sparse_keys" if first == "--sparse-keys" else
                      "softmax_layers" if first == "--softmax-layers" or text.startswith("softmax layer ")
                      else "attention")
             raise bad_request(text, param, "invalid_value") from None
