@@ -50,7 +50,13 @@ def specs(model: str, paths: list[str], n: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     return [{"model": model, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": rng.randint(8, 48),
              "temperature": 0 if i % 2 == 0 else 0.8, "seed": i, "stream": True, "logprobs": 0,
-             "ignore_eos": True, "attention": paths[(i // 2) % len(paths)]} for i in range(n)]
+             "ignore_eos": True, **attention(paths[(i // 2) % len(paths)])} for i in range(n)]
+
+
+def attention(path: str) -> dict:
+    """A request's "attention" field for a path; "default": none (the server's own run, e.g. a
+    linearized model's hybrid + window + sparse keys)."""
+    return {} if path == "default" else {"attention": path}
 
 
 def long_specs(model: str, paths: list[str], tokens: int) -> list[dict]:
@@ -59,7 +65,7 @@ def long_specs(model: str, paths: list[str], tokens: int) -> list[dict]:
     for k, path in enumerate(paths):
         rng = random.Random(100 + k)
         out.append({"model": model, "prompt": [rng.randrange(100, 4000) for _ in range(tokens)], "max_tokens": 8,
-                    "temperature": 0, "stream": True, "logprobs": 0, "ignore_eos": True, "attention": path})
+                    "temperature": 0, "stream": True, "logprobs": 0, "ignore_eos": True, **attention(path)})
     return out
 
 
@@ -204,7 +210,7 @@ class Soak:
                 delay = rng.uniform(0.02, 0.2) if slow else 0.0
                 got = await stream_one(client, self.url, spec, read_delay=delay)
                 if self.check(got, self.ref[i], f"spec {i}" + (" (slow reader)" if slow else ""), slow,
-                              spec["attention"]):
+                              spec.get("attention", "default")):
                     self.counts["completed"] += 1
                     self.counts["slow_completed"] += slow
 
@@ -216,7 +222,7 @@ class Soak:
             self.counts["flush_requests"] += 1
             ids = [100 + self.flushes % 3000, 100 + self.flushes // 3000]
             r = await client.post(self.url + "/v1/completions", json={
-                "model": self.a.model, "prompt": ids, "max_tokens": 1, "attention": self.long[0]["attention"]})
+                "model": self.a.model, "prompt": ids, "max_tokens": 1, **attention(self.long[0].get("attention", "default"))})
             if r.status_code != 200:
                 self.fail("flush", status=r.status_code, body=r.text[:200])
 
