@@ -299,3 +299,30 @@ def test_a_server_request_names_its_sparse_keys(small_model_dir):
             assert r.status_code == 400 and r.json()["error"]["param"] == "sparse_keys", r.text
     finally:
         srv.stop()
+
+
+@pytest.mark.usefixtures("native_built")
+@pytest.mark.parametrize("chunk", [0, 16, 37], ids=lambda c: f"chunk{c}")
+@pytest.mark.parametrize("hybrid", [False, True], ids=["linear", "hybrid"])
+def test_native_prompt_blocks_split_at_the_decisions(chunk, hybrid):
+    """A 150-token prompt read by the C step (in blocks of `chunk` tokens, split at every 64th position
+    where the decisions run in between), then 20 native steps: the module path's logits, cache and S."""
+    from tests.conftest import module_and_native_steps
+    extra = dict(attention="hybrid", num_hidden_layers=3, layer_attention=("linear", "softmax", "linear")) \
+        if hybrid else dict(attention="linear")
+    model = tiny_model(num_key_value_heads=2, window=5, sparse_keys=3, feature_map="hedgehog",
+                       max_position_embeddings=512, **extra)
+    g = torch.Generator().manual_seed(7)
+    prompt, follow = torch.randint(0, 97, (1, 150), generator=g), torch.randint(0, 97, (1, 20), generator=g)
+    step = Stepper(model, "native", threads=2, prefill_chunk=chunk)
+    ref, fast = model.init_state(1, 256), model.init_state(1, 256)
+    with torch.no_grad():
+        want = model.step(prompt, ref)[:, -1]
+        got = step(prompt, fast, last_only=True)[:, -1]
+        assert step.last_prefill_form == "native"
+        assert max_diff(got, want) <= 1e-4
+        a, b = module_and_native_steps(model, step, ref, fast, follow)
+    assert max_diff(a, b) <= 1e-4
+    lin_ref, lin_fast = (s.parts[-1] if s.path == "hybrid" else s for s in (ref, fast))
+    assert torch.equal(lin_ref.cuse, lin_fast.cuse) and bool(lin_ref.cuse.all())
+    assert max_diff(lin_ref.S, lin_fast.S) <= 1e-4 * (1 + lin_ref.S.abs().max().item())

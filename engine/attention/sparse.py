@@ -235,11 +235,15 @@ class SparseWindowState(State):
         `attend` would have."""
         crossed = (self.lengths % BLOCK == 0) & (self.lengths == before + 1)
         for b in [int(i) for i in torch.nonzero(crossed).flatten()]:
-            e = int(self.lengths[b])
-            for layer in range(self.S.shape[0]):
-                mem = self._memory(layer, b, min(e, self.window + BLOCK - 1))
-                decide(mem, e, self.feature_map, self._model_layer(layer), self.window)
-                self._store(layer, b, mem)
+            self.decide_at(b, int(self.lengths[b]))
+
+    def decide_at(self, b: int, e: int) -> None:
+        """Row b's decision at its position e (a multiple of BLOCK), in every layer, its recent keys
+        appended up to e (a C step or a native prompt block left it)."""
+        for layer in range(self.S.shape[0]):
+            mem = self._memory(layer, b, min(e, self.window + BLOCK - 1))
+            decide(mem, e, self.feature_map, self._model_layer(layer), self.window)
+            self._store(layer, b, mem)
 
     def _model_layer(self, layer: int) -> int:
         return layer if self.layer_ids is None else self.layer_ids[layer]

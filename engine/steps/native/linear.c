@@ -208,14 +208,16 @@ void window_attention(const Plan *p, int l, int ml) {
 /* Sliding window + a sparse cache of hard keys, one token per row (engine/attention/sparse.py with
  * T = 1): the query attends exactly to the row's held recent keys, its own and the cached ones in
  * use, and through phi to S, z, in one normalisation (as window_attention); then its key and value
- * join the recent ones (the held ones move one slot left). l: layer inside the state; ml: model layer. */
+ * join the recent ones (the held ones move one slot left). In a prompt plan the rows are one
+ * sequence's consecutive tokens, within one 64-token block (the caller splits there): row r sees the
+ * held keys and rows 0..r-1, appended in turn. l: layer inside the state; ml: model layer. */
 void sparse_attention(const Plan *p, int l, int ml) {
     const int D = p->D, F = p->F, R = p->R, M = p->M, G = p->H / p->Hkv, QKV = (p->H + 2 * p->Hkv) * D;
     float *phi_q = p->tscratch + att_scratch(p) + F + 1, *sc = phi_q + F + 1;
     float *krow = sc + R + M + 1, *vrow = krow + D;
     const size_t row_bytes = (size_t)D * (p->w_type == T_F32 ? 4 : 2);
     for (int b = 0; b < p->B; b++) {
-        const int cb = cache_seq(p, b), h = p->sp_held[cb];
+        const int cb = cache_seq(p, b), h = p->sp_held[cb] + (prompt_plan(p) ? b : 0);
         const float *q = p->qkv_out + (size_t)b * QKV, *k = q + p->H * D, *v = k + p->Hkv * D;
         for (int g = 0; g < p->Hkv; g++) {
             const size_t sg = ((size_t)l * cache_batch(p) + cb) * p->Hkv + g, rb = sg * R * D, cbase = sg * M * D;

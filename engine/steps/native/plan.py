@@ -16,7 +16,7 @@ import operator
 import torch
 
 from engine.attention.linear import EPS
-from engine.attention.sparse import SparseWindowState
+from engine.attention.sparse import BLOCK as SPARSE_BLOCK, SparseWindowState, held
 from engine.steps.native.abi import MODES, TYPES, Mat, NativeUnavailableError, Plan, bind, mat, ptr
 from engine.steps.native.cases import kv_rows, learned_maps, state_parts
 from engine.steps.native.weights import DerivedWeights, layer_modules, matrix
@@ -263,9 +263,15 @@ class NativeDecoder:
             cos, sin = self.model.rotary.table(span.start + T, tokens.device, torch.float32)   # (S, D)
         logits = torch.empty(B, 1, self.V)
         row_bytes = 8 * T
+        sparse = self.sparse_part(state)   # its blocks split at the rows' decisions, which run in between
         for b in range(B):
-            for t0 in range(0, T, PREFILL_ROWS):
+            t0 = 0
+            while t0 < T:
                 n = min(PREFILL_ROWS, T - t0)
+                if sparse is not None:
+                    pos = int(sparse.lengths[b]) + t0
+                    n = min(n, SPARSE_BLOCK - pos % SPARSE_BLOCK)
+                    self.sp_held[b] = held(pos, sparse.window)
                 slot = span.start + t0
                 rope = (None, None) if cos is None else (cos[slot].data_ptr(), sin[slot].data_ptr())
                 out = logits[b].data_ptr() if head and t0 + n == T else None   # the head for the last block only
@@ -274,6 +280,9 @@ class NativeDecoder:
                     self.library.gen_prefill_layers(ref, PREFILL_ROWS, n, ids.data_ptr() + b * row_bytes + 8 * t0,
                                                     slot, *rope, None, out, l0, min(l0 + layers, self.L))
                     yield
+                if sparse is not None and (pos + n) % SPARSE_BLOCK == 0:
+                    sparse.decide_at(b, pos + n)
+                t0 += n
         state.commit(span)
         return logits if head else None
 

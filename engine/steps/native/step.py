@@ -6,6 +6,7 @@ import weakref
 import torch
 
 import engine.steps.native as package   # its EXACT16 / REGROUP, read when a step is made (see _switch)
+from engine.attention.sparse import SparseWindowState
 from engine.quant import QuantLinear
 from engine.runspec import check_activations
 from engine.steps.native.abi import bind
@@ -78,7 +79,8 @@ class NativeStep:
         tokens); fp32 MKL and bf16 oneDNN prompt blocks are faster than this step's row dots."""
         if state.padded:
             return "a prompt block on a state with pads runs the module path"
-        if getattr(state_parts(state)[1], "path", None) == "window":
+        lin = state_parts(state)[1]
+        if getattr(lin, "path", None) == "window" and not isinstance(lin, SparseWindowState):
             return "prompt blocks of window states run the module path"
         if fastest and self.model.embed_tokens.weight.dtype != torch.float16 and not self._quantized():
             return "prompt blocks of fp32 and bf16 weights are faster on PyTorch's GEMMs"
