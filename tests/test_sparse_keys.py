@@ -326,3 +326,29 @@ def test_native_prompt_blocks_split_at_the_decisions(chunk, hybrid):
     lin_ref, lin_fast = (s.parts[-1] if s.path == "hybrid" else s for s in (ref, fast))
     assert torch.equal(lin_ref.cuse, lin_fast.cuse) and bool(lin_ref.cuse.all())
     assert max_diff(lin_ref.S, lin_fast.S) <= 1e-4 * (1 + lin_ref.S.abs().max().item())
+
+
+@pytest.mark.usefixtures("native_built")
+@pytest.mark.parametrize("chunk", [16, 37, 64], ids=lambda c: f"chunk{c}")
+@pytest.mark.parametrize("hybrid", [False, True], ids=["linear", "hybrid"])
+def test_native_prompt_blocks_of_plain_window_states(chunk, hybrid):
+    """Without a sparse cache: blocks of at most 64 tokens run on the C step (row r reads the pad mask
+    r slots on), longer ones on the module path; both then step natively as the module path does."""
+    from tests.conftest import module_and_native_steps
+    extra = dict(attention="hybrid", num_hidden_layers=3, layer_attention=("linear", "softmax", "linear")) \
+        if hybrid else dict(attention="linear")
+    model = tiny_model(num_key_value_heads=2, window=5, feature_map="hedgehog", max_position_embeddings=512, **extra)
+    g = torch.Generator().manual_seed(8)
+    prompt, follow = torch.randint(0, 97, (1, 90), generator=g), torch.randint(0, 97, (1, 12), generator=g)
+    step = Stepper(model, "native", threads=2, prefill_chunk=chunk)
+    ref, fast = model.init_state(1, 256), model.init_state(1, 256)
+    with torch.no_grad():
+        want = model.step(prompt, ref)[:, -1]
+        got = step(prompt, fast, last_only=True)[:, -1]
+        assert step.last_prefill_form == "native"
+        assert max_diff(got, want) <= 1e-4
+        a, b = module_and_native_steps(model, step, ref, fast, follow)
+        assert max_diff(a, b) <= 1e-4
+        whole = Stepper(model, "native", threads=2, prefill_chunk=0)
+        whole(prompt, model.init_state(1, 256), last_only=True)
+        assert whole.last_prefill_form == "module"   # 90 tokens in one block: over 64

@@ -158,10 +158,14 @@ void window_attention(const Plan *p, int l, int ml) {
         const int cb = cache_seq(p, b);
         const float *q = p->qkv_out + (size_t)b * QKV, *k = q + p->H * D, *v = k + p->Hkv * D;
         const uint8_t *wreal = p->wreal + (size_t)cb * W;
+        /* a prompt plan's row b is the block's token b: the rows before it moved the buffer b slots on
+         * (their keys real), while wreal is shifted only after the block (WindowState.commit) */
+        const int shift = prompt_plan(p) ? b : 0;
+#define WREAL(t) ((t) + shift < W ? wreal[(t) + shift] : 1)
         for (int g = 0; g < p->Hkv; g++) {
             const size_t sg = ((size_t)l * cache_batch(p) + cb) * p->Hkv + g, wb = sg * W * D;
             float *S = p->S + sg * F * D, *z = p->z + sg * F;
-            if (wreal[0]) {   /* the oldest key leaves the window: into S, z */
+            if (WREAL(0)) {   /* the oldest key leaves the window: into S, z */
                 load_row(p->wk, p->w_type, wb, D, krow);
                 load_row(p->wv, p->w_type, wb, D, vrow);
                 phi(p, ml, g, 0, krow, phi_k);
@@ -172,7 +176,7 @@ void window_attention(const Plan *p, int l, int ml) {
                 const float *qh = q + h * D;
                 float *out = p->att + (size_t)b * p->H * D + h * D, den = 0.0f, mx = -INFINITY;
                 for (int t = 1; t < W; t++) {   /* buffered keys 1..W-1, then the query's own */
-                    if (!wreal[t]) { sc[t] = -INFINITY; continue; }
+                    if (!WREAL(t)) { sc[t] = -INFINITY; continue; }
                     load_row(p->wk, p->w_type, wb + (size_t)t * D, D, krow);
                     sc[t] = dot_f32(qh, krow, D) * p->scale;
                     if (sc[t] > mx) mx = sc[t];
@@ -182,7 +186,7 @@ void window_attention(const Plan *p, int l, int ml) {
                 phi(p, ml, h, 1, qh, phi_q);
                 den = read_state(S, z, phi_q, F, D, out);
                 for (int t = 1; t <= W; t++) {
-                    if (t < W && !wreal[t]) continue;
+                    if (t < W && !WREAL(t)) continue;
                     const float a = expf(sc[t] - mx);
                     const float *vt = vrow;
                     if (t < W) load_row(p->wv, p->w_type, wb + (size_t)t * D, D, vrow);
@@ -202,6 +206,7 @@ void window_attention(const Plan *p, int l, int ml) {
             store_row(p->wk, p->w_type, wb + (size_t)(W - 1) * D, D, k + g * D);
             store_row(p->wv, p->w_type, wb + (size_t)(W - 1) * D, D, v + g * D);
         }
+#undef WREAL
     }
 }
 

@@ -11,7 +11,7 @@ from engine.quant import QuantLinear
 from engine.runspec import check_activations
 from engine.steps.native.abi import bind
 from engine.steps.native.cases import state_parts, why_not
-from engine.steps.native.plan import NativeDecoder
+from engine.steps.native.plan import PREFILL_ROWS, NativeDecoder
 from engine.steps.native.weights import DerivedWeights
 from engine.threads import default_threads
 from models.pages import trim_heap
@@ -80,8 +80,10 @@ class NativeStep:
         if state.padded:
             return "a prompt block on a state with pads runs the module path"
         lin = state_parts(state)[1]
-        if getattr(lin, "path", None) == "window" and not isinstance(lin, SparseWindowState):
-            return "prompt blocks of window states run the module path"
+        if getattr(lin, "path", None) == "window" and not isinstance(lin, SparseWindowState) \
+                and tokens.shape[1] > PREFILL_ROWS:
+            return (f"prompt blocks of window states longer than {PREFILL_ROWS} tokens run the module path (their "
+                    f"pad mask moves once a block)")
         if fastest and self.model.embed_tokens.weight.dtype != torch.float16 and not self._quantized():
             return "prompt blocks of fp32 and bf16 weights are faster on PyTorch's GEMMs"
         return self.why_not(state, tokens)
