@@ -301,19 +301,17 @@ def test_a_server_request_names_its_sparse_keys(small_model_dir):
         srv.stop()
 
 
-@pytest.mark.usefixtures("native_built")
-@pytest.mark.parametrize("chunk", [0, 16, 37], ids=lambda c: f"chunk{c}")
-@pytest.mark.parametrize("hybrid", [False, True], ids=["linear", "hybrid"])
-def test_native_prompt_blocks_split_at_the_decisions(chunk, hybrid):
-    """A 150-token prompt read by the C step (in blocks of `chunk` tokens, split at every 64th position
-    where the decisions run in between), then 20 native steps: the module path's logits, cache and S."""
+def native_prompt_then_steps(hybrid: bool, chunk: int, tokens: int, follow: int, seed: int, **cfg):
+    """A `tokens`-token prompt read by the C step in blocks of `chunk` tokens (0: one), then `follow`
+    native steps, against the module path on a twin state (tiny model, window 5, learned maps; hybrid:
+    layers linear, softmax, linear). Returns (model, module state, native state)."""
     from tests.conftest import module_and_native_steps
     extra = dict(attention="hybrid", num_hidden_layers=3, layer_attention=("linear", "softmax", "linear")) \
         if hybrid else dict(attention="linear")
-    model = tiny_model(num_key_value_heads=2, window=5, sparse_keys=3, feature_map="hedgehog",
-                       max_position_embeddings=512, **extra)
-    g = torch.Generator().manual_seed(7)
-    prompt, follow = torch.randint(0, 97, (1, 150), generator=g), torch.randint(0, 97, (1, 20), generator=g)
+    model = tiny_model(num_key_value_heads=2, window=5, feature_map="hedgehog", max_position_embeddings=512,
+                       **extra, **cfg)
+    g = torch.Generator().manual_seed(seed)
+    prompt, rest = torch.randint(0, 97, (1, tokens), generator=g), torch.randint(0, 97, (1, follow), generator=g)
     step = Stepper(model, "native", threads=2, prefill_chunk=chunk)
     ref, fast = model.init_state(1, 256), model.init_state(1, 256)
     with torch.no_grad():
@@ -321,8 +319,18 @@ def test_native_prompt_blocks_split_at_the_decisions(chunk, hybrid):
         got = step(prompt, fast, last_only=True)[:, -1]
         assert step.last_prefill_form == "native"
         assert max_diff(got, want) <= 1e-4
-        a, b = module_and_native_steps(model, step, ref, fast, follow)
+        a, b = module_and_native_steps(model, step, ref, fast, rest)
     assert max_diff(a, b) <= 1e-4
+    return model, prompt, ref, fast
+
+
+@pytest.mark.usefixtures("native_built")
+@pytest.mark.parametrize("chunk", [0, 16, 37], ids=lambda c: f"chunk{c}")
+@pytest.mark.parametrize("hybrid", [False, True], ids=["linear", "hybrid"])
+def test_native_prompt_blocks_split_at_the_decisions(chunk, hybrid):
+    """A 150-token prompt read by the C step (in blocks of `chunk` tokens, split at every 64th position
+    where the decisions run in between), then 20 native steps: the module path's logits, cache and S."""
+    _, _, ref, fast = native_prompt_then_steps(hybrid, chunk, 150, 20, 7, sparse_keys=3)
     lin_ref, lin_fast = (s.parts[-1] if s.path == "hybrid" else s for s in (ref, fast))
     assert torch.equal(lin_ref.cuse, lin_fast.cuse) and bool(lin_ref.cuse.all())
     assert max_diff(lin_ref.S, lin_fast.S) <= 1e-4 * (1 + lin_ref.S.abs().max().item())
@@ -334,21 +342,8 @@ def test_native_prompt_blocks_split_at_the_decisions(chunk, hybrid):
 def test_native_prompt_blocks_of_plain_window_states(chunk, hybrid):
     """Without a sparse cache: blocks of at most 64 tokens run on the C step (row r reads the pad mask
     r slots on), longer ones on the module path; both then step natively as the module path does."""
-    from tests.conftest import module_and_native_steps
-    extra = dict(attention="hybrid", num_hidden_layers=3, layer_attention=("linear", "softmax", "linear")) \
-        if hybrid else dict(attention="linear")
-    model = tiny_model(num_key_value_heads=2, window=5, feature_map="hedgehog", max_position_embeddings=512, **extra)
-    g = torch.Generator().manual_seed(8)
-    prompt, follow = torch.randint(0, 97, (1, 90), generator=g), torch.randint(0, 97, (1, 12), generator=g)
-    step = Stepper(model, "native", threads=2, prefill_chunk=chunk)
-    ref, fast = model.init_state(1, 256), model.init_state(1, 256)
+    model, prompt, _, _ = native_prompt_then_steps(hybrid, chunk, 90, 12, 8)
+    whole = Stepper(model, "native", threads=2, prefill_chunk=0)
     with torch.no_grad():
-        want = model.step(prompt, ref)[:, -1]
-        got = step(prompt, fast, last_only=True)[:, -1]
-        assert step.last_prefill_form == "native"
-        assert max_diff(got, want) <= 1e-4
-        a, b = module_and_native_steps(model, step, ref, fast, follow)
-        assert max_diff(a, b) <= 1e-4
-        whole = Stepper(model, "native", threads=2, prefill_chunk=0)
         whole(prompt, model.init_state(1, 256), last_only=True)
-        assert whole.last_prefill_form == "module"   # 90 tokens in one block: over 64
+    assert whole.last_prefill_form == "module"   # 90 tokens in one block: over 64
