@@ -273,12 +273,17 @@ class RunSpec:
     def run_config(self, cfg: ModelConfig) -> ModelConfig:
         """`cfg` with this run's attention, layers and window (for formulas that read a config)."""
         return cfg.replace(attention=self.attention, layer_attention=self.layer_attention, window=self.linear_window,
-                           sparse_keys=self.sparse_keys if self.linear_window else 0)
+                           sparse_keys=self.linear_sparse_keys)
 
     @property
     def linear_window(self) -> int:
         """The window the linear layers run with (0: none, and always 0 on the softmax path)."""
         return self.window if self.attention != "softmax" else 0
+
+    @property
+    def linear_sparse_keys(self) -> int:
+        """The sparse keys the linear layers keep (0 without a linear window, where there is nothing to keep)."""
+        return self.sparse_keys if self.linear_window else 0
 
     @property
     def mode(self) -> tuple:
@@ -290,7 +295,7 @@ class RunSpec:
         if self.attention == "hybrid":
             out += f" (softmax layers {','.join(str(i) for i, p in enumerate(self.layer_attention) if p == 'softmax')})"
         out += f" + window {self.window}" if self.window else ""
-        return out + (f" + {self.sparse_keys} sparse keys" if self.sparse_keys and self.linear_window else "")
+        return out + (f" + {self.linear_sparse_keys} sparse keys" if self.linear_sparse_keys else "")
 
 
 def map_set_for(attention: str, window: int) -> str | None:

@@ -347,7 +347,7 @@ class Transformer(nn.Module):
                               device or self.device, dtype or self.dtype, feature_map=fmap,
                               layer_attention=run.layer_attention, window=run.window,
                               kv_dtype=kv_dtype or (run.kv_dtype if dtype is None else None),
-                              sparse_keys=run.sparse_keys if run.linear_window else 0)
+                              sparse_keys=run.linear_sparse_keys)
 
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor, state: State, valid: torch.Tensor | None = None,

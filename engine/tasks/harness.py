@@ -38,8 +38,8 @@ def configuration(llm, model: str, dtype: str | None = None, quantize: str | Non
            "window": spec.linear_window, "feature_map": llm.feature_map or (spec.feature_map if "linear" in paths
                                                                                   else None),
            "dtype": str(dtype or "float32"), "quantize": quantize, "context": context}
-    if spec.linear_window and spec.sparse_keys:   # named only when on: earlier results keep their file names
-        out["sparse_keys"] = spec.sparse_keys
+    if spec.linear_sparse_keys:   # named only when on: earlier results keep their file names
+        out["sparse_keys"] = spec.linear_sparse_keys
     return out
 
 

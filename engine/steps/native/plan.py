@@ -165,7 +165,8 @@ class NativeDecoder:
                       q8_acts=int(q8))
         if lin is not None:
             fields.update(S=ptr(lin.S), z=ptr(lin.z))
-        if isinstance(lin, SparseWindowState):   # W stays 0: the recent keys are rk, rv
+        self.sparse = lin if isinstance(lin, SparseWindowState) else None   # a plan serves one state
+        if self.sparse is not None:   # W stays 0: the recent keys are rk, rv
             self.sp_held = torch.zeros(self.cache_rows, dtype=torch.int32)
             fields.update(rk=lin.rk.data_ptr(), rv=lin.rv.data_ptr(), ck=lin.ck.data_ptr(), cv=lin.cv.data_ptr(),
                           cuse=lin.cuse.data_ptr(), sp_held=self.sp_held.data_ptr(), R=lin.rk.shape[3],
@@ -263,7 +264,7 @@ class NativeDecoder:
             cos, sin = self.model.rotary.table(span.start + T, tokens.device, torch.float32)   # (S, D)
         logits = torch.empty(B, 1, self.V)
         row_bytes = 8 * T
-        sparse = self.sparse_part(state)   # its blocks split at the rows' decisions, which run in between
+        sparse = self.sparse   # its blocks split at the rows' decisions, which run in between
         for b in range(B):
             t0 = 0
             while t0 < T:
@@ -322,7 +323,7 @@ class NativeDecoder:
         if kv is not None:
             real = kv.slot_real.data_ptr()   # (B, S_max) bool, one byte each
         logits = torch.empty(self.B, 1, self.V)
-        sparse = self.sparse_part(state)
+        sparse = self.sparse
         if sparse is not None:
             before = sparse.lengths.clone()
             self.sp_held[:self.B].copy_(sparse.held_counts())
@@ -333,8 +334,3 @@ class NativeDecoder:
             sparse.decide_rows(before)
         return logits
 
-    @staticmethod
-    def sparse_part(state):
-        """The state's SparseWindowState (alone or a hybrid's linear part), else None."""
-        lin = state_parts(state)[1]
-        return lin if isinstance(lin, SparseWindowState) else None
