@@ -208,7 +208,7 @@ def check_control(a: LinearizeArgs) -> None:
         raise InvalidArgumentError("--control trains low-rank adapters in the finetune: give --lora-rank R and "
                                    "--finetune-steps N, as for the linearized run it is the control of")
     given = [flag for flag, on in (("--hybrid", a.hybrid), ("--window", a.window), ("--decay", a.decay),
-                                   ("--gate", a.gate), ("--init", a.init is not None),
+                                   ("--gate", a.gate),
                                    ("--finetune-linear-every", a.finetune_linear_every),
                                    ("--finetune-loss kl", a.finetune_loss == "kl")) if on]
     if given:
@@ -217,8 +217,20 @@ def check_control(a: LinearizeArgs) -> None:
 
 def init_config(a: LinearizeArgs) -> None:
     """Checks --init DIR against the run: a linearize output (config.json, maps, losses) made from the
-    same base model, with adapters of the run's --lora-rank (one line otherwise)."""
+    same base model, with adapters of the run's --lora-rank (one line otherwise). A --control run
+    continues a control: DIR holds adapters on every layer (config "adapters_on": "all") and no maps."""
     d = Path(a.init)
+    if a.control:
+        cfg = json.loads((d / "config.json").read_text(encoding="utf-8")) if (d / "config.json").is_file() else {}
+        if cfg.get("adapters_on") != "all" or not (d / "adapters.safetensors").is_file():
+            raise InvalidArgumentError(f"--init {d}: not a `gen linearize --control` output (a control continues "
+                                       "a control's adapters)")
+        if cfg.get("base_model") != a.model:
+            raise InvalidArgumentError(f"--init {d}: made from {cfg.get('base_model')!r}, not --model {a.model!r}")
+        if cfg.get("lora_rank") != a.lora_rank:
+            raise InvalidArgumentError(f"--init {d}: its adapters have rank {cfg.get('lora_rank')}; "
+                                       f"give --lora-rank {cfg.get('lora_rank')}")
+        return
     missing = [n for n in ("config.json", "maps.safetensors", "transfer_losses.json") if not (d / n).is_file()]
     if missing:
         raise InvalidArgumentError(f"--init {d}: not a `gen linearize` output (no {', '.join(missing)})")
@@ -388,6 +400,16 @@ def _linearize(a: LinearizeArgs, g: Group, log, on_step) -> dict | None:
         maps.add_parts_of(saved["maps"])
         maps.load_state_dict(saved["maps"])
         log(f"resuming: {state['layers_done']} layers transferred, {state['finetune_done']} finetune steps done")
+    elif a.control:   # no maps, no transfer: the adapters alone (a fresh pair, or --init's), softmax attention
+        saved = None
+        if a.init is not None:
+            init_lora = LoRA.for_config(cfg, a.lora_rank, a.seed)
+            init_lora.load_export(read_adapters(Path(a.init) / "adapters.safetensors", cfg))
+            saved = {"lora": init_lora.state_dict()}
+            log(f"starting from {a.init}: its adapters")
+        state = {"layers_done": L, "finetune_done": 0, "losses": [], "finetune_log": [], "seconds": 0.0,
+                 "args": asdict(a), "losses_measured": "none: a softmax control has no transfer"}
+        progress.save(state, {"maps": maps.state_dict(), **(saved or {})})
     elif a.init is not None:   # the transfer is the init's: its maps, adapters and per-layer losses
         d = Path(a.init)
         init_maps = {k.removeprefix("hedgehog."): v.float() for k, v in read_maps(d / "maps.safetensors", cfg).items()}
@@ -405,11 +427,6 @@ def _linearize(a: LinearizeArgs, g: Group, log, on_step) -> dict | None:
                  "args": asdict(a), "losses_measured": f"{losses['loss']} (the transfer of --init {d})"}
         progress.save(state, {"maps": maps.state_dict(), **(saved or {})})
         log(f"starting from {d}: its maps{' and adapters' if a.lora_rank else ''}, no transfer")
-    elif a.control:   # no maps, no transfer: the adapters alone, with softmax attention
-        state = {"layers_done": L, "finetune_done": 0, "losses": [], "finetune_log": [], "seconds": 0.0,
-                 "args": asdict(a), "losses_measured": "none: a softmax control has no transfer"}
-        saved = None
-        progress.save(state, {"maps": maps.state_dict()})
     else:
         state = {"layers_done": 0, "finetune_done": 0, "losses": [], "finetune_log": [], "seconds": 0.0,
                  "args": asdict(a)}

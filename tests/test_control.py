@@ -74,6 +74,30 @@ def test_control_refuses_what_it_cannot_be(small_model_dir, corpus, tmp_path, ex
     assert not out.exists()
 
 
+def test_control_continues_a_control(small_model_dir, corpus, tmp_path):  # noqa: F811
+    """--control --init DIR starts from DIR's adapters (a further stage trained alike to a linearized
+    set's further stage); a linearized output is not a control's start."""
+    from models.linearized import read_adapters
+    first = tmp_path / "first"
+    linearize(args(small_model_dir, corpus, first, control=True, lora_rank=4, finetune_steps=4, finetune_lr=1e-2),
+              log=lambda m: None)
+    more = tmp_path / "more"
+    linearize(args(small_model_dir, corpus, more, control=True, lora_rank=4, finetune_steps=1, finetune_lr=1e-9,
+                   init=str(first)), log=lambda m: None)
+    cfg = load_model(small_model_dir)[0].config
+    a, b = read_adapters(first / "adapters.safetensors", cfg), read_adapters(more / "adapters.safetensors", cfg)
+    for name in a:
+        assert b[name].abs().max() > 0 and torch.allclose(a[name].float(), b[name].float(), atol=1e-3), name
+    lin = tmp_path / "lin"
+    linearize(args(small_model_dir, corpus, lin, lora_rank=4, finetune_steps=1), log=lambda m: None)
+    with pytest.raises(InvalidArgumentError, match="not a `gen linearize --control` output"):
+        linearize(args(small_model_dir, corpus, tmp_path / "x", control=True, lora_rank=4, init=str(lin)),
+                  log=lambda m: None)
+    with pytest.raises(InvalidArgumentError, match="give --lora-rank 4"):
+        linearize(args(small_model_dir, corpus, tmp_path / "y", control=True, lora_rank=2, init=str(first)),
+                  log=lambda m: None)
+
+
 def test_control_cli(small_model_dir, corpus, tmp_path):  # noqa: F811
     r = cli("linearize", "--model", small_model_dir, "--data", corpus, "--out", tmp_path / "c", "--control")
     assert r.exit_code == 2 and "--lora-rank" in r.output
