@@ -125,3 +125,23 @@ def test_native_step_equals_module_path(case, padded):
     assert max_diff(want, got) <= tol * (1 + want.abs().max().item())
     step = Stepper(model, "native", threads=2)
     assert step(prompt, model.init_state(3, 32), last_only=True) is not None and step.last_prefill_form == "native"
+
+
+def test_gpu_block_length_gives_the_same_sums(monkeypatch):
+    """On a GPU the stateless forms run blocks of GPU_CHUNK (fewer kernel launches); the block length
+    changes only the order of the sums: both forms equal the reference with either length."""
+    import types
+    from engine.attention import linear as lin
+    from engine.attention import window as win
+    assert lin.stateless_chunk(types.SimpleNamespace(is_cuda=True)) == lin.GPU_CHUNK > CHUNK
+    assert lin.stateless_chunk(torch.zeros(1)) == CHUNK
+    g = torch.Generator().manual_seed(5)
+    T, W = lin.GPU_CHUNK + 77, 37
+    q, k, v = torch.randn(1, 4, T, 8, generator=g), torch.randn(1, 2, T, 8, generator=g), torch.randn(1, 2, T, 8, generator=g)
+    fm = get_feature_map("elu1")
+    for chunk in (CHUNK, lin.GPU_CHUNK):
+        monkeypatch.setattr(win, "stateless_chunk", lambda x, c=chunk: c)
+        monkeypatch.setattr(lin, "stateless_chunk", lambda x, c=chunk: c)
+        assert max_diff(window_attention(q, k, v, fm, W), window_linear_reference(q, k, v, fm, W)) <= 1e-5
+        ref = lin.linear_attention_reference(q, k, v, fm)[0]
+        assert max_diff(lin.linear_attention(q, k, v, fm), ref) <= 1e-5

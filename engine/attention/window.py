@@ -26,7 +26,7 @@ import torch
 
 from engine.attention.base import State, take_rows
 from engine.attention.feature_maps import FeatureMap, get_feature_map, state_dtype
-from engine.attention.linear import CHUNK, EPS, as_feature_map, fp32_under_autocast
+from engine.attention.linear import CHUNK, EPS, as_feature_map, fp32_under_autocast, stateless_chunk
 from engine.runspec import check_no_decay_with_window
 
 NEG = float("-inf")
@@ -237,5 +237,6 @@ def window_attention(q, k, v, fmap, window: int, valid=None, layer: int | None =
     valid = valid if valid is not None else torch.ones(B, T, dtype=torch.bool, device=q.device)
     key_real = torch.cat([valid.new_zeros(B, window), valid], 1)
     out, _, _ = window_linear_attention(q, torch.cat([pad_k, k], 2), torch.cat([pad_k, v], 2), key_real, fmap,
-                                        layer, q.new_zeros(B, Hkv, F_, D, dtype=sd), q.new_zeros(B, Hkv, F_, dtype=sd))
+                                        layer, q.new_zeros(B, Hkv, F_, D, dtype=sd), q.new_zeros(B, Hkv, F_, dtype=sd),
+                                        chunk=stateless_chunk(q))
     return out
