@@ -114,7 +114,7 @@ def _merged(base: nn.Module, a: torch.Tensor, b: torch.Tensor) -> nn.Module:
     merged = w.float() + b.float() @ a.float()
     if isinstance(base, QuantLinear) and base.in_features % QK == 0:
         return QuantLinear(quantize(merged, MERGED_KIND), MERGED_KIND, base.in_features, base.out_features,
-                           bias=base.bias)
+                           bias=base.bias, own=True)
     out = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
     out.weight = nn.Parameter(merged.to(w.dtype), requires_grad=False)
     if base.bias is not None:

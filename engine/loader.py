@@ -172,7 +172,8 @@ def quantized_matrices(hf_tensors, cfg: ModelConfig, device, interleaved_rotary:
             n.split(".", 3)[-1] in heads for n in names) else None
         if len(segments) == 1:
             blocks = span.view(out_features, -1) if span is not None else rows[0] if len(rows) == 1 else torch.cat(rows)
-            out[path] = QuantLinear(blocks.to(device), segments[0][0], shapes[names[0]][1], out_features, bias=bias)
+            out[path] = QuantLinear(blocks.to(device), segments[0][0], shapes[names[0]][1], out_features, bias=bias,
+                                    own=len(rows) > 1 and span is None)   # fused here: a copy of its own
         else:
             flat = span if span is not None else torch.cat([r.reshape(-1) for r in rows])
             out[path] = QuantStack(flat.to(device), segments, shapes[names[0]][1], bias=bias)

@@ -230,25 +230,87 @@ def linear_q8(x: torch.Tensor, blocks: torch.Tensor, kind: str, shape) -> torch.
     return (xs @ ws.T).float().reshape(*x.shape[:-1], rows)
 
 
+GROUP_HEAD = {"q4_1": 4, "q8_0": 2}   # the kinds `group_rows` lays out, and their blocks' head bytes
+
+
+def group_rows(blocks: torch.Tensor, rows: int, kind: str) -> torch.Tensor:
+    """q4_1 / q8_0 blocks (rows, row bytes) regrouped per row for the native step's grouped kernels
+    (gen.h T_Q4_1R / T_Q8_0R): q4_1 (20 bytes: f16 d, f16 m, 16 nibble bytes) as every (d, m) pair,
+    then every nibble block; q8_0 (34 bytes: f16 d, 32 int8) as every d, then every block's weights +
+    128 as u8 (the int8 bits with the top bit flipped). The kernels read 4 blocks' weights in one or
+    two loads. Written into the one new tensor (no temporaries: a copy of the model's size would
+    leave the heap fragmented after it is freed). `ungroup_rows` is its inverse."""
+    size, head = WIDE_BLOCK_BYTES[kind], GROUP_HEAD[kind]
+    per_row = blocks.reshape(rows, -1, size)
+    n = per_row.shape[1]
+    out = torch.empty(rows, n * size, dtype=torch.uint8, device=blocks.device)
+    out[:, :n * head].view(rows, n, head).copy_(per_row[:, :, :head])
+    body = out[:, n * head:].view(rows, n, size - head)
+    if kind == "q4_1":
+        body.copy_(per_row[:, :, head:])
+    else:
+        torch.bitwise_xor(per_row[:, :, head:], 128, out=body)
+    return out
+
+
+def ungroup_rows(grouped: torch.Tensor, rows: int, kind: str) -> torch.Tensor:
+    """The blocks as stored (rows, row bytes) from `group_rows`' layout: a new tensor, byte for byte."""
+    size, head = WIDE_BLOCK_BYTES[kind], GROUP_HEAD[kind]
+    g = grouped.reshape(rows, -1)
+    n = g.shape[1] // size
+    out = torch.empty(rows, n, size, dtype=torch.uint8, device=grouped.device)
+    out[:, :, :head].copy_(g[:, :n * head].view(rows, n, head))
+    body = g[:, n * head:].view(rows, n, size - head)
+    if kind == "q4_1":
+        out[:, :, head:].copy_(body)
+    else:
+        torch.bitwise_xor(body, 128, out=out[:, :, head:])
+    return out.reshape(rows, n * size)
+
+
 class QuantLinear(nn.Module):
     """A Linear whose weight is kept as quantized blocks (`blocks`, uint8); its bias, if any (Qwen2's
-    q/k/v), stays a float Parameter."""
+    q/k/v), stays a float Parameter.
+
+    own: the blocks are this module's own memory (a copy: fused parts, `--quantize`, merged
+    adapters), not a view of a checkpoint's map. Such q4_1 / q8_0 blocks may be held in the native
+    step's grouped layout instead (`group`, which that step calls: then it reads them as they are
+    instead of keeping a regrouped copy beside them; `grouped` says which); every PyTorch form reads
+    `stored_blocks()`, the blocks as stored either way."""
+    own = grouped = False   # (QuantStack and QuantEmbedding keep these defaults: never grouped)
 
     def __init__(self, blocks: torch.Tensor, kind: str, in_features: int, out_features: int,
-                 bias: torch.Tensor | None = None):
+                 bias: torch.Tensor | None = None, own: bool = False):
         super().__init__()
         self.kind, self.in_features, self.out_features = check_block_kind(kind), in_features, out_features
+        self.own, self.grouped = bool(own), False
         self.register_buffer("blocks", blocks)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, kind: str) -> "QuantLinear":
-        return cls(quantize(linear.weight, kind), kind, linear.in_features, linear.out_features, bias=linear.bias)
+        return cls(quantize(linear.weight, kind), kind, linear.in_features, linear.out_features, bias=linear.bias,
+                   own=True)
+
+    def stored_blocks(self) -> torch.Tensor:
+        """The blocks in their stored layout (a new tensor where they are held grouped)."""
+        return ungroup_rows(self.blocks, self.out_features, self.kind) if self.grouped else self.blocks
+
+    def group(self) -> bool:
+        """Hold own q4_1 / q8_0 blocks in `group_rows`' layout (the old tensor freed: one copy stays). True
+        where they are now grouped; False (nothing changed) for blocks viewing a checkpoint, another kind,
+        or a subclass."""
+        if not self.grouped and self.own and type(self) is QuantLinear and self.kind in GROUP_HEAD \
+                and self.blocks.is_contiguous():
+            with torch.no_grad():
+                self.blocks = group_rows(self.blocks, self.out_features, self.kind)
+            self.grouped = True
+        return self.grouped
 
     @property
     def weight(self) -> torch.Tensor:
         """The dequantized (out, in) fp32 weight (a new tensor each call)."""
-        return dequantize(self.blocks, self.kind, (self.out_features, self.in_features))
+        return dequantize(self.stored_blocks(), self.kind, (self.out_features, self.in_features))
 
     def forward(self, x):   # (..., in) -> (..., out), on the dequantized weights
         w, b = self.weight, self.bias
@@ -256,14 +318,14 @@ class QuantLinear(nn.Module):
                         else b.to(x.dtype))
 
     def extra_repr(self) -> str:
-        return f"{self.in_features}, {self.out_features}, {self.kind}"
+        return f"{self.in_features}, {self.out_features}, {self.kind}" + (", grouped" if self.grouped else "")
 
 
 class QuantLinearQ8(QuantLinear):
     """A QuantLinear computing as the native step does (`linear_q8`): the reference twin of qdot.c."""
 
     def forward(self, x):   # (..., in) -> (..., out)
-        y = linear_q8(x, self.blocks, self.kind, (self.out_features, self.in_features))
+        y = linear_q8(x, self.stored_blocks(), self.kind, (self.out_features, self.in_features))
         return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
 
 
@@ -395,7 +457,8 @@ def q8_reference(model):
     def q8(m):
         if type(m) is QuantStack:
             return QuantStackQ8(m.blocks, m.parts, m.in_features, m.bias)
-        return QuantLinearQ8(m.blocks, m.kind, m.in_features, m.out_features, m.bias) if type(m) is QuantLinear else m
+        return QuantLinearQ8(m.stored_blocks(), m.kind, m.in_features, m.out_features, m.bias) \
+            if type(m) is QuantLinear else m
 
     for name, module in list(ref.named_modules()):
         for child_name, child in list(module.named_children()):
@@ -428,7 +491,7 @@ def quantize_model(model, kind: str) -> list[str]:
             return QuantLinear.from_linear(module, kind)
         if isinstance(module, QuantLinear) and module.kind != kind:
             return QuantLinear(quantize(module.weight, kind), kind, module.in_features, module.out_features,
-                               bias=module.bias)
+                               bias=module.bias, own=True)
         return module
 
     with torch.no_grad():

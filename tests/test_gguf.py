@@ -167,6 +167,45 @@ def test_gguf_q4_1_decodes_natively_as_its_reference(tmp_path, model, tok_dir):
     assert worst <= 1e-5
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
+def test_fused_qkv_copy_is_held_once_grouped(tmp_path, model, tok_dir, qtype):
+    """The loader's fused q/k/v is a copy of its own (q/k rows permuted); the native step holds it in
+    its grouped layout in place (QuantLinear.group) instead of a regrouped copy beside it, and every
+    step form computes what the stored layout gives, bit for bit: f32-prompt (grouped kernels), f32
+    activations (the fp32 kernels read the grouped layout) and q8 with regroup off (a copy as stored)."""
+    from engine.steps.native import NativeStep, library
+    from engine.steps import NativeUnavailableError
+    try:
+        lib = library()
+    except NativeUnavailableError as e:
+        pytest.skip(f"native decode step unavailable here: {e}")
+    if not lib.gen_has_q4_1r():
+        pytest.skip("this build has no grouped kernels (AVX-512 VNNI): nothing is regrouped")
+    path = tmp_path / "m.gguf"
+    write_gguf(path, model, tok_dir, qtype_of=lambda name, shape: qtype)
+    (held, _), (beside, _) = load_model(path), load_model(path)
+    for b in beside.layers:
+        b.self_attn.qkv.own = False   # as before: the step makes a regrouped copy beside the model's
+
+    def run(net, **options):
+        step = NativeStep(net, threads=2, **options)
+        state = net.init_state(1, 32)
+        out = [step.prefill(torch.tensor([IDS[:5]]), state)]
+        out += [step(torch.tensor([[t]]), state) for t in IDS[5:]]
+        copies = [k for k, (_, _, c) in step.weights._cache.items() if c is not None]
+        return torch.cat(out, 1), copies
+
+    for options in ({"activations": "f32-prompt"}, {"activations": "f32"}, {"activations": "q8", "regroup": False}):
+        (got, copies), (want, copies_beside) = run(held, **options), run(beside, **options)
+        assert torch.equal(got, want), options
+        assert all(b.self_attn.qkv.grouped for b in held.layers) and not beside.layers[0].self_attn.qkv.grouped
+        qkv = {id(b.self_attn.qkv.blocks) for b in held.layers}
+        made = [k for k in copies if k[1] in qkv]
+        assert len(made) == (2 if options.get("regroup") is False else 0), options   # regroup off: as stored
+        if options["activations"] == "f32-prompt":   # beside: a regrouped copy of each layer's q/k/v too
+            assert len(copies_beside) == len(copies) + 2
+
+
 def test_config_from_metadata(tmp_path, model, tok_dir):
     path = tmp_path / "m.gguf"
     write_gguf(path, model, tok_dir)

@@ -90,7 +90,8 @@ def _all_attributes(model) -> dict:
 @pytest.mark.parametrize("weights", ["exact16", "q8_0"])
 def test_native_step_hangs_nothing_on_the_model(weights):
     """Building and running a NativeStep (prompt block on the pool, then steps) adds no attribute to
-    the model or any of its modules: the 16-bit copies and regrouped blocks live on the step."""
+    the model or any of its modules: the 16-bit copies and regrouped blocks live on the step (a
+    module's own q4_1 / q8_0 blocks may be held grouped: the same attributes, tests/test_gguf.py)."""
     model = tiny_model(num_key_value_heads=2)
     with torch.no_grad():
         for p in model.parameters():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.errors import InvalidArgumentError
-from engine.quant import (BLOCK_BYTES, QuantLinear, dequantize, linear_q8, q8_reference, quantize,
+from engine.quant import (BLOCK_BYTES, QuantLinear, QuantLinearQ8, dequantize, linear_q8, q8_reference, quantize,
                           quantize_activations, quantize_model)
 from engine.steps import Stepper
 from tests.conftest import tiny_model
@@ -221,3 +221,28 @@ def test_dequantize_model_gives_float_matrices_of_the_same_weights():
     after = dict(model.named_modules())
     assert before and all(type(after[n]) is torch.nn.Linear and torch.equal(after[n].weight, w) for n, w in before.items())
     assert model.weights_epoch > epoch
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_own_blocks_held_grouped_compute_as_stored(kind):
+    """QuantLinear.group holds a module's own q4_1 / q8_0 blocks in the native step's grouped layout
+    (ungroup_rows gives back the stored bytes exactly) and every PyTorch form computes from it as from
+    the stored blocks, bit for bit; blocks that view a checkpoint (own False) are never regrouped."""
+    from engine.quant import group_rows, ungroup_rows
+    torch.manual_seed(3)
+    lin = torch.nn.Linear(160, 24, bias=True)          # 5 blocks a row: a group of 4 and one past it
+    stored = QuantLinear.from_linear(lin, kind)
+    blocks = stored.blocks.clone()
+    assert torch.equal(ungroup_rows(group_rows(blocks, 24, kind), 24, kind), blocks)
+    assert not torch.equal(group_rows(blocks, 24, kind), blocks)
+    x = torch.randn(3, 160)
+    want_w, want_y, want_q8 = stored.weight, stored(x), linear_q8(x, blocks, kind, (24, 160)) + stored.bias
+    assert stored.own and stored.group() and stored.grouped
+    assert torch.equal(stored.blocks, group_rows(blocks, 24, kind)) and torch.equal(stored.stored_blocks(), blocks)
+    assert torch.equal(stored.weight, want_w) and torch.equal(stored(x), want_y)
+    twin = QuantLinearQ8(blocks.clone(), kind, 160, 24, bias=stored.bias, own=True)   # q8_reference's form
+    assert type(twin).group(twin) is False and torch.equal(twin(x), want_q8)          # a subclass: never grouped
+    twin.grouped, twin.blocks = True, group_rows(blocks, 24, kind)                     # were it grouped: the same
+    assert torch.equal(twin(x), want_q8)
+    view = QuantLinear(blocks, kind, 160, 24)          # as the loader holds a file's blocks
+    assert not view.group() and not view.grouped and view.blocks.data_ptr() == blocks.data_ptr()

@@ -17,9 +17,11 @@ import torch
 
 from engine.attention.linear import EPS
 from engine.attention.sparse import BLOCK as SPARSE_BLOCK, SparseWindowState, held
+from engine.quant import QuantLinear
 from engine.steps.native.abi import MODES, TYPES, Mat, NativeUnavailableError, Plan, bind, mat, ptr
 from engine.steps.native.cases import kv_rows, learned_maps, state_parts
 from engine.steps.native.weights import DerivedWeights, layer_modules, matrix
+from models.pages import trim_heap
 
 PREFILL_ROWS = 64   # a prompt block runs this many tokens at a time (the rows of one batched step)
 _V = ctypes.c_void_p
@@ -103,13 +105,18 @@ class NativeDecoder:
         originals join self.sources). Prompt blocks in fp32 activations read the same regrouped blocks
         (kernels.c decodes T_Q4_1R / T_Q8_0R / T_Q5R to the values the stored blocks hold), so the native
         path never reads a regrouped matrix's original blocks again (DerivedWeights drops their pages)."""
-        mats = {n: [matrix(layer[i]) for layer in layers] for i, n in ((1, "qkv"), (2, "wo"), (4, "gu"), (5, "wd"))}
-        embed, head = matrix(model.embed_tokens), matrix(model.lm_head)
         # the regrouped kernels are q8 dots
         grouped = weights.regroup_on and q8 and bool(self.library.gen_has_q4_1r())
+        if grouped:   # the model's own q4_1 / q8_0 copies (fused q/k/v) held grouped: no second copy here
+            mods = [m for m in [layer[i] for layer in layers for i in (1, 2, 4, 5)] + [model.lm_head]
+                    if isinstance(m, QuantLinear) and not m.grouped]
+            if sum(m.group() for m in mods):
+                trim_heap()   # the stored-layout blocks just freed go back to the kernel
+        mats = {n: [matrix(layer[i]) for layer in layers] for i, n in ((1, "qkv"), (2, "wo"), (4, "gu"), (5, "wd"))}
+        embed, head = matrix(model.embed_tokens), matrix(model.lm_head)
         originals = [m for ms in mats.values() for m in ms] + [embed, head]
-        mats = {n: [weights.narrow(m, grouped) for m in ms] for n, ms in mats.items()}
-        embed, head = weights.narrow(embed, grouped), weights.narrow(head, grouped)
+        mats = {n: [weights.narrow(m, grouped, q8) for m in ms] for n, ms in mats.items()}
+        embed, head = weights.narrow(embed, grouped, q8), weights.narrow(head, grouped, q8)
         used = [m[0] for ms in mats.values() for m in ms] + [embed[0], head[0]]
         self.sources += [o[0] for o, u in zip(originals, used) if u is not o[0]]
         # Qwen2's q/k/v biases as fp32 (copies when the model's are not: checked like every copy)
@@ -199,6 +206,9 @@ class NativeDecoder:
                           (getattr(self, "prefill_plan", None), getattr(self, "prefill_ref", None))):
             if ref is not None and plan.tscratch:
                 self.library.gen_plan_free(ref)   # waits until no pool worker is inside this plan's chunks
+        if getattr(self, "prefill_plan", None) is not None:
+            self.prefill_scratch = None
+            trim_heap()   # a prompt plan's scratch (its rows x the vocabulary per thread) goes back to the kernel
 
     def _prefill_plan(self):
         """The decode plan's twin for prompt blocks: PREFILL_ROWS rows of scratch, the same weights

@@ -12,6 +12,9 @@ them (a weak key: the cache never keeps a weight alive, and forgets a copy when 
              the step reads only these afterwards (fp32 prompt blocks too), so the originals' pages are
              handed back to the kernel (`page_out`: a GGUF's memory-mapped blocks leave the resident
              set and fault back in from the file if PyTorch code reads them again)
+A model's own q4_1 / q8_0 blocks (a copy the loader fused, `--quantize`'s, merged adapters': not a
+view of a file) need no copy: the plan holds them grouped in place (engine.quant.QuantLinear.group,
+the same values; PyTorch forms ungroup them per call), so they are resident once, not twice.
 A plan checks the weights behind its copies for in-place edits before every step (their version).
 """
 from __future__ import annotations
@@ -20,9 +23,11 @@ import weakref
 
 import torch
 
-from engine.quant import QuantLinear, QuantStack, weights_label
+from engine.quant import QuantLinear, QuantStack, group_rows, ungroup_rows, weights_label
 from engine.steps.native.abi import T_Q4_1R, T_Q5R, T_Q8_0R, TYPES
 from models.pages import hand_back
+
+GROUPED = {"q4_1": T_Q4_1R, "q8_0": T_Q8_0R}   # a grouped QuantLinear's kind -> the type code of its blocks
 
 
 def layer_modules(model, paths) -> list[tuple]:
@@ -42,7 +47,8 @@ def matrix(module) -> tuple:
             at += b.numel()
         return module.blocks, segs[0][1], module.out_features, module.in_features, segs
     if isinstance(module, QuantLinear):
-        return module.blocks, TYPES[module.kind], module.out_features, module.in_features
+        kind = GROUPED[module.kind] if module.grouped else TYPES[module.kind]
+        return module.blocks, kind, module.out_features, module.in_features
     w = module.weight
     return w, TYPES.get(w.dtype, -1), w.shape[0], w.shape[1]
 
@@ -61,23 +67,8 @@ def narrow16(w: torch.Tensor) -> torch.Tensor | None:
 
 
 def regroup(blocks: torch.Tensor, rows: int, q4_1: bool) -> torch.Tensor:
-    """Blocks regrouped per row for the C step's grouped kernels (gen.h T_Q4_1R / T_Q8_0R): q4_1
-    (20 bytes: f16 d, f16 m, 16 nibble bytes) as every (d, m) pair, then every nibble block; q8_0
-    (34 bytes: f16 d, 32 int8) as every d, then every block's weights + 128 as u8 (the int8 bits
-    with the top bit flipped). The kernels read 4 blocks' weights in one or two loads. Written
-    into the one new tensor (no temporaries: a copy of the model's size would leave the heap
-    fragmented after it is freed)."""
-    size, head = (20, 4) if q4_1 else (34, 2)
-    per_row = blocks.reshape(rows, -1, size)
-    n = per_row.shape[1]
-    out = torch.empty(rows, n * size, dtype=torch.uint8, device=blocks.device)
-    out[:, :n * head].view(rows, n, head).copy_(per_row[:, :, :head])
-    body = out[:, n * head:].view(rows, n, size - head)
-    if q4_1:
-        body.copy_(per_row[:, :, head:])
-    else:
-        torch.bitwise_xor(per_row[:, :, head:], 128, out=body)
-    return out
+    """q4_1 (else q8_0) blocks regrouped per row for the grouped kernels (engine.quant.group_rows)."""
+    return group_rows(blocks, rows, "q4_1" if q4_1 else "q8_0")
 
 
 def regroup_q5(blocks: torch.Tensor, rows: int, kind: str) -> torch.Tensor | None:
@@ -175,12 +166,24 @@ class DerivedWeights:
             return out
         return self._derived(blocks, "regrouped-q5", make)
 
-    def narrow(self, m: tuple, grouped: bool) -> tuple:
+    def ungrouped(self, blocks: torch.Tensor, rows: int, kind: str) -> torch.Tensor:
+        """A grouped module's blocks as stored (engine.quant.ungroup_rows), made once: for a q8 step that
+        does not read the grouped layout (a build without those kernels, or regroup off)."""
+        return self._derived(blocks, "ungrouped", lambda b: ungroup_rows(b, rows, kind))
+
+    def narrow(self, m: tuple, grouped: bool, q8: bool = True) -> tuple:
         """The matrix tuple the C step reads for `m` (a `matrix` tuple): a 16-bit copy of exactly-16-bit
         fp32 weights, q4_1 / q8_0 / q5 blocks regrouped where `grouped` (this build has those kernels and
-        the step rounds activations to q8), else m's own (a QuantStack's segments: as stored)."""
+        the step rounds activations to q8), else m's own (a QuantStack's segments: as stored). A model's
+        own blocks already held grouped are read as they are, except by a q8 step that is not `grouped`
+        (a copy as stored)."""
         if len(m) > 4:
             return m
+        if m[1] in (T_Q4_1R, T_Q8_0R):   # a module's own blocks held grouped (QuantLinear.group)
+            if grouped or not q8:         # (the fp32 kernels read that layout in every build)
+                return m
+            kind = "q4_1" if m[1] == T_Q4_1R else "q8_0"
+            return self.ungrouped(m[0], m[2], kind), TYPES[kind], m[2], m[3]
         if m[1] in (TYPES["q4_1"], TYPES["q8_0"]) and grouped:
             q41 = m[1] == TYPES["q4_1"]
             return self.regrouped(m[0], m[2], q41), T_Q4_1R if q41 else T_Q8_0R, m[2], m[3]
