@@ -35,26 +35,40 @@ _PROBE = "\ue002PROBE\ue003"
 
 
 class ChatTemplate:
-    def __init__(self, source: str, bos_token: str = "", eos_token: str = "", where: str = ""):
-        from jinja2 import TemplateError  # lazy: `gen --model tiny` never needs it
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    """check: parse the source now (a CheckpointError here if it does not parse); False: on first use
+    (the loaders' choice: a run that never chats never imports jinja2 nor holds the compiled template,
+    ~3.5 MB resident for SmolLM2's; the same CheckpointError then comes from that first use)."""
+
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = "", where: str = "", check: bool = True):
         self.source, self.where = source, where
         self.bos_token, self.eos_token = bos_token or "", eos_token or ""
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        try:
-            self.template = env.from_string(source)
-        except TemplateError as e:
-            raise CheckpointError(f"{where}: the chat template does not parse ({_one_line(e)})") from None
+        self._template = None
+        if check:
+            self.template  # noqa: B018 (parsed now)
+
+    @property
+    def template(self):
+        """The compiled template (jinja2, sandboxed), parsed once."""
+        if self._template is None:
+            from jinja2 import TemplateError  # lazy: `gen --model tiny` never needs it
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
+            env.filters["tojson"] = _tojson
+            env.globals["raise_exception"] = _raise
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            try:
+                self._template = env.from_string(self.source)
+            except TemplateError as e:
+                raise CheckpointError(f"{self.where}: the chat template does not parse ({_one_line(e)})") from None
+        return self._template
 
     def render(self, messages, add_generation_prompt: bool = True, **extra) -> str:
         """The prompt text of `messages`; add_generation_prompt: end with the assistant turn's opening."""
         messages = check_messages(messages)
+        template = self.template   # (a CheckpointError if the source does not parse)
         try:
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                         bos_token=self.bos_token, eos_token=self.eos_token, **extra)
         except InvalidArgumentError:
             raise

@@ -126,7 +126,7 @@ def read_gguf_checkpoint(path: Path) -> Checkpoint:
             i = meta.get(key)
             return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else ""
         template = ChatTemplate(meta["tokenizer.chat_template"], token("tokenizer.ggml.bos_token_id"),
-                                token("tokenizer.ggml.eos_token_id"), where=str(path))
+                                token("tokenizer.ggml.eos_token_id"), where=str(path), check=False)
     interleaved = meta.get("general.architecture") in INTERLEAVED_ARCHITECTURES
     return Checkpoint(cfg, tensors, tokenizer, interleaved_rotary=interleaved, path=path, chat_template=template,
                       sampling=gguf_sampling(meta, str(path)))
@@ -142,7 +142,7 @@ def dir_template(path: Path, tokenizer) -> ChatTemplate | None:
         ok = tokenizer is not None and hasattr(tokenizer, "id_to_token") and i is not None and i >= 0
         return tokenizer.id_to_token(i) or "" if ok else ""
     return ChatTemplate(source, token(getattr(tokenizer, "bos_id", None)), token(getattr(tokenizer, "eos_id", None)),
-                        where=str(path))
+                        where=str(path), check=False)
 
 
 def check_vocab(tokenizer, cfg: ModelConfig, where) -> None:

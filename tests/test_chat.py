@@ -48,6 +48,24 @@ CONVERSATIONS = {
 }
 
 
+def test_a_loaded_template_is_parsed_on_first_use(model_dir):
+    """The loaders keep a checkpoint's template as source (ChatTemplate(check=False)): a run that
+    never chats never imports jinja2; the first render parses it; one that does not parse is the
+    same one-line CheckpointError, from that first use."""
+    import subprocess
+    import sys
+    code = ("import sys; from pathlib import Path; from models.registry import read_checkpoint; "
+            "t = read_checkpoint(Path(sys.argv[1])).chat_template; print('jinja2' in sys.modules); "
+            "print(t.render([{'role': 'user', 'content': 'hi'}]) == sys.argv[2]); print('jinja2' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(model_dir), chatml([{"role": "user", "content": "hi"}])],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True", "True"]
+    broken = ChatTemplate("{% for m in messages %}", where="m.gguf", check=False)
+    with pytest.raises(CheckpointError, match="does not parse") as e:
+        broken.render([{"role": "user", "content": "x"}])
+    assert "\n" not in str(e.value) and str(e.value).startswith("m.gguf: ")
+
+
 @pytest.mark.parametrize("name", CONVERSATIONS)
 def test_template_renders_chatml(name):
     t = ChatTemplate(CHATML)
