@@ -166,3 +166,25 @@ def test_a_load_and_a_plan_that_made_copies_trim_the_heap(q4_1_file, native_buil
     assert calls == ["load", "plan"]
     llm.generate([1, 5, 9], max_new_tokens=2, temperature=0)   # a new state's plan: the copies exist
     assert calls == ["load", "plan"]
+
+
+def test_a_prompt_plan_hands_its_scratch_back_when_it_dies(q4_1_file, native_built, monkeypatch):
+    """A plan that read a prompt block (its prompt plan: per thread rows x the widest output, the
+    vocabulary) trims the heap when it is freed with its state; a plan that only decoded does not."""
+    import gc
+
+    import engine.api
+    import engine.steps.native.plan as plan
+    calls = []
+    monkeypatch.setattr(plan, "trim_heap", lambda: calls.append("trim"))
+    llm = engine.api.load(str(q4_1_file), threads=1)
+    step = next(f for f in llm.step.forms if f.name == "native")
+    state = llm.model.init_state(1, 16)
+    step(torch.tensor([[1]]), state)                       # a decode step only: no prompt plan
+    calls.clear()                                          # (making the first plan grouped q/k/v: a trim)
+    del state
+    gc.collect()
+    assert calls == []
+    llm.generate([1, 5, 9], max_new_tokens=2, temperature=0)
+    gc.collect()
+    assert calls == ["trim"] and not step.plans
