@@ -347,3 +347,19 @@ def test_native_prompt_blocks_of_plain_window_states(chunk, hybrid):
     with torch.no_grad():
         whole(prompt, model.init_state(1, 256), last_only=True)
     assert whole.last_prefill_form == "module"   # 90 tokens in one block: over 64
+
+
+@pytest.mark.usefixtures("native_built")
+def test_decisions_left_to_the_state_record_no_autograd_history():
+    """The server's loop runs the C step with autograd on (a thread's default); the decisions it leaves to
+    the state (decide_rows) run learned maps, whose parameters require grad: S and z must not carry a
+    graph (a 1,000-token prompt's kept ~100 MB of activations alive through its prefix cache entry)."""
+    model = tiny_model(attention="linear", num_key_value_heads=2, window=4, sparse_keys=2, feature_map="hedgehog")
+    assert torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())
+    step = Stepper(model, "native", threads=2)
+    state = model.init_state(1, 200)
+    logits = step(torch.randint(0, 97, (1, 70)), state, last_only=True)
+    for _ in range(BLOCK):   # across the decision at 128
+        logits = step(logits[:, -1].argmax(-1)[:, None], state)
+    assert step.last_form == "native" and state.cuse.any()
+    assert not any(t.requires_grad for t in state.tensors())

@@ -237,9 +237,13 @@ class SparseWindowState(State):
         for b in [int(i) for i in torch.nonzero(crossed).flatten()]:
             self.decide_at(b, int(self.lengths[b]))
 
+    @torch.no_grad()
     def decide_at(self, b: int, e: int) -> None:
         """Row b's decision at its position e (a multiple of BLOCK), in every layer, its recent keys
-        appended up to e (a C step or a native prompt block left it)."""
+        appended up to e (a C step or a native prompt block left it). Without autograd whatever the
+        caller's mode (a server's loop thread has it on): learned maps' parameters would otherwise hang
+        the decision's activations on S and z, kept as long as the state (a prefix cache entry of a
+        1,000-token prompt held ~100 MB more than its tensors)."""
         for layer in range(self.S.shape[0]):
             mem = self._memory(layer, b, min(e, self.window + BLOCK - 1))
             decide(mem, e, self.feature_map, self._model_layer(layer), self.window)

@@ -363,6 +363,7 @@ class Scheduler:
     # ------------------------------------------------------------------ the loop
     def _loop(self) -> None:
         self.thread_id = threading.get_native_id()
+        torch.set_grad_enabled(False)   # this thread only runs inference (autograd's mode is per thread, on by default)
         while True:
             with self.cond:
                 if not self._stopping and not self.pending and not self.active and not self.prefilling:
