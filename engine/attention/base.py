@@ -178,6 +178,14 @@ class State:
     def device(self) -> torch.device:
         return self.lengths.device
 
+    def packed(self):
+        """This state as a cache keeps it, only read from now on: itself, or a smaller form
+        (engine.attention.packed.Packed: a window state's held slots) whose `unpacked()` is equal to it."""
+        return self
+
+    def unpacked(self) -> "State":
+        return self
+
     @property
     def nbytes(self) -> int:
         """Bytes held by the state's tensors (the per-layer caches; bookkeeping excluded)."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from engine.attention.base import Span, State
 from engine.attention.linear import LinearState
+from engine.attention.packed import Packed
 from engine.attention.sliding import SlidingKVState
 from engine.attention.softmax import KVState
 from engine.attention.sparse import BLOCK as SPARSE_BLOCK, SparseWindowState
@@ -112,6 +113,10 @@ class HybridState(State):
     def _share_position(self) -> None:
         for p in self.parts:
             p.lengths, p.slots, p.padded = self.lengths.clone(), self.slots, self.padded
+
+    def packed(self) -> Packed:
+        """Each part packed on its own (a KV part as it is)."""
+        return Packed(self, parts=[p.packed() for p in self.parts])
 
     def _regrouped(self, parts: list) -> "HybridState":
         out = HybridState(lengths=parts[0].lengths.clone(), slots=parts[0].slots, parts=parts, where=self.where,

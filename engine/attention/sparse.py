@@ -35,6 +35,7 @@ import torch
 from engine.attention.base import State, take_rows
 from engine.attention.feature_maps import FeatureMap, state_dtype
 from engine.attention.linear import EPS, as_feature_map, fp32_under_autocast
+from engine.attention.packed import Packed
 from engine.attention.window import refuse_decay, saved_state
 
 BLOCK = 64   # tokens between two decisions of what the cache keeps
@@ -169,6 +170,12 @@ class SparseWindowState(State):
 
     def tensors(self):
         return [self.S, self.z, self.rk, self.rv, self.ck, self.cv]
+
+    def packed(self) -> Packed:
+        """The recent keys the rows hold (`held`); S, z and the sparse cache unless all zero (no key
+        folded or kept yet)."""
+        n = int(self.held_counts().max()) if self.batch_size else 0
+        return Packed(self, tails={"rk": (3, n), "rv": (3, n)}, elide=("S", "z", "ck", "cv", "cuse"))
 
     def identity(self) -> dict:
         L, _, Hkv, F_, Dv = self.S.shape

@@ -27,6 +27,7 @@ import torch
 from engine.attention.base import State, take_rows
 from engine.attention.feature_maps import FeatureMap, get_feature_map, state_dtype
 from engine.attention.linear import CHUNK, EPS, as_feature_map, fp32_under_autocast, stateless_chunk
+from engine.attention.packed import Packed
 from engine.runspec import check_no_decay_with_window
 
 NEG = float("-inf")
@@ -66,6 +67,12 @@ class WindowState(State):
 
     def tensors(self):
         return [self.S, self.z, self.wk, self.wv]
+
+    def packed(self) -> Packed:
+        """The window's slots from the first one any row holds a real key in, S and z unless zero."""
+        real = self.wreal.any(0)
+        n = int(self.window - real.int().argmax()) if bool(real.any()) else 0
+        return Packed(self, tails={"wk": (3, n), "wv": (3, n), "wreal": (1, n)}, elide=("S", "z"))
 
     # ------------------------------------------------------------------ saving and batching
     def identity(self) -> dict:

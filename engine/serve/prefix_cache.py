@@ -2,7 +2,8 @@
 earlier turns) restores that state and prefills only its new tokens.
 
 Entries are keyed by (attention path, prompt ids) and hold a batch-1 state of the whole prompt
-(a KV cache cut to its slots; a linear state, fixed size whatever the length) and the logits of
+(a KV cache cut to its slots; a linear state, fixed size whatever the length; a window state packed
+to the slots it holds, State.packed) and the logits of
 its last position, so an identical prompt skips prefill entirely. Least recently used entries
 go first once `max_entries` or `max_bytes` is passed.
 
@@ -19,9 +20,14 @@ import torch
 
 @dataclass
 class Entry:
-    state: object              # batch-1 State holding the prompt, capacity = its slots
+    stored: object             # the batch-1 State holding the prompt (capacity = its slots), packed
     logits: torch.Tensor       # (1, V) at the prompt's last position
     nbytes: int
+
+    @property
+    def state(self):
+        """The prompt's state: a KV state itself; a window state (packed: only the slots it holds) a fresh copy."""
+        return self.stored.unpacked()
 
 
 class PrefixCache:
@@ -58,6 +64,7 @@ class PrefixCache:
             copy = state
         else:
             copy = state.select_rows([0], max_len=state.slots if state.max_len is not None else None)
+        copy = copy.packed()   # a window state: the slots it holds (engine.attention.packed)
         entry = Entry(copy, logits.detach().clone(), copy.nbytes + logits.numel() * logits.element_size())
         with self.lock:
             self.entries[(path, tuple(ids))] = entry
