@@ -231,6 +231,22 @@ def test_the_loop_hands_the_heap_back_once_per_idle_spell(llm, monkeypatch):
         sched.stop()
 
 
+def test_the_loop_runs_without_autograd(llm):
+    """Autograd's mode is per thread and on by default: the loop turns it off, so nothing it runs (learned
+    maps in a state's own decisions) hangs a graph of activations on a state it keeps."""
+    modes = []
+    got = Collector()
+    sched = Scheduler(llm.model, llm.tokenizer, llm.step, max_batch=2)
+    sched.start()
+    try:
+        sched.submit(Job(ids(12), "linear", greedy(), max_tokens=3,
+                         emit=lambda event: modes.append(torch.is_grad_enabled()) or got(event)))
+        assert got.done.wait(30) and got.failed is None
+    finally:
+        sched.stop()
+    assert torch.is_grad_enabled() and modes == [False] * 3
+
+
 def test_a_chunk_before_the_prompts_last_skips_the_output_layer(native_llm):
     """Stepper.pieces(..., logits=False) on the native form leaves the same state and returns no
     logits (the output layer, a 49k x 576 matrix on SmolLM2, runs for a prompt's last chunk only)."""
