@@ -221,7 +221,7 @@ def init_config(a: LinearizeArgs) -> None:
     continues a control: DIR holds adapters on every layer (config "adapters_on": "all") and no maps."""
     d = Path(a.init)
     if a.control:
-        cfg = json.loads((d / "config.json").read_text(encoding="utf-8")) if (d / "config.json").is_file() else {}
+        cfg = init_json(d) if (d / "config.json").is_file() else {}
         if cfg.get("adapters_on") != "all" or not (d / "adapters.safetensors").is_file():
             raise InvalidArgumentError(f"--init {d}: not a `gen linearize --control` output (a control continues "
                                        "a control's adapters)")
@@ -234,7 +234,7 @@ def init_config(a: LinearizeArgs) -> None:
     missing = [n for n in ("config.json", "maps.safetensors", "transfer_losses.json") if not (d / n).is_file()]
     if missing:
         raise InvalidArgumentError(f"--init {d}: not a `gen linearize` output (no {', '.join(missing)})")
-    cfg = json.loads((d / "config.json").read_text(encoding="utf-8"))
+    cfg = init_json(d)
     if cfg.get("base_model") != a.model:
         raise InvalidArgumentError(f"--init {d}: made from {cfg.get('base_model')!r}, not --model {a.model!r}")
     rank = cfg.get("lora_rank", 0) if (d / "adapters.safetensors").is_file() else 0
@@ -242,6 +242,17 @@ def init_config(a: LinearizeArgs) -> None:
         raise InvalidArgumentError(f"--init {d}: its adapters have rank {rank}; give --lora-rank {rank}")
     if a.window:
         check_no_decay_with_window(maps_have_decay(d / "maps.safetensors"), a.window, f"--init {d}: its maps")
+
+
+def init_json(d: Path) -> dict:
+    """--init DIR's config.json as a dict (one line where it is not a JSON object)."""
+    try:
+        cfg = json.loads((d / "config.json").read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InvalidArgumentError(f"--init {d}: config.json is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise InvalidArgumentError(f"--init {d}: config.json holds no JSON object; give a `gen linearize` output")
+    return cfg
 
 
 # ---------------------------------------------------------------------- data

@@ -98,6 +98,20 @@ def test_control_continues_a_control(small_model_dir, corpus, tmp_path):  # noqa
                   log=lambda m: None)
 
 
+@pytest.mark.parametrize("control", [True, False], ids=["control", "linearized"])
+@pytest.mark.parametrize("text", ["{bad", "[1, 2]"], ids=["not-json", "not-an-object"])
+def test_init_with_an_unreadable_config_is_one_line(small_model_dir, corpus, tmp_path, control, text):  # noqa: F811
+    """--init DIR whose config.json is not a JSON object: the same one-line refusal, not a traceback."""
+    d = tmp_path / "init"
+    d.mkdir()
+    for name in ("config.json", "adapters.safetensors", "maps.safetensors", "transfer_losses.json"):
+        (d / name).write_text(text if name == "config.json" else "")
+    with pytest.raises(InvalidArgumentError, match="config.json") as e:
+        linearize(args(small_model_dir, corpus, tmp_path / "out", control=control, lora_rank=4, finetune_steps=1,
+                       init=str(d)), log=lambda m: None)
+    assert "\n" not in str(e.value)
+
+
 def test_control_cli(small_model_dir, corpus, tmp_path):  # noqa: F811
     r = cli("linearize", "--model", small_model_dir, "--data", corpus, "--out", tmp_path / "c", "--control")
     assert r.exit_code == 2 and "--lora-rank" in r.output
