@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import sys
+import threading
 
 import torch
 
@@ -72,11 +73,15 @@ def resident_file_bytes(address: int, nbytes: int) -> int:
     return sum(n for _, n in file_page_runs(start, end)) if end > start else 0
 
 
-def trim_heap() -> bool:
+def trim_heap(when_freed: bool = False) -> bool:
     """Return the C heap's free memory to the kernel (glibc's malloc_trim(0): the free pages inside
     the heap too, not only its top), after a load or copies made once leave freed temporaries behind.
-    False where the C library has no malloc_trim (not glibc)."""
+    False where the C library has no malloc_trim (not glibc). `when_freed`: a trim because something
+    was just freed (a prompt plan's scratch), skipped in a thread that `defer_trims()`: a trim costs
+    1-6 ms, and a server's loop trims once per idle spell instead of once per admitted request."""
     global _malloc_trim
+    if when_freed and getattr(_thread, "trims_deferred", False):
+        return False
     if _malloc_trim is None:
         try:
             _malloc_trim = ctypes.CDLL(None).malloc_trim
@@ -87,4 +92,10 @@ def trim_heap() -> bool:
     return bool(_malloc_trim)
 
 
+def defer_trims(on: bool = True) -> None:
+    """In the calling thread, skip the trims made when something is freed (`trim_heap(when_freed=True)`)."""
+    _thread.trims_deferred = on
+
+
+_thread = threading.local()
 _malloc_trim = None

@@ -247,6 +247,28 @@ def test_the_loop_runs_without_autograd(llm):
     assert torch.is_grad_enabled() and modes == [False] * 3
 
 
+def test_the_loop_defers_the_trims_of_freed_plans(llm, monkeypatch):
+    """A trim (malloc_trim) costs 1-6 ms: the loop thread skips the ones made as each prompt plan is
+    freed (once per admitted request) and trims once per idle spell instead; other threads still trim."""
+    import threading
+
+    import models.pages as pages
+    calls = []
+    monkeypatch.setattr(pages, "_malloc_trim", lambda pad: calls.append(threading.get_native_id()))
+    deferred = []
+    got = Collector()
+    sched = Scheduler(llm.model, llm.tokenizer, llm.step, max_batch=2)
+    sched.start()
+    try:
+        sched.submit(Job(ids(12), "linear", greedy(), max_tokens=2,
+                         emit=lambda event: deferred.append(pages.trim_heap(when_freed=True)) or got(event)))
+        assert got.done.wait(30) and got.failed is None
+    finally:
+        sched.stop()
+    assert deferred == [False, False]   # skipped on the loop thread (its idle trims still run: not when_freed)
+    assert pages.trim_heap(when_freed=True) and calls[-1] == threading.get_native_id()   # this thread trims
+
+
 def test_a_chunk_before_the_prompts_last_skips_the_output_layer(native_llm):
     """Stepper.pieces(..., logits=False) on the native form leaves the same state and returns no
     logits (the output layer, a 49k x 576 matrix on SmolLM2, runs for a prompt's last chunk only)."""

@@ -176,7 +176,7 @@ def test_a_prompt_plan_hands_its_scratch_back_when_it_dies(q4_1_file, native_bui
     import engine.api
     import engine.steps.native.plan as plan
     calls = []
-    monkeypatch.setattr(plan, "trim_heap", lambda: calls.append("trim"))
+    monkeypatch.setattr(plan, "trim_heap", lambda **kw: calls.append("trim"))
     llm = engine.api.load(str(q4_1_file), threads=1)
     step = next(f for f in llm.step.forms if f.name == "native")
     state = llm.model.init_state(1, 16)

@@ -51,7 +51,7 @@ import torch
 from engine.sampling import RowSampler, SamplingParams, sample_rows
 from engine.sequence import Sequence, eos_set
 from engine.serve.prefix_cache import PrefixCache
-from models.pages import trim_heap
+from models.pages import defer_trims, trim_heap
 
 
 class Full(Exception):
@@ -364,6 +364,7 @@ class Scheduler:
     def _loop(self) -> None:
         self.thread_id = threading.get_native_id()
         torch.set_grad_enabled(False)   # this thread only runs inference (autograd's mode is per thread, on by default)
+        defer_trims()   # freed prompt plans are trimmed for once per idle spell (_idle), not each on this thread
         while True:
             with self.cond:
                 if not self._stopping and not self.pending and not self.active and not self.prefilling:

@@ -208,7 +208,7 @@ class NativeDecoder:
                 self.library.gen_plan_free(ref)   # waits until no pool worker is inside this plan's chunks
         if getattr(self, "prefill_plan", None) is not None:
             self.prefill_scratch = None
-            trim_heap()   # a prompt plan's scratch (its rows x the vocabulary per thread) goes back to the kernel
+            trim_heap(when_freed=True)   # a prompt plan's scratch (its rows x the vocabulary per thread) goes back
 
     def _prefill_plan(self):
         """The decode plan's twin for prompt blocks: PREFILL_ROWS rows of scratch, the same weights
