@@ -231,20 +231,24 @@ def test_the_loop_hands_the_heap_back_once_per_idle_spell(llm, monkeypatch):
         sched.stop()
 
 
-def test_the_loop_runs_without_autograd(llm):
-    """Autograd's mode is per thread and on by default: the loop turns it off, so nothing it runs (learned
-    maps in a state's own decisions) hangs a graph of activations on a state it keeps."""
-    modes = []
-    got = Collector()
+def seen_on_the_loop(llm, probe, max_tokens: int) -> list:
+    """probe() called on the scheduler's loop thread as each token of one request is emitted."""
+    seen, got = [], Collector()
     sched = Scheduler(llm.model, llm.tokenizer, llm.step, max_batch=2)
     sched.start()
     try:
-        sched.submit(Job(ids(12), "linear", greedy(), max_tokens=3,
-                         emit=lambda event: modes.append(torch.is_grad_enabled()) or got(event)))
+        sched.submit(Job(ids(12), "linear", greedy(), max_tokens=max_tokens,
+                         emit=lambda event: seen.append(probe()) or got(event)))
         assert got.done.wait(30) and got.failed is None
     finally:
         sched.stop()
-    assert torch.is_grad_enabled() and modes == [False] * 3
+    return seen
+
+
+def test_the_loop_runs_without_autograd(llm):
+    """Autograd's mode is per thread and on by default: the loop turns it off, so nothing it runs (learned
+    maps in a state's own decisions) hangs a graph of activations on a state it keeps."""
+    assert seen_on_the_loop(llm, torch.is_grad_enabled, 3) == [False] * 3 and torch.is_grad_enabled()
 
 
 def test_the_loop_defers_the_trims_of_freed_plans(llm, monkeypatch):
@@ -255,17 +259,8 @@ def test_the_loop_defers_the_trims_of_freed_plans(llm, monkeypatch):
     import models.pages as pages
     calls = []
     monkeypatch.setattr(pages, "_malloc_trim", lambda pad: calls.append(threading.get_native_id()))
-    deferred = []
-    got = Collector()
-    sched = Scheduler(llm.model, llm.tokenizer, llm.step, max_batch=2)
-    sched.start()
-    try:
-        sched.submit(Job(ids(12), "linear", greedy(), max_tokens=2,
-                         emit=lambda event: deferred.append(pages.trim_heap(when_freed=True)) or got(event)))
-        assert got.done.wait(30) and got.failed is None
-    finally:
-        sched.stop()
-    assert deferred == [False, False]   # skipped on the loop thread (its idle trims still run: not when_freed)
+    # skipped on the loop thread (its idle trims still run: not when_freed)
+    assert seen_on_the_loop(llm, lambda: pages.trim_heap(when_freed=True), 2) == [False, False]
     assert pages.trim_heap(when_freed=True) and calls[-1] == threading.get_native_id()   # this thread trims
 
 
