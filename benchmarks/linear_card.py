@@ -1,5 +1,6 @@
 """The one table of weights/smollm2-linear/README.md: every configuration on the six zero-shot tasks,
-perplexity on held-out texts, passkey retrieval, decode state and time, against softmax and the control.
+perplexity on held-out texts, passkey retrieval, decode state and time, against softmax and the control
+(the rows that run the `linear/` set: against that set's own control, `smollm2-control-linear`).
 
     python benchmarks/linear_card.py run OUT --general general.txt --legal legal.txt [--rows softmax,control]
     python benchmarks/linear_card.py run OUT ... --rows linear --linear-model DIR   # a candidate set
@@ -30,6 +31,8 @@ import time
 ROWS = [
     ("softmax", "softmax (`smollm2`, not finetuned)", ["--model", "smollm2"], "softmax"),
     ("control", "**control**: softmax finetuned alike (`smollm2-control`)", ["--model", "smollm2-control"], "control"),
+    ("control_linear", "**control of the `linear/` set**: `smollm2-control` finetuned further alike (`smollm2-control-linear`)",
+     ["--model", "smollm2-control-linear"], "control"),
     ("elu1", "all linear, elu1, untrained", ["--model", "smollm2", "--attention", "linear", "--feature-map", "elu1"],
      "all linear, elu1"),
     ("linear", "all linear, learned (`--attention linear`)", ["--model", "smollm2-linear", "--attention", "linear"],
@@ -55,6 +58,9 @@ ROWS = [
 TASKS = {"piqa": "acc_norm", "hellaswag": "acc_norm", "arc_easy": "acc", "arc_challenge": "acc_norm",
          "winogrande": "acc", "lambada": "acc"}
 PASSKEY = {"pk1k": 1024, "pk2k": 2048, "pk8k": 8182}
+# the rows that run the `linear/` set (no window) divide by its own control; every other row by `control`
+CONTROL_OF = {"linear": "control_linear", "hybrid2": "control_linear", "hybrid4": "control_linear",
+              "hybrid8": "control_linear"}
 
 
 def measurements(a) -> dict[str, list[str]]:
@@ -125,7 +131,7 @@ def table(a) -> str:
             if int(context) == 32768:
                 decode[row] = (cell["state_bytes"], min(r["median_ms"] for r in cell["runs"]))
     texts = [t for t in ("stories", "general", "legal") if any(read(a.out, k, t) for k, *_ in ROWS)]
-    ref = {"softmax": {}, "control": {}}
+    ref = {"softmax": {}, "control": {}, "control_linear": {}}
     for key in ref:
         ref[key]["avg"] = average(task_scores(read(a.out, key, "tasks")))
         for t in texts:
@@ -136,19 +142,20 @@ def table(a) -> str:
             + ["passkey 1k", "passkey 2k", "passkey 8k", "state 32k", "ms/token 32k"])
     lines = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
 
-    def versus(value, what, fmt):
+    def versus(value, what, fmt, control="control"):
         if value is None:
             return "-"
-        rel = [f"{value / ref[k][what]:.2f}x" if ref[k].get(what) else "-" for k in ("softmax", "control")]
+        rel = [f"{value / ref[k][what]:.2f}x" if ref[k].get(what) else "-" for k in ("softmax", control)]
         return f"{value:{fmt}} ({' / '.join(rel)})"
 
     for key, name, _, decode_row in ROWS:
         scores = task_scores(read(a.out, key, "tasks"))
         cells = [f"{scores[t]:.2f}" if t in scores else "-" for t in TASKS]
-        cells.append(versus(average(scores), "avg", ".3f"))
+        control = CONTROL_OF.get(key, "control")
+        cells.append(versus(average(scores), "avg", ".3f", control))
         for t in texts:
             ppl = read(a.out, key, t)
-            cells.append(versus(ppl["perplexity"] if ppl else None, t, ".2f"))
+            cells.append(versus(ppl["perplexity"] if ppl else None, t, ".2f", control))
         for what, n in PASSKEY.items():
             pk = read(a.out, key, what)
             cell = (pk or {}).get("tasks", {}).get("passkey", {}).get("lengths", {}).get(str(n))

@@ -1,5 +1,6 @@
 """benchmarks/linear_card.py builds the model card's table from one JSON per cell: each quality cell is
-divided by softmax's and by the control's, a missing cell is '-', a task average needs all six tasks."""
+divided by softmax's and by its control's (the rows on the `linear/` set by that set's own control), a
+missing cell is '-', a task average needs all six tasks."""
 from __future__ import annotations
 
 import json
@@ -28,10 +29,13 @@ def row(text: str, start: str) -> list[str]:
 
 def test_cells_against_softmax_and_control(tmp_path):
     write(tmp_path, "softmax", "tasks", tasks(0.5))
-    write(tmp_path, "control", "tasks", tasks(0.4))
+    write(tmp_path, "control", "tasks", tasks(0.25))
+    write(tmp_path, "control_linear", "tasks", tasks(0.4))
     write(tmp_path, "linear", "tasks", tasks(0.2))
+    write(tmp_path, "default", "tasks", tasks(0.2))
     write(tmp_path, "softmax", "stories", {"perplexity": 10.0})
-    write(tmp_path, "control", "stories", {"perplexity": 8.0})
+    write(tmp_path, "control", "stories", {"perplexity": 4.0})
+    write(tmp_path, "control_linear", "stories", {"perplexity": 8.0})
     write(tmp_path, "linear", "stories", {"perplexity": 16.0})
     write(tmp_path, "linear", "pk2k", {"tasks": {"passkey": {"lengths": {"2048": {"correct": 3, "trials": 20}}}}})
     summary = {"rows": {"all linear, learned @ 32768": {"state_bytes": 3 * 2**20, "runs": [{"median_ms": 4.7},
@@ -41,8 +45,9 @@ def test_cells_against_softmax_and_control(tmp_path):
     print(text)
     cells = row(text, "all linear, learned")
     assert cells[1:7] == ["0.20"] * 6                       # the metric each task's papers quote
-    assert cells[7] == "0.200 (0.40x / 0.50x)"              # the average, x softmax / x control
+    assert cells[7] == "0.200 (0.40x / 0.50x)"              # the average, x softmax / x its control (the set's)
     assert cells[8] == "16.00 (1.60x / 2.00x)"              # stories perplexity
+    assert row(text, "**the default**")[7] == "0.200 (0.40x / 0.80x)"   # the other rows: x `control`
     assert cells[9:] == ["-", "3/20", "-", "3.0 MiB", "4.5"]   # passkey 1k and 8k missing, 2k, state, best median
     assert row(text, "hybrid, 2")[7] == "-"                  # no cell, no number
     assert "general" not in text.splitlines()[0]             # a text nobody measured is no column
