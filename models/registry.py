@@ -33,6 +33,7 @@ from models.tokenizer import Tokenizer
 WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"
 REGISTRY = {"tiny": WEIGHTS_DIR / "tiny", "smollm2-linear": WEIGHTS_DIR / "smollm2-linear",
             "smollm2-control": WEIGHTS_DIR / "smollm2-control",
+            "smollm2-control-linear": WEIGHTS_DIR / "smollm2-control-linear",
             "smollm2-linear-8k": WEIGHTS_DIR / "smollm2-linear-8k", "smollm2-control-8k": WEIGHTS_DIR / "smollm2-control-8k"}
 
 # name -> (module, file inside it, pip package): weights that ship as a Python package (never committed here)
