@@ -58,7 +58,8 @@ from engine.threads import set_threads
 @click.option("--resume", is_flag=True, help="continue an interrupted run in the same --out")
 @click.option("--init", "init", type=click.Path(file_okay=False),
               help="a `gen linearize` output to start from: its maps and adapters, its transfer losses (for "
-                   "--hybrid); no transfer, only the finetune (with --control: a control's output, its adapters)")
+                   "--hybrid), its sparse cache (`sparse_keys`, kept with the same --window); no transfer, only the "
+                   "finetune (with --control: a control's output, its adapters)")
 @click.option("--control", is_flag=True,
               help="the softmax control: the same finetune (data, --lora-rank, learning rate, seed, steps) "
                    "with softmax attention and no maps, for comparing a linearized model fairly; writes "

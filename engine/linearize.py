@@ -244,6 +244,16 @@ def init_config(a: LinearizeArgs) -> None:
         check_no_decay_with_window(maps_have_decay(d / "maps.safetensors"), a.window, f"--init {d}: its maps")
 
 
+def kept_from_init(a: LinearizeArgs) -> dict:
+    """The run settings of --init DIR's config that a further stage keeps: its sparse cache (`sparse_keys`),
+    when this run trains the same window (a linearized output loaded as a model then runs as DIR did)."""
+    if not a.init or a.control or not a.window:
+        return {}
+    cfg = init_json(Path(a.init))
+    keys = cfg.get("sparse_keys")
+    return {"sparse_keys": keys} if keys and cfg.get("window") == a.window else {}
+
+
 def init_json(d: Path) -> dict:
     """--init DIR's config.json as a dict (one line where it is not a JSON object)."""
     try:
@@ -652,6 +662,7 @@ def write_output(model, a, state, used, layer_attention, t0, rows_used, lora=Non
         config["layer_attention"] = list(layer_attention)
     if lora is not None:
         config["lora_rank"] = a.lora_rank
+    config.update(kept_from_init(a))
     what = state.get("losses_measured",   # --init: the losses are its transfer's, measured on its rows
                      f"MSE of the o_proj output of linear vs softmax attention, on a fixed batch of {a.eval_rows} "
                      f"rows x {a.seq_len} tokens; relative = loss / the target's mean square")

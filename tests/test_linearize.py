@@ -259,3 +259,20 @@ def test_finetune_linear_every_trains_the_pure_linear_configuration_on_those_ste
     r = cli("linearize", "--model", small_model_dir, "--data", corpus, "--out", tmp_path / "bad",
             "--finetune-linear-every", "-1")
     assert r.exit_code == 2 and not (tmp_path / "bad").exists()
+
+
+def test_init_keeps_its_sparse_cache_for_the_same_window(small_model_dir, corpus, tmp_path):
+    """--init DIR whose config names a sparse cache (`sparse_keys`, as smollm2-linear's): a further stage with the
+    same --window writes it into its own config, so the output loads and runs as DIR did; another window does not
+    (the cache was chosen for DIR's window), nor a run without --init."""
+    first = tmp_path / "first"
+    linearize(args(small_model_dir, corpus, first, lora_rank=4, finetune_steps=1, window=4), log=lambda m: None)
+    assert "sparse_keys" not in json.loads((first / "config.json").read_text())
+    cfg = json.loads((first / "config.json").read_text())
+    write_json(first / "config.json", {**cfg, "sparse_keys": 3})
+    for name, window, expect in (("same", 4, 3), ("other", 8, None)):
+        out = tmp_path / name
+        linearize(args(small_model_dir, corpus, out, lora_rank=4, finetune_steps=1, window=window, init=str(first)),
+                  log=lambda m: None)
+        assert json.loads((out / "config.json").read_text()).get("sparse_keys") == expect, name
+    assert load_model(str(tmp_path / "same"))[0].spec.linear_sparse_keys == 3
