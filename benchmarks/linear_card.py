@@ -137,8 +137,8 @@ def table(a) -> str:
         for t in texts:
             ppl = read(a.out, key, t)
             ref[key][t] = ppl["perplexity"] if ppl else None
-    head = (["configuration"] + list(TASKS) + ["average (x softmax / x control)"]
-            + [f"{t} ppl (x softmax / x control)" for t in texts]
+    head = (["configuration"] + list(TASKS) + ["average (x softmax / x its control)"]
+            + [f"{t} ppl (x softmax / x its control)" for t in texts]
             + ["passkey 1k", "passkey 2k", "passkey 8k", "state 32k", "ms/token 32k"])
     lines = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
 

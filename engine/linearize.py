@@ -246,7 +246,8 @@ def init_config(a: LinearizeArgs) -> None:
 
 def kept_from_init(a: LinearizeArgs) -> dict:
     """The run settings of --init DIR's config that a further stage keeps: its sparse cache (`sparse_keys`),
-    when this run trains the same window (a linearized output loaded as a model then runs as DIR did)."""
+    when this run trains the same window (the output, loaded as a model, then runs DIR's cache). Not its
+    `variants` (other sets, named by paths relative to DIR): a shipped directory names those by hand."""
     if not a.init or a.control or not a.window:
         return {}
     cfg = init_json(Path(a.init))

@@ -33,6 +33,7 @@ def test_cells_against_softmax_and_control(tmp_path):
     write(tmp_path, "control_linear", "tasks", tasks(0.4))
     write(tmp_path, "linear", "tasks", tasks(0.2))
     write(tmp_path, "default", "tasks", tasks(0.2))
+    write(tmp_path, "hybrid8", "tasks", tasks(0.2))
     write(tmp_path, "softmax", "stories", {"perplexity": 10.0})
     write(tmp_path, "control", "stories", {"perplexity": 4.0})
     write(tmp_path, "control_linear", "stories", {"perplexity": 8.0})
@@ -48,6 +49,7 @@ def test_cells_against_softmax_and_control(tmp_path):
     assert cells[7] == "0.200 (0.40x / 0.50x)"              # the average, x softmax / x its control (the set's)
     assert cells[8] == "16.00 (1.60x / 2.00x)"              # stories perplexity
     assert row(text, "**the default**")[7] == "0.200 (0.40x / 0.80x)"   # the other rows: x `control`
+    assert row(text, "hybrid, 8")[7] == "0.200 (0.40x / 0.50x)"         # a windowless hybrid runs the set too
     assert cells[9:] == ["-", "3/20", "-", "3.0 MiB", "4.5"]   # passkey 1k and 8k missing, 2k, state, best median
     assert row(text, "hybrid, 2")[7] == "-"                  # no cell, no number
     assert "general" not in text.splitlines()[0]             # a text nobody measured is no column
