@@ -10,6 +10,7 @@ separated by `<|endoftext|>` lines (the format `gen eval`, `gen train` and `gen 
     python scripts/text_corpus.py html /usr/share/doc/debian-handbook/html/en-US > handbook.txt
     pip download --no-deps chatterbot-corpus==1.3.3 && unzip chatterbot_corpus-*.whl
     python scripts/text_corpus.py dialogue chatterbot_corpus/data/english > dialogue.txt
+    cat fortunes-train.txt handbook.txt dialogue.txt > everyday.txt   # the linearize stages of 2026-11-27's second loan
 
 html: one document per page, the text of the page's main body (the standard library's
 html.parser; scripts, styles, navigation, headers and footers dropped), pages in sorted path
