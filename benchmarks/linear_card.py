@@ -4,6 +4,7 @@ perplexity on held-out texts, passkey retrieval, decode state and time, against 
 
     python benchmarks/linear_card.py run OUT --general general.txt --legal legal.txt [--rows softmax,control]
     python benchmarks/linear_card.py run OUT ... --rows linear --linear-model DIR   # a candidate set
+    python benchmarks/linear_card.py run OUT ... --rows control_linear --control-linear-model CTL   # its control
     python benchmarks/linear_card.py table OUT [--decode DIR/summary.json] [--bundle card.json]
 
 `run` calls `gen eval` once per (configuration, measurement) and keeps each answer as
@@ -87,7 +88,8 @@ def run(a) -> None:
             path = os.path.join(a.out, f"{key}.{what}.json")
             if os.path.exists(path):
                 continue
-            args = [a.linear_model if x == "smollm2-linear" else x for x in rows[key]]
+            args = [a.linear_model if x == "smollm2-linear" else
+                    a.control_linear_model if x == "smollm2-control-linear" else x for x in rows[key]]
             cmd = ["gen", "eval", *args, *extra, "--threads", str(a.threads), "--json"]
             print("$", shlex.join(cmd), flush=True)
             t0 = time.perf_counter()
@@ -180,6 +182,9 @@ def main() -> None:
     r.add_argument("--threads", type=int, default=1)
     r.add_argument("--linear-model", default="smollm2-linear",
                    help="the linearized model of the rows that name smollm2-linear (a candidate set's directory)")
+    r.add_argument("--control-linear-model", default="smollm2-control-linear",
+                   help="the control the linear/-set rows divide by (a candidate's own control: the same finetune "
+                        "with softmax attention, `gen linearize --control`)")
     t = sub.add_parser("table", help="print the card's table from OUT")
     t.add_argument("out")
     t.add_argument("--decode", action="append", help="summary.json of benchmarks/smollm2_linear_decode.py "

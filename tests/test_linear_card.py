@@ -53,3 +53,20 @@ def test_cells_against_softmax_and_control(tmp_path):
     assert cells[9:] == ["-", "3/20", "-", "3.0 MiB", "4.5"]   # passkey 1k and 8k missing, 2k, state, best median
     assert row(text, "hybrid, 2")[7] == "-"                  # no cell, no number
     assert "general" not in text.splitlines()[0]             # a text nobody measured is no column
+
+
+def test_run_points_the_rows_at_a_candidate_and_its_control(tmp_path, monkeypatch):
+    """`run --linear-model DIR --control-linear-model CTL`: the rows that name smollm2-linear run DIR, the
+    linear/ set's control row runs CTL (a candidate's ratios are against its own control), the rest unchanged."""
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd)
+        return Namespace(returncode=1, stdout="")     # a failed cell: left for a rerun, nothing written
+    monkeypatch.setattr(linear_card.subprocess, "run", fake_run)
+    a = Namespace(out=str(tmp_path), rows="linear,control_linear,control", only="general", stories=None,
+                  general="g.txt", legal=None, limit=100, threads=1, linear_model="cand", control_linear_model="ctl")
+    linear_card.run(a)
+    models = {cmd[cmd.index("--model") + 1] for cmd in calls}
+    assert models == {"cand", "ctl", "smollm2-control"}, calls
+    assert not list(tmp_path.glob("*.json"))
