@@ -446,7 +446,8 @@ def _linearize(a: LinearizeArgs, g: Group, log, on_step) -> dict | None:
         if len(losses["layers"]) != L:
             raise InvalidArgumentError(f"--init {d}: {len(losses['layers'])} layers of transfer losses, the model has {L}")
         state = {"layers_done": L, "finetune_done": 0, "losses": losses["layers"], "finetune_log": [], "seconds": 0.0,
-                 "args": asdict(a), "losses_measured": f"{losses['loss']} (the transfer of --init {d})"}
+                 "args": asdict(a), "losses_measured": f"{losses['loss']} (the transfer of --init {d})",
+                 "kept_from_init": kept_from_init(a)}   # read now (and saved for --resume), not when DIR may be gone
         progress.save(state, {"maps": maps.state_dict(), **(saved or {})})
         log(f"starting from {d}: its maps{' and adapters' if a.lora_rank else ''}, no transfer")
     else:
@@ -663,7 +664,7 @@ def write_output(model, a, state, used, layer_attention, t0, rows_used, lora=Non
         config["layer_attention"] = list(layer_attention)
     if lora is not None:
         config["lora_rank"] = a.lora_rank
-    config.update(kept_from_init(a))
+    config.update(state.get("kept_from_init", {}))
     what = state.get("losses_measured",   # --init: the losses are its transfer's, measured on its rows
                      f"MSE of the o_proj output of linear vs softmax attention, on a fixed batch of {a.eval_rows} "
                      f"rows x {a.seq_len} tokens; relative = loss / the target's mean square")

@@ -2,6 +2,7 @@
 interrupt gives the same maps as an uninterrupted run; bad input is one line, exit 2, nothing written."""
 import importlib.util
 import json
+import shutil
 
 import pytest
 import torch
@@ -276,3 +277,9 @@ def test_init_keeps_its_sparse_cache_for_the_same_window(small_model_dir, corpus
                   log=lambda m: None)
         assert json.loads((out / "config.json").read_text()).get("sparse_keys") == expect, name
     assert load_model(str(tmp_path / "same"))[0].spec.linear_sparse_keys == 3
+    # DIR is read when the run starts: gone before the output is written, the output still keeps its cache
+    gone = tmp_path / "gone"
+    shutil.copytree(first, gone)
+    linearize(args(small_model_dir, corpus, tmp_path / "late", lora_rank=4, finetune_steps=2, window=4, init=str(gone)),
+              log=lambda m: None, on_step=lambda *_: shutil.rmtree(gone, ignore_errors=True))
+    assert not gone.exists() and json.loads((tmp_path / "late" / "config.json").read_text())["sparse_keys"] == 3
