@@ -81,6 +81,7 @@ def run(a) -> None:
     if unknown:
         sys.exit(f"linear_card.py: unknown rows {', '.join(unknown)}; known: {', '.join(rows)}")
     wanted = a.only.split(",") if a.only else list(measurements(a))
+    models = {"smollm2-linear": a.linear_model, "smollm2-control-linear": a.control_linear_model}   # candidates
     for what, extra in measurements(a).items():      # measurement by measurement: every row's tasks first
         if what not in wanted:
             continue
@@ -88,8 +89,7 @@ def run(a) -> None:
             path = os.path.join(a.out, f"{key}.{what}.json")
             if os.path.exists(path):
                 continue
-            args = [a.linear_model if x == "smollm2-linear" else
-                    a.control_linear_model if x == "smollm2-control-linear" else x for x in rows[key]]
+            args = [models.get(x, x) for x in rows[key]]
             cmd = ["gen", "eval", *args, *extra, "--threads", str(a.threads), "--json"]
             print("$", shlex.join(cmd), flush=True)
             t0 = time.perf_counter()
@@ -133,7 +133,7 @@ def table(a) -> str:
             if int(context) == 32768:
                 decode[row] = (cell["state_bytes"], min(r["median_ms"] for r in cell["runs"]))
     texts = [t for t in ("stories", "general", "legal") if any(read(a.out, k, t) for k, *_ in ROWS)]
-    ref = {"softmax": {}, "control": {}, "control_linear": {}}
+    ref = {key: {} for key in ("softmax", "control", *CONTROL_OF.values())}
     for key in ref:
         ref[key]["avg"] = average(task_scores(read(a.out, key, "tasks")))
         for t in texts:

@@ -247,8 +247,9 @@ def init_config(a: LinearizeArgs) -> None:
 def kept_from_init(a: LinearizeArgs) -> dict:
     """The run settings of --init DIR's config that a further stage keeps: its sparse cache (`sparse_keys`),
     when this run trains the same window (the output, loaded as a model, then runs DIR's cache). Not its
-    `variants` (other sets, named by paths relative to DIR): a shipped directory names those by hand."""
-    if not a.init or a.control or not a.window:
+    `variants` (other sets, named by paths relative to DIR): a shipped directory names those by hand. For a
+    linearized --init (a control runs no window)."""
+    if not a.window:
         return {}
     cfg = init_json(Path(a.init))
     keys = cfg.get("sparse_keys")
