@@ -58,11 +58,11 @@ from engine.attention.softmax import softmax_attention
 from engine.attention.window import window_attention
 from engine.distributed import Group, join
 from engine.errors import InvalidArgumentError
-from engine.runspec import RunSpec, check_no_decay_with_window, check_window
+from engine.runspec import RunSpec, check_window
 from engine.loader import build, parse_device
 from engine.quant import dequantize_model
 from models.corpus import read_documents
-from models.linearized import maps_have_decay, read_adapters, read_maps, write_adapters, write_json, write_maps
+from models.linearized import read_adapters, read_maps, write_adapters, write_json, write_maps
 from models.registry import read_checkpoint, resolve
 
 WORK = ".linearize"
@@ -185,7 +185,6 @@ def check_args(a: LinearizeArgs) -> None:
         raise InvalidArgumentError(f"--decay-lr must be positive, got {a.decay_lr}")
     if a.gate_lr <= 0:
         raise InvalidArgumentError(f"--gate-lr must be positive, got {a.gate_lr}")
-    check_no_decay_with_window(a.decay or a.gate, a.window, "--gate" if a.gate else "--decay")
     if a.budget is not None and a.budget <= 0:
         raise InvalidArgumentError(f"--budget must be a positive number of minutes, got {a.budget}")
     out = Path(a.out)
@@ -240,8 +239,6 @@ def init_config(a: LinearizeArgs) -> None:
     rank = cfg.get("lora_rank", 0) if (d / "adapters.safetensors").is_file() else 0
     if rank != a.lora_rank:
         raise InvalidArgumentError(f"--init {d}: its adapters have rank {rank}; give --lora-rank {rank}")
-    if a.window:
-        check_no_decay_with_window(maps_have_decay(d / "maps.safetensors"), a.window, f"--init {d}: its maps")
 
 
 def kept_from_init(a: LinearizeArgs) -> dict:

@@ -22,7 +22,7 @@ import torch
 from engine.adapters import merge
 from engine.attention.feature_maps import Hedgehog
 from engine.quant import QuantEmbedding, QuantLinear, QuantStack
-from engine.runspec import DTYPES, RunSpec, check_no_decay_with_window, map_set_for, parse_device, parse_dtype  # noqa: F401
+from engine.runspec import DTYPES, RunSpec, map_set_for, parse_device, parse_dtype  # noqa: F401
 from engine.transformer import Transformer
 from models.config import ModelConfig
 from models.linearized import read_set
@@ -71,7 +71,6 @@ def load_parts(model: str | os.PathLike, device: str | torch.device = "cpu",
     maps, adapters = ckpt.maps, ckpt.adapters
     if spec.map_set in ckpt.variants:     # the set trained for this kind of run
         maps, adapters = read_set(ckpt.variants[spec.map_set], ckpt.config)
-    check_no_decay_with_window(maps is not None and "hedgehog.decay_logit" in maps, spec.linear_window, str(model))
     net = build(ckpt.config, ckpt.tensors, spec.device, spec.dtype, interleaved_rotary=ckpt.interleaved_rotary,
                 maps=maps, adapters=adapters, adapters_into_base=ckpt.adapters_on == "all", spec=spec)
     return net, ckpt.tokenizer, ckpt.chat_template, ckpt.sampling, tuple(ckpt.variants)

@@ -7,8 +7,7 @@ backend, threads, quantization -- resolved once from the checkpoint's config and
     spec.for_request(cfg, attention="linear")     # a server request: the same rules, on the same model
 
 Every rule about these options is written here once, and everything else calls it: the attention
-names (`check_attention`), the window's bounds (`check_window`), no learned decay with a window
-(`check_no_decay_with_window`), the thread count and default (`engine.threads.check_threads` and
+names (`check_attention`), the window's bounds (`check_window`), the thread count and default (`engine.threads.check_threads` and
 `default_threads`, one layer down, read by `resolve`), the step backends, activations, quantization
 kinds, prefill chunk, dtypes and devices.
 The CLI, the API, the server, bench and eval all resolve through `RunSpec.resolve` or `for_request`;
@@ -56,10 +55,6 @@ class WindowError(InvalidArgumentError):
     """A window below 1, or a window where no layer is linear."""
 
 
-class DecayWindowError(InvalidArgumentError):
-    """Learned maps with a decay asked to run with a sliding window (that form has no decay)."""
-
-
 def check_attention(name, valid=ATTENTION_PATHS, what: str = "") -> str:
     """`name` must be one of `valid` (default: the attention paths); `what` names the command."""
     if name not in valid:
@@ -73,14 +68,6 @@ def check_window(window) -> int | None:
         raise WindowError(f"--window must be at least 1 (the keys each linear layer sees exactly), "
                           f"got {window!r}; leave it out for pure linear layers")
     return window
-
-
-def check_no_decay_with_window(has_decay: bool, window, where: str) -> None:
-    """Maps with a learned decay never run with a window (the window + linear form has none): refused,
-    never run without the decay. `where`: what carries the decay (a model, a directory, a flag)."""
-    if has_decay and window:
-        raise DecayWindowError(f"{where}: learned maps that carry a decay do not run with a sliding window (the "
-                               f"window + linear form has no decay); run without --window")
 
 
 def check_backend(backend: str) -> str:
@@ -356,8 +343,8 @@ def mode_fields(attention: str, layer_attention, window: int, sparse_keys: int =
             "window": window, "sparse_keys": sparse_keys if window else 0, "map_set": map_set_for(attention, window)}
 
 
-__all__ = ["RunSpec", "resolve_mode", "map_set_for", "check_attention", "check_window", "check_no_decay_with_window",
+__all__ = ["RunSpec", "resolve_mode", "map_set_for", "check_attention", "check_window",
            "check_sparse_keys", "check_threads", "check_backend", "check_activations", "check_quantize", "check_prefill_chunk",
            "parse_dtype", "parse_device", "parse_softmax_layers", "layer_attention_for", "highest_loss_layers",
-           "UnknownAttentionError", "WindowError", "DecayWindowError", "ThreadsError", "BACKENDS", "ACTIVATIONS",
+           "UnknownAttentionError", "WindowError", "ThreadsError", "BACKENDS", "ACTIVATIONS",
            "QUANT_KINDS", "DEFAULT_PREFILL_CHUNK", "DEFAULT_ACTIVATIONS", "DTYPES", "NO_WINDOW"]

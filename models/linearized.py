@@ -211,11 +211,6 @@ def read_maps(file: str | os.PathLike, cfg: ModelConfig) -> dict[str, torch.Tens
     return _checked(file, tensors, shapes, MAP_NAMES, "maps", f"{cfg.num_hidden_layers} layers")
 
 
-def maps_have_decay(file: str | os.PathLike) -> bool:
-    """Whether the maps file carries a learned decay (`gen linearize --decay`)."""
-    return DECAY in _read_safetensors(Path(file))
-
-
 def write_maps(file: str | os.PathLike, runtime: dict[str, torch.Tensor], dtype=torch.float16) -> None:
     """Save runtime-named maps (`hedgehog.q_weight`, ...) under checkpoint names, atomically."""
     _write_named(file, runtime, MAP_NAMES, dtype)
@@ -245,5 +240,5 @@ def dumps_records(obj) -> str:
 
 __all__ = ["CONFIG", "MAPS", "ADAPTERS", "VARIANTS", "MAP_NAMES", "ADAPTER_NAMES", "adapter_shapes", "read_adapters",
            "write_adapters", "LAYER_PATHS", "map_shapes", "is_linearized", "read_linearized_config",
-           "apply_linearized", "variant_sets", "read_set", "read_maps", "maps_have_decay", "write_maps",
+           "apply_linearized", "variant_sets", "read_set", "read_maps", "write_maps",
            "write_json", "DECAY", "GATE"]

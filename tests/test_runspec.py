@@ -15,8 +15,7 @@ from cli.main import main
 from engine.api import load
 from engine.attention.feature_maps import Hedgehog
 from engine.errors import InvalidArgumentError
-from engine.runspec import (DecayWindowError, RunSpec, ThreadsError, UnknownAttentionError, WindowError,
-                            check_no_decay_with_window)
+from engine.runspec import RunSpec, ThreadsError, UnknownAttentionError, WindowError
 from engine.threads import default_threads
 from models.linearized import write_json, write_maps
 from tests.conftest import tiny_config
@@ -28,8 +27,6 @@ ROOT = Path(__file__).resolve().parent.parent
 RULES = {   # a rule's message, as its one definition spells it: (rule, typed error, a call that breaks it)
     "unknown attention": (UnknownAttentionError, lambda cfg: RunSpec.resolve(cfg, attention="flash")),
     "--window must be at least 1": (WindowError, lambda cfg: RunSpec.resolve(cfg, attention="linear", window=0)),
-    "carry a decay do not run with a sliding window": (
-        DecayWindowError, lambda cfg: check_no_decay_with_window(True, 4, "these maps")),
     "threads must be an integer >= 1": (ThreadsError, lambda cfg: RunSpec.resolve(cfg, threads=0)),
 }
 

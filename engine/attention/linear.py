@@ -224,47 +224,44 @@ def linear_attention_chunked(phi_q, phi_k, v, S=None, z=None, chunk: int = CHUNK
         S = phi_q.new_zeros(B, Hkv, F_, Dv)
         z = phi_q.new_zeros(B, Hkv, F_)
     if log_decay is not None:
-        return _chunked_decay(phi_q, phi_k, v, S, z, chunk, log_decay)
+        log_decay = log_decay.expand(-1, -1, T, -1)
     outs = []
     for s in range(0, T, chunk):
         e = min(s + chunk, T)
-        qc, kc, vc = phi_q[:, :, :, s:e], phi_k[:, :, s:e], v[:, :, s:e]
+        num, den, S, z = linear_chunk(phi_q[:, :, :, s:e], phi_k[:, :, s:e], v[:, :, s:e], S, z,
+                                      None if log_decay is None else log_decay[:, :, s:e])
+        outs.append(num / (den + EPS))
+    return torch.cat(outs, dim=3), S, z
+
+
+def linear_chunk(qc, kc, vc, S, z, ld=None):
+    """One chunk of causal linear attention after the state (S, z) of the keys before it: the
+    numerator (B, Hkv, G, C, Dv) and denominator (B, Hkv, G, C, 1) of its queries (query t reads keys
+    up to its own), and the state after its keys. qc (B, Hkv, G, C, F); kc (B, Hkv, C, F); vc (B, Hkv,
+    C, Dv); ld: None or the chunk's log decay per token (1|B, Hkv, C, F), S_t = e^{ld_t} S_{t-1} + ...
+
+    With a decay, c_t the cumulative log decay (inclusive) from the chunk's start: S_t = e^{c_t} S_prev
+    + sum_{j<=t} e^{c_t - c_j} phi(k_j) v_j^T. The intra-chunk weights e^{c_t - c_j} split around the
+    chunk's middle m, (phi(q_t) e^{c_t - c_m}) . (phi(k_j) e^{c_m - c_j}), so no factor exceeds
+    e^{|log decay| C / 2} (<= e^32 for the hedgehog's log decay > -1 and C = 64)."""
+    if ld is None:
         A = (qc @ kc.unsqueeze(2).transpose(-1, -2)).tril()          # (B, Hkv, G, C, C)
         num = qc @ S.unsqueeze(2) + A @ vc.unsqueeze(2)               # (B, Hkv, G, C, Dv)
         den = qc @ z[:, :, None, :, None] + A.sum(-1, keepdim=True)   # (B, Hkv, G, C, 1)
-        outs.append(num / (den + EPS))
-        S = S + kc.transpose(-1, -2) @ vc
-        z = z + kc.sum(2)
-    return torch.cat(outs, dim=3), S, z
-
-
-def _chunked_decay(phi_q, phi_k, v, S, z, chunk, log_decay):
-    """`linear_attention_chunked` with a decay. In a chunk, with c_t the cumulative log decay
-    (inclusive) from its start: S_t = e^{c_t} S_prev + sum_{j<=t} e^{c_t - c_j} phi(k_j) v_j^T.
-    The intra-chunk weights e^{c_t - c_j} split around the chunk's middle m, (phi(q_t) e^{c_t - c_m}) .
-    (phi(k_j) e^{c_m - c_j}), so no factor exceeds e^{|log decay| C / 2} (<= e^32 for the
-    hedgehog's log decay > -1 and C = 64)."""
-    outs = []
-    T = phi_q.shape[3]
-    log_decay = log_decay.expand(-1, -1, T, -1)
-    for s in range(0, T, chunk):
-        e = min(s + chunk, T)
-        qc, kc, vc = phi_q[:, :, :, s:e], phi_k[:, :, s:e], v[:, :, s:e]
-        c = log_decay[:, :, s:e].cumsum(2)                             # (1|B, Hkv, C, F)
-        mid = c[:, :, (e - s) // 2:(e - s) // 2 + 1]
-        last = c[:, :, -1:]
-        qs = qc * (c - mid).exp().unsqueeze(2)
-        ks = kc * (mid - c).exp()
-        A = (qs @ ks.unsqueeze(2).transpose(-1, -2)).tril()           # (B, Hkv, G, C, C)
-        qd = qc * c.exp().unsqueeze(2)                                # phi(q_t) e^{c_t}: reads S_prev
-        num = qd @ S.unsqueeze(2) + A @ vc.unsqueeze(2)
-        den = qd @ z[:, :, None, :, None] + A.sum(-1, keepdim=True)
-        outs.append(num / (den + EPS))
-        kl = kc * (last - c).exp()                                    # phi(k_j) e^{c_last - c_j}
-        carry = last[:, :, 0].exp()                                   # (1|B, Hkv, F)
-        S = carry.unsqueeze(-1) * S + kl.transpose(-1, -2) @ vc
-        z = carry * z + kl.sum(2)
-    return torch.cat(outs, dim=3), S, z
+        return num, den, S + kc.transpose(-1, -2) @ vc, z + kc.sum(2)
+    C = kc.shape[2]
+    c = ld.cumsum(2)                                                  # (1|B, Hkv, C, F)
+    mid = c[:, :, C // 2:C // 2 + 1]
+    last = c[:, :, -1:]
+    qs = qc * (c - mid).exp().unsqueeze(2)
+    ks = kc * (mid - c).exp()
+    A = (qs @ ks.unsqueeze(2).transpose(-1, -2)).tril()               # (B, Hkv, G, C, C)
+    qd = qc * c.exp().unsqueeze(2)                                    # phi(q_t) e^{c_t}: reads S_prev
+    num = qd @ S.unsqueeze(2) + A @ vc.unsqueeze(2)
+    den = qd @ z[:, :, None, :, None] + A.sum(-1, keepdim=True)
+    kl = kc * (last - c).exp()                                        # phi(k_j) e^{c_last - c_j}
+    carry = last[:, :, 0].exp()                                       # (1|B, Hkv, F)
+    return num, den, carry.unsqueeze(-1) * S + kl.transpose(-1, -2) @ vc, carry * z + kl.sum(2)
 
 
 def fp32_under_autocast(fn):

@@ -23,7 +23,9 @@ W the window: W to W + BLOCK - 1 keys, its own included), the cached ones and th
 State per layer: S (B, Hkv, F, Dv) and z (B, Hkv, F) fp32; the recent keys and values (B, Hkv,
 W + BLOCK - 1, D), right-aligned, how many are held follows from the row's length; the cache (B, Hkv,
 M, D) keys and values with a mask of the slots in use (keys and values in the model's dtype; all
-arithmetic in fp32). Constant in the context. Rows run one at a
+arithmetic in fp32). Constant in the context. Maps with a learned decay decay S and z at every token,
+S_t = diag(g_t) S_{t-1} (as the window form, engine/attention/window.py: a key decays from the moment
+it is folded in, at a decision; a cached key does not decay). Rows run one at a
 time (their decisions fall at different slots when rows are padded differently).
 """
 from __future__ import annotations
@@ -36,7 +38,7 @@ from engine.attention.base import State, take_rows
 from engine.attention.feature_maps import FeatureMap, state_dtype
 from engine.attention.linear import EPS, as_feature_map, fp32_under_autocast
 from engine.attention.packed import Packed
-from engine.attention.window import refuse_decay, saved_state
+from engine.attention.window import saved_state
 
 BLOCK = 64   # tokens between two decisions of what the cache keeps
 NEG = float("-inf")
@@ -71,6 +73,9 @@ def row_attention(q, k, v, n: int, mem: Memory, fmap, layer, window: int):
     qs = (q.to(sd) * D ** -0.5).view(Hkv, G, T, D)
     phi_q = fmap(q[None], layer, "q")[0].view(Hkv, G, T, -1)
     k, v = k.to(sd), v.to(sd)
+    ld = fmap.decay(layer, v[None])                                           # None, (Hkv, F) or (1, Hkv, T, F)
+    if ld is not None:
+        ld = ld[0] if ld.dim() == 4 else ld[:, None].expand(-1, T, -1)        # (Hkv, T, F)
     outs, t = [], 0
     while t < T:
         pos = n + t
@@ -86,9 +91,15 @@ def row_attention(q, k, v, n: int, mem: Memory, fmap, layer, window: int):
         scores = torch.cat([sc, cs], -1)
         a = torch.exp(scores - scores.amax(-1, keepdim=True))
         pq = phi_q[:, :, t:t + m]                                             # (Hkv, G, m, F)
+        if ld is not None:   # query t reads the state decayed by the tokens up to its own
+            c = ld[:, t:t + m].cumsum(1)                                      # (Hkv, m, F)
+            pq = pq * c.exp()[:, None]
+            carry = c[:, -1].exp()                                            # (Hkv, F)
         num = a[..., :h + m] @ values[:, None] + a[..., h + m:] @ mem.cv[:, None] + pq @ mem.S[:, None]
         den = a.sum(-1, keepdim=True) + pq @ mem.z[:, None, :, None]
         outs.append((num / (den + EPS)).reshape(H, m, -1))
+        if ld is not None:
+            mem.S, mem.z = carry[..., None] * mem.S, carry * mem.z
         mem.rk, mem.rv = keys, values
         t += m
         if pos + m == end:
@@ -151,7 +162,7 @@ class SparseWindowState(State):
     @classmethod
     def allocate(cls, cfg, batch: int, max_len, device, dtype, feature_map=None, layers=None,
                  window: int = 0, sparse_keys: int = 0) -> "SparseWindowState":
-        fmap = refuse_decay(as_feature_map(feature_map or cfg.feature_map))
+        fmap = as_feature_map(feature_map or cfg.feature_map)
         F_, D, Hkv = fmap.out_dim(cfg.head_dim), cfg.head_dim, cfg.num_key_value_heads
         L = cfg.num_hidden_layers if layers is None else len(layers)
         sd, z = state_dtype(dtype), torch.zeros
@@ -282,7 +293,7 @@ def sparse_window_attention(q, k, v, fmap, window: int, sparse_keys: int, valid=
     """Stateless full-sequence form (evaluation): each row from an empty memory, its real tokens only.
     q (B, H, T, D); k, v (B, Hkv, T, D); valid (B, T) bool or None -> (B, H, T, D)."""
     B, H, T, D = q.shape
-    fmap = refuse_decay(as_feature_map(fmap))
+    fmap = as_feature_map(fmap)
     sd = state_dtype(q.dtype)
     F_ = fmap.out_dim(D)
     out = q.new_zeros(B, H, T, v.shape[-1])

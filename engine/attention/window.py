@@ -9,13 +9,16 @@ the linear state to every older key, in one normalisation:
 
 The state is constant in the context: per layer the W newest keys and values (model dtype) plus
 S (B, Hkv, F, Dv) and z (B, Hkv, F) in fp32 of the keys that left the window. A key enters S when
-it leaves the window. Windows count slots: pads only come first (left-padded prompt blocks), are
+it leaves the window. Maps with a learned decay (`gen linearize --decay` / `--gate`) decay the state
+from the moment a key enters it: at each real token t, S_t = diag(g_t) S_{t-1} + phi(k_{t-W}) v_{t-W}^T
+(z alike), g_t = exp(FeatureMap.decay) (gated: read from token t's value), so a key's weight in the
+state is the product of the factors of the tokens since it left the window. Windows count slots: pads only come first (left-padded prompt blocks), are
 masked out of the scores and zeroed out of S, so a padded row sees the keys it would see alone.
 
 One code path serves prefill and decode: the W buffered keys are put before the block's T keys
 (index j in 0..W+T-1); query t (key index W+t) sees keys (t, t+W] exactly and keys 0..t plus S
 through phi, which is ordinary causal linear attention between q_t and key t of that
-concatenation (`linear_attention_chunked`); the window part is computed per chunk of queries
+concatenation (`linear_chunk`, with the block tokens' decay); the window part is computed per chunk of queries
 against the C + W - 1 keys it can see, so prefill costs O(T (C + W)).
 """
 from __future__ import annotations
@@ -26,9 +29,8 @@ import torch
 
 from engine.attention.base import State, take_rows
 from engine.attention.feature_maps import FeatureMap, get_feature_map, state_dtype
-from engine.attention.linear import CHUNK, EPS, as_feature_map, fp32_under_autocast, stateless_chunk
+from engine.attention.linear import CHUNK, EPS, as_feature_map, fp32_under_autocast, linear_chunk, stateless_chunk, token_decay
 from engine.attention.packed import Packed
-from engine.runspec import check_no_decay_with_window
 
 NEG = float("-inf")
 
@@ -49,7 +51,7 @@ class WindowState(State):
     @classmethod
     def allocate(cls, cfg, batch: int, max_len, device, dtype, feature_map=None, layers=None,
                  window: int = 0) -> "WindowState":
-        fmap = refuse_decay(as_feature_map(feature_map or cfg.feature_map))
+        fmap = as_feature_map(feature_map or cfg.feature_map)
         F_, D, Hkv = fmap.out_dim(cfg.head_dim), cfg.head_dim, cfg.num_key_value_heads
         L = cfg.num_hidden_layers if layers is None else len(layers)
         sd = state_dtype(dtype)
@@ -154,19 +156,12 @@ def saved_state(cls, sd, names, device=None, feature_map=None, **fields):
     return out
 
 
-def refuse_decay(fmap: FeatureMap) -> FeatureMap:
-    """This form has no decay: maps that carry one are refused (one line), never run without it.
-    Checked where a window run starts (a state's allocation, the stateless forms), not per token."""
-    check_no_decay_with_window(fmap.has_decay, True, "these learned maps")
-    return fmap
-
-
 def window_linear_attention(q, keys, values, key_real, fmap, layer, S, z, chunk: int = CHUNK):
     """The block form. q (B, H, T, D); keys, values (B, Hkv, W+T, D): the W buffered keys then the
     block's T; key_real (B, W+T) bool; S (B, Hkv, F, Dv), z (B, Hkv, F) fp32 of the keys before them.
 
-    Returns out (B, H, T, D) in q's dtype and the new (S, z) (the first T keys folded in); inputs
-    are not modified.
+    Returns out (B, H, T, D) in q's dtype and the new (S, z) (the first T keys folded in, each block
+    token's decay applied when the maps carry one); inputs are not modified.
     """
     B, H, T, D = q.shape
     Hkv, W = keys.shape[1], keys.shape[2] - T
@@ -177,6 +172,10 @@ def window_linear_attention(q, keys, values, key_real, fmap, layer, S, z, chunk:
     k_lin = keys[:, :, :T]
     phi_k = fmap(k_lin, layer, "k") * key_real[:, None, :T, None]            # (B, Hkv, T, F)
     v_lin = values[:, :, :T].to(sd)
+    ld = token_decay(fmap.decay(layer, values[:, :, W:].to(sd)), key_real[:, W:])   # None or (1|B, Hkv, 1|T, F)
+    if ld is not None:
+        ld = ld.expand(-1, -1, T, -1)
+        chunk = min(chunk, CHUNK)   # the decay's split wants short blocks (linear_chunk)
     qs = (q.to(sd) * D ** -0.5).view(B, Hkv, G, T, D)
     ks, vs = keys.to(sd), values.to(sd)
     outs = []
@@ -184,12 +183,8 @@ def window_linear_attention(q, keys, values, key_real, fmap, layer, S, z, chunk:
         e = min(s + chunk, T)
         C = e - s
         # linear part: q_t with keys 0..t of the concatenation, plus the carried S, z
-        qc, kc, vc = phi_q[:, :, :, s:e], phi_k[:, :, s:e], v_lin[:, :, s:e]
-        A = (qc @ kc.unsqueeze(2).transpose(-1, -2)).tril()                  # (B, Hkv, G, C, C)
-        num = qc @ S.unsqueeze(2) + A @ vc.unsqueeze(2)                       # (B, Hkv, G, C, Dv)
-        den = qc @ z[:, :, None, :, None] + A.sum(-1, keepdim=True)          # (B, Hkv, G, C, 1)
-        S = S + kc.transpose(-1, -2) @ vc
-        z = z + kc.sum(2)
+        num, den, S, z = linear_chunk(phi_q[:, :, :, s:e], phi_k[:, :, s:e], v_lin[:, :, s:e], S, z,
+                                      None if ld is None else ld[:, :, s:e])
         # window part: query t sees keys (t, t + W]; the chunk's queries see keys s+1 .. e+W-1
         kw, vw = ks[:, :, s + 1:e + W], vs[:, :, s + 1:e + W]                 # (B, Hkv, C+W-1, D)
         scores = qs[:, :, :, s:e] @ kw.unsqueeze(2).transpose(-1, -2)         # (B, Hkv, G, C, C+W-1)
@@ -214,7 +209,7 @@ def window_linear_reference(q, k, v, fmap, window: int, valid=None, layer: int |
     """
     B, H, T, D = q.shape
     G = H // k.shape[1]
-    fmap = refuse_decay(as_feature_map(fmap))
+    fmap = as_feature_map(fmap)
     sd = state_dtype(q.dtype)
     valid = valid if valid is not None else torch.ones(B, T, dtype=torch.bool, device=q.device)
     phi_q = fmap(q, layer, "q")
@@ -228,7 +223,14 @@ def window_linear_reference(q, k, v, fmap, window: int, valid=None, layer: int |
     allowed = (in_window & valid[:, None, None, :]) | (i == j)
     scores = scores.masked_fill(~allowed, NEG)
     a = torch.exp(scores - scores.amax(-1, keepdim=True))
-    b = (phi_q @ phi_k.transpose(-1, -2)) * older
+    ld = token_decay(fmap.decay(layer, v.to(sd)), valid)
+    if ld is None:
+        b = (phi_q @ phi_k.transpose(-1, -2)) * older
+    else:   # key j entered the state at token j + W: weight e^{c_t - c_{j+W}}, c the cumulative log decay
+        c = ld.expand(B, -1, T, -1).cumsum(2).repeat_interleave(G, 1)        # (B, H, T, F)
+        entered = torch.cat([c[:, :, window:], c.new_full((B, H, min(window, T), c.shape[-1]), float("inf"))], 2)[:, :, :T]
+        w = (c[:, :, :, None, :] - entered[:, :, None, :, :]).masked_fill(~older[..., None], float("-inf")).exp()
+        b = torch.einsum("bhtf,bhjf,bhtjf->bhtj", phi_q, phi_k, w)
     out = (a @ vv + b @ vv) / (a.sum(-1, keepdim=True) + b.sum(-1, keepdim=True) + EPS)
     return out.to(q.dtype)
 
@@ -238,12 +240,13 @@ def window_attention(q, k, v, fmap, window: int, valid=None, layer: int | None =
     """Stateless full-sequence form (training, evaluation): the block form from an empty state."""
     B, H, T, D = q.shape
     Hkv = k.shape[1]
-    F_ = refuse_decay(as_feature_map(fmap)).out_dim(D)
+    fmap = as_feature_map(fmap)
+    F_ = fmap.out_dim(D)
     sd = state_dtype(q.dtype)
     pad_k = k.new_zeros(B, Hkv, window, D)
     valid = valid if valid is not None else torch.ones(B, T, dtype=torch.bool, device=q.device)
     key_real = torch.cat([valid.new_zeros(B, window), valid], 1)
     out, _, _ = window_linear_attention(q, torch.cat([pad_k, k], 2), torch.cat([pad_k, v], 2), key_real, fmap,
                                         layer, q.new_zeros(B, Hkv, F_, D, dtype=sd), q.new_zeros(B, Hkv, F_, dtype=sd),
-                                        chunk=stateless_chunk(q))
+                                        chunk=CHUNK if fmap.has_decay else stateless_chunk(q))
     return out

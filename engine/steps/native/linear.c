@@ -86,6 +86,16 @@ static inline void fold_key_decayed(float *S, float *z, const float *phi_k, cons
     }
 }
 
+/* S = diag(g) S, z = g z: a learned decay's factors g (F) with no key to fold in. */
+static inline void decay_state(float *S, float *z, const float *g, int F, int D) {
+    for (int f = 0; f < F; f++) {
+        const float gf = g[f];
+        #pragma omp simd
+        for (int d = 0; d < D; d++) S[f * D + d] *= gf;
+        z[f] *= gf;
+    }
+}
+
 /* A gated decay's factors for one token and key/value head: g (F) = exp(-sigmoid(logit + rms(v) gate)),
  * logit (F), gate (D, F); as engine.attention.feature_maps.Hedgehog.decay. */
 static void gate_factors(const float *v, const float *logit, const float *gate, int F, int D, float *g) {
@@ -99,6 +109,17 @@ static void gate_factors(const float *v, const float *logit, const float *gate, 
         for (int f = 0; f < F; f++) g[f] += u * row[f];
     }
     for (int f = 0; f < F; f++) g[f] = expf(-1.0f / (1.0f + expf(-g[f])));
+}
+
+/* The decay factors (F) of the token whose value is v (D) in model layer ml's key/value head g: the
+ * constant ones, a gated decay's computed into gt, or NULL when the maps carry no decay. */
+static inline const float *token_factors(const Plan *p, int ml, int g, const float *v, float *gt) {
+    const size_t lg = (size_t)ml * p->Hkv + g;
+    if (p->hh_gate) {
+        gate_factors(v, p->hh_logit + lg * p->F, p->hh_gate + lg * p->D * p->F, p->F, p->D, gt);
+        return gt;
+    }
+    return p->hh_decay ? p->hh_decay + lg * p->F : NULL;
 }
 
 /* out (D) = phi_q^T S; returns phi_q . z (the linear part of the denominator). */
@@ -128,11 +149,8 @@ void linear_attention(const Plan *p, int l, int ml) {
             float *S = p->S + sg * F * D, *z = p->z + sg * F;
             const float *vg = v + g * D;
             phi(p, ml, g, 0, k + g * D, phi_k);
-            const size_t lg = (size_t)ml * p->Hkv + g;
-            if (p->hh_gate) {
-                gate_factors(vg, p->hh_logit + lg * F, p->hh_gate + lg * D * F, F, D, gt);
-                fold_key_decayed(S, z, phi_k, vg, gt, F, D);
-            } else if (p->hh_decay) fold_key_decayed(S, z, phi_k, vg, p->hh_decay + lg * F, F, D);
+            const float *gf = token_factors(p, ml, g, vg, gt);
+            if (gf) fold_key_decayed(S, z, phi_k, vg, gf, F, D);
             else fold_key(S, z, phi_k, vg, F, D);
             for (int j = 0; j < G; j++) {
                 int h = g * G + j;
@@ -145,15 +163,15 @@ void linear_attention(const Plan *p, int l, int ml) {
     }
 }
 
-/* Sliding window + linear, one token per row (engine/attention/window.py with T = 1): the oldest
- * buffered key leaves the window into S, z; the query attends exactly to the other W - 1 buffered
+/* Sliding window + linear, one token per row (engine/attention/window.py with T = 1): S, z take the
+ * token's decay factors (learned maps with a decay), the oldest buffered key leaves the window into S, z; the query attends exactly to the other W - 1 buffered
  * keys and its own, and through phi to S, z, in one normalisation:
  *   out = (sum_j a_j v_j + phi(q)^T S) / (sum_j a_j + phi(q)^T z + eps), a_j = exp(s_j - max s).
  * The buffer then drops its oldest key and takes the new one. l: layer inside the state; ml: model layer. */
 void window_attention(const Plan *p, int l, int ml) {
     const int D = p->D, F = p->F, W = p->W, G = p->H / p->Hkv, QKV = (p->H + 2 * p->Hkv) * D;
     float *phi_k = p->tscratch + att_scratch(p), *phi_q = phi_k + F + 1, *sc = phi_q + F + 1;
-    float *krow = sc + W + 1, *vrow = krow + D;
+    float *krow = sc + W + 1, *vrow = krow + D, *gt = vrow + D;   /* gt: a gated decay's factors */
     for (int b = 0; b < p->B; b++) {
         const int cb = cache_seq(p, b);
         const float *q = p->qkv_out + (size_t)b * QKV, *k = q + p->H * D, *v = k + p->Hkv * D;
@@ -165,12 +183,14 @@ void window_attention(const Plan *p, int l, int ml) {
         for (int g = 0; g < p->Hkv; g++) {
             const size_t sg = ((size_t)l * cache_batch(p) + cb) * p->Hkv + g, wb = sg * W * D;
             float *S = p->S + sg * F * D, *z = p->z + sg * F;
+            const float *gf = token_factors(p, ml, g, v + g * D, gt);
             if (WREAL(0)) {   /* the oldest key leaves the window: into S, z */
                 load_row(p->wk, p->w_type, wb, D, krow);
                 load_row(p->wv, p->w_type, wb, D, vrow);
                 phi(p, ml, g, 0, krow, phi_k);
-                fold_key(S, z, phi_k, vrow, F, D);
-            }
+                if (gf) fold_key_decayed(S, z, phi_k, vrow, gf, F, D);
+                else fold_key(S, z, phi_k, vrow, F, D);
+            } else if (gf) decay_state(S, z, gf, F, D);
             for (int j = 0; j < G; j++) {
                 const int h = g * G + j;
                 const float *qh = q + h * D;
@@ -211,7 +231,7 @@ void window_attention(const Plan *p, int l, int ml) {
 }
 
 /* Sliding window + a sparse cache of hard keys, one token per row (engine/attention/sparse.py with
- * T = 1): the query attends exactly to the row's held recent keys, its own and the cached ones in
+ * T = 1): S, z take the token's decay factors (learned maps with a decay), then the query attends exactly to the row's held recent keys, its own and the cached ones in
  * use, and through phi to S, z, in one normalisation (as window_attention); then its key and value
  * join the recent ones (the held ones move one slot left). In a prompt plan the rows are one
  * sequence's consecutive tokens, within one 64-token block (the caller splits there): row r sees the
@@ -219,15 +239,17 @@ void window_attention(const Plan *p, int l, int ml) {
 void sparse_attention(const Plan *p, int l, int ml) {
     const int D = p->D, F = p->F, R = p->R, M = p->M, G = p->H / p->Hkv, QKV = (p->H + 2 * p->Hkv) * D;
     float *phi_q = p->tscratch + att_scratch(p) + F + 1, *sc = phi_q + F + 1;
-    float *krow = sc + R + M + 1, *vrow = krow + D;
+    float *krow = sc + R + M + 1, *vrow = krow + D, *gt = vrow + D;   /* gt: a gated decay's factors */
     const size_t row_bytes = (size_t)D * (p->w_type == T_F32 ? 4 : 2);
     for (int b = 0; b < p->B; b++) {
         const int cb = cache_seq(p, b), h = p->sp_held[cb] + (prompt_plan(p) ? b : 0);
         const float *q = p->qkv_out + (size_t)b * QKV, *k = q + p->H * D, *v = k + p->Hkv * D;
         for (int g = 0; g < p->Hkv; g++) {
             const size_t sg = ((size_t)l * cache_batch(p) + cb) * p->Hkv + g, rb = sg * R * D, cbase = sg * M * D;
-            const float *S = p->S + sg * F * D, *z = p->z + sg * F;
+            float *S = p->S + sg * F * D, *z = p->z + sg * F;
             const uint8_t *use = p->cuse + sg * M;
+            const float *gf = token_factors(p, ml, g, v + g * D, gt);
+            if (gf) decay_state(S, z, gf, F, D);
             for (int j = 0; j < G; j++) {
                 const int hh = g * G + j;
                 const float *qh = q + hh * D;
