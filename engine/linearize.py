@@ -91,6 +91,7 @@ class LinearizeArgs:
     finetune_clip: float = 0.0     # clip the finetune's gradient norm to this (0: off)
     finetune_schedule: str = "constant"   # "cosine": finetune_lr decays to 0 over finetune_steps
     finetune_linear_every: int = 0  # every N-th finetune step runs all layers linear, no window (0: never)
+    grad_checkpoint: bool = False  # recompute each layer's activations in the finetune's backward (long rows)
     decay: bool = False            # learn a decay per key/value head and feature in the finetune
     decay_lr: float = 0.05         # the decay logits' learning rate (the same schedule as finetune_lr)
     gate: bool = False             # the decay depends on the token (a learned gate on its value; implies decay)
@@ -581,6 +582,7 @@ def finetune(model, a, state, progress, saved, rows, layer_attention, deadline, 
         p.requires_grad_(True)
     if lora is not None:
         attach(model, lora, into_base=a.control)
+    model.checkpoint_layers = a.grad_checkpoint
     # some steps leave parameters unused (a hybrid's softmax steps read no decay; the control no maps)
     net = g.wrap(Trainee(model, lora), find_unused_parameters=True)
     groups = [{"params": params, "base_lr": a.finetune_lr}]

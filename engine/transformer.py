@@ -233,6 +233,10 @@ class Transformer(nn.Module):
     `spec`: the one the model was built for (engine.loader: it decides which learned maps it holds),
     else the mode its config names."""
 
+    # training only (`gen linearize --grad-checkpoint`): each layer's activations are recomputed in the
+    # backward pass instead of kept, so a long row's memory does not grow with the layers
+    checkpoint_layers = False
+
     def __init__(self, cfg: ModelConfig, spec: RunSpec | None = None):
         super().__init__()
         self.config = cfg
@@ -408,10 +412,14 @@ class Transformer(nn.Module):
             positions = (torch.arange(T, device=tokens.device).expand_as(tokens) if valid is None
                          else (valid.long().cumsum(1) - 1).clamp_min(0))
             rope = self.rotary(positions, x.dtype)
+        recompute = self.checkpoint_layers and torch.is_grad_enabled()
+        if recompute:
+            from torch.utils.checkpoint import checkpoint
         for i, (layer, path) in enumerate(zip(self.layers, paths)):
             if path == "softmax":
                 attend_fn = lambda q, k, v: softmax(q, k, v, valid)  # noqa: E731
             else:
                 attend_fn = lambda q, k, v, i=i: linear(q, k, v, i)  # noqa: E731
-            x = layer(x, rope if self.uses_rope(path) else None, attend_fn, path != "softmax")
+            inputs = (x, rope if self.uses_rope(path) else None, attend_fn, path != "softmax")
+            x = checkpoint(layer, *inputs, use_reentrant=False) if recompute else layer(*inputs)
         return self.lm_head(self.norm(x))

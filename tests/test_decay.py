@@ -337,3 +337,23 @@ def test_linearize_gate_learns_writes_and_loads(small_model_dir, corpus, tmp_pat
               log=lambda m: None)
     assert not torch.equal(load_file(win / "maps.safetensors")["feature_map.gate"], maps["feature_map.gate"])
     assert json.loads((out / "linearize.json").read_text())["args"]["gate"] is True
+
+
+@GATED
+def test_gpu_block_length_keeps_the_decay_exact(monkeypatch, gated):
+    """On a GPU the stateless forms run blocks of GPU_CHUNK; with a decay the linear parts are computed
+    for every 64-token chunk at once (`decayed_parts`, its scan across chunks) whatever the block, so
+    both forms equal their naive twins with either block length (T spans several chunks, unaligned; fp32
+    rounding of factors up to e^32: 3e-5 on outputs of ~2)."""
+    from engine.attention import linear as lin
+    from engine.attention import window as win
+    fm = decay_model(num_key_value_heads=2, gated=gated).hedgehog
+    T, W = lin.GPU_CHUNK + 77, 37
+    q, k, v, valid = window_inputs(T, 6)
+    for chunk in (CHUNK, lin.GPU_CHUNK):
+        monkeypatch.setattr(win, "stateless_chunk", lambda x, c=chunk: c)
+        monkeypatch.setattr(lin, "stateless_chunk", lambda x, c=chunk: c)
+        got, want = win.window_attention(q, k, v, fm, W, valid, layer=0), win.window_linear_reference(q, k, v, fm, W, valid, layer=0)
+        assert max_diff(got[0], want[0]) <= 3e-5 and max_diff(got[1][:, valid[1]], want[1][:, valid[1]]) <= 3e-5
+        got, want = lin.linear_attention(q, k, v, fm, valid, 0), lin.linear_attention_reference(q, k, v, fm, valid, 0)[0]
+        assert max_diff(got[0], want[0]) <= 3e-5 and max_diff(got[1][:, valid[1]], want[1][:, valid[1]]) <= 3e-5

@@ -283,3 +283,32 @@ def test_init_keeps_its_sparse_cache_for_the_same_window(small_model_dir, corpus
     linearize(args(small_model_dir, corpus, tmp_path / "late", lora_rank=4, finetune_steps=2, window=4, init=str(gone)),
               log=lambda m: None, on_step=lambda *_: shutil.rmtree(gone, ignore_errors=True))
     assert not gone.exists() and json.loads((tmp_path / "late" / "config.json").read_text())["sparse_keys"] == 3
+
+
+def test_grad_checkpoint_gives_the_same_finetune(small_model_dir, corpus, tmp_path):
+    """--grad-checkpoint recomputes each layer's activations in the backward pass: the same finetune
+    (maps, adapters, a gated decay with a window: every trained part) to float rounding, and the layers
+    really run under checkpointing (the forward runs twice per layer)."""
+    from engine.transformer import DecoderLayer
+    calls = {"n": 0}
+    original = DecoderLayer.forward
+
+    def counted(self, *args, **kw):
+        calls["n"] += 1
+        return original(self, *args, **kw)
+    outs = {}
+    for on in (False, True):
+        calls["n"] = 0
+        DecoderLayer.forward = counted
+        try:
+            out = tmp_path / f"ckpt{on}"
+            linearize(args(small_model_dir, corpus, out, finetune_steps=2, lora_rank=2, gate=True, decay=True,
+                           window=8, layer_steps=1, grad_checkpoint=on), log=lambda m: None)
+        finally:
+            DecoderLayer.forward = original
+        outs[on] = ({**load_file(out / "maps.safetensors"), **load_file(out / "adapters.safetensors")}, calls["n"])
+    (plain, n_plain), (ckpt, n_ckpt) = outs[False], outs[True]
+    assert n_ckpt > n_plain
+    assert set(plain) == set(ckpt)
+    for name in plain:
+        assert (plain[name].float() - ckpt[name].float()).abs().max() <= 1e-5, name

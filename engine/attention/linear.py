@@ -224,44 +224,65 @@ def linear_attention_chunked(phi_q, phi_k, v, S=None, z=None, chunk: int = CHUNK
         S = phi_q.new_zeros(B, Hkv, F_, Dv)
         z = phi_q.new_zeros(B, Hkv, F_)
     if log_decay is not None:
-        log_decay = log_decay.expand(-1, -1, T, -1)
+        num, den, S, z = decayed_parts(phi_q, phi_k, v, S, z, log_decay)
+        return num / (den + EPS), S, z
     outs = []
     for s in range(0, T, chunk):
         e = min(s + chunk, T)
-        num, den, S, z = linear_chunk(phi_q[:, :, :, s:e], phi_k[:, :, s:e], v[:, :, s:e], S, z,
-                                      None if log_decay is None else log_decay[:, :, s:e])
+        num, den, S, z = linear_chunk(phi_q[:, :, :, s:e], phi_k[:, :, s:e], v[:, :, s:e], S, z)
         outs.append(num / (den + EPS))
     return torch.cat(outs, dim=3), S, z
 
 
-def linear_chunk(qc, kc, vc, S, z, ld=None):
+def decayed_parts(phi_q, phi_k, v, S, z, log_decay, chunk: int = CHUNK):
+    """Causal linear attention with a decay over a whole block, all chunks at once (the chunked form
+    of gated linear attention): numerator (B, Hkv, G, T, Dv) and denominator (B, Hkv, G, T, 1) of every
+    query, and the state after the block. log_decay (1|B, Hkv, 1|T, F).
+
+    Inside each chunk of `chunk` tokens the weights are `linear_chunk`'s (split around the chunk's
+    middle, no factor above e^{|log decay| chunk / 2}), computed for every chunk in one batch; across
+    chunks each chunk's own state (its keys decayed to its end) is carried by a scan of two updates a
+    chunk, so a block costs a few batched kernels plus that scan whatever its length (a loop over
+    64-token chunks was kernel-launch bound on a GPU)."""
+    B, Hkv, G, T, F_ = phi_q.shape
+    Dv = v.shape[-1]
+    C = chunk
+    N = -(-T // C)
+    pad = N * C - T
+    ld = log_decay.expand(-1, -1, T, -1)
+    if pad:   # zero keys add nothing, zero log decay decays nothing; the padded queries are cut off
+        phi_q, phi_k, v, ld = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (phi_q, phi_k, v, ld))
+    q = phi_q.reshape(B, Hkv, G, N, C, F_)
+    k = phi_k.reshape(phi_k.shape[0], Hkv, N, C, F_)
+    vv = v.reshape(v.shape[0], Hkv, N, C, Dv)
+    c = ld.reshape(ld.shape[0], Hkv, N, C, F_).cumsum(3)                    # inclusive, from each chunk's start
+    mid, last = c[:, :, :, C // 2:C // 2 + 1], c[:, :, :, -1:]
+    A = ((q * (c - mid).exp().unsqueeze(2)) @ (k * (mid - c).exp()).unsqueeze(2).transpose(-1, -2)).tril()
+    qd = q * c.exp().unsqueeze(2)                                           # reads the state before the chunk
+    kl = k * (last - c).exp()                                               # decayed to the chunk's end
+    dS, dz = kl.transpose(-1, -2) @ vv, kl.sum(3)                           # (B, Hkv, N, F, Dv), (B, Hkv, N, F)
+    carry = last[:, :, :, 0].exp()                                          # (1|B, Hkv, N, F)
+    before_S, before_z = [], []
+    for n in range(N):
+        before_S.append(S)
+        before_z.append(z)
+        S = carry[:, :, n, :, None] * S + dS[:, :, n]
+        z = carry[:, :, n] * z + dz[:, :, n]
+    Sb, zb = torch.stack(before_S, 2), torch.stack(before_z, 2)             # (B, Hkv, N, F, Dv), (B, Hkv, N, F)
+    num = qd @ Sb.unsqueeze(2) + A @ vv.unsqueeze(2)                        # (B, Hkv, G, N, C, Dv)
+    den = qd @ zb[:, :, None, :, :, None] + A.sum(-1, keepdim=True)
+    return (num.reshape(B, Hkv, G, N * C, Dv)[:, :, :, :T], den.reshape(B, Hkv, G, N * C, 1)[:, :, :, :T], S, z)
+
+
+def linear_chunk(qc, kc, vc, S, z):
     """One chunk of causal linear attention after the state (S, z) of the keys before it: the
     numerator (B, Hkv, G, C, Dv) and denominator (B, Hkv, G, C, 1) of its queries (query t reads keys
     up to its own), and the state after its keys. qc (B, Hkv, G, C, F); kc (B, Hkv, C, F); vc (B, Hkv,
-    C, Dv); ld: None or the chunk's log decay per token (1|B, Hkv, C, F), S_t = e^{ld_t} S_{t-1} + ...
-
-    With a decay, c_t the cumulative log decay (inclusive) from the chunk's start: S_t = e^{c_t} S_prev
-    + sum_{j<=t} e^{c_t - c_j} phi(k_j) v_j^T. The intra-chunk weights e^{c_t - c_j} split around the
-    chunk's middle m, (phi(q_t) e^{c_t - c_m}) . (phi(k_j) e^{c_m - c_j}), so no factor exceeds
-    e^{|log decay| C / 2} (<= e^32 for the hedgehog's log decay > -1 and C = 64)."""
-    if ld is None:
-        A = (qc @ kc.unsqueeze(2).transpose(-1, -2)).tril()          # (B, Hkv, G, C, C)
-        num = qc @ S.unsqueeze(2) + A @ vc.unsqueeze(2)               # (B, Hkv, G, C, Dv)
-        den = qc @ z[:, :, None, :, None] + A.sum(-1, keepdim=True)   # (B, Hkv, G, C, 1)
-        return num, den, S + kc.transpose(-1, -2) @ vc, z + kc.sum(2)
-    C = kc.shape[2]
-    c = ld.cumsum(2)                                                  # (1|B, Hkv, C, F)
-    mid = c[:, :, C // 2:C // 2 + 1]
-    last = c[:, :, -1:]
-    qs = qc * (c - mid).exp().unsqueeze(2)
-    ks = kc * (mid - c).exp()
-    A = (qs @ ks.unsqueeze(2).transpose(-1, -2)).tril()               # (B, Hkv, G, C, C)
-    qd = qc * c.exp().unsqueeze(2)                                    # phi(q_t) e^{c_t}: reads S_prev
-    num = qd @ S.unsqueeze(2) + A @ vc.unsqueeze(2)
-    den = qd @ z[:, :, None, :, None] + A.sum(-1, keepdim=True)
-    kl = kc * (last - c).exp()                                        # phi(k_j) e^{c_last - c_j}
-    carry = last[:, :, 0].exp()                                       # (1|B, Hkv, F)
-    return num, den, carry.unsqueeze(-1) * S + kl.transpose(-1, -2) @ vc, carry * z + kl.sum(2)
+    C, Dv). (With a decay: `decayed_parts`.)"""
+    A = (qc @ kc.unsqueeze(2).transpose(-1, -2)).tril()          # (B, Hkv, G, C, C)
+    num = qc @ S.unsqueeze(2) + A @ vc.unsqueeze(2)               # (B, Hkv, G, C, Dv)
+    den = qc @ z[:, :, None, :, None] + A.sum(-1, keepdim=True)   # (B, Hkv, G, C, 1)
+    return num, den, S + kc.transpose(-1, -2) @ vc, z + kc.sum(2)
 
 
 def fp32_under_autocast(fn):
@@ -284,8 +305,7 @@ def linear_attention(q, k, v, feature_map: str | FeatureMap, valid=None, layer: 
     fmap = as_feature_map(feature_map)
     phi_q, phi_k, v32 = featurize(fmap, q, k, v, valid, layer)
     ld = token_decay(fmap.decay(layer, v32), valid)
-    chunk = CHUNK if ld is not None else stateless_chunk(q)   # the decay's split wants short blocks
-    out, _, _ = linear_attention_chunked(phi_q, phi_k, v32, chunk=chunk, log_decay=ld)
+    out, _, _ = linear_attention_chunked(phi_q, phi_k, v32, chunk=stateless_chunk(q), log_decay=ld)
     return out.flatten(1, 2).to(q.dtype)
 
 

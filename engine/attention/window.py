@@ -18,7 +18,7 @@ masked out of the scores and zeroed out of S, so a padded row sees the keys it w
 One code path serves prefill and decode: the W buffered keys are put before the block's T keys
 (index j in 0..W+T-1); query t (key index W+t) sees keys (t, t+W] exactly and keys 0..t plus S
 through phi, which is ordinary causal linear attention between q_t and key t of that
-concatenation (`linear_chunk`, with the block tokens' decay); the window part is computed per chunk of queries
+concatenation (`linear_chunk`; with a decay, the block tokens', `decayed_parts`); the window part is computed per chunk of queries
 against the C + W - 1 keys it can see, so prefill costs O(T (C + W)).
 """
 from __future__ import annotations
@@ -29,7 +29,8 @@ import torch
 
 from engine.attention.base import State, take_rows
 from engine.attention.feature_maps import FeatureMap, get_feature_map, state_dtype
-from engine.attention.linear import CHUNK, EPS, as_feature_map, fp32_under_autocast, linear_chunk, stateless_chunk, token_decay
+from engine.attention.linear import (CHUNK, EPS, as_feature_map, decayed_parts, fp32_under_autocast, linear_chunk,
+                                     stateless_chunk, token_decay)
 from engine.attention.packed import Packed
 
 NEG = float("-inf")
@@ -173,9 +174,8 @@ def window_linear_attention(q, keys, values, key_real, fmap, layer, S, z, chunk:
     phi_k = fmap(k_lin, layer, "k") * key_real[:, None, :T, None]            # (B, Hkv, T, F)
     v_lin = values[:, :, :T].to(sd)
     ld = token_decay(fmap.decay(layer, values[:, :, W:].to(sd)), key_real[:, W:])   # None or (1|B, Hkv, 1|T, F)
-    if ld is not None:
-        ld = ld.expand(-1, -1, T, -1)
-        chunk = min(chunk, CHUNK)   # the decay's split wants short blocks (linear_chunk)
+    if ld is not None:   # the linear parts of every query at once (`decayed_parts`); the window's below
+        lin_num, lin_den, S, z = decayed_parts(phi_q, phi_k, v_lin, S, z, ld)
     qs = (q.to(sd) * D ** -0.5).view(B, Hkv, G, T, D)
     ks, vs = keys.to(sd), values.to(sd)
     outs = []
@@ -183,8 +183,10 @@ def window_linear_attention(q, keys, values, key_real, fmap, layer, S, z, chunk:
         e = min(s + chunk, T)
         C = e - s
         # linear part: q_t with keys 0..t of the concatenation, plus the carried S, z
-        num, den, S, z = linear_chunk(phi_q[:, :, :, s:e], phi_k[:, :, s:e], v_lin[:, :, s:e], S, z,
-                                      None if ld is None else ld[:, :, s:e])
+        if ld is None:
+            num, den, S, z = linear_chunk(phi_q[:, :, :, s:e], phi_k[:, :, s:e], v_lin[:, :, s:e], S, z)
+        else:
+            num, den = lin_num[:, :, :, s:e], lin_den[:, :, :, s:e]
         # window part: query t sees keys (t, t + W]; the chunk's queries see keys s+1 .. e+W-1
         kw, vw = ks[:, :, s + 1:e + W], vs[:, :, s + 1:e + W]                 # (B, Hkv, C+W-1, D)
         scores = qs[:, :, :, s:e] @ kw.unsqueeze(2).transpose(-1, -2)         # (B, Hkv, G, C, C+W-1)
@@ -248,5 +250,5 @@ def window_attention(q, k, v, fmap, window: int, valid=None, layer: int | None =
     key_real = torch.cat([valid.new_zeros(B, window), valid], 1)
     out, _, _ = window_linear_attention(q, torch.cat([pad_k, k], 2), torch.cat([pad_k, v], 2), key_real, fmap,
                                         layer, q.new_zeros(B, Hkv, F_, D, dtype=sd), q.new_zeros(B, Hkv, F_, dtype=sd),
-                                        chunk=CHUNK if fmap.has_decay else stateless_chunk(q))
+                                        chunk=stateless_chunk(q))
     return out
