@@ -246,7 +246,7 @@ def decayed_parts(phi_q, phi_k, v, S, z, log_decay, chunk: int = CHUNK):
     64-token chunks was kernel-launch bound on a GPU)."""
     B, Hkv, G, T, F_ = phi_q.shape
     Dv = v.shape[-1]
-    C = chunk
+    C = min(chunk, T)   # (a one-token step: one chunk of one)
     N = -(-T // C)
     pad = N * C - T
     ld = log_decay.expand(-1, -1, T, -1)
