@@ -25,8 +25,8 @@ W + BLOCK - 1, D), right-aligned, how many are held follows from the row's lengt
 M, D) keys and values with a mask of the slots in use (keys and values in the model's dtype; all
 arithmetic in fp32). Constant in the context. Maps with a learned decay decay S and z at every token,
 S_t = diag(g_t) S_{t-1} (as the window form, engine/attention/window.py: a key decays from the moment
-it is folded in, at a decision; a cached key does not decay). Rows run one at a
-time (their decisions fall at different slots when rows are padded differently).
+it is folded in, at a decision; a cached key does not decay). Rows run one at a time (their
+decisions fall at different slots when rows are padded differently).
 """
 from __future__ import annotations
 

@@ -12,14 +12,15 @@ S (B, Hkv, F, Dv) and z (B, Hkv, F) in fp32 of the keys that left the window. A 
 it leaves the window. Maps with a learned decay (`gen linearize --decay` / `--gate`) decay the state
 from the moment a key enters it: at each real token t, S_t = diag(g_t) S_{t-1} + phi(k_{t-W}) v_{t-W}^T
 (z alike), g_t = exp(FeatureMap.decay) (gated: read from token t's value), so a key's weight in the
-state is the product of the factors of the tokens since it left the window. Windows count slots: pads only come first (left-padded prompt blocks), are
-masked out of the scores and zeroed out of S, so a padded row sees the keys it would see alone.
+state is the product of the factors of the tokens since it left the window. Windows count slots:
+pads only come first (left-padded prompt blocks), are masked out of the scores and zeroed out of S
+(and decay nothing), so a padded row sees the keys it would see alone.
 
 One code path serves prefill and decode: the W buffered keys are put before the block's T keys
 (index j in 0..W+T-1); query t (key index W+t) sees keys (t, t+W] exactly and keys 0..t plus S
 through phi, which is ordinary causal linear attention between q_t and key t of that
-concatenation (`linear_chunk`; with a decay, the block tokens', `decayed_parts`); the window part is computed per chunk of queries
-against the C + W - 1 keys it can see, so prefill costs O(T (C + W)).
+concatenation (`linear_chunk`; with a decay, the block tokens', `decayed_parts`); the window part is
+computed per chunk of queries against the C + W - 1 keys it can see, so prefill costs O(T (C + W)).
 """
 from __future__ import annotations
 
@@ -230,7 +231,8 @@ def window_linear_reference(q, k, v, fmap, window: int, valid=None, layer: int |
         b = (phi_q @ phi_k.transpose(-1, -2)) * older
     else:   # key j entered the state at token j + W: weight e^{c_t - c_{j+W}}, c the cumulative log decay
         c = ld.expand(B, -1, T, -1).cumsum(2).repeat_interleave(G, 1)        # (B, H, T, F)
-        entered = torch.cat([c[:, :, window:], c.new_full((B, H, min(window, T), c.shape[-1]), float("inf"))], 2)[:, :, :T]
+        never = c.new_full((B, H, min(window, T), c.shape[-1]), float("inf"))     # keys that never enter
+        entered = torch.cat([c[:, :, window:], never], 2)[:, :, :T]                # c at the token key j enters
         w = (c[:, :, :, None, :] - entered[:, :, None, :, :]).masked_fill(~older[..., None], float("-inf")).exp()
         b = torch.einsum("bhtf,bhjf,bhtjf->bhtj", phi_q, phi_k, w)
     out = (a @ vv + b @ vv) / (a.sum(-1, keepdim=True) + b.sum(-1, keepdim=True) + EPS)
