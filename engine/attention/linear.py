@@ -216,7 +216,8 @@ def linear_attention_chunked(phi_q, phi_k, v, S=None, z=None, chunk: int = CHUNK
 
     Cost is linear in T and the (T, F, Dv) cumulative sum is never built. Differentiable
     (used for training); returns (out (B, Hkv, G, T, Dv), S_new, z_new) without touching S, z.
-    log_decay: None, or per token (1 or B, Hkv, T, F) (`token_decay`).
+    log_decay: None, or per token (1 or B, Hkv, T, F) (`token_decay`); with one the blocks are
+    `decayed_parts`' 64-token chunks whatever `chunk`.
     """
     B, Hkv, G, T, F_ = phi_q.shape
     Dv = v.shape[-1]
