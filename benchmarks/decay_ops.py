@@ -1,6 +1,7 @@
 """Tensor operations of one training row through the linear forms, with and without a learned decay.
 
-    python benchmarks/decay_ops.py [--tokens 8192] [--block 512] [--root DIR]
+    python benchmarks/decay_ops.py [--tokens 8192] [--block 512]
+    PYTHONPATH=DIR python benchmarks/decay_ops.py     # another checkout's engine (a git worktree)
 
 On a GPU the chunked forms of a long row are kernel-launch bound (a linearize step of an 8,192-token
 row: 7.5 s with 64-token blocks against 1.2 s with 512 on an H200), so the count of tensor operations
@@ -8,14 +9,20 @@ the forward + backward of one layer's attention runs is a machine-independent pr
 decayed finetune costs there. Counts torch.profiler's aten operations (views and allocations left
 out) for the window + linear form (window 256) and the pure linear form, SmolLM2's head shapes with
 16-wide heads (the count does not depend on the widths), at the stateless forms' GPU block length.
-`--root` runs another checkout's engine (e.g. a `git worktree` of an older commit) for a before/after.
+PYTHONPATH=DIR runs another checkout's engine (a `git worktree` of an older commit) for a before/after;
+the engine used is printed.
 """
 from __future__ import annotations
 
 import json
-import sys
 
-from common import ROOT, options
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import engine.attention.linear as lin
+import engine.attention.window as win
+from common import options
+from engine.attention.feature_maps import Hedgehog
 
 SKIP = {"aten::empty", "aten::view", "aten::as_strided", "aten::slice", "aten::select", "aten::expand",
         "aten::unsqueeze", "aten::reshape", "aten::_reshape_alias", "aten::t", "aten::transpose", "aten::detach",
@@ -23,15 +30,8 @@ SKIP = {"aten::empty", "aten::view", "aten::as_strided", "aten::slice", "aten::s
 
 
 def main() -> None:
-    ap = options(__doc__, tokens="8192", block="512", root=str(ROOT))
+    ap = options(__doc__, tokens="8192", block="512")
     a = ap.parse_args()
-    sys.path.insert(0, a.root)
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    import engine.attention.linear as lin
-    import engine.attention.window as win
-    from engine.attention.feature_maps import Hedgehog
     block = int(a.block)
     lin.stateless_chunk = win.stateless_chunk = lambda x: block   # the GPU's block, on this machine
     T = int(a.tokens)
