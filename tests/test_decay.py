@@ -202,6 +202,22 @@ def test_window_block_form_equals_the_definition(W, T, gated):
         assert max_diff(got[0], window_attention(q, k, v, plain, W, valid, layer=1)[0]) > 1e-3
 
 
+@GATED
+@pytest.mark.parametrize("W,M", [(5, 3), (70, 2)], ids=["W5-M3", "W70-M2"])
+def test_sparse_block_form_equals_the_definition(W, M, gated):
+    """Window + sparse cache with a decay against the token-at-a-time definition (tests/test_sparse_keys.py's,
+    which decays S, z by token t's factors before its query reads them), across decisions."""
+    from engine.attention.sparse import BLOCK, sparse_window_attention
+    from tests.test_sparse_keys import reference
+    fm = decay_model(num_key_value_heads=2, gated=gated).hedgehog
+    q, k, v, _ = window_inputs(2 * BLOCK + 40, W + M, pads=False)
+    q, k, v = q[:1], k[:1], v[:1]
+    got = sparse_window_attention(q, k, v, fm, W, M, layer=1)
+    assert max_diff(got, reference(q, k, v, fm, W, M, layer=1)) <= 1e-5
+    assert max_diff(got, sparse_window_attention(q, k, v, without_decay(decay_model(num_key_value_heads=2)).hedgehog,
+                                                 W, M, layer=1)) > 1e-3
+
+
 WINDOWED = {"window": dict(window=5), "window-sparse": dict(window=5, sparse_keys=3)}
 
 
@@ -236,6 +252,24 @@ def test_window_forms_padded_batch_equals_each_alone(form, gated):
     from tests.conftest import check_padded_pair_alone
     model = decay_model(num_key_value_heads=2, gated=gated, **WINDOWED[form])
     check_padded_pair_alone(model, Stepper(model, "torch"), list(range(5, 5 + 14)), [3, 4, 5, 6], 8)
+
+
+@GATED
+def test_window_pads_leave_a_filled_state_undecayed(gated):
+    """A block of pads over a state that holds keys (and a window of pads: nothing leaves it into the
+    state) leaves S and z as they were: pads take no decay factors; real tokens do."""
+    from engine.attention.window import window_linear_attention
+    fm = decay_model(num_key_value_heads=2, gated=gated).hedgehog
+    g = torch.Generator().manual_seed(12)
+    W, T = 5, 3      # T <= W: only the window's buffered keys (pads) could enter the state
+    q, keys, values = torch.randn(2, 4, T, 16, generator=g), torch.randn(2, 2, W + T, 16, generator=g), \
+        torch.randn(2, 2, W + T, 16, generator=g)
+    S, z = torch.rand(2, 2, 32, 16, generator=g), torch.rand(2, 2, 32, generator=g)
+    key_real = torch.zeros(2, W + T, dtype=torch.bool)
+    key_real[1, W:] = True          # row 1: its block is real (its window's keys are pads: none folds in)
+    _, S_new, z_new = window_linear_attention(q, keys, values, key_real, fm, 0, S, z)
+    assert torch.equal(S_new[0], S[0]) and torch.equal(z_new[0], z[0])
+    assert (z_new[1] < z[1]).all() and max_diff(S_new[1], S[1]) > 1e-3
 
 
 @pytest.mark.usefixtures("native_built")

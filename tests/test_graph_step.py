@@ -28,6 +28,7 @@ CASES = {
     "linear-hedgehog-gated": (dict(decay=True, gated=True), "linear"),
     "window": (dict(num_key_value_heads=2, window=4), "linear"),
     "window-hedgehog-gated": (dict(decay=True, gated=True, window=4), "linear"),
+    "window-hedgehog-decay": (dict(decay=True, window=4), "linear"),
     "hybrid": (dict(num_hidden_layers=3, num_key_value_heads=2, attention="hybrid",
                     layer_attention=("linear", "softmax", "linear")), "hybrid"),
     "hybrid-window": (dict(num_hidden_layers=3, num_key_value_heads=2, attention="hybrid", window=3,

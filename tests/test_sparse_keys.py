@@ -19,24 +19,30 @@ def max_diff(a, b):
     return d
 
 
-def reference(q, k, v, fmap, W: int, M: int):
+def reference(q, k, v, fmap, W: int, M: int, layer=None):
     """One row (B = 1), one position at a time, from the definition: query t sees exactly the keys after
     the last decision's window and its own, the cached ones, and S, z; at every multiple e of BLOCK the
     keys before e - W + 1 that are not decided yet and the cached ones compete by self-recall error
     |v - S^T phi(k) / (z . phi(k))| (rounded to 3 decimals; among equal ones the later candidate, the
     cached ones first in the order they were kept, then the leaving ones by position); the M largest
-    stay, the rest go into S, z. Plain lists, float64."""
+    stay, the rest go into S, z. Maps with a decay: S, z take token t's factors before its query reads
+    them (tests/test_decay.py). Plain lists, float64."""
     _, H, T, D = q.shape
     Hkv = k.shape[1]
     G = H // Hkv
     q, k, v = q[0].double(), k[0].double(), v[0].double()
-    pk = fmap(k[None].float(), None, "k")[0].double()
-    pq = fmap(q[None].float(), None, "q")[0].double()
+    pk = fmap(k[None].float(), layer, "k")[0].double()
+    pq = fmap(q[None].float(), layer, "q")[0].double()
+    ld = fmap.decay(layer, v[None].float())                                   # None, (Hkv, F), (1, Hkv, T, F)
+    factor = None if ld is None else (ld[:, None] if ld.dim() == 2 else ld[0]).double().exp()   # (Hkv, 1|T, F)
     out = torch.zeros(H, T, v.shape[-1], dtype=torch.float64)
     for h in range(Hkv):
         S, z = torch.zeros(pk.shape[-1], D, dtype=torch.float64), torch.zeros(pk.shape[-1], dtype=torch.float64)
         recent, cache = [], []
         for t in range(T):
+            if factor is not None:
+                g_t = factor[h, min(t, factor.shape[1] - 1)]
+                S, z = g_t[:, None] * S, g_t * z
             recent.append(t)
             for g in range(G):
                 qh = h * G + g
