@@ -38,10 +38,11 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from models.config import LAYER_PATHS, ModelConfig
 from models.errors import CheckpointError
+from models.weights import save_safetensors
 
 CONFIG, MAPS, ADAPTERS = "config.json", "maps.safetensors", "adapters.safetensors"
 ADAPTER_NAMES = {"adapter.qkv.a": "qkv_a", "adapter.qkv.b": "qkv_b", "adapter.o.a": "o_a", "adapter.o.b": "o_b"}
@@ -175,9 +176,7 @@ def _write_named(file: str | os.PathLike, runtime: dict[str, torch.Tensor], name
     """Save the runtime-named tensors that `names` maps, under checkpoint names, atomically."""
     inverse = {v: k for k, v in names.items()}
     tensors = {inverse[k]: v.detach().to("cpu", dtype).contiguous() for k, v in runtime.items() if k in inverse}
-    tmp = f"{os.fspath(file)}.tmp"
-    save_file(tensors, tmp)
-    os.replace(tmp, file)
+    save_safetensors(tensors, file)
 
 
 def read_adapters(file: str | os.PathLike, cfg: ModelConfig) -> dict[str, torch.Tensor]:

@@ -172,20 +172,29 @@ def runtime_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
     return out
 
 
+def save_safetensors(tensors: dict, file: str | os.PathLike, metadata: dict | None = None) -> None:
+    """Write a safetensors file atomically (FILE.tmp, then renamed), readable as the process's umask
+    allows like any file it writes: safetensors' writer makes its files 0600 whatever the umask, so a
+    model directory copied to a shared place was unreadable to everyone but its writer."""
+    from safetensors.torch import save_file
+    tmp = f"{os.fspath(file)}.tmp"
+    save_file(tensors, tmp, metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    os.replace(tmp, file)
+
+
 def save_pretrained(model, out_dir: str, dtype: torch.dtype | None = None,
                     tokenizer_path: str | None = None) -> None:
     """Write config.json + model.safetensors (+ tokenizer.model) in the Hugging Face layout."""
     import shutil
-
-    from safetensors.torch import save_file
     os.makedirs(out_dir, exist_ok=True)
     cfg = model.config
     dtype = dtype or model.dtype
     tensors = {k: v.detach().to("cpu", dtype).contiguous()
                for k, v in runtime_to_hf(model.state_dict(), cfg).items()}
-    tmp = os.path.join(out_dir, "model.safetensors.tmp")
-    save_file(tensors, tmp, metadata={"format": "pt"})
-    os.replace(tmp, os.path.join(out_dir, "model.safetensors"))
+    save_safetensors(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     cfg.replace(torch_dtype=str(dtype).removeprefix("torch.")).to_json(os.path.join(out_dir, "config.json"))
     if tokenizer_path and os.path.abspath(tokenizer_path) != os.path.abspath(os.path.join(out_dir, "tokenizer.model")):
         shutil.copyfile(tokenizer_path, os.path.join(out_dir, "tokenizer.model"))

@@ -315,3 +315,20 @@ def test_grad_checkpoint_gives_the_same_finetune(small_model_dir, corpus, tmp_pa
     assert set(plain) == set(ckpt)
     for name in plain:
         assert (plain[name].float() - ckpt[name].float()).abs().max() <= 1e-5, name
+
+
+def test_written_weights_are_readable_as_the_umask_allows(tmp_path):
+    """safetensors' writer makes 0600 files whatever the umask: maps, adapters and `gen train`'s
+    model.safetensors are written as any file the process writes (0644 under umask 022)."""
+    import os
+    from models.weights import save_pretrained
+    from tests.conftest import tiny_model
+    old = os.umask(0o022)
+    try:
+        write_maps(tmp_path / "maps.safetensors", {"hedgehog.q_weight": torch.zeros(1, 1, 2, 2)})
+        save_pretrained(tiny_model(), str(tmp_path / "hf"))
+    finally:
+        os.umask(old)
+    for f in (tmp_path / "maps.safetensors", tmp_path / "hf" / "model.safetensors"):
+        assert oct(f.stat().st_mode & 0o777) == oct(0o644), f
+    assert not list(tmp_path.rglob("*.tmp"))
