@@ -22,10 +22,11 @@ import os
 from dataclasses import dataclass
 
 from safetensors import SafetensorError
-from safetensors.torch import safe_open, save_file
+from safetensors.torch import safe_open
 
 from engine.attention import STATES, saved_state_class
 from engine.errors import CheckpointError, StateMismatchError
+from models.weights import save_safetensors
 
 FORMAT = "gen-state/1"
 
@@ -63,14 +64,7 @@ def save(path: str | os.PathLike, saved: SavedState, model) -> None:
     tensors = {f"state.{k}": v.contiguous() for k, v in sd["tensors"].items()}
     meta = {"format": FORMAT, "state": json.dumps(sd["meta"]), "model": json.dumps(model_identity(model)),
             "ids": json.dumps([int(i) for i in saved.ids]), "next_ids": json.dumps([int(i) for i in saved.next_ids])}
-    path = os.fspath(path)
-    tmp = path + ".tmp"
-    try:
-        save_file(tensors, tmp, metadata=meta)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    save_safetensors(tensors, path, metadata=meta, private=True)   # a state holds a conversation: 0600
 
 
 def load(path: str | os.PathLike, model, max_len: int | None = None, device=None) -> SavedState:

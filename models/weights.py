@@ -172,17 +172,24 @@ def runtime_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
     return out
 
 
-def save_safetensors(tensors: dict, file: str | os.PathLike, metadata: dict | None = None) -> None:
-    """Write a safetensors file atomically (FILE.tmp, then renamed), readable as the process's umask
-    allows like any file it writes: safetensors' writer makes its files 0600 whatever the umask, so a
-    model directory copied to a shared place was unreadable to everyone but its writer."""
+def save_safetensors(tensors: dict, file: str | os.PathLike, metadata: dict | None = None,
+                     private: bool = False) -> None:
+    """Write a safetensors file atomically (FILE.tmp, then renamed; a failed write leaves neither a
+    half-written FILE nor the .tmp). Readable as the process's umask allows, like any file it writes
+    (safetensors' writer makes its files 0600 whatever the umask, so a model directory copied to a
+    shared place was unreadable to everyone but its writer); `private`: 0600 (a saved conversation)."""
     from safetensors.torch import save_file
     tmp = f"{os.fspath(file)}.tmp"
-    save_file(tensors, tmp, metadata=metadata)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
-    os.replace(tmp, file)
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        if not private:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, file)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def save_pretrained(model, out_dir: str, dtype: torch.dtype | None = None,
