@@ -42,6 +42,9 @@ from engine.threads import set_threads
               help="recompute each layer's activations in the finetune's backward pass instead of keeping them "
                    "(activation checkpointing): memory for long rows (8,192 tokens of SmolLM2 on a 24 GB CPU "
                    "machine) for about a third more compute; the same gradients")
+@click.option("--maps-lr", type=float, default=None,
+              help="the maps' own learning rate (default: --finetune-lr); with --finetune-lr 0 the adapters "
+                   "stay as they are and only the maps (and a decay) train")
 @click.option("--decay", is_flag=True,
               help="learn a decay per key/value head and feature in the finetune: S_i = diag(g) S_{i-1} + "
                    "phi(k_i) v_i^T, still a constant-size state (with --window: a key decays from the token it "
@@ -75,7 +78,7 @@ from engine.threads import set_threads
               help="the frozen model's weights: bfloat16 holds them in half the memory (an 8B model: 16 GB, not 32); "
                    "maps, adapters and Adam stay fp32")
 def linearize_cmd(model_name, data, out, tokens, finetune_tokens, seq_len, layer_steps, batch_size, lr, finetune_steps,
-                  finetune_batch, finetune_lr, finetune_loss, finetune_dtype, finetune_schedule, finetune_linear_every, finetune_clip, grad_checkpoint, decay, decay_lr, gate, gate_lr, lora_rank, hybrid, window, budget, seed, resume, init, control, threads,
+                  finetune_batch, finetune_lr, finetune_loss, finetune_dtype, finetune_schedule, finetune_linear_every, finetune_clip, grad_checkpoint, maps_lr, decay, decay_lr, gate, gate_lr, lora_rank, hybrid, window, budget, seed, resume, init, control, threads,
                   device, dtype):
     """With the model frozen, train per-layer hedgehog maps (transfer), then finetune them end to end."""
     def run():
@@ -84,7 +87,7 @@ def linearize_cmd(model_name, data, out, tokens, finetune_tokens, seq_len, layer
                              finetune_tokens=finetune_tokens, layer_steps=layer_steps, batch_size=batch_size, lr=lr, finetune_steps=finetune_steps,
                              finetune_batch=finetune_batch, finetune_lr=finetune_lr, finetune_loss=finetune_loss, finetune_dtype=finetune_dtype,
                              finetune_clip=finetune_clip, finetune_schedule=finetune_schedule,
-                             finetune_linear_every=finetune_linear_every, grad_checkpoint=grad_checkpoint,
+                             finetune_linear_every=finetune_linear_every, grad_checkpoint=grad_checkpoint, maps_lr=maps_lr,
                              decay=decay or gate, decay_lr=decay_lr, gate=gate, gate_lr=gate_lr,
                              lora_rank=lora_rank,
                              hybrid=hybrid, window=window, budget=budget, seed=seed, resume=resume, init=init,

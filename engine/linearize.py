@@ -86,6 +86,7 @@ class LinearizeArgs:
     finetune_steps: int = 100
     finetune_batch: int = 4
     finetune_lr: float = 1e-3
+    maps_lr: float | None = None   # the maps' own learning rate (None: finetune_lr; with finetune_lr 0 only the maps move)
     finetune_loss: str = "lm"      # "lm" or "kl"
     finetune_dtype: str = "float32"   # the finetune's forward: "float32", or "bfloat16" under autocast
     finetune_clip: float = 0.0     # clip the finetune's gradient norm to this (0: off)
@@ -182,6 +183,8 @@ def check_args(a: LinearizeArgs) -> None:
                                    f"got {a.finetune_schedule!r}")
     if a.finetune_clip < 0:
         raise InvalidArgumentError(f"--finetune-clip must be 0 (off) or more, got {a.finetune_clip}")
+    if a.maps_lr is not None and a.maps_lr < 0:
+        raise InvalidArgumentError(f"--maps-lr must be 0 or more, got {a.maps_lr}")
     if a.decay_lr <= 0:
         raise InvalidArgumentError(f"--decay-lr must be positive, got {a.decay_lr}")
     if a.gate_lr <= 0:
@@ -577,7 +580,8 @@ def finetune(model, a, state, progress, saved, rows, layer_attention, deadline, 
     decay = [hh.decay_logit] if hh.decay_logit is not None else []
     gate = [hh.gate_weight] if hh.gate_weight is not None else []
     maps = [] if a.control else [p for p in hh.parameters() if p is not hh.decay_logit and p is not hh.gate_weight]
-    params = maps + (list(lora.parameters()) if lora is not None else [])
+    adapters = list(lora.parameters()) if lora is not None else []
+    params = maps + adapters
     for p in params + decay + gate:
         p.requires_grad_(True)
     if lora is not None:
@@ -585,7 +589,10 @@ def finetune(model, a, state, progress, saved, rows, layer_attention, deadline, 
     model.checkpoint_layers = a.grad_checkpoint
     # some steps leave parameters unused (a hybrid's softmax steps read no decay; the control no maps)
     net = g.wrap(Trainee(model, lora), find_unused_parameters=True)
-    groups = [{"params": params, "base_lr": a.finetune_lr}]
+    if a.maps_lr is None:
+        groups = [{"params": params, "base_lr": a.finetune_lr}]
+    else:   # the maps on their own rate (--finetune-lr 0 --maps-lr R: the adapters stay as they are)
+        groups = [{"params": adapters, "base_lr": a.finetune_lr}, {"params": maps, "base_lr": a.maps_lr}]
     if decay:   # its own learning rate: a logit that starts at -8 must travel several units
         groups.append({"params": decay, "base_lr": a.decay_lr})
     if gate:

@@ -194,6 +194,18 @@ def test_init_finetunes_from_a_linearized_directory(small_model_dir, corpus, tmp
     for name in ("maps.safetensors", "adapters.safetensors"):
         a, b = load_file(first / name), load_file(same / name)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # --maps-lr R with --finetune-lr 0: the maps train, the adapters stay byte for byte (the CLI's flag too)
+    maps_only = tmp_path / "maps_only"
+    r = cli("linearize", "--model", small_model_dir, "--data", corpus, "--out", maps_only, "--lora-rank", "4",
+            "--finetune-steps", "2", "--finetune-lr", "0", "--maps-lr", "0.05", "--init", first, "--layer-steps", "1",
+            "--tokens", "256", "--seq-len", "16")
+    assert r.exit_code == 0, r.output
+    a, b = load_file(first / "adapters.safetensors"), load_file(maps_only / "adapters.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    a, b = load_file(first / "maps.safetensors"), load_file(maps_only / "maps.safetensors")
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+    r = cli("linearize", "--model", small_model_dir, "--data", corpus, "--out", tmp_path / "neg", "--maps-lr", "-1")
+    assert r.exit_code == 2 and "--maps-lr must be 0 or more" in r.output
     losses, init = (json.loads((d / "transfer_losses.json").read_text()) for d in (same, first))
     assert losses["layers"] == init["layers"] and losses["loss"].startswith(init["loss"]) and "--init" in losses["loss"]
     # a finetune from DIR moves on from its maps and adapters: its first loss is DIR's model's, not a fresh start's
