@@ -198,6 +198,15 @@ MALFORMED = {   # id: (endpoint, raw body, param)
     "user-content-missing": ("chat/completions", json.dumps({"model": NAME, "messages": [
         {"role": "user"}]}).encode(), "messages"),
     "not-utf8": ("completions", b'{"model": "small", "prompt": "\xff\xfe"}', None),
+    # Python's json refuses an integer literal past 4300 digits with a ValueError, not a JSONDecodeError
+    "integer-of-5000-digits": ("completions", b'{"model": "small", "prompt": "x", "max_tokens": 1' + b"0" * 5000
+                               + b"}", None),
+    "text-part-not-a-string": ("chat/completions", json.dumps({"model": NAME, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": 5}]}]}).encode(), "messages"),
+    "text-part-without-text": ("chat/completions", json.dumps({"model": NAME, "messages": [
+        {"role": "user", "content": [{"type": "text"}]}]}).encode(), "messages"),
+    "part-without-type": ("chat/completions", json.dumps({"model": NAME, "messages": [
+        {"role": "user", "content": [{"text": "hi"}]}]}).encode(), "messages"),
 }
 
 
@@ -218,6 +227,23 @@ def test_a_valid_surrogate_pair_and_an_assistant_without_content_are_fine(chat_l
            b'{"role": "assistant", "content": null}, {"role": "user", "content": "again"}], "max_tokens": 2}'
     r = httpx.post(chat_live.url + "/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
     assert r.status_code == 200, r.text
+
+
+def test_an_unexpected_error_closes_its_connection(small_model_dir):
+    """A bug's 500: Starlette re-raises after the answer and uvicorn closes the connection, so the
+    answer says `Connection: close` (a keep-alive client reusing it got a reset)."""
+    srv = LiveServer(make_server(small_model_dir))
+    try:
+        @srv.app.get("/boom")
+        async def boom():
+            raise RuntimeError("boom")
+        with httpx.Client(base_url=srv.url, timeout=30) as c:
+            r = c.get("/boom")
+            assert openai_error(r, 500, "internal_error")["message"] == "RuntimeError: boom"
+            assert r.headers["connection"] == "close"
+            assert c.post("/v1/completions", json=GOOD).status_code == 200
+    finally:
+        srv.stop()
 
 
 @pytest.fixture(scope="module")

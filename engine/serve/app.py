@@ -92,7 +92,11 @@ def create_app(server: Server, policy: Policy | None = None) -> "FastAPI":
 
     @app.exception_handler(Exception)
     async def _unexpected(request, exc: Exception):   # a bug: still an OpenAI-style body, and the server goes on
-        return server_error(f"{type(exc).__name__}: {exc}").response()
+        # Starlette re-raises the exception after this answer and uvicorn then closes the connection:
+        # `Connection: close` tells a keep-alive client so, or its next request on it is reset
+        response = server_error(f"{type(exc).__name__}: {exc}").response()
+        response.headers["connection"] = "close"
+        return response
 
     add_page(app, server)   # the comparison page at / (engine.serve.page)
 
@@ -274,11 +278,12 @@ def sse(obj) -> bytes:
 
 
 def load_json(body: bytes):
-    """A request body -> its JSON value, or a 400: not JSON, nested deeper than MAX_DEPTH, or a string
-    that is not valid Unicode (a lone surrogate such as "\\ud800": no tokenizer can encode it)."""
+    """A request body -> its JSON value, or a 400: not JSON (an integer literal past Python's 4300 digits
+    included), nested deeper than MAX_DEPTH, or a string that is not valid Unicode (a lone surrogate
+    such as "\\ud800": no tokenizer can encode it)."""
     try:
         value = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except ValueError as e:   # JSONDecodeError, UnicodeDecodeError, an integer of over 4300 digits
         raise bad_request(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
     except RecursionError:
         depth = MAX_DEPTH + 1

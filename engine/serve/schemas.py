@@ -144,6 +144,11 @@ class Message(BaseModel):
     def _content_given(self):
         if self.content is None and self.role != "assistant":   # OpenAI: only an assistant's may be null
             raise ValueError(f"a {self.role} message needs content (a string or a list of content parts), not null")
+        for part in self.content if isinstance(self.content, list) else ():
+            if not isinstance(part.get("type"), str):
+                raise ValueError('each content part needs a string "type", e.g. {"type": "text", "text": "..."}')
+            if part["type"] == "text" and not isinstance(part.get("text"), str):
+                raise ValueError('a text content part needs a string "text": {"type": "text", "text": "..."}')
         return self
 
     def text(self) -> str:
