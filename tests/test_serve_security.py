@@ -229,6 +229,20 @@ def test_a_valid_surrogate_pair_and_an_assistant_without_content_are_fine(chat_l
     assert r.status_code == 200, r.text
 
 
+@pytest.mark.parametrize("field", ["window", "sparse_keys"])
+def test_a_window_or_sparse_keys_past_the_context_is_a_400_not_an_allocation(live, field):
+    """Every row allocates its window (and sparse keys) whole: `window: 10**9` asked for terabytes (a
+    500 after a failed allocation; 10**6, gigabytes that were granted)."""
+    ctx = live.server.max_context
+    run = {"attention": "linear", "window": 4}
+    for asked in (ctx + 1, 10 ** 9, 2 ** 63):
+        r = httpx.post(live.url + "/v1/completions", json={**GOOD, **run, field: asked}, timeout=30)
+        err = openai_error(r, 400, "invalid_value")
+        assert err["param"] == field and str(ctx) in err["message"]
+    ok = httpx.post(live.url + "/v1/completions", json={**GOOD, "attention": "linear", "window": ctx}, timeout=30)
+    assert ok.status_code == 200, ok.text
+
+
 def test_an_unexpected_error_closes_its_connection(small_model_dir):
     """A bug's 500: Starlette re-raises after the answer and uvicorn closes the connection, so the
     answer says `Connection: close` (a keep-alive client reusing it got a reset)."""

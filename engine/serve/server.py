@@ -153,7 +153,14 @@ class Server:
         checkpoint's config by the rules `gen --attention ...` goes through (RunSpec.for_request), so
         `attention: linear` means on this model what `gen --attention linear` means; none given: the
         server's own run. A bad value, or a run needing a set of learned maps this server did not
-        load, is a 400 naming the field."""
+        load, is a 400 naming the field. So is a window or sparse_keys of more keys than max_context:
+        each row allocates them whole (`window: 10**6` alone would take gigabytes)."""
+        for field in ("window", "sparse_keys"):
+            asked = getattr(req, field)
+            if asked is not None and asked > self.max_context:
+                raise bad_request(f"{field} {asked} is over this server's context of {self.max_context} tokens "
+                                  f"(every row holds that many keys per layer); ask at most {self.max_context} "
+                                  "(gen serve --max-context)", field, "invalid_value")
         try:
             spec = self.llm.spec.for_request(self.llm.model.config, req.attention, req.softmax_layers, req.window,
                                              req.sparse_keys)
