@@ -243,6 +243,29 @@ def test_a_window_or_sparse_keys_past_the_context_is_a_400_not_an_allocation(liv
     assert ok.status_code == 200, ok.text
 
 
+@pytest.mark.parametrize("raw", [
+    b"\x16\x03\x01\x02\x00 not http\r\n\r\n",                                      # TLS to a plain port
+    b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * 200000 + b"\r\n\r\n",  # past h11's limit
+    b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: -1\r\n\r\n",
+    b"GET /health HTTP/1.1\r\n\r\n",                                                      # no Host
+], ids=["tls", "huge-header", "negative-length", "no-host"])
+def test_a_request_that_is_not_http_gets_an_openai_400(live, raw):
+    """h11's parse errors: uvicorn answered them in plain text."""
+    import socket
+    with socket.create_connection(("127.0.0.1", live.port), timeout=10) as s:
+        s.sendall(raw)
+        answer = b""
+        try:
+            while chunk := s.recv(65536):
+                answer += chunk
+        except ConnectionResetError:   # the unread rest of a huge header
+            pass
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head.lower(), answer[:300]
+    err = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == "invalid_http_request"
+
+
 def test_an_unexpected_error_closes_its_connection(small_model_dir):
     """A bug's 500: Starlette re-raises after the answer and uvicorn closes the connection, so the
     answer says `Connection: close` (a keep-alive client reusing it got a reset)."""

@@ -102,6 +102,19 @@ class Connections(H11Protocol):
             self._raw.close()
         super().shutdown()
 
+    def send_400_response(self, msg: str) -> None:
+        """What h11 cannot parse (a malformed request line, headers past h11's limit, a bad
+        Content-Length, no Host): uvicorn's 400 with OpenAI's error body instead of its plain text."""
+        body = json.dumps(APIError(400, f"{msg.rstrip('.')}: not valid HTTP/1.1 (a malformed request line or "
+                                        "header, overlong headers, or no Host header)",
+                                   code="invalid_http_request").body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
+                   (b"connection", b"close")]
+        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                      h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
+
     def _close(self) -> None:
         """Closes the connection; while the client is still sending a request's body, lingers: the
         answer goes out with a FIN after it, and the rest of the body is read and discarded until the
