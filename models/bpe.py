@@ -44,6 +44,8 @@ QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\
 DEEPSEEK_CODER_SPLITS = [r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", r"[一-龥ࠀ-一가-퟿]+", r"\p{N}"]
 FALCON_SPLITS = [r"[\p{P}\$\+<=>\^~\|`]+",
                  r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)", r"[0-9][0-9][0-9]"]
+LONG_TEXT = 16_384   # characters from which encode lets other Python threads run meanwhile
+
 PRE_TOKENIZERS = {   # pre name -> (splits applied in order, ignore_merges)
     "default": ([GPT2_SPLIT], False), "gpt2": ([GPT2_SPLIT], False), "gpt-2": ([GPT2_SPLIT], False),
     "olmo": ([GPT2_SPLIT], False), "mpt": ([GPT2_SPLIT], False),
@@ -89,7 +91,11 @@ class BPETokenizer:
         special: parse special-token strings as their single ids (template text), else as plain text."""
         with self._encoding:
             self.tok.encode_special_tokens = not special
-            ids = self.tok.encode(text, add_special_tokens=False).ids
+            if len(text) < LONG_TEXT:
+                ids = self.tok.encode(text, add_special_tokens=False).ids
+            else:   # the same ids; tokenizers' encode keeps the GIL for the whole call, encode_batch lets
+                # it go: a server's streams go on while one long prompt is read (2 s for 4 MB of SmolLM2)
+                ids = self.tok.encode_batch([text], add_special_tokens=False)[0].ids
         head = [self.bos_id] if bos and self.add_bos and self.bos_id >= 0 else []
         return head + ids + ([self.eos_id] if eos and self.eos_id >= 0 else [])
 

@@ -135,3 +135,35 @@ def test_stream_decoder_releases_bytes_that_never_make_a_character(tok_dir):
     assert chunks[3] == ""                                 # 0xE6 starts a 3-byte character: held
     assert "".join(chunks) + dec.finish() == tok.decode(ids)
     assert tok.bytes_of(tok.encode("日本 <|im_end|>", special=True)) == "日本 <|im_end|>".encode()
+
+
+def test_a_long_text_is_encoded_without_holding_the_gil(tok_dir):
+    """From LONG_TEXT characters on, encode goes through encode_batch, which lets go of Python's lock:
+    another thread runs while a long prompt is read (a server's streams do not freeze), the ids the same
+    as the short path's, piece by piece."""
+    import threading
+
+    from models.bpe import LONG_TEXT
+    tok = BPETokenizer.from_dir(tok_dir)
+    piece = " ".join(generated_sentences(20, seed=4)) + "\n"
+    text = piece * (300_000 // len(piece))
+    assert len(text) >= LONG_TEXT
+    long_ids, piece_ids = tok.encode(text), tok.encode(piece)
+    assert long_ids[:len(piece_ids)] == piece_ids and len(long_ids) > 100 * len(piece_ids)
+    assert long_ids == tok.tok.encode(text, add_special_tokens=False).ids
+    ticks, done = [], threading.Event()
+
+    def ticker():
+        while not done.is_set():
+            ticks.append(1)
+            done.wait(0.001)
+    t = threading.Thread(target=ticker)
+    t.start()
+    try:
+        started = len(ticks)
+        tok.encode(text)
+        during = len(ticks) - started
+    finally:
+        done.set()
+        t.join()
+    assert during >= 10, f"another thread ran {during} times while {len(text)} characters were encoded"
