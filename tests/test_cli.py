@@ -264,3 +264,35 @@ def test_ctrl_c_stops_cleanly_and_keeps_the_output(small_model_dir):
     assert proc.returncode == 130
     assert "Traceback" not in err and "finish: interrupted" in err
     assert (got + out).endswith(b"\n") and len(got + out) > 20
+
+
+def _python(code: str, **env) -> subprocess.CompletedProcess:
+    """code in a fresh interpreter started as from a terminal (SIGINT at its default: a suite run in the
+    background inherits it ignored), without the user's OpenMP settings unless env gives them."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    return subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True,
+                          timeout=120, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def test_the_gen_command_shortens_openmp_spinning_and_keeps_ctrl_c():
+    """`gen` imports the engine before torch, so the engine's GOMP_SPINCOUNT reaches libgomp in every
+    command (engine/__init__.py), and once its imports are in, Ctrl-C is Python's KeyboardInterrupt again
+    (what stops a generation and keeps its text)."""
+    proc = _python("import os, signal, cli.main; "
+                   "print(os.environ.get('GOMP_SPINCOUNT'), signal.getsignal(signal.SIGINT) is signal.default_int_handler)")
+    assert proc.stdout.split() == ["10000", "True"], proc.stderr
+
+
+def test_ctrl_c_while_the_command_imports_is_quiet():
+    """Ctrl-C in the second or two `gen` spends importing torch and its commands ends it as the signal
+    does, with no KeyboardInterrupt traceback out of a library's import."""
+    code = ("import importlib.abc, os, signal, sys\n"
+            "class CtrlC(importlib.abc.MetaPathFinder):\n"
+            "    def find_spec(self, name, path, target=None):\n"
+            "        if name == 'cli.generate':\n"
+            "            os.kill(os.getpid(), signal.SIGINT)\n"
+            "sys.meta_path.insert(0, CtrlC())\n"
+            "import cli.main\n"
+            "print('imported')\n")
+    proc = _python(code)
+    assert proc.returncode == -signal.SIGINT and proc.stdout == "" and proc.stderr == "", proc.stderr
