@@ -83,6 +83,8 @@ def generate_cmd(prompt, prompt_opt, ids, chat_message, model_name, attention, s
         if feature_map is not None and llm.attention != "linear":
             click.echo(f"gen: warning: --feature-map is ignored: {llm.attention} attention has no feature map",
                        err=True)
+        if as_json and echo:
+            click.echo("gen: warning: --echo is ignored with --json (its \"text\" is the continuation alone)", err=True)
         if as_json:
             try:
                 result, code = generation.run()[0], 0

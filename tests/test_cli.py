@@ -215,6 +215,12 @@ def test_cuda_device_without_cuda_is_one_line(small_model_dir):
     assert r.exit_code == 2 and r.stderr.count("\n") == 1 and "no CUDA" in r.stderr and "Traceback" not in r.output
 
 
+def test_echo_with_json_warns_that_it_is_ignored(small_model_dir):
+    r = gen("--model", small_model_dir, "--json", "--echo", *GREEDY, "the cat")
+    assert r.exit_code == 0 and "gen: warning: --echo is ignored with --json" in r.stderr
+    assert json.loads(r.stdout)["text"] == gen_json("--model", small_model_dir, *GREEDY, "the cat")["text"]
+
+
 def test_feature_map_with_softmax_warns_that_it_is_ignored(small_model_dir):
     r = gen("--model", small_model_dir, "--attention", "softmax", "--feature-map", "relu", "--max-new-tokens", "2", "hi")
     assert r.exit_code == 0 and "--feature-map is ignored: softmax attention" in r.stderr
