@@ -43,7 +43,7 @@ from engine.steps import DEFAULT_ACTIVATIONS, DEFAULT_PREFILL_CHUNK
 @click.option("--quantize", type=click.Choice(["q8_0", "q4_0", "q4_1"]),
               help="keep the matrices as quantized blocks (llama.cpp layouts), dequantized inside the native step")
 @click.option("-v", "--verbose", is_flag=True, help="say which step form ran and why a faster one did not")
-@click.option("--json", "as_json", is_flag=True, help="print one JSON object (text, ids, finish_reason, stats)")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object (text, ids, finish_reason, stop_reason, stats)")
 @prefill_chunk_option
 @activations_option
 def generate_cmd(prompt, prompt_opt, ids, chat_message, model_name, attention, softmax_layers, window, feature_map, max_new_tokens,
@@ -83,6 +83,8 @@ def generate_cmd(prompt, prompt_opt, ids, chat_message, model_name, attention, s
         if feature_map is not None and llm.attention != "linear":
             click.echo(f"gen: warning: --feature-map is ignored: {llm.attention} attention has no feature map",
                        err=True)
+        if as_json and echo:
+            click.echo("gen: warning: --echo is ignored with --json (its \"text\" is the continuation alone)", err=True)
         if as_json:
             try:
                 result, code = generation.run()[0], 0
@@ -222,7 +224,7 @@ def summary(result, interrupted: bool = False) -> str:
     prefill_ms = s.prefill_s * 1e3
     prompt_rate = s.prompt_tokens / s.prefill_s if s.prefill_s > 0 else 0.0
     ms_per_token = 1e3 / s.decode_tokens_per_s if s.decode_tokens_per_s > 0 else 0.0
-    what = "KV cache" if s.attention == "softmax" else "linear state"
+    what = {"softmax": "KV cache", "linear": "linear state"}.get(s.attention, f"{s.attention} state")   # hybrid: both
     finish = "interrupted" if interrupted else result.finish_reason
     return (f"gen: prompt {s.prompt_tokens} tokens in {prefill_ms:.1f} ms ({prompt_rate:.1f} tokens/s) | "
             f"{s.new_tokens} new tokens, {s.decode_tokens_per_s:.1f} tokens/s ({ms_per_token:.2f} ms/token), "

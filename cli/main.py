@@ -10,11 +10,24 @@ goes after `--` (`gen -- bench`), after any option (`gen --model tiny bench`), o
 """
 from __future__ import annotations
 
+import signal
+import threading
+
+# Ctrl-C while torch and the commands import (a second or two) ends the process quietly, as the
+# signal's default does, instead of a KeyboardInterrupt traceback out of some library's import;
+# Python's handler comes back once they are in (a SIGINT that was ignored stays ignored).
+_QUIET_START = (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+if _QUIET_START:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
 import importlib.metadata
 import platform
 from contextlib import contextmanager
 
 import click
+
+import engine  # before torch: it sets GOMP_SPINCOUNT, which libgomp reads once, as torch loads (engine/__init__.py)
 import torch
 
 from cli.bench import bench_cmd
@@ -25,6 +38,9 @@ from cli.generate import generate_cmd
 from cli.linearize import linearize_cmd
 from cli.serve import serve_cmd
 from cli.train import train_cmd
+
+if _QUIET_START:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 DEFAULT_COMMAND = "generate"
 

@@ -51,10 +51,12 @@ def test_stream_equals_json_and_the_api(small_model_dir, path):
     assert as_json["stats"]["new_tokens"] == 12
 
 
-@pytest.mark.parametrize("path,memory", [("softmax", "KV cache"), ("linear", "linear state")])
+@pytest.mark.parametrize("path,memory", [("softmax", "KV cache"), ("linear", "linear state"),
+                                         ("hybrid", "hybrid state")])   # KV layers and linear ones: not "linear state"
 def test_summary_line_on_stderr(small_model_dir, path, memory):
-    r = gen("--model", small_model_dir, "--attention", path, *GREEDY, "the cat")
-    lines = r.stderr.strip().splitlines()
+    hybrid = ("--softmax-layers", "0") if path == "hybrid" else ()
+    r = gen("--model", small_model_dir, "--attention", path, *hybrid, *GREEDY, "the cat")
+    lines = [line for line in r.stderr.strip().splitlines() if "warning: these weights were trained" not in line]
     print(lines)
     assert len(lines) == 1
     line = lines[0]
@@ -213,6 +215,12 @@ def test_cuda_device_without_cuda_is_one_line(small_model_dir):
     assert r.exit_code == 2 and r.stderr.count("\n") == 1 and "no CUDA" in r.stderr and "Traceback" not in r.output
 
 
+def test_echo_with_json_warns_that_it_is_ignored(small_model_dir):
+    r = gen("--model", small_model_dir, "--json", "--echo", *GREEDY, "the cat")
+    assert r.exit_code == 0 and "gen: warning: --echo is ignored with --json" in r.stderr
+    assert json.loads(r.stdout)["text"] == gen_json("--model", small_model_dir, *GREEDY, "the cat")["text"]
+
+
 def test_feature_map_with_softmax_warns_that_it_is_ignored(small_model_dir):
     r = gen("--model", small_model_dir, "--attention", "softmax", "--feature-map", "relu", "--max-new-tokens", "2", "hi")
     assert r.exit_code == 0 and "--feature-map is ignored: softmax attention" in r.stderr
@@ -264,3 +272,35 @@ def test_ctrl_c_stops_cleanly_and_keeps_the_output(small_model_dir):
     assert proc.returncode == 130
     assert "Traceback" not in err and "finish: interrupted" in err
     assert (got + out).endswith(b"\n") and len(got + out) > 20
+
+
+def _python(code: str, **env) -> subprocess.CompletedProcess:
+    """code in a fresh interpreter started as from a terminal (SIGINT at its default: a suite run in the
+    background inherits it ignored), without the user's OpenMP settings unless env gives them."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    return subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True,
+                          timeout=120, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def test_the_gen_command_shortens_openmp_spinning_and_keeps_ctrl_c():
+    """`gen` imports the engine before torch, so the engine's GOMP_SPINCOUNT reaches libgomp in every
+    command (engine/__init__.py), and once its imports are in, Ctrl-C is Python's KeyboardInterrupt again
+    (what stops a generation and keeps its text)."""
+    proc = _python("import os, signal, cli.main; "
+                   "print(os.environ.get('GOMP_SPINCOUNT'), signal.getsignal(signal.SIGINT) is signal.default_int_handler)")
+    assert proc.stdout.split() == ["10000", "True"], proc.stderr
+
+
+def test_ctrl_c_while_the_command_imports_is_quiet():
+    """Ctrl-C in the second or two `gen` spends importing torch and its commands ends it as the signal
+    does, with no KeyboardInterrupt traceback out of a library's import."""
+    code = ("import importlib.abc, os, signal, sys\n"
+            "class CtrlC(importlib.abc.MetaPathFinder):\n"
+            "    def find_spec(self, name, path, target=None):\n"
+            "        if name == 'cli.generate':\n"
+            "            os.kill(os.getpid(), signal.SIGINT)\n"
+            "sys.meta_path.insert(0, CtrlC())\n"
+            "import cli.main\n"
+            "print('imported')\n")
+    proc = _python(code)
+    assert proc.returncode == -signal.SIGINT and proc.stdout == "" and proc.stderr == "", proc.stderr
