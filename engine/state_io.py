@@ -70,6 +70,8 @@ def save(path: str | os.PathLike, saved: SavedState, model) -> None:
 def load(path: str | os.PathLike, model, max_len: int | None = None, device=None) -> SavedState:
     """Read a saved state for `model`; a KV cache gets capacity `max_len` (default: its slots)."""
     path = os.fspath(path)
+    if os.path.isdir(path):   # safetensors says only "No such device (os error 19)"
+        raise CheckpointError(f"{path}: is a directory; give the file llm.save_state() wrote")
     try:
         with safe_open(path, framework="pt", device="cpu") as f:
             meta = f.metadata() or {}

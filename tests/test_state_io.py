@@ -130,6 +130,8 @@ def test_a_file_that_is_not_a_state_is_refused(small_model_dir, tmp_path):
     llm = load(str(small_model_dir), backend="torch")
     with pytest.raises(CheckpointError, match="not a saved decoding state"):
         llm.load_state(small_model_dir / "model.safetensors")
+    with pytest.raises(CheckpointError, match="is a directory; give the file llm.save_state"):
+        llm.load_state(tmp_path)
     (tmp_path / "junk.safetensors").write_bytes(b"not a file at all")
     with pytest.raises(CheckpointError):
         llm.load_state(tmp_path / "junk.safetensors")
