@@ -229,6 +229,21 @@ def test_saved_state_resumes_as_uninterrupted(saved, tmp_path):
     assert llm.resume(back, max_new_tokens=10, temperature=0, ignore_eos=True).run()[0].ids == whole.ids
 
 
+def test_hybrid_saved_state_with_a_ring_resumes_as_uninterrupted(saved, tmp_path):
+    """A hybrid's saved state whose softmax part is the ring loads back (it was handed the linear part's
+    feature map: TypeError) and continues as the run never stopped."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        llm = load(str(saved[1]), attention="hybrid", softmax_layers=[1])
+    prompt = ids(18, 20)[0].tolist()
+    whole = llm.generate(prompt, max_new_tokens=10, temperature=0, ignore_eos=True)
+    llm.save_state(tmp_path / "s.safetensors", llm.prefill(prompt))
+    back = llm.load_state(tmp_path / "s.safetensors")
+    assert isinstance(back.state.parts[0], SlidingKVState)
+    assert llm.resume(back, max_new_tokens=10, temperature=0, ignore_eos=True).run()[0].ids == whole.ids
+
+
 def test_hybrid_softmax_layers_slide_too(saved):
     """A hybrid's softmax layer keeps the ring; step by step equals the parallel forward."""
     import warnings

@@ -148,7 +148,7 @@ class HybridState(State):
                    "tensors": dict({k.split(".", 1)[1]: t for k, t in tensors.items() if k.startswith(f"{i}.")},
                                    lengths=tensors["lengths"])}
             kind = saved_state_class(ident)
-            extra = {} if issubclass(kind, KVState) else {"feature_map": feature_map}
+            extra = {} if issubclass(kind, (KVState, SlidingKVState)) else {"feature_map": feature_map}
             parts.append(kind.from_state_dict(sub, max_len=max_len, device=device, **extra))
         paths = tuple(meta["layer_paths"])
         where, count = [], [0] * len(parts)
