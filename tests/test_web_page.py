@@ -232,6 +232,36 @@ def test_escape_stops_every_pane_and_frees_the_rows(page):
         driver.get("about:blank")   # whatever happened, the page's streams end here
 
 
+def test_clear_while_the_panes_stream_forgets_the_running_turns(page):
+    """Clear stops the running answers and forgets them: the next message starts a fresh conversation
+    (the aborted turn's text is not sent with it, its pane does not say `stopped`)."""
+    import httpx
+    url, driver = page
+    web.open_page(driver, url, panes=("linear", "linear"), max_tokens=100000, temperature=0.8, ignore_eos=True)
+    web.send(driver, PROMPT)
+    try:
+        web.wait_until(driver, lambda d: all(len(p["points"]) >= 5 for p in panes(d)), 30)
+        driver.find_element("id", "clear").click()
+        deadline = time.monotonic() + 10
+        while (stats := httpx.get(url + "/stats").json())["active"] or stats["queued"]:
+            assert time.monotonic() < deadline, f"the server still decodes the cleared panes' rows: {stats}"
+            time.sleep(0.05)
+        assert web.statuses(driver) == ["idle", "idle"]
+        assert driver.execute_script("return window.gen.panes.map(p => [p.text, p.history.length])") == [["", 0]] * 2
+        driver.find_element("id", "ignore-eos").click()
+        for field, value in (("max-tokens", 3), ("temperature", 0)):
+            box = driver.find_element("id", field)
+            box.clear()
+            box.send_keys(str(value))
+        web.send(driver, "Hi")
+        web.wait_until(driver, lambda d: web.statuses(d) == ["done", "done"], 30)
+        for p in driver.execute_script("return window.gen.panes.map(p => [p.text, p.answer])"):
+            assert p[0] == "Hi" + p[1]
+        assert len(driver.find_elements("css selector", ".pane .msg")) == 4   # each pane: the message, its answer
+    finally:
+        driver.get("about:blank")
+
+
 def test_enter_sends_and_shift_enter_makes_a_new_line(page):
     from selenium.webdriver.common.keys import Keys
     url, driver = page

@@ -102,6 +102,7 @@
       this.answer = "";           // the current turn's answer
       this.finish = null;
       this.controller = null;
+      this.turns = 0;             // counts the pane's clears: a turn cleared while it ran leaves the pane alone
       $(".remove", this.el).onclick = () => removePane(this);
       this.setStatus("idle");
     }
@@ -249,6 +250,7 @@
       this.finish = null;
       this.points = [];
       this.controller = new AbortController();
+      const turn = this.turns;
       this.setStatus("streaming");
       redraw();
       let failed = false;
@@ -261,6 +263,7 @@
           this.stats.context >= cfg.max_context;   // a KV cache stops at the server's --max-context
         this.setStatus("done", full ? `done (context limit ${cfg.max_context})` : this.finish ? `done (${this.finish})` : "done");
       } catch (e) {
+        if (turn !== this.turns) return;   // cleared while it ran: the pane is no longer this turn's
         if (e.name === "AbortError") this.setStatus("stopped");
         else {
           failed = true;
@@ -268,15 +271,30 @@
           this.bubble("error", e.message);   // the server's one line (a 400: what this model cannot run)
         }
       } finally {
-        this.controller = null;
-        this.render();   // the last numbers are shown by the time the status says the answer ended
-        if (failed && !this.answer) {   // nothing came back: the turn is not in this pane's conversation
-          if (cfg.chat) this.history.pop();
-          else this.text = this.text.slice(0, this.text.length - message.length);
-        } else if (cfg.chat) this.history.push({role: "assistant", content: this.answer});
-        else this.text += this.answer;
-        redraw();
+        if (turn === this.turns) {
+          this.controller = null;
+          this.render();   // the last numbers are shown by the time the status says the answer ended
+          if (failed && !this.answer) {   // nothing came back: the turn is not in this pane's conversation
+            if (cfg.chat) this.history.pop();
+            else this.text = this.text.slice(0, this.text.length - message.length);
+          } else if (cfg.chat) this.history.push({role: "assistant", content: this.answer});
+          else this.text += this.answer;
+          redraw();
+        }
       }
+    }
+
+    // a fresh conversation: the turn running (if any) stops and is forgotten (it ends in no status,
+    // no answer kept)
+    clear() {
+      this.stop();
+      this.turns += 1;
+      this.controller = null;
+      this.history = [];
+      this.text = "";
+      this.points = [];
+      this.transcript.textContent = "";
+      this.setStatus("idle");
     }
 
     // one chunk: the text grows (one text node, appended to), the numbers and points are kept; what is
@@ -397,14 +415,7 @@
   }
 
   function clearAll() {
-    stopAll();
-    for (const p of page.panes) {
-      p.history = [];
-      p.text = "";
-      p.points = [];
-      p.transcript.textContent = "";
-      p.setStatus("idle");
-    }
+    for (const p of page.panes) p.clear();
     redraw();
   }
 
