@@ -262,6 +262,71 @@ def test_clear_while_the_panes_stream_forgets_the_running_turns(page):
         driver.get("about:blank")
 
 
+@browser
+def test_a_server_gone_mid_answer_or_before_it_is_one_clear_line():
+    """The browser's own words ("network error", "Failed to fetch") name neither the server nor what to do."""
+    import signal
+    with web.server_process("--model", "tiny") as (url, proc):
+        driver = web.browser(1280, 900)
+        try:
+            web.open_page(driver, url, panes=("linear", "linear"), max_tokens=100000, temperature=0.8, ignore_eos=True)
+            web.send(driver, PROMPT)
+            web.wait_until(driver, lambda d: all(len(p["points"]) >= 5 for p in panes(d)), 30)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+            web.wait_until(driver, lambda d: web.statuses(d) == ["error", "error"], 10)
+            assert all(e.startswith("The connection to the server broke before the answer ended")
+                       and e.endswith("is gen serve still running?") for e in errors(driver))
+            web.send(driver, "again")
+            web.wait_until(driver, lambda d: all(e.startswith("Could not reach") for e in errors(d)), 10)
+            assert all(e.startswith(f"Could not reach the server at {url} (")
+                       and e.endswith("is gen serve still running?") for e in errors(driver))
+        finally:
+            driver.quit()
+
+
+@browser
+def test_a_stream_cut_before_its_done_event_is_an_error_not_an_answer():
+    """A proxy that ends a stream early (whole, without `data: [DONE]`): the pane says the answer was cut."""
+    import http.server
+    import threading
+    import httpx
+    with web.serving("--model", "tiny") as url:
+        class Cutting(http.server.BaseHTTPRequestHandler):   # forwards to the server; drops [DONE]
+            def forward(self, body=None):
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("content-length", "connection")}
+                r = httpx.request(self.command, url + self.path, headers=headers, content=body, timeout=30)
+                data = r.content.replace(b"data: [DONE]\r\n\r\n", b"")
+                self.send_response(r.status_code)
+                for k, v in r.headers.items():
+                    if k.lower() not in ("content-length", "transfer-encoding", "connection", "content-encoding"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self.forward()
+
+            def do_POST(self):
+                self.forward(self.rfile.read(int(self.headers["Content-Length"])))
+
+            def log_message(self, *args):
+                pass
+        proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Cutting)
+        threading.Thread(target=proxy.serve_forever, daemon=True).start()
+        driver = web.browser(1280, 900)
+        try:
+            web.open_page(driver, f"http://127.0.0.1:{proxy.server_address[1]}", max_tokens=4)
+            web.send(driver, PROMPT)
+            web.wait_until(driver, lambda d: "streaming" not in web.statuses(d), 30)
+            assert web.statuses(driver) == ["error", "error"]
+            assert errors(driver) == ["The server's stream ended before the answer did (no `data: [DONE]`)"] * 2
+        finally:
+            driver.quit()
+            proxy.shutdown()
+
+
 def test_enter_sends_and_shift_enter_makes_a_new_line(page):
     from selenium.webdriver.common.keys import Keys
     url, driver = page

@@ -21,7 +21,13 @@
     const headers = Object.assign({}, options.headers || {});
     const key = sessionStorage.getItem(KEY);
     if (key) headers.Authorization = "Bearer " + key;
-    const r = await fetch(path, Object.assign({}, options, {headers}));
+    let r;
+    try {
+      r = await fetch(path, Object.assign({}, options, {headers}));
+    } catch (e) {   // the browser's words ("Failed to fetch") say neither what failed nor what to do
+      if (e.name === "AbortError") throw e;
+      throw new Error(`Could not reach the server at ${location.origin} (${e.message}): is gen serve still running?`);
+    }
     if (r.status === 401) {
       askKey(await errorText(r));
       throw new KeyNeeded("the server asks for an API key");
@@ -332,13 +338,21 @@
     }
   }
 
-  // Server-Sent Events from a fetch response: each `data:` payload (JSON) to `onData` until [DONE].
+  // Server-Sent Events from a fetch response: each `data:` payload (JSON) to `onData` until [DONE]; a
+  // stream that breaks or ends before [DONE] is an error (the answer was cut, whatever it says)
   async function readEvents(response, onData) {
     const reader = response.body.getReader(), decoder = new TextDecoder();
     let buffer = "";
     for (;;) {
-      const {value, done} = await reader.read();
-      if (done) return;
+      let value, done;
+      try {
+        ({value, done} = await reader.read());
+      } catch (e) {
+        if (e.name === "AbortError") throw e;
+        throw new Error(`The connection to the server broke before the answer ended (${e.message}): ` +
+                        "is gen serve still running?");
+      }
+      if (done) throw new Error("The server's stream ended before the answer did (no `data: [DONE]`)");
       buffer += decoder.decode(value, {stream: true});
       let m;
       while ((m = /\r\n\r\n|\n\n|\r\r/.exec(buffer))) {
