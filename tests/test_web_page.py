@@ -408,6 +408,10 @@ def test_the_page_asks_for_the_api_key_and_sends_it():
             assert driver.find_elements("id", "prompt"), \
                 "/ must be public (the guard lets engine.serve.page.PUBLIC_PATHS through without a key)"
             web.wait_until(driver, lambda d: d.find_element("id", "key-form").is_displayed(), 10)
+            driver.find_element("id", "key-input").send_keys("wrong\n")   # a typo: the page says it was refused
+            web.wait_until(driver, lambda d: d.find_element("id", "key-note").text.startswith(
+                "The server refused the key this tab sent"), 10)
+            assert driver.find_element("id", "key-form").is_displayed()
             driver.find_element("id", "key-input").send_keys("s3cret\n")
             web.wait_until(driver, lambda d: d.execute_script("return window.gen.ready"), 10)
             assert driver.execute_script("return sessionStorage.getItem('gen.apiKey')") == "s3cret"

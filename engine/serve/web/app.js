@@ -29,7 +29,8 @@
       throw new Error(`Could not reach the server at ${location.origin} (${e.message}): is gen serve still running?`);
     }
     if (r.status === 401) {
-      askKey(await errorText(r));
+      const why = await errorText(r);   // a key sent and refused: a typo, or the server's key changed
+      askKey(key ? `The server refused the key this tab sent (${why}): enter the one given to gen serve --api-key` : why);
       throw new KeyNeeded("the server asks for an API key");
     }
     return r;
