@@ -68,6 +68,13 @@ def free_port() -> int:
 def serving(*args: str, timeout: float = 60.0):
     """`gen serve ARGS` (this checkout's code) on a free loopback port, in a subprocess; yields its URL
     once /health answers, stops it on the way out."""
+    with server_process(*args, timeout=timeout) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def server_process(*args: str, timeout: float = 60.0):
+    """serving's server, yielding (URL, its subprocess.Popen): for a test that kills it."""
     port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--host", "127.0.0.1", "--port", str(port),
@@ -84,7 +91,7 @@ def serving(*args: str, timeout: float = 60.0):
                     proc.kill()
                     raise RuntimeError(f"gen serve did not start: {proc.stderr.read()[-2000:]}") from None
                 time.sleep(0.1)
-        yield url
+        yield url, proc
     finally:
         proc.terminate()
         try:

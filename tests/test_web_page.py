@@ -232,6 +232,101 @@ def test_escape_stops_every_pane_and_frees_the_rows(page):
         driver.get("about:blank")   # whatever happened, the page's streams end here
 
 
+def test_clear_while_the_panes_stream_forgets_the_running_turns(page):
+    """Clear stops the running answers and forgets them: the next message starts a fresh conversation
+    (the aborted turn's text is not sent with it, its pane does not say `stopped`)."""
+    import httpx
+    url, driver = page
+    web.open_page(driver, url, panes=("linear", "linear"), max_tokens=100000, temperature=0.8, ignore_eos=True)
+    web.send(driver, PROMPT)
+    try:
+        web.wait_until(driver, lambda d: all(len(p["points"]) >= 5 for p in panes(d)), 30)
+        driver.find_element("id", "clear").click()
+        deadline = time.monotonic() + 10
+        while (stats := httpx.get(url + "/stats").json())["active"] or stats["queued"]:
+            assert time.monotonic() < deadline, f"the server still decodes the cleared panes' rows: {stats}"
+            time.sleep(0.05)
+        assert web.statuses(driver) == ["idle", "idle"]
+        assert driver.execute_script("return window.gen.panes.map(p => [p.text, p.history.length])") == [["", 0]] * 2
+        driver.find_element("id", "ignore-eos").click()
+        for field, value in (("max-tokens", 3), ("temperature", 0)):
+            box = driver.find_element("id", field)
+            box.clear()
+            box.send_keys(str(value))
+        web.send(driver, "Hi")
+        web.wait_until(driver, lambda d: web.statuses(d) == ["done", "done"], 30)
+        for p in driver.execute_script("return window.gen.panes.map(p => [p.text, p.answer])"):
+            assert p[0] == "Hi" + p[1]
+        assert len(driver.find_elements("css selector", ".pane .msg")) == 4   # each pane: the message, its answer
+    finally:
+        driver.get("about:blank")
+
+
+@browser
+def test_a_server_gone_mid_answer_or_before_it_is_one_clear_line():
+    """The browser's own words ("network error", "Failed to fetch") name neither the server nor what to do."""
+    import signal
+    with web.server_process("--model", "tiny") as (url, proc):
+        driver = web.browser(1280, 900)
+        try:
+            web.open_page(driver, url, panes=("linear", "linear"), max_tokens=100000, temperature=0.8, ignore_eos=True)
+            web.send(driver, PROMPT)
+            web.wait_until(driver, lambda d: all(len(p["points"]) >= 5 for p in panes(d)), 30)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+            web.wait_until(driver, lambda d: web.statuses(d) == ["error", "error"], 10)
+            assert all(e.startswith("The connection to the server broke before the answer ended")
+                       and e.endswith("is gen serve still running?") for e in errors(driver))
+            web.send(driver, "again")
+            web.wait_until(driver, lambda d: all(e.startswith("Could not reach") for e in errors(d)), 10)
+            assert all(e.startswith(f"Could not reach the server at {url} (")
+                       and e.endswith("is gen serve still running?") for e in errors(driver))
+        finally:
+            driver.quit()
+
+
+@browser
+def test_a_stream_cut_before_its_done_event_is_an_error_not_an_answer():
+    """A proxy that ends a stream early (whole, without `data: [DONE]`): the pane says the answer was cut."""
+    import http.server
+    import threading
+    import httpx
+    with web.serving("--model", "tiny") as url:
+        class Cutting(http.server.BaseHTTPRequestHandler):   # forwards to the server; drops [DONE]
+            def forward(self, body=None):
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("content-length", "connection")}
+                r = httpx.request(self.command, url + self.path, headers=headers, content=body, timeout=30)
+                data = r.content.replace(b"data: [DONE]\r\n\r\n", b"")
+                self.send_response(r.status_code)
+                for k, v in r.headers.items():
+                    if k.lower() not in ("content-length", "transfer-encoding", "connection", "content-encoding"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self.forward()
+
+            def do_POST(self):
+                self.forward(self.rfile.read(int(self.headers["Content-Length"])))
+
+            def log_message(self, *args):
+                pass
+        proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Cutting)
+        threading.Thread(target=proxy.serve_forever, daemon=True).start()
+        driver = web.browser(1280, 900)
+        try:
+            web.open_page(driver, f"http://127.0.0.1:{proxy.server_address[1]}", max_tokens=4)
+            web.send(driver, PROMPT)
+            web.wait_until(driver, lambda d: "streaming" not in web.statuses(d), 30)
+            assert web.statuses(driver) == ["error", "error"]
+            assert errors(driver) == ["The server's stream ended before the answer did (no `data: [DONE]`)"] * 2
+        finally:
+            driver.quit()
+            proxy.shutdown()
+
+
 def test_enter_sends_and_shift_enter_makes_a_new_line(page):
     from selenium.webdriver.common.keys import Keys
     url, driver = page
@@ -313,6 +408,10 @@ def test_the_page_asks_for_the_api_key_and_sends_it():
             assert driver.find_elements("id", "prompt"), \
                 "/ must be public (the guard lets engine.serve.page.PUBLIC_PATHS through without a key)"
             web.wait_until(driver, lambda d: d.find_element("id", "key-form").is_displayed(), 10)
+            driver.find_element("id", "key-input").send_keys("wrong\n")   # a typo: the page says it was refused
+            web.wait_until(driver, lambda d: d.find_element("id", "key-note").text.startswith(
+                "The server refused the key this tab sent"), 10)
+            assert driver.find_element("id", "key-form").is_displayed()
             driver.find_element("id", "key-input").send_keys("s3cret\n")
             web.wait_until(driver, lambda d: d.execute_script("return window.gen.ready"), 10)
             assert driver.execute_script("return sessionStorage.getItem('gen.apiKey')") == "s3cret"

@@ -21,9 +21,16 @@
     const headers = Object.assign({}, options.headers || {});
     const key = sessionStorage.getItem(KEY);
     if (key) headers.Authorization = "Bearer " + key;
-    const r = await fetch(path, Object.assign({}, options, {headers}));
+    let r;
+    try {
+      r = await fetch(path, Object.assign({}, options, {headers}));
+    } catch (e) {   // the browser's words ("Failed to fetch") say neither what failed nor what to do
+      if (e.name === "AbortError") throw e;
+      throw new Error(`Could not reach the server at ${location.origin} (${e.message}): is gen serve still running?`);
+    }
     if (r.status === 401) {
-      askKey(await errorText(r));
+      const why = await errorText(r);   // a key sent and refused: a typo, or the server's key changed
+      askKey(key ? `The server refused the key this tab sent (${why}): enter the one given to gen serve --api-key` : why);
       throw new KeyNeeded("the server asks for an API key");
     }
     return r;
@@ -102,6 +109,7 @@
       this.answer = "";           // the current turn's answer
       this.finish = null;
       this.controller = null;
+      this.turns = 0;             // counts the pane's clears: a turn cleared while it ran leaves the pane alone
       $(".remove", this.el).onclick = () => removePane(this);
       this.setStatus("idle");
     }
@@ -249,6 +257,7 @@
       this.finish = null;
       this.points = [];
       this.controller = new AbortController();
+      const turn = this.turns;
       this.setStatus("streaming");
       redraw();
       let failed = false;
@@ -261,6 +270,7 @@
           this.stats.context >= cfg.max_context;   // a KV cache stops at the server's --max-context
         this.setStatus("done", full ? `done (context limit ${cfg.max_context})` : this.finish ? `done (${this.finish})` : "done");
       } catch (e) {
+        if (turn !== this.turns) return;   // cleared while it ran: the pane is no longer this turn's
         if (e.name === "AbortError") this.setStatus("stopped");
         else {
           failed = true;
@@ -268,15 +278,30 @@
           this.bubble("error", e.message);   // the server's one line (a 400: what this model cannot run)
         }
       } finally {
-        this.controller = null;
-        this.render();   // the last numbers are shown by the time the status says the answer ended
-        if (failed && !this.answer) {   // nothing came back: the turn is not in this pane's conversation
-          if (cfg.chat) this.history.pop();
-          else this.text = this.text.slice(0, this.text.length - message.length);
-        } else if (cfg.chat) this.history.push({role: "assistant", content: this.answer});
-        else this.text += this.answer;
-        redraw();
+        if (turn === this.turns) {
+          this.controller = null;
+          this.render();   // the last numbers are shown by the time the status says the answer ended
+          if (failed && !this.answer) {   // nothing came back: the turn is not in this pane's conversation
+            if (cfg.chat) this.history.pop();
+            else this.text = this.text.slice(0, this.text.length - message.length);
+          } else if (cfg.chat) this.history.push({role: "assistant", content: this.answer});
+          else this.text += this.answer;
+          redraw();
+        }
       }
+    }
+
+    // a fresh conversation: the turn running (if any) stops and is forgotten (it ends in no status,
+    // no answer kept)
+    clear() {
+      this.stop();
+      this.turns += 1;
+      this.controller = null;
+      this.history = [];
+      this.text = "";
+      this.points = [];
+      this.transcript.textContent = "";
+      this.setStatus("idle");
     }
 
     // one chunk: the text grows (one text node, appended to), the numbers and points are kept; what is
@@ -314,13 +339,21 @@
     }
   }
 
-  // Server-Sent Events from a fetch response: each `data:` payload (JSON) to `onData` until [DONE].
+  // Server-Sent Events from a fetch response: each `data:` payload (JSON) to `onData` until [DONE]; a
+  // stream that breaks or ends before [DONE] is an error (the answer was cut, whatever it says)
   async function readEvents(response, onData) {
     const reader = response.body.getReader(), decoder = new TextDecoder();
     let buffer = "";
     for (;;) {
-      const {value, done} = await reader.read();
-      if (done) return;
+      let value, done;
+      try {
+        ({value, done} = await reader.read());
+      } catch (e) {
+        if (e.name === "AbortError") throw e;
+        throw new Error(`The connection to the server broke before the answer ended (${e.message}): ` +
+                        "is gen serve still running?");
+      }
+      if (done) throw new Error("The server's stream ended before the answer did (no `data: [DONE]`)");
       buffer += decoder.decode(value, {stream: true});
       let m;
       while ((m = /\r\n\r\n|\n\n|\r\r/.exec(buffer))) {
@@ -397,14 +430,7 @@
   }
 
   function clearAll() {
-    stopAll();
-    for (const p of page.panes) {
-      p.history = [];
-      p.text = "";
-      p.points = [];
-      p.transcript.textContent = "";
-      p.setStatus("idle");
-    }
+    for (const p of page.panes) p.clear();
     redraw();
   }
 
