@@ -288,3 +288,32 @@ def chat_live(chat_model_dir):
     srv = LiveServer(make_server(chat_model_dir))
     yield srv
     srv.stop()
+
+
+def test_a_text_too_long_for_max_prompt_is_refused_before_it_is_tokenized(chat_model_dir, small_model_dir):
+    """A prompt or messages of more characters than max_prompt tokens can cover (no token spans more
+    than the vocabulary's longest spelling) is a 400 without being tokenized or rendered: megabytes of
+    it held Python's lock for seconds. At the bound it is tokenized and judged by its tokens."""
+    from engine.serve.schemas import ChatRequest, CompletionRequest
+    from engine.serve.errors import APIError
+    from engine.serve.server import token_chars_bound
+    for model_dir in (chat_model_dir, small_model_dir):   # byte-level BPE; SentencePiece (decoded per token)
+        srv = make_server(model_dir, max_prompt=64)
+        bound = token_chars_bound(srv.llm.tokenizer)
+        assert all(len(srv.llm.tokenizer.decode([i])) <= bound for i in range(srv.llm.model.config.vocab_size))
+        encoded = []
+        real = srv.llm.encode
+        srv.llm.encode = lambda text, *a, **k: encoded.append(len(text)) or real(text, *a, **k)
+        at = "a" * (64 * bound)
+        srv.completion_ids(CompletionRequest(model=NAME, prompt=at))   # tokenized: its tokens decide
+        assert encoded == [len(at)]
+        with pytest.raises(APIError) as e:
+            srv.completion_ids(CompletionRequest(model=NAME, prompt=at + "a"))
+        assert e.value.status == 400 and e.value.code == "context_length_exceeded" and "characters" in str(e.value)
+        assert encoded == [len(at)]   # the longer one never reached the tokenizer
+    srv = make_server(chat_model_dir, max_prompt=64)
+    srv.llm.chat_template.encode = lambda *a, **k: pytest.fail("rendered")
+    big = [{"role": "user", "content": "b" * (64 * token_chars_bound(srv.llm.tokenizer) // 2 + 1)}] * 2
+    with pytest.raises(APIError) as e:
+        srv.chat_ids(ChatRequest(model=NAME, messages=big))
+    assert e.value.param == "messages" and e.value.code == "context_length_exceeded"

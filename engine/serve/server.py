@@ -63,6 +63,7 @@ class Server:
         self.max_tokens_cap = max_tokens_cap
         self._chat_eos: frozenset | None = None
         self._token_texts: dict[int, str] = {}
+        self._token_chars: int | None = None   # the most characters one token covers (check_chars)
         self.scheduler = Scheduler(llm.model, llm.tokenizer, llm.step, max_batch=max_batch, max_queue=max_queue,
                                    feature_map=llm.feature_map, cache=cache, prefill_share=prefill_share,
                                    kv_headroom=min(self.max_context, self.max_prompt or self.max_context))
@@ -75,11 +76,25 @@ class Server:
         if name is not None and name not in self.names:
             raise model_not_found(name, self.name)
 
+    def check_chars(self, chars: int, what: str) -> None:
+        """A text of more characters than max_prompt tokens can cover is a 400 before it is tokenized or
+        rendered (megabytes of it held Python's lock for seconds while other streams waited): no token
+        covers more characters than the longest spelling in the vocabulary (one character a byte)."""
+        if not self.max_prompt or chars <= self.max_prompt:
+            return
+        if self._token_chars is None:
+            self._token_chars = token_chars_bound(self.llm.tokenizer)
+        if chars > self.max_prompt * self._token_chars:
+            raise bad_request(f"The {what} {'have' if what == 'messages' else 'has'} {chars} characters, more than the {self.max_prompt} tokens this "
+                              f"server takes per request (gen serve --max-prompt) can hold (a token is at most "
+                              f"{self._token_chars} characters here). Shorten it.", what, "context_length_exceeded")
+
     def completion_ids(self, req: CompletionRequest) -> list[int]:
         prompt = req.prompt
         if isinstance(prompt, str):
             if self.llm.tokenizer is None:
                 raise bad_request("this model ships no tokenizer; send the prompt as token ids", "prompt")
+            self.check_chars(len(prompt), "prompt")
             try:
                 return self.llm.encode(prompt)
             except EngineError as e:
@@ -94,6 +109,8 @@ class Server:
         """The prompt ids of the messages through the model's chat template (models.chat_template, as
         `llm.chat` renders them: template markers as special tokens, message text as plain text)."""
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        if self.llm.tokenizer is not None:
+            self.check_chars(sum(len(m["content"] or "") for m in messages), "messages")
         try:
             if self._chat_eos is None:
                 self._chat_eos = frozenset(self.llm.chat_eos_ids())   # raises if the model cannot chat
@@ -241,3 +258,13 @@ def fingerprint(llm, name: str) -> str:
 
 
 __all__ = ["Server", "APIError", "COMPLETION_DEFAULT_MAX_TOKENS"]
+
+
+def token_chars_bound(tokenizer) -> int:
+    """At least the characters of text any one token covers: the longest spelling in a tokenizers
+    vocabulary (byte-level BPE spells one character a byte; SentencePiece pieces spell their text, byte
+    pieces as <0xNN>), else the longest single-token decode (at least 1: a byte of a character)."""
+    vocab = getattr(getattr(tokenizer, "tok", None), "get_vocab", None)
+    if vocab is not None:
+        return max(1, max(len(t) for t in vocab()))
+    return max(1, max(len(tokenizer.decode([i])) for i in range(tokenizer.vocab_size)))
