@@ -317,3 +317,36 @@ def test_a_text_too_long_for_max_prompt_is_refused_before_it_is_tokenized(chat_m
     with pytest.raises(APIError) as e:
         srv.chat_ids(ChatRequest(model=NAME, messages=big))
     assert e.value.param == "messages" and e.value.code == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("route", ["POST /v1/completions", "GET /health"])   # reads its body; answers first
+@pytest.mark.parametrize("split", [False, True])
+def test_a_body_that_breaks_after_its_answer_began_just_closes(live, caplog, split, route):
+    """A chunked body gone bad (in the request's packet, or in a later one after the answer went out):
+    the connection closes, with the 400 where no answer had begun, and no traceback is logged (h11
+    refused to send a second answer: a LocalProtocolError out of the app task or data_received)."""
+    import logging
+    import socket
+    import time
+    head = route.encode() + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n" \
+           b"Transfer-Encoding: chunked\r\n\r\n"
+    caplog.set_level(logging.ERROR)
+    with socket.create_connection(("127.0.0.1", live.port), timeout=10) as s:
+        if split:
+            s.sendall(head + b"5\r\n{\"a\":\r\n")
+            time.sleep(0.3)   # not a timing assertion: lets the app task start before the bad chunk
+            s.sendall(b"zz\r\n")
+        else:
+            s.sendall(head + b"zz\r\n")
+        answer = b""
+        try:
+            while chunk := s.recv(65536):
+                answer += chunk
+        except ConnectionResetError:
+            pass
+    time.sleep(0.3)   # the server's side of the close, logged (if at all) after the socket ends
+    assert not [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()], \
+        [r.getMessage() for r in caplog.records]
+    if not split or route.startswith("POST"):   # no answer had begun: the 400 goes out
+        assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
+    assert httpx.post(live.url + "/v1/completions", json=GOOD, timeout=30).status_code == 200

@@ -28,7 +28,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request    # what FastAPI hands a route (fastapi.Request is this class)
+from starlette.requests import ClientDisconnect, Request    # what FastAPI hands a route (fastapi.Request is this class)
 from starlette.responses import JSONResponse
 
 from engine.serve.errors import APIError, bad_request, failure_error, queue_timeout, server_error
@@ -89,6 +89,10 @@ def create_app(server: Server, policy: Policy | None = None) -> "FastAPI":
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request, exc: RequestValidationError):
         return APIError(422, f"invalid request: {exc.errors()[0].get('msg', exc)}", code="invalid_value").response()
+
+    @app.exception_handler(ClientDisconnect)   # the body stopped coming (a client gone, or a chunk h11
+    async def _gone(request, exc: ClientDisconnect):   # refused: Connections.send_400_response): no one to answer
+        return APIError(400, "the client went away before its request's body ended", code="client_disconnected").response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request, exc: Exception):   # a bug: still an OpenAI-style body, and the server goes on

@@ -104,7 +104,15 @@ class Connections(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         """What h11 cannot parse (a malformed request line, headers past h11's limit, a bad
-        Content-Length, no Host): uvicorn's 400 with OpenAI's error body instead of its plain text."""
+        Content-Length, no Host): uvicorn's 400 with OpenAI's error body instead of its plain text.
+        A request whose body breaks after its answer began (a bad chunk) can get no 400: the
+        connection just closes; the app's own answer, if still to come, goes nowhere."""
+        cycle = getattr(self, "cycle", None)
+        if cycle is not None:
+            cycle.disconnected = True   # the request's app task sends nothing more on this connection
+        if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):   # an answer already went out
+            self.transport.close()
+            return
         body = json.dumps(APIError(400, f"{msg.rstrip('.')}: not valid HTTP/1.1 (a malformed request line or "
                                         "header, overlong headers, or no Host header)",
                                    code="invalid_http_request").body()).encode()
