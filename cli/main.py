@@ -21,26 +21,27 @@ _QUIET_START = (threading.current_thread() is threading.main_thread()
 if _QUIET_START:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
-import importlib.metadata
-import platform
-from contextlib import contextmanager
+try:
+    import importlib.metadata
+    import platform
+    from contextlib import contextmanager
 
-import click
+    import click
 
-import engine  # before torch: it sets GOMP_SPINCOUNT, which libgomp reads once, as torch loads (engine/__init__.py)
-import torch
+    import engine  # noqa: F401  (before torch: it sets GOMP_SPINCOUNT, which libgomp reads once as torch loads)
+    import torch
 
-from cli.bench import bench_cmd
-from cli.chat import chat_cmd
-from cli.convert import convert_cmd
-from cli.eval import eval_cmd
-from cli.generate import generate_cmd
-from cli.linearize import linearize_cmd
-from cli.serve import serve_cmd
-from cli.train import train_cmd
-
-if _QUIET_START:
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    from cli.bench import bench_cmd
+    from cli.chat import chat_cmd
+    from cli.convert import convert_cmd
+    from cli.eval import eval_cmd
+    from cli.generate import generate_cmd
+    from cli.linearize import linearize_cmd
+    from cli.serve import serve_cmd
+    from cli.train import train_cmd
+finally:   # whatever an import raised, Ctrl-C is Python's again
+    if _QUIET_START:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 DEFAULT_COMMAND = "generate"
 

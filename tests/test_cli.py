@@ -304,3 +304,21 @@ def test_ctrl_c_while_the_command_imports_is_quiet():
             "print('imported')\n")
     proc = _python(code)
     assert proc.returncode == -signal.SIGINT and proc.stdout == "" and proc.stderr == "", proc.stderr
+
+
+def test_an_import_that_fails_gives_ctrl_c_back():
+    """Whatever a command's import raises, Python's Ctrl-C handler is back after it (not left at the
+    signal's default, which would end the importing process with no KeyboardInterrupt)."""
+    code = ("import importlib.abc, signal, sys\n"
+            "class Broken(importlib.abc.MetaPathFinder):\n"
+            "    def find_spec(self, name, path, target=None):\n"
+            "        if name == 'cli.serve':\n"
+            "            raise ImportError('broken on purpose')\n"
+            "sys.meta_path.insert(0, Broken())\n"
+            "try:\n"
+            "    import cli.main\n"
+            "except ImportError:\n"
+            "    pass\n"
+            "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)\n")
+    proc = _python(code)
+    assert proc.stdout.split() == ["True"], proc.stderr
