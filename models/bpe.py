@@ -102,6 +102,18 @@ class BPETokenizer:
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
+    def chars_per_token(self) -> int | None:
+        """At least the non-whitespace characters of a text that any one token covers (the longest
+        spelling in the vocabulary: byte-level BPE spells one character a byte, SentencePiece pieces
+        their text), so a text of more than N times it needs more than N tokens; None where the
+        normalizer may fold several characters into one (NFKC, a regex replace): no such bound.
+        Whitespace is left out: templates trim it, added tokens may absorb it."""
+        if getattr(self, "_chars_per_token", False) is False:
+            norm = self.tok.normalizer
+            keeps = norm is None or keeps_characters(json.loads(norm.__getstate__()))
+            self._chars_per_token = max(1, max(map(len, self.tok.get_vocab()))) if keeps else None
+        return self._chars_per_token
+
     def decode_continuation(self, ids) -> str:
         """decode(a + b) == decode(a) + decode_continuation(b) whenever a ends on a whole character:
         byte-level BPE carries its spaces inside the tokens, so this is plain `decode`."""
@@ -191,6 +203,18 @@ class BPETokenizer:
             with_special = tok.encode("a", add_special_tokens=True).ids
             add_bos = bos_id is not None and with_special[:1] == [bos_id]
         return cls(tok, bos_id, eos_id, add_bos=add_bos, where=str(path))
+
+
+def keeps_characters(spec: dict) -> bool:
+    """True for a tokenizers normalizer (its JSON) that never folds several non-whitespace characters
+    into fewer: prepending, lowercasing, stripping, replacing a string by one no shorter."""
+    kind = spec.get("type")
+    if kind == "Sequence":
+        return all(keeps_characters(n) for n in spec.get("normalizers", []))
+    if kind == "Replace":
+        pattern = spec.get("pattern", {})
+        return "String" in pattern and len(spec.get("content", "")) >= len(pattern["String"])
+    return kind in ("Prepend", "Lowercase", "Strip")
 
 
 def add_whole_tokens(tok, vocab: dict, tokens: list, types: list, AddedToken) -> None:

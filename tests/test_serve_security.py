@@ -290,33 +290,55 @@ def chat_live(chat_model_dir):
     srv.stop()
 
 
-def test_a_text_too_long_for_max_prompt_is_refused_before_it_is_tokenized(chat_model_dir, small_model_dir):
-    """A prompt or messages of more characters than max_prompt tokens can cover (no token spans more
-    than the vocabulary's longest spelling) is a 400 without being tokenized or rendered: megabytes of
-    it held Python's lock for seconds. At the bound it is tokenized and judged by its tokens."""
-    from engine.serve.schemas import ChatRequest, CompletionRequest
+def test_a_text_too_long_for_max_prompt_is_refused_before_it_is_tokenized(chat_model_dir):
+    """A prompt or messages of more non-space characters than max_prompt tokens can cover (no token
+    spans more than the vocabulary's longest spelling) is a 400 without being tokenized or rendered:
+    megabytes of it held Python's lock for seconds. At the bound, or with spaces beyond it, it is
+    tokenized and judged by its tokens."""
     from engine.serve.errors import APIError
-    from engine.serve.server import token_chars_bound
-    for model_dir in (chat_model_dir, small_model_dir):   # byte-level BPE; SentencePiece (decoded per token)
-        srv = make_server(model_dir, max_prompt=64)
-        bound = token_chars_bound(srv.llm.tokenizer)
-        assert all(len(srv.llm.tokenizer.decode([i])) <= bound for i in range(srv.llm.model.config.vocab_size))
-        encoded = []
-        real = srv.llm.encode
-        srv.llm.encode = lambda text, *a, **k: encoded.append(len(text)) or real(text, *a, **k)
-        at = "a" * (64 * bound)
-        srv.completion_ids(CompletionRequest(model=NAME, prompt=at))   # tokenized: its tokens decide
-        assert encoded == [len(at)]
-        with pytest.raises(APIError) as e:
-            srv.completion_ids(CompletionRequest(model=NAME, prompt=at + "a"))
-        assert e.value.status == 400 and e.value.code == "context_length_exceeded" and "characters" in str(e.value)
-        assert encoded == [len(at)]   # the longer one never reached the tokenizer
+    from engine.serve.schemas import ChatRequest, CompletionRequest
     srv = make_server(chat_model_dir, max_prompt=64)
+    tok = srv.llm.tokenizer
+    bound = tok.chars_per_token()
+    longest = max(tok.tok.get_vocab(), key=len)
+    assert bound == len(longest) > 1
+    # the bound holds: the longest spellings' own text needs a token per `bound` characters at least
+    text = tok.decode([tok.token_to_id(longest)] * 50)
+    assert len(tok.encode(text)) >= len(text.replace(" ", "")) / bound
+    encoded = []
+    real = srv.llm.encode
+    srv.llm.encode = lambda text, *a, **k: encoded.append(len(text)) or real(text, *a, **k)
+    at, spaced = "a" * (64 * bound), "a " * (64 * bound)
+    for prompt in (at, spaced):   # tokenized: their tokens decide
+        try:
+            srv.completion_ids(CompletionRequest(model=NAME, prompt=prompt))
+        except APIError:
+            pass
+    assert encoded == [len(at), len(spaced)]
+    with pytest.raises(APIError) as e:
+        srv.completion_ids(CompletionRequest(model=NAME, prompt=at + "a"))
+    assert e.value.status == 400 and e.value.code == "context_length_exceeded" and "characters" in str(e.value)
+    assert encoded == [len(at), len(spaced)]   # the longer one never reached the tokenizer
     srv.llm.chat_template.encode = lambda *a, **k: pytest.fail("rendered")
-    big = [{"role": "user", "content": "b" * (64 * token_chars_bound(srv.llm.tokenizer) // 2 + 1)}] * 2
+    big = [{"role": "user", "content": "b" * (64 * bound // 2 + 1)}] * 2
     with pytest.raises(APIError) as e:
         srv.chat_ids(ChatRequest(model=NAME, messages=big))
     assert e.value.param == "messages" and e.value.code == "context_length_exceeded"
+
+
+def test_a_tokenizer_that_may_fold_characters_has_no_bound(chat_model_dir):
+    """A normalizer that can fold several characters into one (NFKC, a regex replace) leaves no
+    characters-per-token bound: nothing is refused by its length alone."""
+    from tokenizers import Regex, normalizers
+
+    from models.bpe import BPETokenizer
+    for norm, bounded in ((None, True), (normalizers.Sequence([normalizers.Prepend("_"),
+                                                               normalizers.Replace(" ", "_")]), True),
+                          (normalizers.NFKC(), False), (normalizers.Replace(Regex(" +"), " "), False),
+                          (normalizers.Replace("ab", "x"), False)):
+        tok = BPETokenizer.from_dir(chat_model_dir)
+        tok.tok.normalizer = norm
+        assert (tok.chars_per_token() is not None) == bounded, norm
 
 
 @pytest.mark.parametrize("route", ["POST /v1/completions", "GET /health"])   # reads its body; answers first

@@ -37,6 +37,8 @@ RETRY_AFTER_S = 1
 DEFAULT_QUEUE_TIMEOUT_S = 60.0
 DEFAULT_LINEAR_MAX_TOKENS_CAP = 4096   # tokens a linear request may generate unless --max-tokens-cap says
 
+SPACES = "".join(c for c in map(chr, range(0x3001)) if c.isspace())   # every character str.isspace holds
+
 
 class Server:
     def __init__(self, llm, name: str, max_batch: int = 16, max_context: int | None = None,
@@ -76,25 +78,33 @@ class Server:
         if name is not None and name not in self.names:
             raise model_not_found(name, self.name)
 
-    def check_chars(self, chars: int, what: str) -> None:
-        """A text of more characters than max_prompt tokens can cover is a 400 before it is tokenized or
-        rendered (megabytes of it held Python's lock for seconds while other streams waited): no token
-        covers more characters than the longest spelling in the vocabulary (one character a byte)."""
+    def check_chars(self, texts: list[str], what: str) -> None:
+        """Texts of more characters than max_prompt tokens can cover are a 400 before they are tokenized
+        or rendered (megabytes of them held Python's lock for seconds while other streams waited): by
+        the tokenizer's `chars_per_token` bound, on the non-whitespace characters (none where the
+        tokenizer has no such bound)."""
+        chars = sum(map(len, texts))
         if not self.max_prompt or chars <= self.max_prompt:
             return
         if self._token_chars is None:
-            self._token_chars = token_chars_bound(self.llm.tokenizer)
-        if chars > self.max_prompt * self._token_chars:
-            raise bad_request(f"The {what} {'have' if what == 'messages' else 'has'} {chars} characters, more than the {self.max_prompt} tokens this "
-                              f"server takes per request (gen serve --max-prompt) can hold (a token is at most "
-                              f"{self._token_chars} characters here). Shorten it.", what, "context_length_exceeded")
+            bound = getattr(self.llm.tokenizer, "chars_per_token", None)
+            self._token_chars = (bound() if bound is not None else None) or 0
+        limit = self.max_prompt * self._token_chars
+        if not limit or chars <= limit:
+            return
+        solid = chars - sum(text.count(c) for text in texts for c in SPACES)   # what str.split drops
+        if solid > limit:
+            raise bad_request(f"The {what} {'have' if what == 'messages' else 'has'} {solid} characters besides "
+                              f"spaces, more than the {self.max_prompt} tokens this server takes per request "
+                              f"(gen serve --max-prompt) can hold (a token covers at most {self._token_chars} "
+                              "here). Shorten it.", what, "context_length_exceeded")
 
     def completion_ids(self, req: CompletionRequest) -> list[int]:
         prompt = req.prompt
         if isinstance(prompt, str):
             if self.llm.tokenizer is None:
                 raise bad_request("this model ships no tokenizer; send the prompt as token ids", "prompt")
-            self.check_chars(len(prompt), "prompt")
+            self.check_chars([prompt], "prompt")
             try:
                 return self.llm.encode(prompt)
             except EngineError as e:
@@ -110,7 +120,7 @@ class Server:
         `llm.chat` renders them: template markers as special tokens, message text as plain text)."""
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         if self.llm.tokenizer is not None:
-            self.check_chars(sum(len(m["content"] or "") for m in messages), "messages")
+            self.check_chars([m["content"] or "" for m in messages], "messages")
         try:
             if self._chat_eos is None:
                 self._chat_eos = frozenset(self.llm.chat_eos_ids())   # raises if the model cannot chat
@@ -258,13 +268,3 @@ def fingerprint(llm, name: str) -> str:
 
 
 __all__ = ["Server", "APIError", "COMPLETION_DEFAULT_MAX_TOKENS"]
-
-
-def token_chars_bound(tokenizer) -> int:
-    """At least the characters of text any one token covers: the longest spelling in a tokenizers
-    vocabulary (byte-level BPE spells one character a byte; SentencePiece pieces spell their text, byte
-    pieces as <0xNN>), else the longest single-token decode (at least 1: a byte of a character)."""
-    vocab = getattr(getattr(tokenizer, "tok", None), "get_vocab", None)
-    if vocab is not None:
-        return max(1, max(len(t) for t in vocab()))
-    return max(1, max(len(tokenizer.decode([i])) for i in range(tokenizer.vocab_size)))
