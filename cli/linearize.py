@@ -44,7 +44,7 @@ from engine.threads import set_threads
                    "machine) for about a third more compute; the same gradients")
 @click.option("--maps-lr", type=float, default=None,
               help="the maps' own learning rate (default: --finetune-lr); with --finetune-lr 0 the adapters "
-                   "stay as they are and only the maps (and a decay) train")
+                   "stay as they are and only the maps (and a decay and gate) train")
 @click.option("--decay", is_flag=True,
               help="learn a decay per key/value head and feature in the finetune: S_i = diag(g) S_{i-1} + "
                    "phi(k_i) v_i^T, still a constant-size state (with --window: a key decays from the token it "

@@ -185,6 +185,8 @@ def check_args(a: LinearizeArgs) -> None:
         raise InvalidArgumentError(f"--finetune-clip must be 0 (off) or more, got {a.finetune_clip}")
     if a.maps_lr is not None and a.maps_lr < 0:
         raise InvalidArgumentError(f"--maps-lr must be 0 or more, got {a.maps_lr}")
+    if a.maps_lr is not None and a.control:
+        raise InvalidArgumentError("--maps-lr: a --control run has no maps to train; leave it out")
     if a.decay_lr <= 0:
         raise InvalidArgumentError(f"--decay-lr must be positive, got {a.decay_lr}")
     if a.gate_lr <= 0:
@@ -532,7 +534,11 @@ def _linearize(a: LinearizeArgs, g: Group, log, on_step) -> dict | None:
     if state["finetune_done"] and state["args"].get("lora_rank", 0) != a.lora_rank:
         raise InvalidArgumentError(f"--resume with --lora-rank {a.lora_rank}, but the interrupted finetune used "
                                    f"{state['args'].get('lora_rank', 0)}; resume with the same value")
+    if state["finetune_done"] and state["args"].get("maps_lr") != a.maps_lr:   # another optimizer layout
+        raise InvalidArgumentError(f"--resume with --maps-lr {a.maps_lr}, but the interrupted finetune used "
+                                   f"{state['args'].get('maps_lr')}; resume with the same value")
     state["args"]["lora_rank"] = a.lora_rank   # what the finetune's saved progress holds from here on
+    state["args"]["maps_lr"] = a.maps_lr
     if a.lora_rank and not a.finetune_steps:
         log(f"--lora-rank {a.lora_rank} ignored: the adapters train in the finetune, and --finetune-steps is 0")
     lora = LoRA.for_config(cfg, a.lora_rank, a.seed).to(g.device) if a.lora_rank and a.finetune_steps else None

@@ -221,6 +221,11 @@ def test_resume_with_another_lora_rank_is_one_line(small_model_dir, corpus, tmp_
         with pytest.raises(InvalidArgumentError, match="same value") as e:
             linearize(args(small_model_dir, corpus, out, lora_rank=rank, resume=True), log=lambda m: None)
         assert "\n" not in str(e.value)
+    # another --maps-lr lays the optimizer out otherwise (two groups, not one): one line too
+    with pytest.raises(InvalidArgumentError, match="--maps-lr .* same value") as e:
+        linearize(args(small_model_dir, corpus, out, lora_rank=2, maps_lr=0.01, resume=True), log=lambda m: None)
+    with pytest.raises(InvalidArgumentError, match="has no maps to train"):
+        linearize(args(small_model_dir, corpus, tmp_path / "ctl", control=True, maps_lr=0.01), log=lambda m: None)
 
 
 def test_a_directory_naming_adapters_it_lacks_is_refused(small_model_dir, corpus, tmp_path):  # noqa: F811
