@@ -92,7 +92,8 @@ def create_app(server: Server, policy: Policy | None = None) -> "FastAPI":
 
     @app.exception_handler(ClientDisconnect)   # the body stopped coming (a client gone, or a chunk h11
     async def _gone(request, exc: ClientDisconnect):   # refused: Connections.send_400_response): no one to answer
-        return APIError(400, "the client went away before its request's body ended", code="client_disconnected").response()
+        return APIError(400, "the client went away before its request's body ended",
+                        code="client_disconnected").response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request, exc: Exception):   # a bug: still an OpenAI-style body, and the server goes on
