@@ -147,9 +147,8 @@ class HybridState(State):
             sub = {"meta": dict(ident, **position),
                    "tensors": dict({k.split(".", 1)[1]: t for k, t in tensors.items() if k.startswith(f"{i}.")},
                                    lengths=tensors["lengths"])}
-            kind = saved_state_class(ident)
-            extra = {} if issubclass(kind, (KVState, SlidingKVState)) else {"feature_map": feature_map}
-            parts.append(kind.from_state_dict(sub, max_len=max_len, device=device, **extra))
+            parts.append(saved_state_class(ident).from_state_dict(sub, max_len=max_len, device=device,
+                                                                  feature_map=feature_map))
         paths = tuple(meta["layer_paths"])
         where, count = [], [0] * len(parts)
         for p in paths:   # the KV part serves the softmax layers in order, the last part the others

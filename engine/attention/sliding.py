@@ -175,8 +175,9 @@ class SlidingKVState(State):
                                torch.cat([p[2] for p in parts]))
 
     @classmethod
-    def from_state_dict(cls, sd, max_len: int | None = None, device=None) -> "SlidingKVState":
-        """A new state from `state_dict()` output (`max_len` is ignored: the state does not grow)."""
+    def from_state_dict(cls, sd, max_len: int | None = None, device=None, feature_map=None) -> "SlidingKVState":
+        """A new state from `state_dict()` output (`max_len` and `feature_map` are ignored: the state does
+        not grow, softmax has no map)."""
         k = sd["tensors"]["k"]
         L, B, Hkv, W, D = k.shape
         out = cls.allocate_shape(L, B, Hkv, W, D, device or k.device, k.dtype)

@@ -313,10 +313,11 @@ class KVState(State):
                    slot_real=torch.ones(batch, max_len, dtype=torch.bool, device=device), unset=not zero)
 
     @classmethod
-    def from_state_dict(cls, sd, max_len: int | None = None, device=None) -> "KVState":
+    def from_state_dict(cls, sd, max_len: int | None = None, device=None, feature_map=None) -> "KVState":
         """A new state from `state_dict()` output, with capacity `max_len` (default: the slots saved). A
         sliding-window state's (its identity names the window) loads through SlidingKVState instead
-        (engine.attention.hybrid.saved_state_class picks the class)."""
+        (engine.attention.hybrid.saved_state_class picks the class). feature_map: taken as every state's
+        from_state_dict takes it, and ignored (softmax has none)."""
         k = sd["tensors"]["k"]
         L, B, Hkv, n, D = k.shape
         out = cls.allocate_shape(L, B, Hkv, max(max_len or n, n), D, device or k.device, k.dtype)

@@ -65,7 +65,6 @@ class Server:
         self.max_tokens_cap = max_tokens_cap
         self._chat_eos: frozenset | None = None
         self._token_texts: dict[int, str] = {}
-        self._token_chars: int | None = None   # the most characters one token covers (check_chars)
         self.scheduler = Scheduler(llm.model, llm.tokenizer, llm.step, max_batch=max_batch, max_queue=max_queue,
                                    feature_map=llm.feature_map, cache=cache, prefill_share=prefill_share,
                                    kv_headroom=min(self.max_context, self.max_prompt or self.max_context))
@@ -86,17 +85,15 @@ class Server:
         chars = sum(map(len, texts))
         if not self.max_prompt or chars <= self.max_prompt:
             return
-        if self._token_chars is None:
-            bound = getattr(self.llm.tokenizer, "chars_per_token", None)
-            self._token_chars = (bound() if bound is not None else None) or 0
-        limit = self.max_prompt * self._token_chars
-        if not limit or chars <= limit:
+        bound = getattr(self.llm.tokenizer, "chars_per_token", lambda: None)()   # (the tokenizer keeps it)
+        limit = None if bound is None else self.max_prompt * bound
+        if limit is None or chars <= limit:
             return
         solid = chars - sum(text.count(c) for text in texts for c in SPACES)   # what str.split drops
         if solid > limit:
             raise bad_request(f"The {what} {'have' if what == 'messages' else 'has'} {solid} characters besides "
                               f"spaces, more than the {self.max_prompt} tokens this server takes per request "
-                              f"(gen serve --max-prompt) can hold (a token covers at most {self._token_chars} "
+                              f"(gen serve --max-prompt) can hold (a token covers at most {bound} "
                               "here). Shorten it.", what, "context_length_exceeded")
 
     def completion_ids(self, req: CompletionRequest) -> list[int]:
