@@ -102,7 +102,7 @@ def test_batch_rows_equal_each_prompt_alone(weights, path):
     """Greedy ids identical on every form. The native step (native, auto) is bit-identical: every
     row is prefilled as alone (engine.steps.rows_alone) and its kernels sum each row alone (padded
     rows over their real keys only); the PyTorch forms within 1e-4 (their batched decode matmuls
-    pick kernels by the number of rows)."""
+    pick kernels by the number of rows; in f16, within a logit's f16 step)."""
     model, state_path = smollm2_shaped(weights, path), PATHS[path][0]
     worst = {}
     for form in FORMS:
@@ -122,7 +122,11 @@ def test_batch_rows_equal_each_prompt_alone(weights, path):
                     worst[form, composition] = max(worst.get((form, composition), 0.0), d)
     print(f"{weights} {path}: max |logprob batch - alone| "
           + ", ".join(f"{f}/{c} {d:.1e}" for (f, c), d in worst.items()))
-    assert max(worst.values()) <= 1e-4, worst
+    # f16 weights run the PyTorch forms in f16: where the CPU has f16 arithmetic (AVX512-FP16: a
+    # Sapphire Rapids Xeon) the matmuls' rounding depends on the number of rows, and a logit moves by
+    # its f16 step (2^-7 from 8 to 16, 2^-6 up to 32: 7.1e-3 seen); elsewhere they accumulate in fp32
+    # and agree to 1e-4 (the greedy ids are equal on every form, above)
+    assert max(worst.values()) <= (2 ** -6 if weights == "f16" else 1e-4), worst
     assert all(d == 0.0 for (f, _), d in worst.items() if f in ("native", "auto")), worst
 
 

@@ -140,12 +140,17 @@ def test_blocks_are_the_files_bytes(tmp_path, model, tok_dir):
     assert qkv.blocks.shape == (qkv.out_features, qkv.in_features // 32 * BLOCK_BYTES["q8_0"])
 
 
-def test_gguf_q4_1_decodes_natively_as_its_reference(tmp_path, model, tok_dir):
+def test_gguf_q4_1_decodes_natively_as_its_reference(tmp_path, model, tok_dir, monkeypatch):
     """SmolLM2's mix (Q4_1 matrices, tied Q8_0 embedding) loaded as blocks runs the native step, which
-    equals the module path computing the same way (engine.quant.q8_reference) to 1e-5."""
+    equals the module path computing the same way (engine.quant.q8_reference) to 1e-5. On the blocks as
+    stored: the grouped kernels (AVX-512 VNNI builds) sum in another order, so now and then an activation
+    rounds to the next q8 step and one token's logits move by ~1e-2 (tests/test_quant.py holds those
+    kernels to the stored blocks' integer dots)."""
+    import engine.steps.native as native
     from engine.quant import q8_reference
     from engine.steps import NativeUnavailableError, Stepper
     from engine.steps.native import library
+    monkeypatch.setattr(native, "REGROUP", False)
     try:
         library()
     except NativeUnavailableError as e:

@@ -136,7 +136,10 @@ def test_a_16_bit_ring_holds_what_steps_and_blocks_both_read(ours):
     with torch.no_grad():
         blocks = torch.cat([ours.step(x[:, s:s + 7], state) for s in range(0, 30, 7)], 1)
     steps, _ = stepwise(ours, x, "torch", ours.init_state(1, kv_dtype=torch.float16))
-    assert max_diff(blocks, steps) <= 1e-5
+    # 1e-4: a block and a step compute a key in fp32 in different orders (per CPU: 3e-5 on an AVX-512
+    # Xeon, where one element rounds to the other side of an f16 step); a block that read its keys
+    # unrounded differs by 7e-4
+    assert max_diff(blocks, steps) <= 1e-4
 
 
 def test_greedy_ids_equal_transformers_over_40_tokens(saved):
