@@ -21,7 +21,7 @@ import re
 import sys
 import tempfile
 
-from load_memory import rss
+from load_memory import rss, spread_prompt
 
 
 def status() -> dict:
@@ -77,7 +77,7 @@ def main() -> None:
     base, base_files, base_py = status(), file_pages(), pymalloc()
     llm = engine.load(a.model, attention=a.attention, threads=a.threads)
     after_load = status()
-    prompt = [1] + [(7 * i + 3) % 1000 + 10 for i in range(a.prompt - 1)]
+    prompt = spread_prompt(a.prompt, llm.model.config.vocab_size)
     llm.generate(prompt, max_new_tokens=a.tokens, temperature=0)
     gc.collect()
     end, end_files, end_py = status(), file_pages(), pymalloc()

@@ -22,6 +22,7 @@ from engine.errors import InvalidArgumentError
 from engine.sampling import Sampler, SamplingParams
 from engine.sequence import Sequence, eos_set, flush  # noqa: F401 -- eos_set, flush: their old home
 from engine.stopping import check_stop_strings
+from models.pages import trim_heap
 
 PROGRESS_BLOCK = 4096   # a longer prompt reports its prefill (Generation.on_prefill) about this often
 
@@ -129,6 +130,7 @@ class Generation(Closing):
             max_len = 1 if P > context else max(P, min(P - shortest + context, P + N - 1))
             self.state = allocate(model, batch=B, max_len=max_len, spec=self.spec, device=model.device)
             self.offset = 0      # tokens already in the state before the prompt
+            self._owns_state = True
         else:
             self.state, self.offset = state, state.slots
             if state.batch_size != B:
@@ -187,6 +189,8 @@ class Generation(Closing):
         return self.results
 
     # ------------------------------------------------------------------ the loop
+    _owns_state = False   # the state was allocated here (not a resumed one): its memory goes back at the end
+
     def _run(self):
         self._t0 = time.perf_counter()   # the clock starts at the first next(), not at construction
         model, cfg = self.model, self.config
@@ -218,6 +222,8 @@ class Generation(Closing):
                 logits = self.step(nxt[:, None], self.state)[:, -1]        # (B, V)
         finally:
             self.state = None   # the frame's last reference to the state goes with the generator
+            if self._owns_state:   # its pages lie between the heap's live blocks: return them (not in a
+                trim_heap(when_freed=True)   # server's loop, which trims once per idle spell)
 
     def _prefill(self, tokens: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
         """tokens (B, P) -> the last position's logits (B, V). With `on_prefill` set, a prompt longer than

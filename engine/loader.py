@@ -130,6 +130,23 @@ def quantized_embedding(hf_tensors, cfg: ModelConfig, device, dtype, head: Quant
     return QuantEmbedding(blocks.to(device), kind, cfg.vocab_size, cfg.hidden_size, dtype)
 
 
+def fused_rows(names: list[str], parts: list[torch.Tensor], heads: dict) -> torch.Tensor:
+    """Blocks of `parts` (rows, row bytes each) one after another in one new tensor, the rows of a part
+    whose name `heads` lists permuted from the interleaved rotary layout on the way (`interleaved_to_half`):
+    no temporary copy per part."""
+    out = torch.empty(sum(p.numel() for p in parts), dtype=torch.uint8)
+    at = 0
+    for n, b in zip(names, parts):
+        dst = out[at:at + b.numel()].view(b.shape)
+        h = heads.get(n.split(".", 3)[-1])
+        if h is None:
+            dst.copy_(b)
+        else:
+            dst.view(h, 2, b.shape[0] // h // 2, b.shape[1]).copy_(interleaved_to_half(b, h))
+        at += b.numel()
+    return out
+
+
 def quantized_matrices(hf_tensors, cfg: ModelConfig, device, interleaved_rotary: bool) -> dict[str, QuantLinear]:
     """Runtime matrices (path -> QuantLinear) whose every part the checkpoint holds as blocks of one
     kind (`hf_tensors.blocks(name)`: GGUF Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K), on those blocks
@@ -154,8 +171,6 @@ def quantized_matrices(hf_tensors, cfg: ModelConfig, device, interleaved_rotary:
         parts = [blocks_of(n) for n in names]
         if any(p is None for p in parts):
             continue   # a part stored as floats: the whole matrix is read as floats (blocks dequantized)
-        rows = [interleaved_to_half(b, heads[n.split(".", 3)[-1]]).reshape(b.shape)
-                if n.split(".", 3)[-1] in heads else b for n, (b, _) in zip(names, parts)]
         out_features = sum(shapes[n][0] for n in names)
         bias = None   # Qwen2's q/k/v biases stay floats: a placeholder here, filled by build's load_state_dict
         if cfg.qkv_bias and path.endswith(".self_attn.qkv"):
@@ -169,13 +184,17 @@ def quantized_matrices(hf_tensors, cfg: ModelConfig, device, interleaved_rotary:
         # parts stored back to back (gate then up) and not permuted: one view of the map, no copy
         span = span_of(names) if span_of is not None and len(names) > 1 and not any(
             n.split(".", 3)[-1] in heads for n in names) else None
+        if span is not None:
+            flat = span
+        elif len(parts) == 1 and names[0].split(".", 3)[-1] not in heads:
+            flat = parts[0][0]
+        else:   # fused (and q/k rows permuted) straight into one new tensor, no temporaries
+            flat = fused_rows(names, [b for b, _ in parts], heads)
         if len(segments) == 1:
-            blocks = span.view(out_features, -1) if span is not None else rows[0] if len(rows) == 1 else torch.cat(rows)
-            out[path] = QuantLinear(blocks.to(device), segments[0][0], shapes[names[0]][1], out_features, bias=bias,
-                                    own=len(rows) > 1 and span is None)   # fused here: a copy of its own
+            out[path] = QuantLinear(flat.view(out_features, -1).to(device), segments[0][0], shapes[names[0]][1],
+                                    out_features, bias=bias, own=flat is not span and flat is not parts[0][0])
         else:
-            flat = span if span is not None else torch.cat([r.reshape(-1) for r in rows])
-            out[path] = QuantStack(flat.to(device), segments, shapes[names[0]][1], bias=bias)
+            out[path] = QuantStack(flat.reshape(-1).to(device), segments, shapes[names[0]][1], bias=bias)
         if len(names) > 1 and span is None and release is not None:
             for n in names:   # fused: the copy is what the model holds; the file's pages it read can go
                 release(n)

@@ -236,20 +236,16 @@ GROUP_HEAD = {"q4_1": 4, "q8_0": 2}   # the kinds `group_rows` lays out, and the
 def group_rows(blocks: torch.Tensor, rows: int, kind: str) -> torch.Tensor:
     """q4_1 / q8_0 blocks (rows, row bytes) regrouped per row for the native step's grouped kernels
     (gen.h T_Q4_1R / T_Q8_0R): q4_1 (20 bytes: f16 d, f16 m, 16 nibble bytes) as every (d, m) pair,
-    then every nibble block; q8_0 (34 bytes: f16 d, 32 int8) as every d, then every block's weights +
-    128 as u8 (the int8 bits with the top bit flipped). The kernels read 4 blocks' weights in one or
-    two loads. Written into the one new tensor (no temporaries: a copy of the model's size would
-    leave the heap fragmented after it is freed). `ungroup_rows` is its inverse."""
+    then every nibble block; q8_0 (34 bytes: f16 d, 32 int8) as every d, then every block's 32 weights.
+    The kernels read 4 blocks' weights in one or two loads. Bytes moved into the one new tensor (no
+    temporaries: a copy of the model's size would leave the heap fragmented after it is freed), none
+    changed. `ungroup_rows` is its inverse."""
     size, head = WIDE_BLOCK_BYTES[kind], GROUP_HEAD[kind]
     per_row = blocks.reshape(rows, -1, size)
     n = per_row.shape[1]
     out = torch.empty(rows, n * size, dtype=torch.uint8, device=blocks.device)
     out[:, :n * head].view(rows, n, head).copy_(per_row[:, :, :head])
-    body = out[:, n * head:].view(rows, n, size - head)
-    if kind == "q4_1":
-        body.copy_(per_row[:, :, head:])
-    else:
-        torch.bitwise_xor(per_row[:, :, head:], 128, out=body)
+    out[:, n * head:].view(rows, n, size - head).copy_(per_row[:, :, head:])
     return out
 
 
@@ -260,11 +256,7 @@ def ungroup_rows(grouped: torch.Tensor, rows: int, kind: str) -> torch.Tensor:
     n = g.shape[1] // size
     out = torch.empty(rows, n, size, dtype=torch.uint8, device=grouped.device)
     out[:, :, :head].copy_(g[:, :n * head].view(rows, n, head))
-    body = g[:, n * head:].view(rows, n, size - head)
-    if kind == "q4_1":
-        out[:, :, head:].copy_(body)
-    else:
-        torch.bitwise_xor(body, 128, out=out[:, :, head:])
+    out[:, :, head:].copy_(g[:, n * head:].view(rows, n, size - head))
     return out.reshape(rows, n * size)
 
 

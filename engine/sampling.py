@@ -220,12 +220,12 @@ def unsampleable(x: torch.Tensor) -> torch.Tensor:
 def greedy_ids(x: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
     """x (B, V) -> (B,) argmax ids, NaN counted as -inf (torch's argmax picks a NaN); a row with no
     token above -inf takes the argmax of `logits` (B, V), the unfiltered row, when given. One argmax
-    and a gather of B values when no row is degenerate (the server's greedy rows, every step)."""
+    and a gather of B values, read here, when no row is degenerate (the server's greedy rows, every step)."""
     ids = x.argmax(-1)
     chosen = x.gather(-1, ids[:, None])[:, 0]
-    bad = torch.isnan(chosen) | (chosen == float("-inf"))
-    if bad.any():
+    if any(v != v or v == float("-inf") for v in chosen.tolist()):   # (v != v: NaN)
         neg = float("-inf")
+        bad = torch.isnan(chosen) | (chosen == neg)
         y = torch.where(torch.isnan(x), neg, x)
         ids = torch.where(bad, y.argmax(-1), ids)
         if logits is not None:

@@ -160,25 +160,24 @@ class BPETokenizer:
         if not tokens or merges is None:
             raise CheckpointError(f"{where}: GGUF tokenizer without tokenizer.ggml.tokens or tokenizer.ggml.merges")
         types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        alphabet = set(bytes_to_unicode().values())
-        spelled = [t if set(t) <= alphabet else "".join(bytes_to_unicode()[b] for b in t.encode("utf-8"))
-                   for t in tokens]
-        vocab = {t: i for i, t in enumerate(spelled)}
-        # tokens matched whole (control, user-defined) are stored as raw text ("  " in GPT-NeoX's
-        # vocabulary, not "ĠĠ"): their raw spelling names the same id, so the added token keeps it
-        vocab.update({t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty in WHOLE and t not in vocab})
         splits, ignore_merges = PRE_TOKENIZERS[pre]
-        pairs = [tuple(m.split(" ", 1)) for m in merges]
-
-        def build():
-            tok = Tokenizer(models.BPE(vocab, pairs, ignore_merges=ignore_merges))
-            tok.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Split(Regex(s), behavior="isolated") for s in splits]
-                + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-            tok.decoder = decoders.ByteLevel()
-            add_whole_tokens(tok, vocab, tokens, types, AddedToken)
-            return tok
-        out = cls(build(), meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id"),
+        # What outlives the build is made first, and the vocabulary's ~100k short-lived objects (its
+        # spellings, ids and merge pairs) last, freed before anything else is made: a long-lived object
+        # made among them would keep their memory's arenas (Python's, 1 MiB each) from going back.
+        to_char = bytes_to_unicode()
+        alphabet = set(to_char.values())
+        whole = [(i, tokens[i], ty) for i, ty in enumerate(types) if ty in WHOLE]
+        pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(s), behavior="isolated") for s in splits]
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        decoder = decoders.ByteLevel()
+        tok = Tokenizer(models.BPE({}, []))
+        vocab, pairs = vocab_and_merges(tokens, merges, whole, alphabet, to_char)
+        tok.model = models.BPE(vocab, pairs, ignore_merges=ignore_merges)
+        del vocab, pairs
+        tok.pre_tokenizer, tok.decoder = pre_tokenizer, decoder
+        add_whole_tokens(tok, whole, AddedToken)
+        out = cls(tok, meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id"),
                   add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)), where=where)
         out.vocab_size = len(tokens)   # not the tokenizer's count: raw spellings share their token's id
         return out
@@ -217,13 +216,26 @@ def keeps_characters(spec: dict) -> bool:
     return kind in ("Prepend", "Lowercase", "Strip")
 
 
-def add_whole_tokens(tok, vocab: dict, tokens: list, types: list, AddedToken) -> None:
-    """Tokens llama.cpp matches whole before BPE: control and unknown ones (<|im_start|>, <unk>) are
-    special (single ids only in template text), user-defined ones are matched in any text."""
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, ty in zip(tokens, types) if ty in (UNKNOWN, CONTROL) and t in vocab])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                    for t, ty in zip(tokens, types) if ty == USER_DEFINED and t in vocab])
+def vocab_and_merges(tokens, merges, whole: list, alphabet: set, to_char: dict) -> tuple[dict, list]:
+    """tokenizers' BPE vocabulary {spelling: id} and merges [(a, b)] of a GGUF vocabulary: tokens outside
+    the byte-level alphabet spelled in it. Tokens matched whole (control, user-defined) are stored as raw
+    text ("  " in GPT-NeoX's vocabulary, not "ĠĠ"): their raw spelling names the same id too, so the
+    added token keeps it."""
+    spelled = (t if set(t) <= alphabet else "".join(to_char[b] for b in t.encode("utf-8")) for t in tokens)
+    vocab = {t: i for i, t in enumerate(spelled)}
+    for i, t, _ in whole:
+        vocab.setdefault(t, i)
+    return vocab, [tuple(m.split(" ", 1)) for m in merges]
+
+
+def add_whole_tokens(tok, whole: list, AddedToken) -> None:
+    """Tokens llama.cpp matches whole before BPE (`whole`: (id, text, type)): control and unknown ones
+    (<|im_start|>, <unk>) are special (single ids only in template text), user-defined ones are matched
+    in any text."""
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for _, t, ty in whole
+                            if ty in (UNKNOWN, CONTROL) and tok.token_to_id(t) is not None])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for _, t, ty in whole
+                    if ty == USER_DEFINED and tok.token_to_id(t) is not None])
 
 
 def read_tokenizer_config(path: Path) -> dict:

@@ -21,6 +21,7 @@ A file without `output.weight` ties the output projection to the token embedding
 """
 from __future__ import annotations
 
+import importlib
 import inspect
 import os
 import re
@@ -35,7 +36,7 @@ import torch
 from models.config import ModelConfig
 from models.errors import CheckpointError, ConfigError
 from models.gguf_metadata import read_values
-from models.pages import hand_back
+from models.pages import FAULT_AROUND, hand_back
 from models.weights import hf_shapes
 
 MAGIC = b"GGUF"
@@ -68,6 +69,7 @@ UNSUPPORTED = {
     "expert_count": lambda v: v > 0,
     "rope.scaling.type": lambda v: v not in ("none", "", "linear"),
 }
+SMALL_FLOATS = 1 << 16   # F32 / F16 tensors of fewer bytes are copied out of the map (norms, biases)
 # llama.cpp writes Llama 3.1+'s RoPE scaling as this tensor of per-frequency divisors (no metadata key):
 # it becomes ModelConfig.rope_freq_factors; a loader that skipped it would run plain RoPE, silently wrong
 ROPE_FREQS = "rope_freqs.weight"
@@ -119,10 +121,15 @@ class GGUFTensors(Mapping):
     def __getitem__(self, name: str) -> torch.Tensor:
         t = self._tensors[name]
         kind = t.tensor_type.name
-        if kind in ("F32", "F16"):
+        if kind in ("F32", "F16") and t.n_bytes < SMALL_FLOATS:
+            # a norm's few KB (a bias), read every token: a copy, and the pages it shares with its
+            # neighbours' blocks go back (a read of the map would fault ~64 KB around it back in)
+            data = np.array(t.data)
+            self._release(t.data_offset, t.n_bytes)
+        elif kind in ("F32", "F16"):
             data = t.data                      # numpy view of the map, already (rows, cols)
         else:
-            from gguf.quants import dequantize  # lazy: `gen --model tiny` never needs it
+            dequantize = import_gguf().quants.dequantize
             data = dequantize(t.data, t.tensor_type)   # a new float32 array (rows, cols)
             self._release(t.data_offset, t.n_bytes)
         return torch.from_numpy(np.asarray(data).reshape(self.shapes[name]))
@@ -155,10 +162,11 @@ class GGUFTensors(Mapping):
         self._release(t.data_offset, t.n_bytes)
 
     def _release(self, offset: int, n: int) -> None:
-        """Drop the file pages a dequantized tensor was read from (they would otherwise stay resident
-        next to the fp32 copy); the map stays valid and pages fault back in if read again
-        (models.pages.hand_back: pages written since, a private map's copies, are kept)."""
-        hand_back(self.reader.data.ctypes.data + offset, n)
+        """Drop the file pages a dequantized or copied tensor was read from (they would otherwise stay
+        resident next to the copy), and those around it that reading it mapped back (fault-around); the
+        map stays valid and pages fault back in if read again (models.pages.hand_back: pages written
+        since, a private map's copies, are kept)."""
+        hand_back(self.reader.data.ctypes.data + offset, n, around=FAULT_AROUND)
 
     def __iter__(self):
         return iter(self._tensors)
@@ -203,9 +211,25 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, GGUFTensors, dict]:
     return cfg, lazy, {k: v for k, v in meta.items() if k.startswith(META_PREFIXES)}
 
 
+def import_gguf():
+    """The `gguf` package (lazy: `gen --model tiny` never needs it), imported without sentencepiece where
+    nothing has imported that yet: gguf's `__init__` imports its vocabulary converters, which import
+    sentencepiece if they can (only their SentencePiece converter uses it; reading a file never does):
+    ~1.3 MB of a library a GGUF load does not run. A later `import sentencepiece` works as usual (only
+    gguf.vocab's own SentencePiece converter stays without it in this process; the engine never uses it)."""
+    if "gguf" in sys.modules or "sentencepiece" in sys.modules:
+        return importlib.import_module("gguf")
+    sys.modules["sentencepiece"] = None   # `import sentencepiece` raises ImportError (gguf.vocab: optional)
+    try:
+        return importlib.import_module("gguf")
+    finally:
+        if sys.modules.get("sentencepiece", False) is None:
+            del sys.modules["sentencepiece"]
+
+
 def _reader_class():
-    from gguf import GGUFReader, GGUFValueType  # lazy: `gen --model tiny` never needs it
-    from gguf.gguf_reader import ReaderField
+    gguf = import_gguf()
+    GGUFReader, GGUFValueType, ReaderField = gguf.GGUFReader, gguf.GGUFValueType, gguf.gguf_reader.ReaderField
 
     class Reader(GGUFReader):
         """GGUFReader whose map is seen as a plain ndarray: the same pages, but slicing it skips

@@ -1,6 +1,7 @@
 """Hand the pages under a range of memory back to the kernel without changing a value in it (Linux).
 
     hand_back(address, nbytes)    # the whole pages inside [address, address + nbytes)
+    hand_back(address, nbytes, around=FAULT_AROUND)   # and the file pages near it a read mapped back
 
 A page of a file's memory map that was never written (a checkpoint's blocks) holds the file's bytes:
 the process drops it (madvise MADV_DONTNEED) and a later read faults it back in from the page cache
@@ -16,8 +17,6 @@ import ctypes
 import mmap
 import sys
 import threading
-
-import torch
 
 PAGE = mmap.PAGESIZE
 _LINUX = sys.platform.startswith("linux")
@@ -38,14 +37,35 @@ def file_page_runs(start: int, end: int) -> list[tuple[int, int]]:
         return []
     if not raw:
         return []
-    e = torch.frombuffer(bytearray(raw), dtype=torch.int64)
-    mapped = ((e >> PRESENT_BIT) & 1).bool() & ((e >> FILE_BIT) & 1).bool()
-    edges = torch.diff(mapped.to(torch.int8), prepend=torch.zeros(1, dtype=torch.int8),
-                       append=torch.zeros(1, dtype=torch.int8)).nonzero().flatten().tolist()
+    flags = (1 << PRESENT_BIT) | (1 << FILE_BIT)
+    edges, inside = [], False
+    for i, e in enumerate(memoryview(raw).cast("Q")):
+        if ((e & flags) == flags) != inside:
+            inside = not inside
+            edges.append(i)
+    if inside:
+        edges.append(len(raw) // 8)
     return [(start + a * PAGE, (b - a) * PAGE) for a, b in zip(edges[::2], edges[1::2])]
 
 
-def hand_back(address: int, nbytes: int) -> bool:
+FAULT_AROUND = 1 << 16   # a read fault of a file's page maps the page-cache pages of the 64 KB around it
+
+
+def mapping_of(address: int) -> tuple[int, int] | None:
+    """[start, end) of the mapping (/proc/self/maps) that holds `address`; None where none does."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                lo, _, rest = line.partition("-")
+                hi = rest.split(" ", 1)[0]
+                if int(lo, 16) <= address < int(hi, 16):
+                    return int(lo, 16), int(hi, 16)
+    except OSError:
+        pass
+    return None
+
+
+def hand_back(address: int, nbytes: int, around: int = 0) -> bool:
     """Give back the whole pages inside [address, address + nbytes): paged out, then the ones still
     mapped that hold a file's bytes dropped (see the module docstring). No value ever changes.
     False where the platform cannot (not Linux, or no whole page inside)."""
@@ -61,7 +81,12 @@ def hand_back(address: int, nbytes: int) -> bool:
         return libc.madvise(ctypes.c_void_p(at), ctypes.c_size_t(n), ctypes.c_int(advice)) == 0
 
     ok = advise(start, end - start, MADV_PAGEOUT)
-    for at, n in file_page_runs(start, end):
+    lo, hi = start, end
+    if around:   # and the file pages next to it that a read of it mapped back (fault-around): dropped
+        where = mapping_of(address)
+        if where is not None:
+            lo, hi = max(where[0], (start - around) // PAGE * PAGE), min(where[1], -(-(end + around) // PAGE) * PAGE)
+    for at, n in file_page_runs(lo, hi):
         ok = advise(at, n, MADV_DONTNEED) or ok
     return ok
 

@@ -262,3 +262,23 @@ def test_public_names():
     assert engine.load is load and engine.LLM is LLM and engine.Generation is Generation
     with pytest.raises(AttributeError):
         engine.no_such_name
+
+
+def test_a_generation_returns_its_own_states_memory_when_it_ends(monkeypatch):
+    """The state a generation allocated is freed when it ends, and the C heap's free pages go back to
+    the kernel then (its pages lie between live blocks: a long prompt's KV cache otherwise stays in
+    the resident set); a resumed state is the caller's, kept and not trimmed for."""
+    import engine.generate as gen
+    trims = []
+    monkeypatch.setattr(gen, "trim_heap", lambda when_freed=False: trims.append(when_freed))
+    model = tiny_model(seed=3)
+    g = Generation(model, [[1, 5, 9]], GenerationConfig(max_new_tokens=3, sampling=SamplingParams(temperature=0)))
+    state = weakref.ref(g.state)
+    g.run()
+    gc.collect()
+    assert trims == [True] and state() is None
+    kept = model.init_state(1, 32)
+    Generation(model, [[1, 5, 9]], GenerationConfig(max_new_tokens=3, sampling=SamplingParams(temperature=0)),
+               state=kept).run()
+    assert trims == [True]
+

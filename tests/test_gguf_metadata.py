@@ -13,7 +13,7 @@ gguf = pytest.importorskip("gguf", reason="the gguf package is not installed")
 from gguf import GGUFValueType as V  # noqa: E402
 
 from models.gguf import metadata, open_reader  # noqa: E402
-from models.gguf_metadata import read_values  # noqa: E402
+from models.gguf_metadata import COMPACT_MIN, StringArray, read_values  # noqa: E402
 
 
 def write(path, extra=None):
@@ -74,6 +74,36 @@ def test_a_string_that_is_not_utf8_keeps_its_key_as_none():
     assert values == {"bad": None, "list": None, "empty": [], "after": -3} and end == len(buf)
     with pytest.raises((ValueError, struct.error)):
         read_values(memoryview(buf[:-10]), 0, 4)   # a cut file: an error, not a wrong value
+
+
+def test_a_long_string_array_is_held_as_its_bytes(tmp_path):
+    """A vocabulary-sized array of strings is one StringArray (its bytes and offsets, no str per item):
+    equal to the gguf reader's list, item for item, sliced, from the end, iterated; a non-UTF-8 item
+    anywhere in it keeps the key with the value None, as for a short array."""
+    n = COMPACT_MIN + 3
+    tokens = [f"tok{i}" for i in range(n - 2)] + ["日本", ""]
+    path = tmp_path / "big.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_token_list(tokens)
+    w.add_token_merges(["a b"] * 3)   # short: a plain list
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    theirs = gguf.GGUFReader(str(path)).fields["tokenizer.ggml.tokens"].contents()
+    ours = metadata(open_reader(path))
+    got = ours["tokenizer.ggml.tokens"]
+    assert type(got) is StringArray and type(ours["tokenizer.ggml.merges"]) is list
+    assert got == theirs == tokens and len(got) == n and list(got) == tokens
+    assert got[n - 2] == "日本" and got[-1] == "" and got[-3] == f"tok{n - 3}" and got[5:8] == tokens[5:8]
+    with pytest.raises(IndexError):
+        got[n]
+
+    def s(b: bytes) -> bytes:
+        return struct.pack("<Q", len(b)) + b
+    items = [s(b"ok")] * COMPACT_MIN + [s(b"\xc3")]
+    buf = s(b"list") + struct.pack("<IIQ", 9, 8, len(items)) + b"".join(items) + s(b"after") + struct.pack("<Ii", 5, 7)
+    values, end = read_values(memoryview(buf), 0, 2)
+    assert values == {"list": None, "after": 7} and end == len(buf)
 
 
 def test_a_gguf_whose_private_parse_differs_keeps_its_own(tmp_path, monkeypatch):

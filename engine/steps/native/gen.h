@@ -49,7 +49,7 @@ static inline __m256i q5_high8(uint32_t h) {
  * (w = d*q + m). Every code >= T_Q8_0 is quantized. */
 enum { T_F32 = 0, T_F16 = 1, T_BF16 = 2, T_Q8_0 = 3, T_Q4_0 = 4, T_Q4_1 = 5,
        T_Q4_1R = 6, /* q4_1 blocks regrouped per row: every (d, m) pair, then every 16-byte nibble block (qdot.c) */
-       T_Q8_0R = 7, /* q8_0 blocks regrouped per row: every d, then every block's 32 weights + 128 as u8 (qdot.c) */
+       T_Q8_0R = 7, /* q8_0 blocks regrouped per row: every d, then every block's 32 int8 weights (qdot.c) */
        T_Q4_K = 8, T_Q5_K = 9, T_Q6_K = 10, T_Q5_0 = 11, T_Q5_1 = 12,
        T_Q5R = 13 /* q5_1 (or q5_0 as m = -16 d) blocks regrouped per row: every (d, m), every qh, every nibble block (qdot.c) */ };
 #define QK 32

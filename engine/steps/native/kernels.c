@@ -243,10 +243,10 @@ static inline __attribute__((always_inline)) void decode_block(const unsigned ch
         return;
 #endif
     }
-    if (type == T_Q8_0R) {   /* regrouped (qdot.c): block k's d at 2k, its 32 weights + 128 (u8) at 2nb + 32k */
+    if (type == T_Q8_0R) {   /* regrouped (qdot.c): block k's d at 2k, its 32 int8 weights at 2nb + 32k */
         const float d = f16_at(row + 2 * (size_t)k);
-        const unsigned char *qs = row + 2 * (size_t)nb + QK * (size_t)k;
-        for (int i = 0; i < QK; i++) f[i] = d * (float)((int)qs[i] - 128);
+        const signed char *qs = (const signed char *)row + 2 * (size_t)nb + QK * (size_t)k;
+        for (int i = 0; i < QK; i++) f[i] = d * (float)qs[i];
         for (int q = 0; q < 4; q++) w[q] = ld8(f + 8 * q);
         return;
     }

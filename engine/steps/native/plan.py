@@ -116,7 +116,11 @@ class NativeDecoder:
         embed, head = matrix(model.embed_tokens), matrix(model.lm_head)
         originals = [m for ms in mats.values() for m in ms] + [embed, head]
         mats = {n: [weights.narrow(m, grouped, q8) for m in ms] for n, ms in mats.items()}
+        # a tied lm_head reads the embedding's very blocks (the stack holds them flat)
+        tied = embed[1] == head[1] and (embed[0].data_ptr(), embed[0].numel()) == (head[0].data_ptr(), head[0].numel())
         embed, head = weights.narrow(embed, grouped, q8), weights.narrow(head, grouped, q8)
+        if tied and head[0] is not embed[0]:   # the head reads a regrouped copy: the embedding's rows too
+            embed = head[:4]                   # (row_to_f32 decodes them as stored), never the map again
         used = [m[0] for ms in mats.values() for m in ms] + [embed[0], head[0]]
         self.sources += [o[0] for o, u in zip(originals, used) if u is not o[0]]
         # Qwen2's q/k/v biases as fp32 (copies when the model's are not: checked like every copy)
@@ -264,10 +268,10 @@ class NativeDecoder:
         span = state.open(tokens)            # shape and capacity checks, as PyTorch
         B, T = tokens.shape
         ids = tokens.to(torch.int64).contiguous()
-        lo, hi = ids.aminmax()
-        if int(lo) < 0 or int(hi) >= self.V:
-            raise IndexError(f"token id {int(lo) if int(lo) < 0 else int(hi)} outside the vocabulary "
-                             f"(0..{self.V - 1})")
+        flat = ids.flatten().tolist()
+        lo, hi = min(flat), max(flat)
+        if lo < 0 or hi >= self.V:
+            raise IndexError(f"token id {lo if lo < 0 else hi} outside the vocabulary (0..{self.V - 1})")
         ref = self._prefill_plan()
         cos = sin = None
         if self.rope:

@@ -507,7 +507,8 @@ static inline __attribute__((always_inline)) void q41r_tile(const Mat *m, int r0
 }
 
 /* q8_0 regrouped (T_Q8_0R): a row of nb blocks is every block's f16 d (2 * nb bytes), then every
- * block's 32 weights stored as w + 128 (u8: vpdpbusd's unsigned side, no sign trick). Two 64-byte
+ * block's 32 int8 weights (engine.quant.group_rows only moves bytes), read as w + 128 (u8: vpdpbusd's
+ * unsigned side; one XOR of the top bit per 64-byte load, no sign trick per input). Two 64-byte
  * loads hold 4 blocks; d * dx spreads to each block's 8 lanes, and the offset comes back as
  * -128 * d * (dx * sum(qx)), one multiply per 4 blocks (odd lanes of p). Blocks past the last full
  * group of 4 go one at a time in 256-bit lanes. x in natural order. */
@@ -518,6 +519,7 @@ static inline __attribute__((always_inline)) void q80r_tile(const Mat *m, int r0
     const __m256i dup = _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0);
     const __m512i spread0 = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
     const __m512i spread1 = _mm512_set_epi32(6, 6, 6, 6, 6, 6, 6, 6, 4, 4, 4, 4, 4, 4, 4, 4);
+    const __m512i top = _mm512_set1_epi8((char)0x80);   /* int8 w -> u8 w + 128 */
     const Q8In in = q8_inputs(qx, rs, n, K);
     for (int r = r0; r < r1; r++) {
         const unsigned char *row = (const unsigned char *)m->data + (size_t)r * stride;
@@ -529,7 +531,8 @@ static inline __attribute__((always_inline)) void q80r_tile(const Mat *m, int r0
             macc[j] = tacc[j] = tm[j] = _mm256_setzero_ps();
         }
         for (int g = 0; g < ng; g++) {
-            const __m512i w0 = _mm512_loadu_si512(qs + 128 * (size_t)g), w1 = _mm512_loadu_si512(qs + 128 * (size_t)g + 64);
+            const __m512i w0 = _mm512_xor_si512(_mm512_loadu_si512(qs + 128 * (size_t)g), top),
+                          w1 = _mm512_xor_si512(_mm512_loadu_si512(qs + 128 * (size_t)g + 64), top);
             const __m256 d = _mm256_permutevar8x32_ps(
                 _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(ds + 8 * (size_t)g)))), dup);
             for (int j = 0; j < n; j++) {
@@ -544,7 +547,8 @@ static inline __attribute__((always_inline)) void q80r_tile(const Mat *m, int r0
             }
         }
         for (int k = 4 * ng; k < nb; k++) {
-            const __m256i w = _mm256_loadu_si256((const __m256i *)(qs + 32 * (size_t)k));
+            const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(qs + 32 * (size_t)k)),
+                                               _mm512_castsi512_si256(top));
             uint16_t dh;
             memcpy(&dh, ds + 2 * (size_t)k, 2);
             const __m128 d = _mm_cvtph_ps(_mm_cvtsi32_si128(dh));

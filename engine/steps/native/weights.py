@@ -25,7 +25,7 @@ import torch
 
 from engine.quant import QuantLinear, QuantStack, group_rows, ungroup_rows, weights_label
 from engine.steps.native.abi import T_Q4_1R, T_Q5R, T_Q8_0R, TYPES
-from models.pages import hand_back
+from models.pages import FAULT_AROUND, hand_back
 
 GROUPED = {"q4_1": T_Q4_1R, "q8_0": T_Q8_0R}   # a grouped QuantLinear's kind -> the type code of its blocks
 
@@ -107,7 +107,7 @@ def page_out(t: torch.Tensor) -> bool:
     there is any. False where the platform cannot."""
     if t.device.type != "cpu" or not t.is_contiguous():
         return False
-    return hand_back(t.data_ptr(), t.numel() * t.element_size())
+    return hand_back(t.data_ptr(), t.numel() * t.element_size(), around=FAULT_AROUND)
 
 
 class DerivedWeights:
