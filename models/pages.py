@@ -68,24 +68,25 @@ def mapping_of(address: int) -> tuple[int, int] | None:
 def hand_back(address: int, nbytes: int, around: int = 0) -> bool:
     """Give back the whole pages inside [address, address + nbytes): paged out, then the ones still
     mapped that hold a file's bytes dropped (see the module docstring). No value ever changes.
-    False where the platform cannot (not Linux, or no whole page inside)."""
+    False where the platform cannot (not Linux, or no whole page inside and no `around`)."""
     if MADV_PAGEOUT is None or MADV_DONTNEED is None:
         return False
     start = -(-address // PAGE) * PAGE
     end = (address + nbytes) // PAGE * PAGE
-    if end <= start:
+    if end <= start and not around:
         return False
     libc = ctypes.CDLL(None, use_errno=True)
 
     def advise(at: int, n: int, advice: int) -> bool:
         return libc.madvise(ctypes.c_void_p(at), ctypes.c_size_t(n), ctypes.c_int(advice)) == 0
 
-    ok = advise(start, end - start, MADV_PAGEOUT)
-    lo, hi = start, end
-    if around:   # and the file pages next to it that a read of it mapped back (fault-around): dropped
-        where = mapping_of(address)
+    ok = end > start and advise(start, end - start, MADV_PAGEOUT)
+    lo, hi = start, max(start, end)
+    if around:   # and the file pages next to it that a read of it mapped back (fault-around): dropped,
+        where = mapping_of(address)   # even where no whole page lies inside (a norm's 2 KB)
         if where is not None:
-            lo, hi = max(where[0], (start - around) // PAGE * PAGE), min(where[1], -(-(end + around) // PAGE) * PAGE)
+            lo = min(lo, max(where[0], (start - around) // PAGE * PAGE))
+            hi = max(hi, min(where[1], -(-(end + around) // PAGE) * PAGE))
     for at, n in file_page_runs(lo, hi):
         ok = advise(at, n, MADV_DONTNEED) or ok
     return ok

@@ -102,6 +102,28 @@ def test_hand_back_drops_file_pages_and_keeps_every_value(tmp_path):
 
 
 @pytest.mark.skipif(not LINUX, reason="page residency is read from Linux's /proc/self/pagemap")
+def test_hand_back_around_a_tensor_smaller_than_a_page(tmp_path):
+    """A norm's 2 KB (a copy made from the map, models.gguf SMALL_FLOATS) holds no whole page, but
+    reading it faulted the file pages around it in: `around` drops those; a written page stays."""
+    from models.pages import FAULT_AROUND
+    path = tmp_path / "pages.bin"
+    data = torch.randint(0, 256, (64 * PAGE,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    path.write_bytes(data.numpy().tobytes())
+    maps, (t, other) = mapped_twice(path)
+    at = 32 * PAGE + 100
+    t[at - 3 * PAGE] = t[at - 3 * PAGE] ^ 0xFF                       # a written neighbour: anonymous
+    written = t.clone()
+    near = t.data_ptr() + at - FAULT_AROUND, 2 * FAULT_AROUND
+    assert resident_file_bytes(*near) > 0
+    assert not hand_back(t.data_ptr() + at, 2304)                     # no whole page inside
+    assert hand_back(t.data_ptr() + at, 2304, around=FAULT_AROUND)
+    assert resident_file_bytes(*near) == 0 and torch.equal(t, written) and torch.equal(other, data)
+    del t, other
+    for m in maps:
+        m.close()
+
+
+@pytest.mark.skipif(not LINUX, reason="page residency is read from Linux's /proc/self/pagemap")
 def test_native_regrouped_copies_hand_back_their_blocks(q4_1_file, native_built):
     """Once the native step has regrouped a matrix (its grouped q8 kernels), the blocks it was made
     from, views of the file's map (o, down, gate_up: one view of gate and up; the tied lm_head's
