@@ -166,7 +166,7 @@ class BPETokenizer:
         # made among them would keep their memory's arenas (Python's, 1 MiB each) from going back.
         to_char = bytes_to_unicode()
         alphabet = set(to_char.values())
-        whole = [(i, tokens[i], ty) for i, ty in enumerate(types) if ty in WHOLE]
+        whole = [(i, tokens[i], ty) for i, ty in enumerate(types[:len(tokens)]) if ty in WHOLE]
         pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Split(Regex(s), behavior="isolated") for s in splits]
             + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])

@@ -26,6 +26,7 @@ import inspect
 import os
 import re
 import sys
+import threading
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -219,12 +220,26 @@ def import_gguf():
     gguf.vocab's own SentencePiece converter stays without it in this process; the engine never uses it)."""
     if "gguf" in sys.modules or "sentencepiece" in sys.modules:
         return importlib.import_module("gguf")
-    sys.modules["sentencepiece"] = None   # `import sentencepiece` raises ImportError (gguf.vocab: optional)
+    left_out = _LeftOut("sentencepiece")
+    sys.meta_path.insert(0, left_out)
     try:
         return importlib.import_module("gguf")
     finally:
-        if sys.modules.get("sentencepiece", False) is None:
-            del sys.modules["sentencepiece"]
+        sys.meta_path.remove(left_out)
+
+
+class _LeftOut:
+    """A meta path finder under which `import NAME` fails in the thread that installed it (gguf.vocab
+    catches that ImportError) and nowhere else: another thread's import of NAME meanwhile, or a
+    find_spec, goes on as usual (a None in sys.modules would have failed it too)."""
+
+    def __init__(self, name: str):
+        self.name, self.thread = name, threading.get_ident()
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == self.name and threading.get_ident() == self.thread:
+            raise ModuleNotFoundError(f"{fullname} is left out while gguf is imported", name=fullname)
+        return None
 
 
 def _reader_class():

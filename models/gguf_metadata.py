@@ -6,7 +6,10 @@ The `gguf` package's reader makes two numpy views per string (a 49k-token vocabu
 ~200k arrays, +48 MB, 0.6 s) and `ReaderField.contents()` then copies them into str; once freed,
 they left ~10 MB of Python's small-object memory fragmented for the rest of the process. Here each
 value is decoded once, as `contents()` decodes it (strings as UTF-8, numbers as Python int / float /
-bool, nested arrays flattened), with struct: +10 MB and 0.06 s for SmolLM2's metadata.
+bool, nested arrays flattened), with struct: +10 MB and 0.06 s for SmolLM2's metadata. A top-level
+array of COMPACT_MIN or more strings (a vocabulary, its merges) is a `StringArray`, not a list: a
+read-only Sequence (len, indexing, slices as lists, iteration, `in`, pickling, == a list of its
+items), but not a list (no `+`, not JSON-serializable as it is: `list(a)` where one is needed).
 The layout (llama.cpp's gguf.md): per pair a string key, a u32 value type, the value; a string is a
 u64 length and its bytes; an array a u32 item type, a u64 count and the items.
 """
@@ -99,7 +102,7 @@ def read_values(buf, offset: int, count: int, order: str = "<", kinds: dict | No
             at = end
         return StringArray(bytes(buf[start:at]), bounds), at
 
-    def value(kind: int, at: int, out: list | None) -> int:
+    def value(kind: int, at: int, out: list | None, top: bool = True) -> int:
         """Appends the value at `at` (an array's items, flattened) to `out`; returns the offset after it."""
         if kind == STRING:
             s, at = string(at)
@@ -116,12 +119,12 @@ def read_values(buf, offset: int, count: int, order: str = "<", kinds: dict | No
                 fmt = struct.Struct(f"{order}{n}{SCALARS[item]}")
                 out.extend(fmt.unpack_from(buf, at))
                 return at + fmt.size
-            if item == STRING and n >= COMPACT_MIN and out is not None:
+            if item == STRING and n >= COMPACT_MIN and top:   # (nested arrays flatten, as contents())
                 strings, at = string_array(at, n)
                 out.append(strings)
                 return at
             for _ in range(n):
-                at = value(item, at, out)
+                at = value(item, at, out, top=False)
             return at
         raise ValueError(f"unknown GGUF value type {kind}")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from array import array
 
 import pytest
 
@@ -53,6 +54,25 @@ def test_gguf_metadata_and_tokenizer_json_agree(tok_dir):
         assert ids == b.encode(s, special=True) == ref.encode(s, add_special_tokens=False).ids, s
         assert a.encode(s) == b.encode(s), s
         assert a.decode(ids) == b.decode(ids) == s
+
+
+def test_gguf_metadata_as_the_reader_hands_it_up_builds_the_same_tokenizer(tok_dir):
+    """The reader hands a long vocabulary up as a StringArray (its bytes, not a list of str), and a file
+    with more token types than tokens loaded before (the extra types unread): both still do."""
+    from models.gguf_metadata import StringArray
+    meta = gguf_meta(tok_dir)
+    tokens = meta["tokenizer.ggml.tokens"]
+    raw = b"".join(t.encode("utf-8") for t in tokens)
+    ends = array("Q")
+    for t in tokens:
+        start = ends[-1] if ends else 0
+        ends.extend([start, start + len(t.encode("utf-8"))])
+    compact = dict(meta, **{"tokenizer.ggml.tokens": StringArray(raw, ends),
+                            "tokenizer.ggml.token_type": meta["tokenizer.ggml.token_type"] + [3, 3]})
+    a, b = BPETokenizer.from_gguf(meta, "m.gguf"), BPETokenizer.from_gguf(compact, "m.gguf")
+    assert a.vocab_size == b.vocab_size and a.special_tokens == b.special_tokens
+    for s in strings():
+        assert a.encode(s, special=True) == b.encode(s, special=True), s
 
 
 def test_special_tokens_single_ids_only_from_template_text(tok_dir):

@@ -104,6 +104,10 @@ def test_a_long_string_array_is_held_as_its_bytes(tmp_path):
     buf = s(b"list") + struct.pack("<IIQ", 9, 8, len(items)) + b"".join(items) + s(b"after") + struct.pack("<Ii", 5, 7)
     values, end = read_values(memoryview(buf), 0, 2)
     assert values == {"list": None, "after": 7} and end == len(buf)
+    inner = struct.pack("<IQ", 8, COMPACT_MIN) + b"".join([s(b"ok")] * COMPACT_MIN)   # an array of arrays
+    buf = s(b"nested") + struct.pack("<IIQ", 9, 9, 2) + inner + inner
+    values, end = read_values(memoryview(buf), 0, 1)
+    assert type(values["nested"]) is list and values["nested"] == ["ok"] * (2 * COMPACT_MIN)   # flattened
 
 
 def test_a_gguf_whose_private_parse_differs_keeps_its_own(tmp_path, monkeypatch):

@@ -73,6 +73,32 @@ def test_a_gguf_load_leaves_sentencepiece_out_and_importable(q4_1_file):
     assert proc.stdout.split() == ["True", "False", "SentencePieceProcessor"]
 
 
+def test_leaving_sentencepiece_out_of_the_gguf_import_is_the_importing_threads_alone():
+    """While gguf is imported without sentencepiece, another thread's `import sentencepiece` (or
+    find_spec) goes on as usual (a None in sys.modules failed it: "import halted"); only the importing
+    thread's fails, and after it nothing is left out."""
+    pytest.importorskip("sentencepiece", reason="sentencepiece is not installed")
+    code = ("import importlib, importlib.util, sys, threading\n"
+            "from models.gguf import _LeftOut\n"
+            "left = _LeftOut('sentencepiece')\n"
+            "sys.meta_path.insert(0, left)\n"
+            "try:\n"
+            "    import sentencepiece\n"
+            "    print('here: imported')\n"
+            "except ImportError:\n"
+            "    print('here: left out')\n"
+            "got = []\n"
+            "t = threading.Thread(target=lambda: got.append((importlib.util.find_spec('sentencepiece') is not None,\n"
+            "                                                 importlib.import_module('sentencepiece').__name__)))\n"
+            "t.start(); t.join()\n"
+            "print('other:', *got[0])\n"
+            "sys.meta_path.remove(left)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == ["here: left out", "other: True sentencepiece"]
+
+
 def mapped_twice(path):
     """Two private maps of one file in this process (as a second process mapping it would hold its
     pages: MADV_PAGEOUT skips pages mapped more than once) and a uint8 tensor on the first."""
