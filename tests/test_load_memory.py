@@ -231,9 +231,12 @@ def test_a_load_and_a_plan_that_made_copies_trim_the_heap(q4_1_file, native_buil
     llm = engine.api.load(str(q4_1_file), threads=1)
     assert calls == ["load"]
     llm.generate([1, 5, 9], max_new_tokens=2, temperature=0)
-    assert calls == ["load", "plan"]
+    step = next(f for f in llm.step.forms if f.name == "native")
+    made = ["plan"] if step.weights.made else []   # (no copies where the build lacks the grouped kernels)
+    assert step.weights.made == 0 or step.weights.made >= 4   # per layer o, gate_up, down; the head
+    assert calls == ["load", *made]
     llm.generate([1, 5, 9], max_new_tokens=2, temperature=0)   # a new state's plan: the copies exist
-    assert calls == ["load", "plan"]
+    assert calls == ["load", *made]
 
 
 def test_a_prompt_plan_hands_its_scratch_back_when_it_dies(q4_1_file, native_built, monkeypatch):
