@@ -42,6 +42,14 @@ def q4_1_file(tmp_path_factory):
     return path
 
 
+def python(code: str) -> str:
+    """`code` run by a fresh interpreter with this one's import path: its stdout (it must succeed)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
 def test_a_load_never_imports_dynamo(q4_1_file):
     """nn.Embedding's random init on the meta device ran torch._refs, whose first call imports
     torch._dynamo and triton: a load and a generation (and dequantize_model) must not."""
@@ -51,10 +59,7 @@ def test_a_load_never_imports_dynamo(q4_1_file):
             "llm.generate([1, 5, 9], max_new_tokens=3, temperature=0)\n"
             "dequantize_model(llm.model)\n"
             "print(sorted(m for m in sys.modules if m.startswith(('torch._dynamo', 'triton'))))\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip().splitlines()[-1] == "[]"
+    assert python(code).strip().splitlines()[-1] == "[]"
 
 
 def test_a_gguf_load_leaves_sentencepiece_out_and_importable(q4_1_file):
@@ -67,10 +72,7 @@ def test_a_gguf_load_leaves_sentencepiece_out_and_importable(q4_1_file):
             "print('gguf' in sys.modules, 'sentencepiece' in sys.modules)\n"
             "import sentencepiece\n"
             "print(sentencepiece.SentencePieceProcessor.__name__)\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split() == ["True", "False", "SentencePieceProcessor"]
+    assert python(code).split() == ["True", "False", "SentencePieceProcessor"]
 
 
 def test_leaving_sentencepiece_out_of_the_gguf_import_is_the_importing_threads_alone():
@@ -93,10 +95,7 @@ def test_leaving_sentencepiece_out_of_the_gguf_import_is_the_importing_threads_a
             "t.start(); t.join()\n"
             "print('other:', *got[0])\n"
             "sys.meta_path.remove(left)\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.splitlines() == ["here: left out", "other: True sentencepiece"]
+    assert python(code).splitlines() == ["here: left out", "other: True sentencepiece"]
 
 
 def mapped_twice(path):
