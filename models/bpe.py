@@ -164,15 +164,14 @@ class BPETokenizer:
         # What outlives the build is made first, and the vocabulary's ~100k short-lived objects (its
         # spellings, ids and merge pairs) last, freed before anything else is made: a long-lived object
         # made among them would keep their memory's arenas (Python's, 1 MiB each) from going back.
-        to_char = bytes_to_unicode()
-        alphabet = set(to_char.values())
-        whole = [(i, tokens[i], ty) for i, ty in enumerate(types[:len(tokens)]) if ty in WHOLE]
+        bytes_to_unicode()   # (its cached map: long-lived)
+        whole = whole_tokens(tokens, types)
         pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Split(Regex(s), behavior="isolated") for s in splits]
             + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
         decoder = decoders.ByteLevel()
         tok = Tokenizer(models.BPE({}, []))
-        vocab, pairs = vocab_and_merges(tokens, merges, whole, alphabet, to_char)
+        vocab, pairs = vocab_and_merges(tokens, merges, whole)
         tok.model = models.BPE(vocab, pairs, ignore_merges=ignore_merges)
         del vocab, pairs
         tok.pre_tokenizer, tok.decoder = pre_tokenizer, decoder
@@ -216,11 +215,19 @@ def keeps_characters(spec: dict) -> bool:
     return kind in ("Prepend", "Lowercase", "Strip")
 
 
-def vocab_and_merges(tokens, merges, whole: list, alphabet: set, to_char: dict) -> tuple[dict, list]:
+def whole_tokens(tokens, types) -> list[tuple[int, str, int]]:
+    """(id, text, type) of the tokens llama.cpp matches whole (`types`: tokenizer.ggml.token_type; types
+    past the last token are not read)."""
+    return [(i, tokens[i], ty) for i, ty in enumerate(types[:len(tokens)]) if ty in WHOLE]
+
+
+def vocab_and_merges(tokens, merges, whole: list) -> tuple[dict, list]:
     """tokenizers' BPE vocabulary {spelling: id} and merges [(a, b)] of a GGUF vocabulary: tokens outside
     the byte-level alphabet spelled in it. Tokens matched whole (control, user-defined) are stored as raw
     text ("  " in GPT-NeoX's vocabulary, not "ĠĠ"): their raw spelling names the same id too, so the
     added token keeps it."""
+    to_char = bytes_to_unicode()
+    alphabet = set(to_char.values())
     spelled = (t if set(t) <= alphabet else "".join(to_char[b] for b in t.encode("utf-8")) for t in tokens)
     vocab = {t: i for i, t in enumerate(spelled)}
     for i, t, _ in whole:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 
-from models.bpe import WHOLE, BPETokenizer, add_whole_tokens
+from models.bpe import BPETokenizer, add_whole_tokens, whole_tokens
 from models.errors import CheckpointError
 
 NORMAL, BYTE = 1, 6
@@ -74,8 +74,7 @@ class SentencePieceBPE(BPETokenizer):
                                                   + [normalizers.Replace(" ", SPACE)])
             tok.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
                                             + ([decoders.Strip(" ", 1, 0)] if prefix else []))
-            whole = [(i, t, ty) for i, (t, ty) in enumerate(zip(tokens, types)) if ty in WHOLE]
-            add_whole_tokens(tok, whole, AddedToken)
+            add_whole_tokens(tok, whole_tokens(tokens, types), AddedToken)
             return tok
         out = cls(build(), meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id"),
                   add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", True)), where=where)
