@@ -15,6 +15,18 @@ from engine.transformer import Transformer
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("GEN_SHARED_DIR", ROOT.parent / "shared"))
 
+@pytest.fixture(scope="session", autouse=True)
+def native_cache(tmp_path_factory):
+    """One fresh build cache of the native step for the whole run, shared by the xdist workers and the
+    processes tests start (the environment carries it): the step is compiled once per run (the
+    workers take turns on its lock), from this checkout's sources, never read from ~/.cache. A
+    GEN_ENGINE_CACHE set by the user is kept."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") and base.name.startswith("popen-") else base
+    os.environ.setdefault("GEN_ENGINE_CACHE", str(shared / "native-cache"))
+    yield os.environ["GEN_ENGINE_CACHE"]
+
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Workers share the cores: PyTorch's OpenMP pool on more threads than its share of them stalls at
     # every barrier (a small GQA test went from 0.7 s to 4 s), so each worker gets cores / workers.
@@ -234,11 +246,10 @@ def poison_unwritten(state) -> None:
 
 
 @pytest.fixture(scope="module")
-def native_built(tmp_path_factory):
-    """The native step built into a fresh cache (or the module skipped, saying why), every phase on
+def native_built(native_cache):
+    """The native step built into the run's fresh cache (native_cache; or the module skipped, saying why), every phase on
     its pool even for small models, PyTorch references on one thread; restored afterwards. Yields
     the library."""
-    os.environ.setdefault("GEN_ENGINE_CACHE", str(tmp_path_factory.mktemp("native-cache")))
     try:
         lib = library()
     except NativeUnavailableError as e:

