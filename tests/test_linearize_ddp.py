@@ -103,8 +103,9 @@ def test_torchrun_cli_rank_0_alone_prints_and_writes(small_model_dir, corpus, tm
     out = tmp_path / "lin"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(free_port()), "-m", "cli.main", "linearize", "-m", str(small_model_dir), "--data", str(corpus),
+    # --standalone: torchrun binds its rendezvous store on a port of its own choosing (localhost:0) and
+    # hands it to the ranks; a port picked here and freed before torchrun binds it can be taken meanwhile
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "cli.main", "linearize", "-m", str(small_model_dir), "--data", str(corpus),
            "--out", str(out), "--seq-len", "32", "--tokens", "512", "--layer-steps", "2", "--batch-size", "2",
            "--finetune-steps", "2", "--finetune-batch", "2", "--threads", "1"]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
