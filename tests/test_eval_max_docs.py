@@ -27,4 +27,4 @@ def test_max_docs_scores_the_first_documents(small_model_dir, tmp_path):
     assert (some["tokens"], some["bytes"]) == (ref["tokens"], ref["bytes"])
     assert some["perplexity"] == pytest.approx(ref["perplexity"], rel=1e-6)
     r = CliRunner().invoke(main, ["eval", "--model", str(small_model_dir), "--data", str(corpus), "--max-docs", "0"])
-    assert r.exit_code == 2 and "max_docs must be at least 1" in r.output
+    assert r.exit_code == 2 and "--max-docs must be at least 1, got 0" in r.output

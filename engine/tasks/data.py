@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gzip
 import importlib.util
+import itertools
 import json
 import re
 from dataclasses import dataclass
@@ -149,7 +150,8 @@ def check_task_file(path: str | Path) -> int:
     """Every line of a task file is an item; returns how many. A bad line is one error naming it."""
     path = Path(path)
     if not path.is_file():
-        raise InvalidArgumentError(f"{path}: no such file (--task-file takes a JSONL file of items)")
+        what = "not a regular file" if path.exists() else "no such file"
+        raise InvalidArgumentError(f"{path}: {what} (--task-file takes a JSONL file of items)")
     n = 0
     try:
         with open(path, encoding="utf-8") as f:
@@ -188,12 +190,17 @@ def task_file_name(path: str | Path) -> str:
     return re.sub(r"[^a-z0-9_]+", "_", Path(path).stem.lower()).strip("_") or "items"
 
 
-def write_task_file_yaml(path: str | Path, directory: Path) -> tuple[str, Path]:
-    """A multiple-choice task reading the items of `path` (checked first): (task name, YAML path)."""
+def write_task_file_yaml(path: str | Path, directory: Path, taken=()) -> tuple[str, Path]:
+    """A multiple-choice task reading the items of `path` (checked first): (task name, YAML path). The
+    name is the file's (task_file_name), made `<name>_file` (then `_file2`, ...) where it is in `taken`:
+    the built-in tasks' names and the other task files' of the run, whose YAMLs sit in the same
+    directory (a file named piqa.jsonl must neither replace piqa's definition nor be stored as piqa)."""
     check_task_file(path)
     name = task_file_name(path)
+    if name in taken:
+        name = next(n for n in (f"{name}_file{i if i > 1 else ''}" for i in itertools.count(1)) if n not in taken)
     text = "\n".join([
-        f"task: {name}",
+        f"task: {json.dumps(name)}",   # quoted: a file named null.jsonl or 1e3.jsonl is a name, not a YAML value
         "dataset_path: json",
         "dataset_name: null",
         "dataset_kwargs:",

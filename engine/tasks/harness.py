@@ -65,19 +65,24 @@ class ResultStore:
     """One JSON file per configuration: {"configuration": {...}, "tasks": {name: {"settings", "result"}}}."""
 
     def __init__(self, directory: str | os.PathLike, conf: dict):
-        self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)   # (PermissionError: one line from the CLI)
+        self.directory = check_results_dir(directory)
         self.conf = conf
         self.path = self.directory / f"{slug(conf)}.json"
         self.data = {"configuration": conf, "tasks": {}}
+        for path in (self.path, self.path.with_suffix(".json.tmp")):
+            if path.exists() and not path.is_file():
+                raise InvalidArgumentError(f"{path}: not a file (this configuration's results go there); move it away")
         if self.path.is_file():
             try:
                 data = json.loads(self.path.read_text(encoding="utf-8"))
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise InvalidArgumentError(f"{self.path}: not a results file ({e}); move it away to start over") \
                     from None
-            if isinstance(data, dict) and data.get("configuration") == conf and isinstance(data.get("tasks"), dict):
-                self.data = data
+            why = stored_problem(data, conf)
+            if why:   # never rewritten: what it holds would be lost
+                raise InvalidArgumentError(f"{self.path}: not a results file of this configuration ({why}); "
+                                           f"move it away to start over")
+            self.data = data
 
     def get(self, task: str, settings: dict) -> dict | None:
         entry = self.data["tasks"].get(task)
@@ -88,6 +93,60 @@ class ResultStore:
         tmp = self.path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(self.data, indent=1) + "\n", encoding="utf-8")
         os.replace(tmp, self.path)
+
+
+def check_results_dir(directory: str | os.PathLike) -> Path:
+    """The --results directory, created if missing and tried with a file: one line (InvalidArgumentError)
+    when it cannot hold results, before any work."""
+    if not str(directory).strip():
+        raise InvalidArgumentError("--results is empty; give a directory, e.g. --results results/")
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise InvalidArgumentError(f"--results {directory}: not a directory; give a directory (created if missing)")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".gen-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        where = e.filename or directory
+        raise InvalidArgumentError(f"--results {directory}: cannot keep results there ({where}: {e.strerror}); "
+                                   f"give a directory you can write") from None
+    return directory
+
+
+def _number(x, none_ok: bool = False) -> bool:
+    return (x is None and none_ok) or (isinstance(x, (int, float)) and not isinstance(x, bool))
+
+
+def stored_problem(data, conf: dict) -> str | None:
+    """What is wrong with a results file's contents for `conf` (None: nothing): its configuration, and
+    each stored task's settings and the fields a result is read by."""
+    if not isinstance(data, dict) or not isinstance(data.get("tasks"), dict):
+        return "no tasks object"
+    if data.get("configuration") != conf:
+        return "its configuration differs"
+    for name, entry in data["tasks"].items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("settings"), dict) \
+                or not isinstance(entry.get("result"), dict):
+            return f"task {name!r} has no settings and result"
+        res = entry["result"]
+        if name == "passkey":
+            cells = res.get("lengths")
+            ok = isinstance(cells, dict) and cells and all(
+                isinstance(c, dict) and isinstance(c.get("correct"), int) and isinstance(c.get("trials"), int)
+                for c in cells.values()) and all(_number(res.get(k)) for k in ("prompt_tokens", "prefilled_tokens",
+                                                                               "seconds"))
+        else:
+            metrics = res.get("metrics")
+            ok = isinstance(metrics, dict) and all(
+                isinstance(m, dict) and _number(m.get("value")) and _number(m.get("stderr"), none_ok=True)
+                for m in metrics.values()) and isinstance(res.get("scoring"), dict) \
+                and _number(res.get("seconds")) and all(_number(res.get(k), none_ok=True)
+                                                        for k in ("documents", "documents_available"))
+        if not ok:
+            return f"task {name!r}: a malformed result"
+    return None
 
 
 def register() -> None:

@@ -38,6 +38,7 @@ NEEDLE = "The pass key is {key}. Remember it."
 QUESTION = "What is the pass key? The pass key is"
 MAX_NEW_TOKENS = 10
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+MAX_LENGTH = 1 << 20   # tokens: past this a prompt is a typo, not a test (its filler alone would take gigabytes)
 
 
 @dataclass
@@ -92,26 +93,43 @@ def common_prefix(rows: list[list[int]]) -> int:
     return n
 
 
-def run_passkey(llm, lengths: list[int], depths=DEPTHS, trials: int = 20, seed: int = 0,
-                batch_tokens: int = 8192, progress=None) -> dict:
-    """Accuracy per length and per (length, depth) of `llm` (an engine.api.LLM) at greedy decoding.
-
-    batch_tokens: trials run together while rows x prompt length stays within it (a softmax row's KV
-    cache is one prompt long; SmolLM2's: 46 KB a token). progress: called with the number of trials finished."""
-    if llm.tokenizer is None:
+def passkey_prompts(tokenizer, lengths: list[int], depths=DEPTHS, trials: int = 20,
+                    seed: int = 0) -> dict[tuple[int, float], list[PasskeyPrompt]]:
+    """Every trial's prompt, by (length, depth); the settings checked (one line each) before any model
+    work: a caller may build them first to refuse a run before it scores anything."""
+    if tokenizer is None:
         raise InvalidArgumentError("passkey needs a tokenizer to write its prompts; this model ships none")
     if not isinstance(trials, int) or trials < 1:
         raise InvalidArgumentError(f"--trials must be at least 1, got {trials!r}")
     depths = [float(d) for d in depths]
     if not depths:
         raise InvalidArgumentError("give at least one passkey depth")
+    if not lengths:
+        raise InvalidArgumentError("give at least one passkey length")
+    too_long = [n for n in lengths if n > MAX_LENGTH]
+    if too_long:
+        raise InvalidArgumentError(f"passkey length {too_long[0]} is more than {MAX_LENGTH:,} tokens; give lengths "
+                                   f"up to the context you mean to test")
     rng = random.Random(seed)
     points: dict[tuple[int, float], list[PasskeyPrompt]] = {}
     for length in lengths:
         for t in range(trials):
             depth = depths[t % len(depths)]
             points.setdefault((length, depth), []).append(
-                make_prompt(llm.tokenizer, length, depth, str(rng.randint(10000, 99999))))
+                make_prompt(tokenizer, length, depth, str(rng.randint(10000, 99999))))
+    return points
+
+
+def run_passkey(llm, lengths: list[int], depths=DEPTHS, trials: int = 20, seed: int = 0,
+                batch_tokens: int = 8192, progress=None, points=None) -> dict:
+    """Accuracy per length and per (length, depth) of `llm` (an engine.api.LLM) at greedy decoding.
+
+    batch_tokens: trials run together while rows x prompt length stays within it (a softmax row's KV
+    cache is one prompt long; SmolLM2's: 46 KB a token). progress: called with the number of trials
+    finished. points: passkey_prompts(llm.tokenizer, lengths, depths, trials, seed), if built already."""
+    if points is None:
+        points = passkey_prompts(llm.tokenizer, lengths, depths, trials, seed)
+    depths = [float(d) for d in depths]
     model, t0 = llm.model, time.perf_counter()
     capacity = max(len(p.ids) for ps in points.values() for p in ps) + MAX_NEW_TOKENS
     # what a point's trials share, up to the needle (beyond it they differ by the key): the filler before
