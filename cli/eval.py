@@ -66,7 +66,8 @@ def eval_cmd(model_name, attention, softmax_layers, window, feature_map, data, t
     Tasks: accuracy (with lm-eval's standard errors) per task, one configuration per run."""
     check_stdio()
     task_list = ",".join(task_lists) if task_lists else None
-    task_files = list(dict.fromkeys(task_files))   # a file given twice is one task
+    task_files = list({str(Path(f).resolve()): f for f in reversed(task_files)}.values())[::-1]   # a file given twice
+    # (under any spelling of its path) is one task
     tasks = check_modes(data, task_list, task_files, limit, lengths, depths, results_dir, max_docs, trials,
                         context, batch_size)
     if data is not None:
@@ -99,11 +100,15 @@ def eval_cmd(model_name, attention, softmax_layers, window, feature_map, data, t
             if "passkey" in tasks and max(lengths_) > trained:
                 warn(f"passkey length {max(lengths_)} is beyond the model's trained positions ({trained}): scored, "
                      f"but the model's outputs there are not meaningful")
-            # the passkey prompts before any task scores (a length too short for them is refused now)
-            points = passkey_prompts(llm.tokenizer, lengths_, depths_, trials, seed) if "passkey" in tasks else None
             dequantize_model(llm.model)                          # every task scores the float form of the weights
             conf = configuration(llm, model_name, dtype, quantize, context)
             store = ResultStore(results_dir, conf) if results_dir else None
+            # the passkey prompts before any task scores (a length too short for them is refused now), unless
+            # its result is stored
+            points = None
+            if "passkey" in tasks and not (store and store.get("passkey", task_settings(
+                    "passkey", limit, None, lengths_, depths_, trials, seed))):
+                points = passkey_prompts(llm.tokenizer, lengths_, depths_, trials, seed)
             results = {}
             try:
                 for name in [t for t in tasks if t != "passkey"] + [n for n in yamls if n not in tasks] + \
@@ -121,18 +126,17 @@ def eval_cmd(model_name, attention, softmax_layers, window, feature_map, data, t
                     if store and cached is None:
                         store.put(name, settings, results[name])
                     if not as_json:
-                        click.echo(describe(name, results[name]))
+                        echo(describe(name, results[name]))
             except KeyboardInterrupt:
                 click.echo(f"gen: interrupted; finished: {', '.join(results) or 'none'}"
                            f"{f' (kept in {store.path})' if store and results else ''}", err=True)
                 if as_json:
-                    click.echo(json.dumps({"model": str(model_name), "configuration": conf, "tasks": results,
-                                           "interrupted": True}))
+                    echo(json.dumps({"model": str(model_name), "configuration": conf, "tasks": results,
+                                     "interrupted": True}))
                 sys.exit(130)
             if as_json:
-                click.echo(json.dumps({"model": str(model_name), "configuration": conf, "tasks": results}))
-    with writing_stdout():
-        run_guarded(run)
+                echo(json.dumps({"model": str(model_name), "configuration": conf, "tasks": results}))
+    run_guarded(run)
 
 
 def perplexity(model_name, attention, softmax_layers, window, feature_map, data, context, max_docs, batch_size,
@@ -152,13 +156,12 @@ def perplexity(model_name, attention, softmax_layers, window, feature_map, data,
         res = evaluate_file(model, tokenizer, data, attention=model.spec.attention, feature_map=feature_map,
                             context=context, batch_size=batch_size, progress=not as_json, max_docs=max_docs)
         if as_json:
-            click.echo(json.dumps({"model": str(model_name), "data": data, **res.to_dict()}))
+            echo(json.dumps({"model": str(model_name), "data": data, **res.to_dict()}))
         else:
-            click.echo(f"{res.attention}: {res.bits_per_byte:.4f} bits/byte, {res.nats_per_token:.4f} nats/token, "
-                       f"perplexity {res.perplexity:.3f} ({res.documents} documents, {res.tokens} tokens, "
-                       f"{res.bytes} bytes, context {res.context})")
-    with writing_stdout():
-        run_guarded(run)
+            echo(f"{res.attention}: {res.bits_per_byte:.4f} bits/byte, {res.nats_per_token:.4f} nats/token, "
+                 f"perplexity {res.perplexity:.3f} ({res.documents} documents, {res.tokens} tokens, "
+                 f"{res.bytes} bytes, context {res.context})")
+    run_guarded(run)
 
 
 def check_modes(data, task_list, task_files, limit, lengths, depths, results_dir, max_docs, trials, context=None,
@@ -251,6 +254,13 @@ def describe(name: str, res: dict) -> str:
     rate = f", {s['request_tokens_per_s']:.0f} request tokens/s" if s.get("request_tokens_per_s") else ""
     return (f"{name}: {metrics} ({res['documents']} of {res['documents_available']} documents, "
             f"{res['seconds']:.1f} s{rate}){cached}")
+
+
+def echo(text: str) -> None:
+    """A line of the product on stdout: a reader that left ends the run quietly, a full disk or a broken
+    descriptor is one line (writing_stdout); only these writes, not the run's own files."""
+    with writing_stdout():
+        click.echo(text)
 
 
 def warn(message: str) -> None:

@@ -262,7 +262,7 @@ def test_a_task_runs_through_the_harness_with_stdout_left_alone(llama_dir, tmp_p
     res = run_lm_eval_task(llm, "lambada", path)
     captured = capfd.readouterr()
     assert captured.out == ""
-    assert "fatal:" not in captured.err and "git" not in captured.err.lower(), captured.err[-2000:]
+    assert "not a git repository" not in captured.err, captured.err[-2000:]
     assert res["task"] == "lambada_openai" and set(res["metrics"]) == {"perplexity", "acc"}
     assert res["documents"] == 3 and res["scoring"]["requests"] == 3
     assert res["metrics"]["perplexity"]["stderr"] is not None

@@ -2,8 +2,10 @@
 GPUs exist), each taking its slice of every global batch, give the maps and adapters one process gives
 on the same global batches (within 1e-5); rank 0 alone writes and prints; a bad launch is one line, exit 2."""
 import functools
+import importlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -50,6 +52,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+SPAWN_FAILED = importlib.import_module("torch.multiprocessing.spawn").ProcessException   # a rank raised or exited
+# (the module, not torch.multiprocessing.spawn: that name is the function)
+
+
+def spawn_ranks(world: int, kwargs: dict, tries: int = 3) -> None:
+    """`world` ranks of one_rank on a free port; again on another port (the output removed) when a rank
+    fails: the port picked may have been taken between free_port() freeing it and rank 0 binding it,
+    which shows as a rank's error or as a rank that exited (the other rank's). A real failure fails every
+    try and is raised."""
+    for attempt in range(tries):
+        try:
+            torch.multiprocessing.spawn(one_rank, args=(world, free_port(), kwargs), nprocs=world)
+            return
+        except SPAWN_FAILED:
+            if attempt == tries - 1:
+                raise
+            shutil.rmtree(kwargs["out"], ignore_errors=True)
+
+
 def one_rank(rank: int, world: int, port: int, kwargs: dict) -> None:
     """A rank as torchrun starts it: its environment, then the same call as one process makes."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
@@ -78,7 +99,7 @@ def test_two_ranks_equal_one_process_on_the_same_global_batch(device, tol, small
     exact_outputs()
     base = dict(model=str(small_model_dir), data=[str(corpus)], device=device, **RUN)
     lin.linearize(LinearizeArgs(out=str(one), **base), log=lambda m: None)
-    torch.multiprocessing.spawn(one_rank, args=(2, free_port(), dict(out=str(two), **base)), nprocs=2)
+    spawn_ranks(2, dict(out=str(two), **base))
 
     assert sorted(p.name for p in two.iterdir()) == sorted(p.name for p in one.iterdir())   # no work dir left
     a, b = outputs(one), outputs(two)

@@ -66,6 +66,10 @@ class ResultStore:
 
     def __init__(self, directory: str | os.PathLike, conf: dict):
         self.directory = check_results_dir(directory)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise InvalidArgumentError(f"--results {directory}: cannot create it ({e.strerror})") from None
         self.conf = conf
         self.path = self.directory / f"{slug(conf)}.json"
         self.data = {"configuration": conf, "tasks": {}}
@@ -89,23 +93,33 @@ class ResultStore:
         return entry["result"] if entry and entry.get("settings") == settings else None
 
     def put(self, task: str, settings: dict, result: dict) -> None:
+        """Kept at once: written whole to a temporary file, then renamed over the results file (a failed
+        write leaves the file as it was and is one line)."""
         self.data["tasks"][task] = {"settings": settings, "result": result}
         tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.data, indent=1) + "\n", encoding="utf-8")
-        os.replace(tmp, self.path)
+        try:
+            tmp.write_text(json.dumps(self.data, indent=1) + "\n", encoding="utf-8")
+            os.replace(tmp, self.path)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise InvalidArgumentError(f"cannot keep the result of {task} in {self.path}: {e.strerror}") from None
 
 
 def check_results_dir(directory: str | os.PathLike) -> Path:
-    """The --results directory, created if missing and tried with a file: one line (InvalidArgumentError)
-    when it cannot hold results, before any work."""
+    """The --results directory, tried with a file (in its nearest existing ancestor when it does not exist
+    yet: it is created when the first result is kept, not by a run that fails before): one line
+    (InvalidArgumentError) when it cannot hold results, before any work."""
     if not str(directory).strip():
         raise InvalidArgumentError("--results is empty; give a directory, e.g. --results results/")
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():
         raise InvalidArgumentError(f"--results {directory}: not a directory; give a directory (created if missing)")
+    existing = next(p for p in (directory.absolute(), *directory.absolute().parents) if p.exists())
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / f".gen-probe-{os.getpid()}"
+        if not existing.is_dir():
+            raise NotADirectoryError(20, "Not a directory", str(existing))
+        probe = existing / f".gen-probe-{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
@@ -173,7 +187,9 @@ def run_lm_eval_task(llm, name: str, yaml_path: str | os.PathLike, limit: int | 
     # lm-eval prints progress notes (stdout is the caller's), and records `git describe` of the working
     # directory (not gen's version; gen does not report it), which outside a repository prints git's
     # "fatal: not a git repository" on stderr: the hash is left out
-    with contextlib.redirect_stdout(sys.stderr), mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", lambda: None):
+    quiet_git = mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", lambda: None) \
+        if hasattr(lm_eval.evaluator, "get_git_commit_hash") else contextlib.nullcontext()   # (a later lm-eval may move it)
+    with contextlib.redirect_stdout(sys.stderr), quiet_git:
         out = lm_eval.simple_evaluate(model="gen", model_args={"llm": llm, "max_length": max_length, "stats": stats},
                                       tasks=[str(yaml_path)], task_manager=TaskManager(include_defaults=False),
                                       limit=limit, bootstrap_iters=bootstrap_iters, log_samples=False)

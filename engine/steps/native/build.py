@@ -83,13 +83,21 @@ def library() -> ctypes.CDLL:
     return _LIB
 
 
+def _cores() -> int:
+    """Cores this process may run on (its affinity: a container's share, not the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):   # not Linux
+        return os.cpu_count() or 1
+
+
 def build(cc: str, lib: Path) -> None:
     """Compile SOURCES into `lib` unless another builder did meanwhile: each source on its own compiler
     process (as many at once as there are cores), then one link into a temporary file renamed onto
-    `lib`. Builders of the same library take turns on `lib`'s lock file (flock; where the platform has
-    none they do not wait: each writes its own temporary file, the last rename wins, every one whole).
-    A failure leaves neither `lib` nor temporary files and raises NativeUnavailableError with the
-    compiler's first error line."""
+    `lib`. Builders of the same library take turns on `lib`'s lock file (flock; where the platform or
+    the file system has none they do not wait: each writes its own temporary file, the last rename
+    wins, every one whole). Any failure leaves neither `lib` nor temporary files and raises
+    NativeUnavailableError (the compiler's first error line, or what the cache refused)."""
     try:
         lib.parent.mkdir(parents=True, exist_ok=True)
         lock = open(lib.with_suffix(".lock"), "a")
@@ -97,24 +105,34 @@ def build(cc: str, lib: Path) -> None:
         raise NativeUnavailableError(f"cannot write the native step's build cache {lib.parent}: {e}") from None
     with lock:   # closing it releases the lock
         if fcntl is not None:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            except OSError:   # no locks here (an NFS cache without lockd): build without waiting
+                pass
         if lib.exists():   # another process built it while this one waited
             return
-        with tempfile.TemporaryDirectory(dir=lib.parent, prefix="build-") as work:
-            objs = [str(Path(work) / (s.removesuffix(".c") + ".o")) for s in SOURCES]
-            compile_flags = [f for f in FLAGS if f != "-shared"]
-            jobs = [[cc, *compile_flags, "-c", "-o", o, str(HERE / s)] for s, o in zip(SOURCES, objs)]
-            with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
-                results = list(pool.map(_compile, jobs))
-            tmp = str(Path(work) / "decode.so")
-            if all(r.returncode == 0 for r in results):
-                results.append(_compile([cc, *FLAGS, "-o", tmp, *objs, "-lm"]))
-            failed = next((r for r in results if r.returncode != 0), None)
-            if failed is not None:
-                first = next((ln for ln in failed.stderr.splitlines() if "error" in ln), None) or \
-                    (failed.stderr.strip().splitlines() or ["no output"])[0]
-                raise NativeUnavailableError(f"compiling the native step with {cc} failed: {first}")
-            os.replace(tmp, lib)
+        try:
+            _build(cc, lib)
+        except OSError as e:
+            raise NativeUnavailableError(f"cannot write the native step's build cache {lib.parent}: {e}") from None
+
+
+def _build(cc: str, lib: Path) -> None:
+    with tempfile.TemporaryDirectory(dir=lib.parent, prefix="build-") as work:
+        objs = [str(Path(work) / (s.removesuffix(".c") + ".o")) for s in SOURCES]
+        compile_flags = [f for f in FLAGS if f != "-shared"]
+        jobs = [[cc, *compile_flags, "-c", "-o", o, str(HERE / s)] for s, o in zip(SOURCES, objs)]
+        with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), _cores()))) as pool:
+            results = list(pool.map(_compile, jobs))
+        tmp = str(Path(work) / "decode.so")
+        if all(r.returncode == 0 for r in results):
+            results.append(_compile([cc, *FLAGS, "-o", tmp, *objs, "-lm"]))
+        failed = next((r for r in results if r.returncode != 0), None)
+        if failed is not None:
+            first = next((ln for ln in failed.stderr.splitlines() if "error" in ln), None) or \
+                (failed.stderr.strip().splitlines() or ["no output"])[0]
+            raise NativeUnavailableError(f"compiling the native step with {cc} failed: {first}")
+        os.replace(tmp, lib)
 
 
 def _compile(cmd: list[str]) -> subprocess.CompletedProcess:
