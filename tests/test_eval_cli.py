@@ -218,3 +218,22 @@ def test_a_results_file_keeps_each_task_and_refuses_garbage(tmp_path):
         with pytest.raises(InvalidArgumentError, match=f"not a results file.*{why}"):
             ResultStore(tmp_path, conf)
         assert store.path.read_text() == bad
+
+
+def test_a_failed_results_write_is_one_line_and_keeps_the_file(tmp_path, monkeypatch):
+    from engine.errors import InvalidArgumentError
+    from engine.tasks import harness
+    from engine.tasks.harness import ResultStore, check_results_dir
+    fresh = tmp_path / "new" / "deeper"
+    assert check_results_dir(fresh) == fresh and not (tmp_path / "new").exists()   # checked, not created
+    store = ResultStore(fresh, {"model": "m", "attention": "linear"})
+    result = {"lengths": {"260": {"correct": 1, "trials": 1}}, "prompt_tokens": 1, "prefilled_tokens": 1, "seconds": 0.1}
+    store.put("passkey", {"trials": 1}, result)
+    before = store.path.read_text()
+
+    def full(a, b):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(harness.os, "replace", full)
+    with pytest.raises(InvalidArgumentError, match=r"cannot keep the result of passkey in .*: No space left on device$"):
+        store.put("passkey", {"trials": 2}, result)
+    assert store.path.read_text() == before and sorted(p.name for p in fresh.iterdir()) == [store.path.name]
