@@ -66,8 +66,7 @@ def eval_cmd(model_name, attention, softmax_layers, window, feature_map, data, t
     Tasks: accuracy (with lm-eval's standard errors) per task, one configuration per run."""
     check_stdio()
     task_list = ",".join(task_lists) if task_lists else None
-    task_files = list({str(Path(f).resolve()): f for f in reversed(task_files)}.values())[::-1]   # a file given twice
-    # (under any spelling of its path) is one task
+    task_files = once_each(task_files)
     tasks = check_modes(data, task_list, task_files, limit, lengths, depths, results_dir, max_docs, trials,
                         context, batch_size)
     if data is not None:
@@ -204,6 +203,16 @@ def check_modes(data, task_list, task_files, limit, lengths, depths, results_dir
     if trials < 1:
         fail(f"--trials must be at least 1, got {trials}")
     return tasks
+
+
+def once_each(paths) -> list[str]:
+    """Task files in the order given, a file given twice (under any spelling of its path) once."""
+    seen, out = set(), []
+    for path in paths:
+        if (key := Path(path).resolve()) not in seen:
+            seen.add(key)
+            out.append(path)
+    return out
 
 
 def parse_ints(text: str, flag: str) -> list[int]:

@@ -174,7 +174,7 @@ def test_task_files_named_like_tasks_or_yaml_values_keep_their_own_names(small_m
         (tmp_path / f"{name}.jsonl").write_text(item * (3 if name == "piqa" else 1))
     res = tmp_path / "results"
     r = gen("--model", small_model_dir, "--task-file", tmp_path / "piqa.jsonl", "--task-file", tmp_path / "null.jsonl",
-            "--task-file", tmp_path / "passkey.jsonl", "--task-file", tmp_path / "null.jsonl", "--results", res, "--json")
+            "--task-file", tmp_path / "passkey.jsonl", "--task-file", f"{tmp_path}/./null.jsonl", "--results", res, "--json")
     assert r.exit_code == 0, r.output
     tasks = json.loads(r.stdout)["tasks"]
     assert set(tasks) == {"piqa_file", "null", "passkey_file"}
