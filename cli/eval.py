@@ -46,7 +46,8 @@ TASK_NAMES = (*TASKS, "passkey")
 @click.option("--seed", type=int, default=0, show_default=True, help="passkey: the seed its keys are drawn with")
 @click.option("--results", "results_dir", type=click.Path(file_okay=False),
               help="tasks: keep each result in DIR/<configuration>.json as it finishes; a rerun of the same "
-                   "configuration and settings reads it instead of scoring again (an interrupted grid resumes)")
+                   "configuration and settings reads it instead of scoring again (an interrupted grid resumes); "
+                   "results with other settings are kept beside it")
 @click.option("--context", type=int, help="perplexity: window length in tokens; tasks: the most tokens an item may "
               "hold (cut from the left). Default: max_position_embeddings")
 @click.option("--max-docs", type=int, help="perplexity: score only the first N documents (default: all)")

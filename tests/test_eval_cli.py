@@ -205,6 +205,15 @@ def test_a_results_file_keeps_each_task_and_refuses_garbage(tmp_path):
     store.put("piqa", {"limit": 5}, result)
     again = ResultStore(tmp_path, conf)
     assert again.get("piqa", {"limit": 5}) == result and again.get("piqa", {"limit": 6}) is None
+    # other settings keep the earlier cells (a grid run as separate commands), each settings once
+    six, five = dict(result, documents=6), dict(result, documents=7)
+    again.put("piqa", {"limit": 6}, six)
+    again.put("piqa", {"limit": 5}, five)
+    third = ResultStore(tmp_path, conf)
+    assert third.get("piqa", {"limit": 5}) == five and third.get("piqa", {"limit": 6}) == six
+    assert [e["settings"] for e in third.data["tasks"]["piqa"]["earlier"]] == [{"limit": 6}]
+    store.path.write_text(json.dumps({"configuration": conf, "tasks": {"piqa": {"settings": {"limit": 5},
+                                                                                 "result": result}}}))
     assert ResultStore(tmp_path, dict(conf, window=8)).path != store.path
     good = store.path.read_text()
     # JSON that is not this configuration's results: refused, never rewritten (what it holds would be lost)
@@ -213,7 +222,9 @@ def test_a_results_file_keeps_each_task_and_refuses_garbage(tmp_path):
                      (good.replace('"settings"', '"x"'), "task 'piqa' has no settings and result"),
                      (good.replace('"value": 0.5', '"value": "high"'), "task 'piqa': a malformed result"),
                      (json.dumps({"configuration": conf, "tasks": {"passkey": {"settings": {}, "result": {"lengths": 5}}}}),
-                      "task 'passkey': a malformed result")]:
+                      "task 'passkey': a malformed result"),
+                     (good.replace('"result"', '"earlier": [{"settings": {}}], "result"'), "task 'piqa' has no settings"),
+                     (good.replace('"result"', '"earlier": 3, "result"'), "its earlier results are not a list")]:
         store.path.write_text(bad)
         with pytest.raises(InvalidArgumentError, match=f"not a results file.*{why}"):
             ResultStore(tmp_path, conf)

@@ -62,7 +62,9 @@ def slug(conf: dict) -> str:
 
 
 class ResultStore:
-    """One JSON file per configuration: {"configuration": {...}, "tasks": {name: {"settings", "result"}}}."""
+    """One JSON file per configuration: {"configuration": {...}, "tasks": {name: {"settings", "result",
+    "earlier"}}}: a task's latest result, and in "earlier" (absent when none) its results with other
+    settings, so a grid of settings run as separate commands keeps every cell."""
 
     def __init__(self, directory: str | os.PathLike, conf: dict):
         self.directory = check_results_dir(directory)
@@ -90,12 +92,18 @@ class ResultStore:
 
     def get(self, task: str, settings: dict) -> dict | None:
         entry = self.data["tasks"].get(task)
-        return entry["result"] if entry and entry.get("settings") == settings else None
+        for kept in [entry, *entry.get("earlier", [])] if entry else []:
+            if kept["settings"] == settings:
+                return kept["result"]
+        return None
 
     def put(self, task: str, settings: dict, result: dict) -> None:
         """Kept at once: written whole to a temporary file, then renamed over the results file (a failed
         write leaves the file as it was and is one line)."""
-        self.data["tasks"][task] = {"settings": settings, "result": result}
+        old = self.data["tasks"].get(task)
+        earlier = [e for e in ([{"settings": old["settings"], "result": old["result"]}, *old.get("earlier", [])]
+                               if old else []) if e["settings"] != settings]
+        self.data["tasks"][task] = {"settings": settings, "result": result, **({"earlier": earlier} if earlier else {})}
         tmp = self.path.with_suffix(".json.tmp")
         try:
             tmp.write_text(json.dumps(self.data, indent=1) + "\n", encoding="utf-8")
@@ -140,27 +148,34 @@ def stored_problem(data, conf: dict) -> str | None:
         return "no tasks object"
     if data.get("configuration") != conf:
         return "its configuration differs"
-    for name, entry in data["tasks"].items():
-        if not isinstance(entry, dict) or not isinstance(entry.get("settings"), dict) \
-                or not isinstance(entry.get("result"), dict):
-            return f"task {name!r} has no settings and result"
-        res = entry["result"]
-        if name == "passkey":
-            cells = res.get("lengths")
-            ok = isinstance(cells, dict) and cells and all(
-                isinstance(c, dict) and isinstance(c.get("correct"), int) and isinstance(c.get("trials"), int)
-                for c in cells.values()) and all(_number(res.get(k)) for k in ("prompt_tokens", "prefilled_tokens",
-                                                                               "seconds"))
-        else:
-            metrics = res.get("metrics")
-            ok = isinstance(metrics, dict) and all(
-                isinstance(m, dict) and _number(m.get("value")) and _number(m.get("stderr"), none_ok=True)
-                for m in metrics.values()) and isinstance(res.get("scoring"), dict) \
-                and _number(res.get("seconds")) and all(_number(res.get(k), none_ok=True)
-                                                        for k in ("documents", "documents_available"))
-        if not ok:
-            return f"task {name!r}: a malformed result"
+    for name, latest in data["tasks"].items():
+        earlier = latest.get("earlier", []) if isinstance(latest, dict) else []
+        if not isinstance(earlier, list):
+            return f"task {name!r}: its earlier results are not a list"
+        for entry in [latest, *earlier]:
+            why = _entry_problem(name, entry)
+            if why:
+                return why
     return None
+
+
+def _entry_problem(name: str, entry) -> str | None:
+    if not isinstance(entry, dict) or not isinstance(entry.get("settings"), dict) \
+            or not isinstance(entry.get("result"), dict):
+        return f"task {name!r} has no settings and result"
+    res = entry["result"]
+    if name == "passkey":
+        cells = res.get("lengths")
+        ok = isinstance(cells, dict) and cells and all(
+            isinstance(c, dict) and isinstance(c.get("correct"), int) and isinstance(c.get("trials"), int)
+            for c in cells.values()) and all(_number(res.get(k)) for k in ("prompt_tokens", "prefilled_tokens", "seconds"))
+    else:
+        metrics = res.get("metrics")
+        ok = isinstance(metrics, dict) and all(
+            isinstance(m, dict) and _number(m.get("value")) and _number(m.get("stderr"), none_ok=True)
+            for m in metrics.values()) and isinstance(res.get("scoring"), dict) and _number(res.get("seconds")) \
+            and all(_number(res.get(k), none_ok=True) for k in ("documents", "documents_available"))
+    return None if ok else f"task {name!r}: a malformed result"
 
 
 def register() -> None:
