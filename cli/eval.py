@@ -19,7 +19,8 @@ from engine.quant import dequantize_model, quantize_model
 from engine.runspec import RunSpec
 from engine.tasks.data import TASK_FILE_HELP, TASKS, require_lm_eval, write_task_file_yaml, write_task_yamls
 from engine.tasks.harness import ResultStore, check_results_dir, configuration, run_lm_eval_task
-from engine.tasks.passkey import DEPTHS, MAX_LENGTH, passkey_prompts, run_passkey
+from engine.errors import InvalidArgumentError
+from engine.tasks.passkey import DEPTHS, check_lengths, passkey_prompts, run_passkey
 from engine.threads import available_cores, set_threads
 
 PASSKEY_LENGTHS = (512, 1024, 2048, 4096)
@@ -77,10 +78,9 @@ def eval_cmd(model_name, attention, softmax_layers, window, feature_map, data, t
     def run():
         if threads is not None:
             set_threads(threads)
-        lengths_ = parse_ints(lengths, "--lengths") if lengths else list(PASSKEY_LENGTHS)
+        lengths_ = parse_lengths(lengths) if lengths else list(PASSKEY_LENGTHS)
         depths_ = parse_depths(depths) if depths else list(DEPTHS)
-        if results_dir is not None:
-            check_results_dir(results_dir)                      # before the model loads
+        kept_in = check_results_dir(results_dir) if results_dir is not None else None   # before the model loads
         harness = [t for t in tasks if t != "passkey"]
         with tempfile.TemporaryDirectory(prefix="gen-eval-") as tmp:
             yamls, file_of = {}, {}
@@ -102,7 +102,7 @@ def eval_cmd(model_name, attention, softmax_layers, window, feature_map, data, t
                      f"but the model's outputs there are not meaningful")
             dequantize_model(llm.model)                          # every task scores the float form of the weights
             conf = configuration(llm, model_name, dtype, quantize, context)
-            store = ResultStore(results_dir, conf) if results_dir else None
+            store = ResultStore(kept_in, conf) if kept_in else None
             # the passkey prompts before any task scores (a length too short for them is refused now), unless
             # its result is stored
             points = None
@@ -167,12 +167,11 @@ def perplexity(model_name, attention, softmax_layers, window, feature_map, data,
 def check_modes(data, task_list, task_files, limit, lengths, depths, results_dir, max_docs, trials, context=None,
                 batch_size=8) -> list[str]:
     """Which tasks a run asks for (none: perplexity of --data), every option checked against the mode."""
-    task_file = bool(task_files)
     if context is not None and context < 2:
         fail(f"--context must be at least 2 tokens, got {context}")
-    if data is not None and (task_list or task_file):
+    if data is not None and (task_list or task_files):
         fail("give --data (perplexity of a corpus) or --task / --task-file (tasks), not both")
-    if data is None and not (task_list or task_file):
+    if data is None and not (task_list or task_files):
         fail("give --data FILE (perplexity), --task NAMES (e.g. piqa,passkey) or --task-file FILE (your own items)")
     if data is not None:
         for flag, value in (("--limit", limit), ("--lengths", lengths), ("--depths", depths),
@@ -197,7 +196,7 @@ def check_modes(data, task_list, task_files, limit, lengths, depths, results_dir
         fail("--task is empty; give task names, e.g. --task piqa,arc_easy")
     if limit is not None and limit < 1:
         fail(f"--limit must be at least 1, got {limit}")
-    if limit is not None and tasks == ["passkey"] and not task_file:
+    if limit is not None and tasks == ["passkey"] and not task_files:
         fail("--limit applies to lm-eval tasks and --task-file; passkey takes --lengths and --trials")
     if (lengths or depths) and "passkey" not in tasks:
         fail("--lengths and --depths apply to --task passkey")
@@ -216,17 +215,18 @@ def once_each(paths) -> list[str]:
     return out
 
 
-def parse_ints(text: str, flag: str) -> list[int]:
-    """Positive whole numbers, each once (in the order given), at most passkey's MAX_LENGTH."""
+def parse_lengths(text: str) -> list[int]:
+    """--lengths: positive whole numbers, each once (in the order given), within passkey's check_lengths."""
     try:
         values = list(dict.fromkeys(int(x) for x in text.split(",") if x.strip()))
     except ValueError:
-        fail(f"{flag} {text}: give whole numbers, e.g. 512,1024,2048")
+        fail(f"--lengths {text}: give whole numbers, e.g. 512,1024,2048")
     if not values or min(values) < 1:
-        fail(f"{flag} {text}: give positive whole numbers, e.g. 512,1024,2048")
-    if max(values) > MAX_LENGTH:
-        fail(f"{flag} {text}: {max(values)} is more than {MAX_LENGTH:,} tokens; give lengths up to the context you "
-             f"mean to test")
+        fail(f"--lengths {text}: give positive whole numbers, e.g. 512,1024,2048")
+    try:
+        check_lengths(values)
+    except InvalidArgumentError as e:
+        fail(str(e))
     return values
 
 

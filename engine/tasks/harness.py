@@ -67,7 +67,8 @@ class ResultStore:
     settings, so a grid of settings run as separate commands keeps every cell."""
 
     def __init__(self, directory: str | os.PathLike, conf: dict):
-        self.directory = check_results_dir(directory)
+        """`directory`: as check_results_dir returned it (the CLI checks it before the model loads)."""
+        self.directory = Path(directory)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:

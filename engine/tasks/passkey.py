@@ -93,6 +93,16 @@ def common_prefix(rows: list[list[int]]) -> int:
     return n
 
 
+def check_lengths(lengths: list[int]) -> None:
+    """At least one length, none above MAX_LENGTH (before any prompt is built): one line."""
+    if not lengths:
+        raise InvalidArgumentError("give at least one passkey length")
+    too_long = [n for n in lengths if n > MAX_LENGTH]
+    if too_long:
+        raise InvalidArgumentError(f"passkey length {too_long[0]} is more than {MAX_LENGTH:,} tokens; give lengths "
+                                   f"up to the context you mean to test")
+
+
 def passkey_prompts(tokenizer, lengths: list[int], depths=DEPTHS, trials: int = 20,
                     seed: int = 0) -> dict[tuple[int, float], list[PasskeyPrompt]]:
     """Every trial's prompt, by (length, depth); the settings checked (one line each) before any model
@@ -104,12 +114,7 @@ def passkey_prompts(tokenizer, lengths: list[int], depths=DEPTHS, trials: int = 
     depths = [float(d) for d in depths]
     if not depths:
         raise InvalidArgumentError("give at least one passkey depth")
-    if not lengths:
-        raise InvalidArgumentError("give at least one passkey length")
-    too_long = [n for n in lengths if n > MAX_LENGTH]
-    if too_long:
-        raise InvalidArgumentError(f"passkey length {too_long[0]} is more than {MAX_LENGTH:,} tokens; give lengths "
-                                   f"up to the context you mean to test")
+    check_lengths(lengths)
     rng = random.Random(seed)
     points: dict[tuple[int, float], list[PasskeyPrompt]] = {}
     for length in lengths:
