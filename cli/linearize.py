@@ -7,7 +7,7 @@ import sys
 import click
 
 from cli.common import device_option, run_guarded, threads_option
-from engine.linearize import FINETUNE_DTYPES, FINETUNE_SCHEDULES, WEIGHT_DTYPES, LinearizeArgs, linearize
+from engine.linearize import FINETUNE_DTYPES, FINETUNE_SCHEDULES, TRANSFER_INPUTS, WEIGHT_DTYPES, LinearizeArgs, linearize
 from engine.threads import set_threads
 
 
@@ -21,6 +21,10 @@ from engine.threads import set_threads
                                                    "default: the transfer's rows)")
 @click.option("--seq-len", default=256, show_default=True)
 @click.option("--layer-steps", default=300, show_default=True, help="Adam steps per layer (attention transfer)")
+@click.option("--transfer-inputs", type=click.Choice(TRANSFER_INPUTS), default="softmax", show_default=True,
+              help="what each layer's transfer learns on: the softmax model's residual stream, or linear: the "
+                   "stream of the model whose earlier layers already run their transferred maps (layer by layer "
+                   "on the linearized layers' outputs; every earlier layer linear, whatever --hybrid keeps)")
 @click.option("--batch-size", default=8, show_default=True, help="rows per transfer step")
 @click.option("--lr", default=1e-2, show_default=True)
 @click.option("--finetune-steps", default=100, show_default=True, help="end-to-end steps of all maps (0: off)")
@@ -65,7 +69,8 @@ from engine.threads import set_threads
 @click.option("--seed", default=0, show_default=True)
 @click.option("--resume", is_flag=True, help="continue an interrupted run in the same --out")
 @click.option("--init", "init", type=click.Path(file_okay=False),
-              help="a `gen linearize` output to start from: its maps and adapters, its transfer losses (for "
+              help="a `gen linearize` output to start from: its maps and adapters (fresh ones of --lora-rank after a "
+                   "transfer-only run, --finetune-steps 0), its transfer losses (for "
                    "--hybrid), its sparse cache (`sparse_keys`, kept with the same --window); no transfer, only the "
                    "finetune (with --control: a control's output, its adapters)")
 @click.option("--control", is_flag=True,
@@ -77,14 +82,14 @@ from engine.threads import set_threads
 @click.option("--dtype", type=click.Choice(WEIGHT_DTYPES), default="float32", show_default=True,
               help="the frozen model's weights: bfloat16 holds them in half the memory (an 8B model: 16 GB, not 32); "
                    "maps, adapters and Adam stay fp32")
-def linearize_cmd(model_name, data, out, tokens, finetune_tokens, seq_len, layer_steps, batch_size, lr, finetune_steps,
+def linearize_cmd(model_name, data, out, tokens, finetune_tokens, seq_len, layer_steps, transfer_inputs, batch_size, lr, finetune_steps,
                   finetune_batch, finetune_lr, finetune_loss, finetune_dtype, finetune_schedule, finetune_linear_every, finetune_clip, grad_checkpoint, maps_lr, decay, decay_lr, gate, gate_lr, lora_rank, hybrid, window, budget, seed, resume, init, control, threads,
                   device, dtype):
     """With the model frozen, train per-layer hedgehog maps (transfer), then finetune them end to end."""
     def run():
         set_threads(threads)
         args = LinearizeArgs(model=model_name, data=list(data), out=out, seq_len=seq_len, tokens=tokens,
-                             finetune_tokens=finetune_tokens, layer_steps=layer_steps, batch_size=batch_size, lr=lr, finetune_steps=finetune_steps,
+                             finetune_tokens=finetune_tokens, layer_steps=layer_steps, transfer_inputs=transfer_inputs, batch_size=batch_size, lr=lr, finetune_steps=finetune_steps,
                              finetune_batch=finetune_batch, finetune_lr=finetune_lr, finetune_loss=finetune_loss, finetune_dtype=finetune_dtype,
                              finetune_clip=finetune_clip, finetune_schedule=finetune_schedule,
                              finetune_linear_every=finetune_linear_every, grad_checkpoint=grad_checkpoint, maps_lr=maps_lr,

@@ -69,6 +69,7 @@ WORK = ".linearize"
 FINETUNE_DTYPES = ("float32", "bfloat16")
 WEIGHT_DTYPES = ("float32", "bfloat16")   # the frozen model's weights (--dtype)
 FINETUNE_SCHEDULES = ("constant", "cosine")
+TRANSFER_INPUTS = ("softmax", "linear")
 
 
 @dataclass
@@ -81,6 +82,8 @@ class LinearizeArgs:
     finetune_tokens: int | None = None   # finetune tokens (None: the transfer's rows); more = fresh rows
     eval_rows: int = 4             # rows of the fixed batch the transfer losses are reported on
     layer_steps: int = 300
+    transfer_inputs: str = "softmax"   # what layer i+1's transfer reads: the softmax model's stream, or "linear":
+                                       # the stream with layers 0..i already running their transferred maps
     batch_size: int = 8
     lr: float = 1e-2
     finetune_steps: int = 100
@@ -181,6 +184,12 @@ def check_args(a: LinearizeArgs) -> None:
     if a.finetune_schedule not in FINETUNE_SCHEDULES:
         raise InvalidArgumentError(f"--finetune-schedule must be one of {', '.join(FINETUNE_SCHEDULES)}, "
                                    f"got {a.finetune_schedule!r}")
+    if a.transfer_inputs not in TRANSFER_INPUTS:
+        raise InvalidArgumentError(f"--transfer-inputs must be one of {', '.join(TRANSFER_INPUTS)}, "
+                                   f"got {a.transfer_inputs!r}")
+    if a.transfer_inputs != "softmax" and (a.init is not None or a.control):
+        raise InvalidArgumentError(f"--transfer-inputs: a {'--control' if a.control else '--init'} run has no "
+                                   "transfer; leave it out")
     if a.finetune_clip < 0:
         raise InvalidArgumentError(f"--finetune-clip must be 0 (off) or more, got {a.finetune_clip}")
     if a.maps_lr is not None and a.maps_lr < 0:
@@ -242,9 +251,10 @@ def init_config(a: LinearizeArgs) -> None:
     cfg = init_json(d)
     if cfg.get("base_model") != a.model:
         raise InvalidArgumentError(f"--init {d}: made from {cfg.get('base_model')!r}, not --model {a.model!r}")
-    rank = cfg.get("lora_rank", 0) if (d / "adapters.safetensors").is_file() else 0
-    if rank != a.lora_rank:
-        raise InvalidArgumentError(f"--init {d}: its adapters have rank {rank}; give --lora-rank {rank}")
+    if (d / "adapters.safetensors").is_file():   # without: fresh adapters of --lora-rank (a transfer-only output)
+        rank = cfg.get("lora_rank", 0)
+        if rank != a.lora_rank:
+            raise InvalidArgumentError(f"--init {d}: its adapters have rank {rank}; give --lora-rank {rank}")
 
 
 def kept_from_init(a: LinearizeArgs) -> dict:
@@ -336,14 +346,21 @@ def layer_targets(model, i, xs: np.ndarray, batch: int):
 
 
 @torch.no_grad()
-def advance(model, i, xs: np.ndarray, out: np.ndarray, batch: int) -> None:
-    """The softmax model's residual stream after layer i (the next layer's input)."""
+def advance(model, i, xs: np.ndarray, out: np.ndarray, batch: int, maps: FeatureMap | None = None,
+            window: int = 0) -> None:
+    """The residual stream after layer i (the next layer's input): through softmax attention (the
+    softmax model's stream), or with `maps` through layer i's linear attention (`--transfer-inputs
+    linear`: every later layer learns on the stream the linearized layers before it write)."""
+    if maps is None:
+        attend = lambda q, k, v: softmax_attention(q, k, v)   # noqa: E731
+    else:
+        attend = lambda q, k, v: linear_out(maps, q, k, v, window).to(q.dtype)   # noqa: E731
     for s in range(0, xs.shape[0], batch):
         x = torch.from_numpy(np.array(xs[s:s + batch])).to(model.device, model.dtype)
         T = x.shape[1]
         rope = (model.rotary(torch.arange(T, device=x.device).expand(x.shape[0], T), x.dtype)
                 if model.rotary is not None else None)
-        out[s:s + batch] = model.layers[i](x, rope, lambda q, k, v: softmax_attention(q, k, v)).float().cpu().numpy()
+        out[s:s + batch] = model.layers[i](x, rope, attend).float().cpu().numpy()
 
 
 def transfer_loss(model, i, maps, q, k, v, y, window):
@@ -421,6 +438,11 @@ def _linearize(a: LinearizeArgs, g: Group, log, on_step) -> dict | None:
     transfer_rows = train_rows[:max(1, a.tokens // a.seq_len)]
     L = cfg.num_hidden_layers
     state = progress.load() if a.resume else {}
+    if state and state["args"].get("transfer_inputs", "softmax") != a.transfer_inputs \
+            and state["layers_done"] < cfg.num_hidden_layers:   # later layers would learn on another stream
+        raise InvalidArgumentError(f"--resume with --transfer-inputs {a.transfer_inputs}, but the interrupted "
+                                   f"transfer used {state['args'].get('transfer_inputs', 'softmax')}; "
+                                   "resume with the same value")
     if state:
         saved = progress.tensors()
         maps.add_parts_of(saved["maps"])
@@ -442,7 +464,7 @@ def _linearize(a: LinearizeArgs, g: Group, log, on_step) -> dict | None:
         maps.add_parts_of(init_maps)
         maps.load_state_dict({**maps.state_dict(), **init_maps})   # --decay / --gate on maps without: fresh
         saved = None
-        if a.lora_rank:
+        if a.lora_rank and (d / "adapters.safetensors").is_file():   # else fresh ones, as after a transfer
             init_lora = LoRA.for_config(cfg, a.lora_rank, a.seed)
             init_lora.load_export(read_adapters(d / "adapters.safetensors", cfg))
             saved = {"lora": init_lora.state_dict()}
@@ -453,7 +475,7 @@ def _linearize(a: LinearizeArgs, g: Group, log, on_step) -> dict | None:
                  "args": asdict(a), "losses_measured": f"{losses['loss']} (the transfer of --init {d})",
                  "kept_from_init": kept_from_init(a)}   # read now (and saved for --resume), not when DIR may be gone
         progress.save(state, {"maps": maps.state_dict(), **(saved or {})})
-        log(f"starting from {d}: its maps{' and adapters' if a.lora_rank else ''}, no transfer")
+        log(f"starting from {d}: its maps{' and adapters' if saved else ''}, no transfer")
     else:
         state = {"layers_done": 0, "finetune_done": 0, "losses": [], "finetune_log": [], "seconds": 0.0,
                  "args": asdict(a)}
@@ -509,7 +531,10 @@ def _linearize(a: LinearizeArgs, g: Group, log, on_step) -> dict | None:
         del q, k, v, y, net, step_net
         if g.main:
             nxt = np.lib.format.open_memmap(progress.dir / f"x_{i + 1}.npy.tmp", "w+", np.float32, xs.shape)
-            advance(model, i, xs, nxt, a.batch_size)
+            with torch.no_grad():
+                layer_maps = (StepMaps(maps.q_weight[i], maps.q_bias[i], maps.k_weight[i], maps.k_bias[i])
+                              if a.transfer_inputs == "linear" else None)
+            advance(model, i, xs, nxt, a.batch_size, layer_maps, a.window)
             nxt.flush()
             del nxt
             os.replace(progress.dir / f"x_{i + 1}.npy.tmp", progress.dir / f"x_{i + 1}.npy")

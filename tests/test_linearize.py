@@ -4,6 +4,7 @@ import importlib.util
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -348,3 +349,62 @@ def test_written_weights_are_readable_as_the_umask_allows(tmp_path):
     for f in (tmp_path / "maps.safetensors", tmp_path / "hf" / "model.safetensors"):
         assert oct(f.stat().st_mode & 0o777) == oct(0o644), f
     assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_transfer_inputs_linear_learns_each_layer_on_the_linearized_stream(small_model_dir, corpus, tmp_path,
+                                                                           monkeypatch):
+    """--transfer-inputs linear: layer 0 learns on the embeddings as before (same maps); layer 1 on the
+    stream written by layer 0 running linear attention with the maps it just learned, which the written
+    model reproduces (attention linear, a hook on layer 1's input), not on the softmax model's stream."""
+    import engine.linearize as lin
+    from models.registry import read_checkpoint
+    seen = {}
+    real = lin.layer_targets
+
+    def spy(model, i, xs, batch):
+        seen[(run, i)] = torch.from_numpy(np.array(xs))
+        return real(model, i, xs, batch)
+    monkeypatch.setattr(lin, "layer_targets", spy)
+    outs = {}
+    for run in ("softmax", "linear"):
+        outs[run] = tmp_path / run
+        lin.linearize(args(small_model_dir, corpus, outs[run], finetune_steps=0, transfer_inputs=run), log=lambda m: None)
+    a, b = load_file(outs["softmax"] / "maps.safetensors"), load_file(outs["linear"] / "maps.safetensors")
+    assert all(torch.equal(a[n][0], b[n][0]) for n in a)          # layer 0: the same inputs, the same maps
+    assert torch.equal(seen[("softmax", 0)], seen[("linear", 0)])
+    a_ = args(small_model_dir, corpus, tmp_path / "x")
+    rows, _ = lin.build_rows(read_checkpoint(small_model_dir).tokenizer, a_)
+    layer_rows = torch.cat([rows[:-2][:a_.tokens // a_.seq_len], rows[-2:]])
+    for run, attention in (("softmax", "softmax"), ("linear", "linear")):
+        model, _ = load_model(outs[run])
+        got = {}
+        h = model.layers[1].register_forward_pre_hook(lambda mod, inp: got.update(x=inp[0].detach().clone()))
+        with torch.no_grad():
+            model(layer_rows, attention=attention)
+        h.remove()
+        # the written maps are fp16: the stream agrees to their rounding
+        torch.testing.assert_close(seen[(run, 1)], got["x"].float(), atol=2e-3, rtol=2e-3)
+    gap = (seen[("softmax", 1)] - seen[("linear", 1)]).abs().max()
+    assert gap > 1e-2, gap                                         # the two streams differ by far more
+    r = cli("linearize", "--model", small_model_dir, "--data", corpus, "--out", tmp_path / "bad",
+            "--transfer-inputs", "linear", "--init", outs["linear"])
+    assert r.exit_code == 2 and "has no transfer" in r.output and not (tmp_path / "bad").exists()
+
+
+def test_init_from_a_transfer_only_output_takes_fresh_adapters(small_model_dir, corpus, tmp_path):
+    """A transfer-only output (--finetune-steps 0) has no adapters: --init with --lora-rank R starts fresh
+    ones (the zero-initialised B of a LoRA pair: the first step's model is the transfer's), its maps are
+    the transfer's."""
+    first = tmp_path / "transfer"
+    linearize(args(small_model_dir, corpus, first, finetune_steps=0), log=lambda m: None)
+    assert not (first / "adapters.safetensors").exists()
+    same = tmp_path / "same"
+    linearize(args(small_model_dir, corpus, same, lora_rank=4, finetune_steps=1, finetune_lr=0.0, init=str(first)),
+              log=lambda m: None)
+    a, b = load_file(first / "maps.safetensors"), load_file(same / "maps.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    adapters = load_file(same / "adapters.safetensors")
+    assert adapters and all(v.abs().max() == 0 for k, v in adapters.items() if k.endswith("b"))
+    trained = tmp_path / "trained"
+    linearize(args(small_model_dir, corpus, trained, lora_rank=4, finetune_steps=2, init=str(first)), log=lambda m: None)
+    assert any(v.abs().max() > 0 for k, v in load_file(trained / "adapters.safetensors").items() if k.endswith("b"))
