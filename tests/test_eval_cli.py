@@ -12,6 +12,19 @@ from cli.main import main
 from conftest import generated_sentences
 
 
+@pytest.fixture(autouse=True)
+def cores_of_this_worker(monkeypatch):
+    """`gen eval --task` runs PyTorch on every core of its process by default; in-process here that is
+    PyTorch's process-wide pool, which tests/conftest.py sizes to this worker's share of the cores. At
+    two threads on cores another worker keeps busy, each small op waits at OpenMP's barrier (the
+    passkey test: 5 s instead of 0.1 s), and the setting outlived the test. So the default here is
+    the worker's share; what the tests check does not depend on the count."""
+    import torch
+
+    import cli.eval
+    monkeypatch.setattr(cli.eval, "available_cores", lambda n=torch.get_num_threads(): n)
+
+
 def gen(*args):
     return CliRunner().invoke(main, ["eval", *map(str, args)])
 
