@@ -263,11 +263,12 @@ def test_clear_while_the_panes_stream_forgets_the_running_turns(page):
 
 
 @browser
-def test_a_server_gone_mid_answer_or_before_it_is_one_clear_line():
-    """The browser's own words ("network error", "Failed to fetch") name neither the server nor what to do."""
+def test_a_server_gone_mid_answer_or_before_it_is_one_clear_line(page):
+    """The browser's own words ("network error", "Failed to fetch") name neither the server nor what to do.
+    (A server of its own, which it kills; the module's browser, on that server's origin.)"""
     import signal
+    driver = page[1]
     with web.server_process("--model", "tiny") as (url, proc):
-        driver = web.browser(1280, 900)
         try:
             web.open_page(driver, url, panes=("linear", "linear"), max_tokens=100000, temperature=0.8, ignore_eos=True)
             web.send(driver, PROMPT)
@@ -282,49 +283,49 @@ def test_a_server_gone_mid_answer_or_before_it_is_one_clear_line():
             assert all(e.startswith(f"Could not reach the server at {url} (")
                        and e.endswith("is gen serve still running?") for e in errors(driver))
         finally:
-            driver.quit()
+            driver.get("about:blank")
 
 
 @browser
-def test_a_stream_cut_before_its_done_event_is_an_error_not_an_answer():
-    """A proxy that ends a stream early (whole, without `data: [DONE]`): the pane says the answer was cut."""
+def test_a_stream_cut_before_its_done_event_is_an_error_not_an_answer(page):
+    """A proxy that ends a stream early (whole, without `data: [DONE]`): the pane says the answer was cut.
+    (The proxy stands before the module's server; the module's browser opens the page at the proxy.)"""
     import http.server
     import threading
     import httpx
-    with web.serving("--model", "tiny") as url:
-        class Cutting(http.server.BaseHTTPRequestHandler):   # forwards to the server; drops [DONE]
-            def forward(self, body=None):
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("content-length", "connection")}
-                r = httpx.request(self.command, url + self.path, headers=headers, content=body, timeout=30)
-                data = r.content.replace(b"data: [DONE]\r\n\r\n", b"")
-                self.send_response(r.status_code)
-                for k, v in r.headers.items():
-                    if k.lower() not in ("content-length", "transfer-encoding", "connection", "content-encoding"):
-                        self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+    url, driver = page
+    class Cutting(http.server.BaseHTTPRequestHandler):   # forwards to the server; drops [DONE]
+        def forward(self, body=None):
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in ("content-length", "connection")}
+            r = httpx.request(self.command, url + self.path, headers=headers, content=body, timeout=30)
+            data = r.content.replace(b"data: [DONE]\r\n\r\n", b"")
+            self.send_response(r.status_code)
+            for k, v in r.headers.items():
+                if k.lower() not in ("content-length", "transfer-encoding", "connection", "content-encoding"):
+                    self.send_header(k, v)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
 
-            def do_GET(self):
-                self.forward()
+        def do_GET(self):
+            self.forward()
 
-            def do_POST(self):
-                self.forward(self.rfile.read(int(self.headers["Content-Length"])))
+        def do_POST(self):
+            self.forward(self.rfile.read(int(self.headers["Content-Length"])))
 
-            def log_message(self, *args):
-                pass
-        proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Cutting)
-        threading.Thread(target=proxy.serve_forever, daemon=True).start()
-        driver = web.browser(1280, 900)
-        try:
-            web.open_page(driver, f"http://127.0.0.1:{proxy.server_address[1]}", max_tokens=4)
-            web.send(driver, PROMPT)
-            web.wait_until(driver, lambda d: "streaming" not in web.statuses(d), 30)
-            assert web.statuses(driver) == ["error", "error"]
-            assert errors(driver) == ["The server's stream ended before the answer did (no `data: [DONE]`)"] * 2
-        finally:
-            driver.quit()
-            proxy.shutdown()
+        def log_message(self, *args):
+            pass
+    proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Cutting)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        web.open_page(driver, f"http://127.0.0.1:{proxy.server_address[1]}", max_tokens=4)
+        web.send(driver, PROMPT)
+        web.wait_until(driver, lambda d: "streaming" not in web.statuses(d), 30)
+        assert web.statuses(driver) == ["error", "error"]
+        assert errors(driver) == ["The server's stream ended before the answer did (no `data: [DONE]`)"] * 2
+    finally:
+        driver.get("about:blank")
+        proxy.shutdown()
 
 
 def test_enter_sends_and_shift_enter_makes_a_new_line(page):
@@ -397,12 +398,14 @@ def test_bench_tab_draws_a_shipped_report_and_opened_files(page, tmp_path):
 
 
 @browser
-def test_the_page_asks_for_the_api_key_and_sends_it():
+def test_the_page_asks_for_the_api_key_and_sends_it(page):
+    """A server of its own (with a key); the module's browser, on that server's origin (a tab's key is
+    kept per origin: nothing carries over from or to the other tests)."""
     import cli.serve
     if "api_key" not in {p.name for p in cli.serve.serve_cmd.params}:
         pytest.skip("this gen serve has no --api-key")
+    driver = page[1]
     with web.serving("--model", "tiny", "--api-key", "s3cret") as url:
-        driver = web.browser(1280, 900)
         try:
             driver.get(url + "/")
             assert driver.find_elements("id", "prompt"), \
@@ -420,4 +423,4 @@ def test_the_page_asks_for_the_api_key_and_sends_it():
             web.send(driver, PROMPT)
             web.wait_until(driver, lambda d: web.statuses(d) == ["done", "done"], 30)
         finally:
-            driver.quit()
+            driver.get("about:blank")
