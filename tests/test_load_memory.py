@@ -50,29 +50,39 @@ def python(code: str) -> str:
     return proc.stdout
 
 
-def test_a_load_never_imports_dynamo(q4_1_file):
-    """nn.Embedding's random init on the meta device ran torch._refs, whose first call imports
-    torch._dynamo and triton: a load and a generation (and dequantize_model) must not."""
+@pytest.fixture(scope="module")
+def fresh_load(q4_1_file):
+    """What one fresh interpreter saw around a load of q4_1_file (one process for the two tests below,
+    each reading its own lines): right after the load, whether gguf and sentencepiece are imported;
+    after a generation and dequantize_model, the torch._dynamo and triton modules imported; then
+    `import sentencepiece`'s class name."""
     code = ("import sys, engine\n"
             "from engine.quant import dequantize_model\n"
             f"llm = engine.load({str(q4_1_file)!r}, threads=1)\n"
+            "print('gguf' in sys.modules, 'sentencepiece' in sys.modules)\n"
             "llm.generate([1, 5, 9], max_new_tokens=3, temperature=0)\n"
             "dequantize_model(llm.model)\n"
-            "print(sorted(m for m in sys.modules if m.startswith(('torch._dynamo', 'triton'))))\n")
-    assert python(code).strip().splitlines()[-1] == "[]"
+            "print(sorted(m for m in sys.modules if m.startswith(('torch._dynamo', 'triton'))))\n"
+            "try:\n"
+            "    import sentencepiece\n"
+            "    print(sentencepiece.SentencePieceProcessor.__name__)\n"
+            "except ImportError as e:\n"
+            "    print('ImportError', e)\n")
+    return python(code).strip().splitlines()[-3:]
 
 
-def test_a_gguf_load_leaves_sentencepiece_out_and_importable(q4_1_file):
+def test_a_load_never_imports_dynamo(fresh_load):
+    """nn.Embedding's random init on the meta device ran torch._refs, whose first call imports
+    torch._dynamo and triton: a load and a generation (and dequantize_model) must not."""
+    assert fresh_load[1] == "[]"
+
+
+def test_a_gguf_load_leaves_sentencepiece_out_and_importable(fresh_load):
     """The gguf package's __init__ imports sentencepiece for its vocabulary converters (~1.3 MB that
     reading a file never runs): a load imports the package without it, and `import sentencepiece`
     afterwards works as ever."""
     pytest.importorskip("sentencepiece", reason="sentencepiece is not installed")
-    code = ("import sys, engine\n"
-            f"llm = engine.load({str(q4_1_file)!r}, threads=1)\n"
-            "print('gguf' in sys.modules, 'sentencepiece' in sys.modules)\n"
-            "import sentencepiece\n"
-            "print(sentencepiece.SentencePieceProcessor.__name__)\n")
-    assert python(code).split() == ["True", "False", "SentencePieceProcessor"]
+    assert fresh_load[0].split() + fresh_load[2:] == ["True", "False", "SentencePieceProcessor"]
 
 
 def test_leaving_sentencepiece_out_of_the_gguf_import_is_the_importing_threads_alone():
