@@ -27,6 +27,15 @@ def native_cache(tmp_path_factory):
     yield os.environ["GEN_ENGINE_CACHE"]
 
 
+@pytest.fixture
+def small_copy_buffer(monkeypatch):
+    """run_bench measures the machine's copy bandwidth once per run, for its floor (engine.bench.floor:
+    the best of 5 copies of 256 MiB, ~0.5 s and more on a busy machine); tests that do not check the
+    floor (tests/test_bench_floor.py does, on the real buffer) have it measured on 16 MiB."""
+    from engine.bench import floor
+    monkeypatch.setitem(floor.BUFFER_BYTES, "cpu", 16 << 20)
+
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Workers share the cores: PyTorch's OpenMP pool on more threads than its share of them stalls at
     # every barrier (a small GQA test went from 0.7 s to 4 s), so each worker gets cores / workers.

@@ -12,6 +12,8 @@ from engine.bench.report import decode_crossover
 from engine.bench.sweep import BenchError, measure, percentile
 from tests.conftest import tiny_model
 
+pytestmark = pytest.mark.usefixtures("small_copy_buffer")   # tests/conftest.py: no test here checks the floor
+
 RESULT_KEYS = {"attention", "context", "prefill_tokens_per_s", "decode_ms_per_token", "decode_ms_per_token_p90",
                "decode_tokens_per_s", "state_bytes", "peak_rss_bytes"}
 

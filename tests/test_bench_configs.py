@@ -13,6 +13,8 @@ from engine.bench.sweep import measure_entry
 from engine.errors import InvalidArgumentError
 from tests.conftest import tiny_model
 
+pytestmark = pytest.mark.usefixtures("small_copy_buffer")   # tests/conftest.py: no test here checks the floor
+
 NEW_KEYS = {"entry", "configuration", "softmax_layers", "window", "prefill_tokens", "depth_fill"}
 
 

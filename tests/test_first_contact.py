@@ -304,6 +304,7 @@ def test_bench_refuses_an_uncreatable_output_before_measuring(small_model_dir, m
             one_line_error(gen(*BENCH, "-m", small_model_dir, "--json", f"{where}/b.json"), "cannot create a file")
 
 
+@pytest.mark.usefixtures("small_copy_buffer")   # tests/conftest.py: the floor is not checked here
 def test_bench_ctrl_c_prints_the_finished_rows(small_model_dir, tmp_path, monkeypatch):
     import json
 

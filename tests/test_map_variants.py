@@ -131,6 +131,7 @@ def test_a_set_made_from_another_base_model_is_refused(two_sets):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.usefixtures("small_copy_buffer")   # tests/conftest.py: the floor is not checked here
 def test_isolated_bench_rows_load_their_set_for_every_entry(two_sets):
     """Each isolated bench row resolves its entry (window and default too) before choosing the maps."""
     from engine.bench import BenchSettings, run_bench

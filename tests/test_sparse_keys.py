@@ -235,6 +235,7 @@ def test_bench_reaches_a_depth_by_moving_the_counters():
         assert torch.isfinite(model.step(torch.tensor([[5]]), state)).all()
 
 
+@pytest.mark.usefixtures("small_copy_buffer")   # tests/conftest.py: the floor is not checked here
 def test_gen_bench_runs_sparse_keys_and_its_state_formula_holds(tmp_path):
     import json
     from click.testing import CliRunner
