@@ -133,10 +133,16 @@ def test_a_set_made_from_another_base_model_is_refused(two_sets):
 
 @pytest.mark.usefixtures("small_copy_buffer")   # tests/conftest.py: the floor is not checked here
 def test_isolated_bench_rows_load_their_set_for_every_entry(two_sets):
-    """Each isolated bench row resolves its entry (window and default too) before choosing the maps."""
+    """Each isolated bench row resolves its entry (window and default too) before choosing the maps: with
+    linear/'s maps unreadable the linear row's worker fails, the window and default rows' do not."""
     from engine.bench import BenchSettings, run_bench
+    from engine.bench.sweep import BenchError
     d, _ = two_sets
-    report = run_bench(BenchSettings(model=str(d), contexts=(8,), attentions=("linear", "window", "default"),
+    (d / "linear" / "maps.safetensors").write_bytes(b"not safetensors")
+    report = run_bench(BenchSettings(model=str(d), contexts=(8,), attentions=("window", "default"),
                                      steps=1, warmup=0, threads=1), progress=False)
-    assert [r["entry"] for r in report["results"]] == ["linear", "window", "default"]
-    assert [r["window"] for r in report["results"]] == [0, 4, 4]
+    assert [r["entry"] for r in report["results"]] == ["window", "default"]
+    assert [r["window"] for r in report["results"]] == [4, 4]
+    with pytest.raises(BenchError, match="linear at context 8"):
+        run_bench(BenchSettings(model=str(d), contexts=(8,), attentions=("linear",), steps=1, warmup=0, threads=1),
+                  progress=False)
