@@ -531,9 +531,8 @@ def _linearize(a: LinearizeArgs, g: Group, log, on_step) -> dict | None:
         del q, k, v, y, net, step_net
         if g.main:
             nxt = np.lib.format.open_memmap(progress.dir / f"x_{i + 1}.npy.tmp", "w+", np.float32, xs.shape)
-            with torch.no_grad():
-                layer_maps = (StepMaps(maps.q_weight[i], maps.q_bias[i], maps.k_weight[i], maps.k_bias[i])
-                              if a.transfer_inputs == "linear" else None)
+            layer_maps = (StepMaps(maps.q_weight[i], maps.q_bias[i], maps.k_weight[i], maps.k_bias[i])
+                          if a.transfer_inputs == "linear" else None)
             advance(model, i, xs, nxt, a.batch_size, layer_maps, a.window)
             nxt.flush()
             del nxt

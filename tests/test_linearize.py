@@ -389,6 +389,17 @@ def test_transfer_inputs_linear_learns_each_layer_on_the_linearized_stream(small
     r = cli("linearize", "--model", small_model_dir, "--data", corpus, "--out", tmp_path / "bad",
             "--transfer-inputs", "linear", "--init", outs["linear"])
     assert r.exit_code == 2 and "has no transfer" in r.output and not (tmp_path / "bad").exists()
+    # an interrupted transfer resumes on the stream it started on, or not at all
+    cut = tmp_path / "cut"
+
+    def interrupt(phase, layer, step):
+        if (phase, layer, step) == ("transfer", 1, 2):
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        lin.linearize(args(small_model_dir, corpus, cut, finetune_steps=0, transfer_inputs="linear"),
+                      log=lambda m: None, on_step=interrupt)
+    with pytest.raises(lin.InvalidArgumentError, match="the interrupted transfer used linear"):
+        lin.linearize(args(small_model_dir, corpus, cut, finetune_steps=0, resume=True), log=lambda m: None)
 
 
 def test_init_from_a_transfer_only_output_takes_fresh_adapters(small_model_dir, corpus, tmp_path):
