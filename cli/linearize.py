@@ -69,8 +69,8 @@ from engine.threads import set_threads
 @click.option("--seed", default=0, show_default=True)
 @click.option("--resume", is_flag=True, help="continue an interrupted run in the same --out")
 @click.option("--init", "init", type=click.Path(file_okay=False),
-              help="a `gen linearize` output to start from: its maps and adapters (fresh ones of --lora-rank after a "
-                   "transfer-only run, --finetune-steps 0), its transfer losses (for "
+              help="a `gen linearize` output to start from: its maps and adapters (fresh ones of --lora-rank where it "
+                   "has none, as after a transfer-only run, --finetune-steps 0), its transfer losses (for "
                    "--hybrid), its sparse cache (`sparse_keys`, kept with the same --window); no transfer, only the "
                    "finetune (with --control: a control's output, its adapters)")
 @click.option("--control", is_flag=True,

@@ -231,7 +231,8 @@ def check_control(a: LinearizeArgs) -> None:
 
 def init_config(a: LinearizeArgs) -> None:
     """Checks --init DIR against the run: a linearize output (config.json, maps, losses) made from the
-    same base model, with adapters of the run's --lora-rank (one line otherwise). A --control run
+    same base model, with adapters of the run's --lora-rank if it has any (without, as after a
+    transfer-only run, the finetune starts fresh ones; one line otherwise). A --control run
     continues a control: DIR holds adapters on every layer (config "adapters_on": "all") and no maps."""
     d = Path(a.init)
     if a.control:
@@ -267,6 +268,18 @@ def kept_from_init(a: LinearizeArgs) -> dict:
     cfg = init_json(Path(a.init))
     keys = cfg.get("sparse_keys")
     return {"sparse_keys": keys} if keys and cfg.get("window") == a.window else {}
+
+
+def init_transfer_inputs(d: Path) -> str | None:
+    """The stream --init DIR's transfer learned on (its linearize.json; runs before the flag: the softmax
+    model's), None where DIR has no readable record of it."""
+    try:
+        run = json.loads((d / "linearize.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(run, dict):
+        return None
+    return run.get("transfer_inputs") or (run.get("args") or {}).get("transfer_inputs", "softmax")
 
 
 def init_json(d: Path) -> dict:
@@ -473,12 +486,13 @@ def _linearize(a: LinearizeArgs, g: Group, log, on_step) -> dict | None:
             raise InvalidArgumentError(f"--init {d}: {len(losses['layers'])} layers of transfer losses, the model has {L}")
         state = {"layers_done": L, "finetune_done": 0, "losses": losses["layers"], "finetune_log": [], "seconds": 0.0,
                  "args": asdict(a), "losses_measured": f"{losses['loss']} (the transfer of --init {d})",
-                 "kept_from_init": kept_from_init(a)}   # read now (and saved for --resume), not when DIR may be gone
+                 "kept_from_init": kept_from_init(a),   # read now (and saved for --resume), not when DIR may be gone
+                 "transfer_inputs": init_transfer_inputs(d)}
         progress.save(state, {"maps": maps.state_dict(), **(saved or {})})
         log(f"starting from {d}: its maps{' and adapters' if saved else ''}, no transfer")
     else:
         state = {"layers_done": 0, "finetune_done": 0, "losses": [], "finetune_log": [], "seconds": 0.0,
-                 "args": asdict(a)}
+                 "args": asdict(a), "transfer_inputs": a.transfer_inputs}
         saved = None
         if g.main:
             layer_rows = torch.cat([transfer_rows, eval_rows])
@@ -702,9 +716,12 @@ def write_output(model, a, state, used, layer_attention, t0, rows_used, lora=Non
     if lora is not None:
         config["lora_rank"] = a.lora_rank
     config.update(state.get("kept_from_init", {}))
+    stream = state.get("transfer_inputs", state["args"].get("transfer_inputs", "softmax"))
     what = state.get("losses_measured",   # --init: the losses are its transfer's, measured on its rows
                      f"MSE of the o_proj output of linear vs softmax attention, on a fixed batch of {a.eval_rows} "
-                     f"rows x {a.seq_len} tokens; relative = loss / the target's mean square")
+                     f"rows x {a.seq_len} tokens; relative = loss / the target's mean square; each layer's "
+                     + ("inputs: the stream of the linearized layers before it (--transfer-inputs linear)"
+                        if stream == "linear" else "inputs: the softmax model's stream"))
     write_json(out / "transfer_losses.json", {"loss": what, "layers": state["losses"]})
     write_json(out / "data.json", {"files": used, "seq_len": a.seq_len, "seed": a.seed, **rows_used,
                                    "format": "per file: documents shuffled by the seed, BOS + text + EOS, "
@@ -713,6 +730,7 @@ def write_output(model, a, state, used, layer_attention, t0, rows_used, lora=Non
                                              "uses the first transfer_rows of the others, the finetune "
                                              "draws from the first finetune_rows"})
     summary = {"command": a.command, "args": asdict(a), "layers": L,
+               "transfer_inputs": None if a.control else stream,   # the transfer's (an --init's: DIR's)
                "finetune_steps_done": state["finetune_done"], "finetune_loss": a.finetune_loss,
                "finetune_dtype": a.finetune_dtype, "finetune_clip": a.finetune_clip,
                "finetune_schedule": a.finetune_schedule, "finetune_linear_every": a.finetune_linear_every,

@@ -389,6 +389,16 @@ def test_transfer_inputs_linear_learns_each_layer_on_the_linearized_stream(small
     r = cli("linearize", "--model", small_model_dir, "--data", corpus, "--out", tmp_path / "bad",
             "--transfer-inputs", "linear", "--init", outs["linear"])
     assert r.exit_code == 2 and "has no transfer" in r.output and not (tmp_path / "bad").exists()
+    assert len(r.output.strip().splitlines()) == 1
+    # the output says which stream its transfer learned on; a finetune from it (--init) says the same
+    for run in ("softmax", "linear"):
+        assert json.loads((outs[run] / "linearize.json").read_text())["transfer_inputs"] == run
+    assert "linearized layers before it" in json.loads((outs["linear"] / "transfer_losses.json").read_text())["loss"]
+    assert "softmax model's stream" in json.loads((outs["softmax"] / "transfer_losses.json").read_text())["loss"]
+    then = tmp_path / "then"
+    lin.linearize(args(small_model_dir, corpus, then, lora_rank=2, finetune_steps=1, init=str(outs["linear"])),
+                  log=lambda m: None)
+    assert json.loads((then / "linearize.json").read_text())["transfer_inputs"] == "linear"
     # an interrupted transfer resumes on the stream it started on, or not at all
     cut = tmp_path / "cut"
 
@@ -400,6 +410,10 @@ def test_transfer_inputs_linear_learns_each_layer_on_the_linearized_stream(small
                       log=lambda m: None, on_step=interrupt)
     with pytest.raises(lin.InvalidArgumentError, match="the interrupted transfer used linear"):
         lin.linearize(args(small_model_dir, corpus, cut, finetune_steps=0, resume=True), log=lambda m: None)
+    lin.linearize(args(small_model_dir, corpus, cut, finetune_steps=0, resume=True, transfer_inputs="linear"),
+                  log=lambda m: None)
+    a, b = load_file(outs["linear"] / "maps.safetensors"), load_file(cut / "maps.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)   # = the uninterrupted run
 
 
 def test_init_from_a_transfer_only_output_takes_fresh_adapters(small_model_dir, corpus, tmp_path):

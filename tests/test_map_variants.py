@@ -143,6 +143,6 @@ def test_isolated_bench_rows_load_their_set_for_every_entry(two_sets):
                                      steps=1, warmup=0, threads=1), progress=False)
     assert [r["entry"] for r in report["results"]] == ["window", "default"]
     assert [r["window"] for r in report["results"]] == [4, 4]
-    with pytest.raises(BenchError, match="linear at context 8"):
+    with pytest.raises(BenchError, match=r"linear at context 8: .*linear/maps\.safetensors"):
         run_bench(BenchSettings(model=str(d), contexts=(8,), attentions=("linear",), steps=1, warmup=0, threads=1),
                   progress=False)
