@@ -451,11 +451,10 @@ def _linearize(a: LinearizeArgs, g: Group, log, on_step) -> dict | None:
     transfer_rows = train_rows[:max(1, a.tokens // a.seq_len)]
     L = cfg.num_hidden_layers
     state = progress.load() if a.resume else {}
-    if state and state["args"].get("transfer_inputs", "softmax") != a.transfer_inputs \
-            and state["layers_done"] < cfg.num_hidden_layers:   # later layers would learn on another stream
+    # the later layers of an interrupted transfer learn on the stream the earlier ones did
+    if state and state["layers_done"] < L and state.get("transfer_inputs", "softmax") != a.transfer_inputs:
         raise InvalidArgumentError(f"--resume with --transfer-inputs {a.transfer_inputs}, but the interrupted "
-                                   f"transfer used {state['args'].get('transfer_inputs', 'softmax')}; "
-                                   "resume with the same value")
+                                   f"transfer used {state.get('transfer_inputs', 'softmax')}; resume with the same value")
     if state:
         saved = progress.tensors()
         maps.add_parts_of(saved["maps"])
@@ -716,7 +715,7 @@ def write_output(model, a, state, used, layer_attention, t0, rows_used, lora=Non
     if lora is not None:
         config["lora_rank"] = a.lora_rank
     config.update(state.get("kept_from_init", {}))
-    stream = state.get("transfer_inputs", state["args"].get("transfer_inputs", "softmax"))
+    stream = state.get("transfer_inputs", "softmax")   # (progress saved before the flag: the softmax stream)
     what = state.get("losses_measured",   # --init: the losses are its transfer's, measured on its rows
                      f"MSE of the o_proj output of linear vs softmax attention, on a fixed batch of {a.eval_rows} "
                      f"rows x {a.seq_len} tokens; relative = loss / the target's mean square; each layer's "
