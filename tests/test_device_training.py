@@ -62,36 +62,28 @@ def test_linearize_with_bf16_weights_tracks_fp32(small_model_dir, corpus, tmp_pa
     assert all(torch.isfinite(t.float()).all() for t in maps.values())
 
 
+# the plain run, and the window form with a learned gated decay (`decayed_parts`, what smollm2-linear-8k
+# trains on a GPU loan): maps, adapters (and decay logits and gate) on CUDA come out as the CPU's
+GATED = dict(hybrid=1, window=8, gate=True, decay_lr=0.2, gate_lr=0.05)
+
+
 @cuda
-def test_linearize_on_cuda_equals_the_cpu(small_model_dir, corpus, tmp_path):
+@pytest.mark.parametrize("extra", [{}, GATED], ids=["plain", "window_gate"])
+def test_linearize_on_cuda_equals_the_cpu(small_model_dir, corpus, tmp_path, extra):
     outs = {}
     for device in ("cpu", "cuda"):
         outs[device] = tmp_path / device
-        linearize(lin_args(small_model_dir, corpus, outs[device], device=device), log=lambda m: None)
+        linearize(lin_args(small_model_dir, corpus, outs[device], device=device, **extra), log=lambda m: None)
+    if extra:
+        maps = load_file(outs["cpu"] / "maps.safetensors")
+        assert any("gate" in k for k in maps) and any("decay" in k for k in maps)
     for name in ("maps.safetensors", "adapters.safetensors"):   # fp16 files: within a few fp16 steps
-        a, b = load_file(outs["cpu"] / name), load_file(outs["cuda"] / name)
-        for k in a:
-            assert torch.allclose(a[k].float(), b[k].float(), atol=2e-3, rtol=1e-2), (name, k)
-    summary = json.loads((outs["cuda"] / "linearize.json").read_text())
-    assert summary["device"].startswith("cuda")
-
-
-@cuda
-def test_linearize_window_gate_on_cuda_equals_the_cpu(small_model_dir, corpus, tmp_path):
-    """The window form with a learned gated decay (`decayed_parts`, what smollm2-linear-8k trains on a GPU
-    loan): its maps, adapters, decay logits and gate on CUDA come out as the CPU's."""
-    outs = {}
-    for device in ("cpu", "cuda"):
-        outs[device] = tmp_path / device
-        linearize(lin_args(small_model_dir, corpus, outs[device], device=device, hybrid=1, window=8, gate=True,
-                           decay_lr=0.2, gate_lr=0.05), log=lambda m: None)
-    maps = load_file(outs["cpu"] / "maps.safetensors")
-    assert any("gate" in k for k in maps) and any("decay" in k for k in maps)
-    for name in ("maps.safetensors", "adapters.safetensors"):
         a, b = load_file(outs["cpu"] / name), load_file(outs["cuda"] / name)
         assert a.keys() == b.keys()
         for k in a:
             assert torch.allclose(a[k].float(), b[k].float(), atol=2e-3, rtol=1e-2), (name, k)
+    summary = json.loads((outs["cuda"] / "linearize.json").read_text())
+    assert summary["device"].startswith("cuda")
 
 
 @cuda
