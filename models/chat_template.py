@@ -142,6 +142,16 @@ def check_messages(messages) -> list[dict]:
     return out
 
 
+def check_question(messages) -> None:
+    """A reply needs something to answer: the last message may not be a user message that is empty or
+    only whitespace (as `gen chat` refuses an empty line). Other blank messages (a system prompt, an
+    assistant turn) are the caller's to send."""
+    last = messages[-1] if isinstance(messages, (list, tuple)) and messages else None
+    if isinstance(last, dict) and last.get("role") == "user" and isinstance(last.get("content"), str) \
+            and not last["content"].strip():
+        raise InvalidArgumentError("the last user message is empty or only whitespace; give it some text")
+
+
 def find_template(directory: Path) -> str | None:
     """A directory's chat template: chat_template.jinja, else tokenizer_config.json's chat_template."""
     directory = Path(directory)

@@ -267,3 +267,19 @@ def test_chat_settings_are_checked(llm):
         llm.chat([{"role": "user", "content": "hi"}], temperature=-1)
     with pytest.raises(InvalidArgumentError, match="the message is empty"):
         llm.chat_session().send("  ")
+
+
+def test_a_blank_question_is_refused_everywhere_a_blank_system_prompt_is_not(llm, model_dir):
+    """chat() as chat_session().send(): the last user message may not be empty or only whitespace; a
+    blank system prompt or assistant turn is the caller's choice. `gen --chat` says so in one line."""
+    for blank in ("", "  \n\t"):
+        with pytest.raises(InvalidArgumentError, match="last user message is empty") as e:
+            llm.chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": blank}])
+        assert "\n" not in str(e.value)
+    ok = [{"role": "system", "content": " "}, {"role": "user", "content": ""}, {"role": "assistant", "content": ""},
+          {"role": "user", "content": "Hello there"}]
+    reply = llm.chat(ok, temperature=0, max_new_tokens=2)
+    "".join(reply)
+    assert reply.result.ids
+    r = CliRunner().invoke(main, ["--model", str(model_dir), "--chat", "   "])
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "last user message is empty" in r.output, r.output

@@ -245,6 +245,17 @@ def test_a_bad_logit_bias_is_a_400_naming_it(live, bias, what):
     assert r.status_code == 400 and err["param"] == "logit_bias" and what in err["message"], err
 
 
+@pytest.mark.parametrize("content", ["", " \n "], ids=["empty", "blank"])
+def test_a_blank_last_user_message_is_a_400_as_a_blank_prompt_is(chat_live, content):
+    r = httpx.post(chat_live.url + "/v1/chat/completions", timeout=30, json={
+        "model": NAME, "max_tokens": 2, "messages": [{"role": "user", "content": content}]})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "messages" and "last user message is empty" in err["message"], err
+    ok = httpx.post(chat_live.url + "/v1/chat/completions", timeout=30, json={
+        "model": NAME, "max_tokens": 2, "messages": [{"role": "system", "content": ""}, {"role": "user", "content": "hi"}]})
+    assert ok.status_code == 200, ok.text
+
+
 def test_system_fingerprint_is_sent_and_stable(live, chat_live):
     a = complete(live, max_tokens=2)
     chunks = stream_chunks(live, "completions", {"model": NAME, "prompt": "x", "max_tokens": 2})

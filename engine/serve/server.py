@@ -31,6 +31,7 @@ from engine.serve.errors import APIError, bad_request, model_not_found, over_cap
 from engine.serve.prefix_cache import PrefixCache
 from engine.serve.scheduler import PREFILL_SHARE, Closed, Full, Job, Scheduler
 from engine.serve.schemas import ChatRequest, CompletionRequest
+from models.chat_template import check_question
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
 RETRY_AFTER_S = 1
@@ -118,6 +119,10 @@ class Server:
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         if self.llm.tokenizer is not None:
             self.check_chars([m["content"] or "" for m in messages], "messages")
+        try:
+            check_question(messages)
+        except EngineError as e:
+            raise bad_request(str(e), "messages") from None
         try:
             if self._chat_eos is None:
                 self._chat_eos = frozenset(self.llm.chat_eos_ids())   # raises if the model cannot chat
