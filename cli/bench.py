@@ -10,7 +10,7 @@ from cli.common import backend_option, KV_DTYPE_HELP, check_output_path, device_
 from engine.bench import DEFAULT_CONTEXTS, BenchSettings, run_bench, write_json
 from engine.bench.configs import parse_attentions
 from engine.errors import InvalidArgumentError
-from engine.bench.plot import plot
+from engine.bench.plot import plot, plot_format
 from engine.bench.report import format_table, summary_lines
 
 
@@ -57,7 +57,7 @@ def parse_attention(ctx, param, value):
 @click.option("--kv-dtype", help=KV_DTYPE_HELP)
 @device_option
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write the report as JSON here")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="write the two-panel plot (PNG) here")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="write the two-panel plot here (PNG; .svg, .pdf and the other formats matplotlib writes by their extension)")
 @click.option("--compare-hf", is_flag=True, help="also time transformers' generate on the same checkpoint")
 @click.option("--hf-new-tokens", default=128, show_default=True, help="greedy tokens per --compare-hf run")
 @click.option("--hf-repeats", default=3, show_default=True, help="timed runs per side (median counts)")
@@ -80,6 +80,8 @@ def bench_cmd(model_name, contexts, attention, softmax_layers, window, prefill_t
         for out in (json_path, plot_path):   # fail before measuring, not after the whole run
             if out:
                 check_output_path(out)
+        if plot_path:
+            plot_format(plot_path)   # an extension matplotlib cannot write: one line now
         settings = BenchSettings(model=model_name, contexts=contexts or DEFAULT_CONTEXTS,
                                  attentions=attention, softmax_layers=softmax_layers, window=window,
                                  sparse_keys=sparse_keys,

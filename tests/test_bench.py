@@ -159,6 +159,26 @@ def test_cli_bench_table_json_plot(model_dir, tmp_path):
     assert out_png.stat().st_size > 0
 
 
+def test_cli_refuses_a_plot_format_before_measuring(model_dir, tmp_path, monkeypatch):
+    """--plot x.txt: one line and exit 2 before anything runs (it measured the whole sweep and then
+    ended in matplotlib's traceback); a name without an extension gets a PNG under that very name
+    (matplotlib would have written x.png while gen said it wrote x)."""
+    from cli.main import main
+    import cli.bench
+    monkeypatch.setattr(cli.bench, "run_bench", lambda *a, **k: pytest.fail("measured before refusing"))
+    res = CliRunner().invoke(main, ["bench", "--model", str(model_dir), "--plot", str(tmp_path / "x.txt")])
+    assert res.exit_code == 2 and res.output.count("\n") == 1, res.output
+    assert "cannot write a plot as .txt" in res.output and ".png" in res.output
+    assert not (tmp_path / "x.txt").exists()
+    monkeypatch.undo()
+    res = CliRunner().invoke(main, ["bench", "--model", str(model_dir), "--contexts", "8", "--steps", "1",
+                                    "--warmup", "0", "--no-isolate", "--quiet", "--threads", "1",
+                                    "--plot", str(tmp_path / "noext"), "--attention", "linear"])
+    assert res.exit_code == 0, res.output
+    assert f"wrote {tmp_path / 'noext'}" in res.output and not (tmp_path / "noext.png").exists()
+    assert (tmp_path / "noext").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_cli_refuses_a_depth_the_machine_cannot_hold(model_dir):
     from cli.main import main
     res = CliRunner().invoke(main, ["bench", "--model", str(model_dir), "--contexts", "8,100000000000",

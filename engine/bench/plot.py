@@ -5,14 +5,31 @@ from __future__ import annotations
 import os
 
 from engine.bench.report import by_path, entry
+from engine.errors import InvalidArgumentError
 
 STYLE = {"softmax": dict(color="tab:blue", marker="o"), "linear": dict(color="tab:orange", marker="s"),
          "hybrid": dict(color="tab:green", marker="^"), "window": dict(color="tab:purple", marker="D"),
          "default": dict(color="tab:red", marker="*")}
 
 
+def plot_format(path: str | os.PathLike) -> str:
+    """The image format `path` asks for by its extension (none: png); InvalidArgumentError, one line,
+    for one matplotlib cannot write, so that a caller can refuse it before measuring anything."""
+    from matplotlib.backend_bases import FigureCanvasBase
+    suffix = os.path.splitext(os.fspath(path))[1].lower().lstrip(".")
+    if not suffix:
+        return "png"
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix not in formats:
+        raise InvalidArgumentError(f"{os.fspath(path)}: cannot write a plot as .{suffix}; name it .png, .svg or .pdf "
+                                   f"(or {', '.join(sorted(set(formats) - {'png', 'svg', 'pdf'}))})")
+    return suffix
+
+
 def plot(report: dict, path: str | os.PathLike) -> str:
-    """Write a two-panel PNG (log-scale x) to `path`; returns the path."""
+    """Write the two-panel plot (log-scale x) to `path`, in the format its extension names (PNG without
+    one: the file is still named `path`); returns the path."""
+    fmt = plot_format(path)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -51,6 +68,6 @@ def plot(report: dict, path: str | os.PathLike) -> str:
     fig.suptitle(f"{s['model']} - {m['cpu']}, {m['threads']} thread(s), {s['dtype']}, torch {m['torch']}",
                  fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format=fmt)
     plt.close(fig)
     return os.fspath(path)
