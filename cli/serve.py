@@ -9,6 +9,7 @@ from cli.open_page import open_when_ready, page_url
 from engine.serve import PREFILL_SHARE, Policy, open_server, run
 from engine.serve.guard import (DEFAULT_KEEP_ALIVE_S, DEFAULT_MAX_BODY, DEFAULT_MAX_CONNECTIONS,
                                 DEFAULT_READ_TIMEOUT_S, LOOPBACK)
+from engine.serve.connections import check_listen
 from engine.serve.server import DEFAULT_QUEUE_TIMEOUT_S
 from engine.serve.shutdown import DEFAULT_GRACE_S
 
@@ -118,6 +119,7 @@ def serve_cmd(model_name, attention, softmax_layers, window, feature_map, host, 
     if host in ANY_ADDRESS and not allow_hosts:
         click.echo(f"gen serve: listening on every address, but only requests whose Host is {', '.join(LOOPBACK)} "
                    "are answered: add --allow-host NAME (or '*')", err=True)
+    run_guarded(lambda: check_listen(host, port))   # before the model loads: its port taken is one line now
     server = run_guarded(lambda: open_server(model_name, attention, feature_map, dtype, backend, threads,
                                              max_batch, max_context, max_queue, softmax_layers, window,
                                              kv_dtype, max_prompt=max_prompt, queue_timeout=queue_timeout,

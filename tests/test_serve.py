@@ -171,6 +171,26 @@ def test_chat_without_a_template_is_a_400(live):
     assert e.value.body["param"] == "messages"
 
 
+@pytest.mark.parametrize("host", ["127.0.0.1", "192.0.2.1", "no-such-host.invalid"], ids=["in-use", "not-ours", "unknown"])
+def test_gen_serve_that_cannot_listen_says_so_in_one_line_before_loading(host, monkeypatch):
+    """A port in use, an address this machine does not have (TEST-NET-1), an unknown name: one line and
+    exit 2 before the model loads (it loaded the model, then printed uvicorn's log and exited 3)."""
+    import socket
+    from click.testing import CliRunner
+    import cli.serve
+    from cli.main import main
+    monkeypatch.setattr(cli.serve, "open_server", lambda *a, **k: pytest.fail("loaded the model first"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = CliRunner().invoke(main, ["serve", "--model", "tiny", "--host", host, "--port", str(port)])
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "Traceback" not in r.output, r.output
+    assert {"127.0.0.1": f"cannot listen on 127.0.0.1:{port}: the address is in use",
+            "192.0.2.1": f"cannot listen on 192.0.2.1:{port}: this machine has no such address",
+            "no-such-host.invalid": "--host no-such-host.invalid: "}[host] in r.output, r.output
+
+
 def test_gen_serve_refuses_bad_arguments_in_one_line():
     from click.testing import CliRunner
     from cli.main import main

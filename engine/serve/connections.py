@@ -22,12 +22,15 @@ uvicorn's H11Protocol) adds, from the Policy (engine.serve.guard):
 """
 from __future__ import annotations
 
+import errno
 import json
+import socket
 
 import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from engine.errors import InvalidArgumentError
 from engine.serve.errors import APIError
 from engine.serve.guard import Policy
 
@@ -155,6 +158,32 @@ class Connections(H11Protocol):
             self.transport.close()
 
 
+def check_listen(host: str, port: int) -> None:
+    """Bind (and release) every address `host` names at `port`, as the server will, so that an address
+    in use, one this machine does not have, or an unknown name is one line (InvalidArgumentError)
+    before the model loads, not uvicorn's log and exit 3 after it."""
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise InvalidArgumentError(f"--host {host}: {e.strerror.lower()}; give an address of this machine "
+                                   f"(127.0.0.1: this machine alone; 0.0.0.0: every address)") from None
+    for family, kind, proto, _, address in dict.fromkeys(addresses):
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as asyncio's create_server
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as e:
+                where = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
+                why = {errno.EADDRINUSE: "the address is in use: stop what holds it or give another --port",
+                       errno.EADDRNOTAVAIL: "this machine has no such address: give one of its own to --host "
+                                            "(127.0.0.1: this machine alone; 0.0.0.0: every address)",
+                       errno.EACCES: "permission denied (ports below 1024 need privileges): give a --port above 1023"
+                       }.get(e.errno, f"{e.strerror}")
+                raise InvalidArgumentError(f"cannot listen on {where}: {why}") from None
+
+
 def uvicorn_config(app, policy: Policy, **kw) -> uvicorn.Config:
     """uvicorn's Config for `app` under `policy`'s connection limits (kw: host, port, log_level, ...)."""
     protocol = type("Connections", (Connections,), {"policy": policy})
@@ -162,4 +191,4 @@ def uvicorn_config(app, policy: Policy, **kw) -> uvicorn.Config:
     return uvicorn.Config(app, http=protocol, timeout_keep_alive=policy.keep_alive, **kw)
 
 
-__all__ = ["Connections", "uvicorn_config", "over_connections", "LINGER_S"]
+__all__ = ["Connections", "check_listen", "uvicorn_config", "over_connections", "LINGER_S"]
