@@ -35,7 +35,7 @@ from engine.runspec import (DEFAULT_ACTIVATIONS, DEFAULT_PREFILL_CHUNK, RunSpec,
 from engine.steps import Stepper
 from engine.quant import quantize_model
 from engine.threads import available_cores, set_threads
-from models.chat_template import check_messages, check_question
+from models.chat_template import check_messages, check_question, utf8_problem
 from models.pages import trim_heap
 from models.registry import path_warning
 
@@ -271,16 +271,9 @@ class LLM:
 
 def check_text(text: str, call: str) -> None:
     """A text prompt must be valid UTF-8 (no lone surrogates from undecodable bytes) and not blank."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        char = text[e.start]
-        if "\udc80" <= char <= "\udcff":   # an undecodable byte (argv, surrogateescape)
-            what = f"byte 0x{char.encode('utf-8', 'surrogateescape')[0]:02x}"
-        else:                              # a lone surrogate, e.g. "\ud800" or half of a split pair
-            what = f"a lone surrogate U+{ord(char):04X}"
-        raise InvalidArgumentError(f"{call}: the prompt is not valid UTF-8 ({what} at character "
-                                   f"{e.start}); pass UTF-8 text") from None
+    problem = utf8_problem(text)
+    if problem:
+        raise InvalidArgumentError(f"{call}: the prompt is not valid UTF-8 ({problem}); pass UTF-8 text")
     if not text.strip():
         raise InvalidArgumentError(f"{call}: the prompt is empty or only whitespace; give some text or token ids")
 

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 from engine.errors import InvalidArgumentError
 from engine.generate import Closing, Generation, GenerationConfig, Result
-from models.chat_template import ChatTemplate, encode_segments
+from models.chat_template import ChatTemplate, check_messages, encode_segments
 
 
 class ChatSession:
@@ -36,6 +36,10 @@ class ChatSession:
                  max_context: int | None = None, spec=None):
         if max_context is not None and (not isinstance(max_context, int) or max_context < 1):
             raise InvalidArgumentError(f"max_context must be an integer >= 1, got {max_context!r}")
+        if system is not None:   # checked now, not at the first message: a bad one is the session's error
+            if not isinstance(system, str):
+                raise InvalidArgumentError(f"system must be a string, got {type(system).__name__}")
+            check_messages([{"role": "system", "content": system}])
         self.model, self.tokenizer, self.template = model, tokenizer, template
         self.configure, self.eos_ids = configure, tuple(eos_ids)
         self.attention, self.feature_map, self.step = attention, feature_map, step
@@ -60,7 +64,9 @@ class ChatSession:
 
     def send(self, content: str, **settings) -> "ChatReply":
         """Add a user message and stream the reply (text chunks). Settings: those of `LLM.stream`."""
-        if not isinstance(content, str) or not content.strip():
+        if not isinstance(content, str):
+            raise InvalidArgumentError(f"a message is a string, got {type(content).__name__}")
+        if not content.strip():
             raise InvalidArgumentError("the message is empty; type some text")
         self.close_reply()
         settings.setdefault("eos_ids", self.eos_ids)

@@ -129,6 +129,21 @@ def encode_segments(tokenizer, segments) -> list[int]:
     return ids
 
 
+def utf8_problem(text: str) -> str | None:
+    """Why `text` is not valid UTF-8 ("byte 0xff at character 3": an undecodable byte kept by
+    surrogateescape, as argv and stdin keep them; or a lone surrogate), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        char = text[e.start]
+        if "\udc80" <= char <= "\udcff":   # an undecodable byte (argv, stdin: surrogateescape)
+            what = f"byte 0x{char.encode('utf-8', 'surrogateescape')[0]:02x}"
+        else:                              # a lone surrogate, e.g. "\ud800" or half of a split pair
+            what = f"a lone surrogate U+{ord(char):04X}"
+        return f"{what} at character {e.start}"
+    return None
+
+
 def check_messages(messages) -> list[dict]:
     if not isinstance(messages, (list, tuple)) or not messages:
         raise InvalidArgumentError(f"messages must be a non-empty {ROLES_HINT}")
@@ -138,6 +153,9 @@ def check_messages(messages) -> list[dict]:
             raise InvalidArgumentError(f"each message must be a dict with string 'role' and 'content', got {m!r:.80}")
         if m["role"] not in ROLES:
             raise InvalidArgumentError(f"unknown message role {m['role']!r:.40}; valid: {', '.join(ROLES)}")
+        problem = utf8_problem(m["content"])
+        if problem:
+            raise InvalidArgumentError(f"the {m['role']} message is not valid UTF-8 ({problem}); pass UTF-8 text")
         out.append(dict(m))
     return out
 

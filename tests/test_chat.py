@@ -5,6 +5,10 @@ generation from the whole conversation's ids, on both attention paths; an interr
 keeps the session usable; user text never becomes a control token; errors are one line."""
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -21,6 +25,7 @@ from engine.sampling import SamplingParams  # noqa: E402
 from models.chat_template import ChatTemplate  # noqa: E402
 from models.errors import CheckpointError, InvalidArgumentError  # noqa: E402
 
+ROOT = Path(__file__).resolve().parent.parent
 SYS = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
 
 
@@ -267,6 +272,34 @@ def test_chat_settings_are_checked(llm):
         llm.chat([{"role": "user", "content": "hi"}], temperature=-1)
     with pytest.raises(InvalidArgumentError, match="the message is empty"):
         llm.chat_session().send("  ")
+
+
+def test_chat_text_that_is_not_utf8_is_one_line_everywhere(llm):
+    """An undecodable byte (argv and stdin keep it as a surrogate) or a lone surrogate in a message, the
+    system prompt or a REPL line: one line naming the message, not the tokenizer's TypeError."""
+    bad = "a\udcff"   # what Python makes of the bytes b"a\xff" in argv or stdin
+    with pytest.raises(InvalidArgumentError, match=r"user message is not valid UTF-8 \(byte 0xff at character 1\)"):
+        llm.chat([{"role": "user", "content": bad}])
+    with pytest.raises(InvalidArgumentError, match="user message is not valid UTF-8 .a lone surrogate U.D800"):
+        llm.chat_session().send("\ud800")
+    with pytest.raises(InvalidArgumentError, match="system message is not valid UTF-8"):
+        llm.chat_session(system=bad)
+    with pytest.raises(InvalidArgumentError, match="a message is a string, got int"):
+        llm.chat_session().send(5)
+
+
+def test_chat_text_that_is_not_utf8_is_one_line_on_the_cli(model_dir):
+    bad = "a\udcff"
+    for args, stdin in ((["--model", str(model_dir), "--chat", bad], None),
+                        (["chat", "--model", str(model_dir), "--system", bad], "hi\n")):
+        r = CliRunner().invoke(main, args, input=stdin)
+        assert r.exit_code == 2 and r.output.count("\n") == 1 and "not valid UTF-8 (byte 0xff" in r.output, r.output
+    # the REPL says so and reads on (a real process: stdin's undecodable bytes as Python keeps them)
+    run = subprocess.run([sys.executable, "-m", "cli.main", "chat", "--model", str(model_dir), "--temperature", "0",
+                          "--max-new-tokens", "2", "--threads", "1"], input=b"\xff\xfe\nHello there\n",
+                         capture_output=True, cwd=ROOT, timeout=120)
+    assert run.returncode == 0 and b"not valid UTF-8 (byte 0xff at character 0)" in run.stderr, run.stderr
+    assert b"Traceback" not in run.stderr and run.stdout.strip()   # it answered the next line
 
 
 def test_a_blank_question_is_refused_everywhere_a_blank_system_prompt_is_not(llm, model_dir):
