@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -112,6 +113,14 @@ class ModelConfig:
             value = getattr(self, key)
             if not isinstance(value, int) or value <= 0:
                 bad(f"{key} must be a positive integer, got {value!r}")
+        mpe = self.max_position_embeddings
+        if not isinstance(mpe, int) or isinstance(mpe, bool) or mpe <= 0:
+            bad(f"max_position_embeddings must be a positive integer, got {mpe!r}")
+        for key, least in (("rms_norm_eps", 0.0), ("rope_theta", None)):
+            value = getattr(self, key)
+            if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                    or value < 0 or (least is None and value == 0)):
+                bad(f"{key} must be a finite number {'>= 0' if least is not None else '> 0'}, got {value!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             bad(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})")

@@ -345,8 +345,9 @@ def gguf_config(meta: dict, reader, path: Path) -> ModelConfig:
     if "num_key_value_heads" not in raw and "num_attention_heads" in raw:
         raw["num_key_value_heads"] = raw["num_attention_heads"]
     rope_dims = meta.get(f"{arch}.rope.dimension_count")
-    head_dim = raw.get("head_dim") or (raw["hidden_size"] // raw["num_attention_heads"]
-                                       if {"hidden_size", "num_attention_heads"} <= raw.keys() else None)
+    heads = raw.get("num_attention_heads")
+    head_dim = raw.get("head_dim") or (raw["hidden_size"] // heads if "hidden_size" in raw and isinstance(heads, int)
+                                       and heads > 0 else None)   # else the config's own check says what is wrong
     if rope_dims is not None and head_dim is not None and rope_dims != head_dim:
         raise ConfigError(f"{path}: partial rotary ({arch}.rope.dimension_count = {rope_dims}, head_dim "
                           f"{head_dim}) is not supported")

@@ -56,8 +56,15 @@ def test_unsupported_model_type_names_supported(tmp_path):
 @pytest.mark.parametrize("bad,match", [({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
                                        ({"attention": "flash"}, "attention must be one of softmax, linear"),
                                        ({"hidden_act": "gelu"}, "unsupported setting hidden_act"),
-                                       ({"hidden_size": -1}, "hidden_size must be a positive integer")],
-                         ids=["kv-heads", "attention", "act", "negative"])
+                                       ({"hidden_size": -1}, "hidden_size must be a positive integer"),
+                                       ({"max_position_embeddings": 0}, "max_position_embeddings must be a positive"),
+                                       ({"max_position_embeddings": -4}, "max_position_embeddings must be a positive"),
+                                       ({"rms_norm_eps": float("nan")}, "rms_norm_eps must be a finite number >= 0"),
+                                       ({"rms_norm_eps": -1e-6}, "rms_norm_eps must be a finite number >= 0"),
+                                       ({"rope_theta": 0}, "rope_theta must be a finite number > 0"),
+                                       ({"rope_theta": float("inf")}, "rope_theta must be a finite number > 0")],
+                         ids=["kv-heads", "attention", "act", "negative", "no-positions", "negative-positions",
+                              "eps-nan", "eps-negative", "theta-zero", "theta-inf"])
 def test_bad_values(tmp_path, bad, match):
     path = write(tmp_path, {**BASE, **bad})
     with pytest.raises(ConfigError, match=match) as info:

@@ -265,6 +265,18 @@ def test_truncated(tmp_path, model, tok_dir):
         assert "truncated" in load_error(short)
 
 
+@pytest.mark.parametrize("key,value,says", [("attention.head_count", 0, "num_attention_heads must be a positive"),
+                                            ("context_length", 0, "max_position_embeddings must be a positive")])
+def test_a_zero_in_the_metadata_is_one_line(tmp_path, model, tok_dir, key, value, says):
+    """A head count of 0 divided by zero in the loader (a traceback); a context length of 0 reached
+    gen eval's buffers. Both are the config's one line now."""
+    path = tmp_path / "m.gguf"
+    write_gguf(path, model, tok_dir)
+    field = gguf.GGUFReader(str(path), "r+").fields[f"llama.{key}"]
+    field.parts[field.data[0]][0] = value   # rewritten in place (a memory map of the file)
+    assert says in load_error(path, ConfigError)
+
+
 def test_other_architecture(tmp_path, model, tok_dir):
     path = tmp_path / "m.gguf"
     write_gguf(path, model, tok_dir, arch="gpt2")
