@@ -6,7 +6,8 @@ import sys
 
 import click
 
-from cli.common import backend_option, KV_DTYPE_HELP, check_output_path, device_option, run_guarded, threads_option
+from cli.common import (backend_option, KV_DTYPE_HELP, check_output_path, check_stdio, device_option, run_guarded,
+                        threads_option, writing_stdout)
 from engine.bench import DEFAULT_CONTEXTS, BenchSettings, run_bench, write_json
 from engine.bench.configs import parse_attentions
 from engine.errors import InvalidArgumentError
@@ -77,6 +78,7 @@ def bench_cmd(model_name, contexts, attention, softmax_layers, window, prefill_t
     Prints a table and a summary naming the crossover depth; --json and --plot save them.
     """
     def run():
+        check_stdio()   # the table is the product: a closed stdout is one line before measuring
         for out in (json_path, plot_path):   # fail before measuring, not after the whole run
             if out:
                 check_output_path(out)
@@ -93,16 +95,20 @@ def bench_cmd(model_name, contexts, attention, softmax_layers, window, prefill_t
                            hf_repeats=hf_repeats, progress=not quiet)
         report["settings"]["command"] = " ".join(["gen", *map(shlex.quote, sys.argv[1:])])
         stopped = report.get("interrupted")
-        if report["results"]:
-            click.echo(format_table(report["results"]))
-            click.echo("")
-            for line in summary_lines(report):
-                click.echo(line)
+        written = []   # the files first: a stdout that fails below (a full disk, a reader gone) loses no measurement
         if json_path and report["results"]:
             write_json(report, json_path)
-            click.echo(f"wrote {json_path}")
+            written.append(json_path)
         if plot_path and report["results"]:
-            click.echo(f"wrote {plot(report, plot_path)}")
+            written.append(plot(report, plot_path))
+        with writing_stdout():
+            if report["results"]:
+                click.echo(format_table(report["results"]))
+                click.echo("")
+                for line in summary_lines(report):
+                    click.echo(line)
+            for path in written:
+                click.echo(f"wrote {path}")
         if stopped:
             click.echo(f"gen bench: interrupted after {stopped['finished']} of {stopped['configurations']} "
                        f"configurations (the rows above are those that finished)", err=True)

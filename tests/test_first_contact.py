@@ -1,6 +1,8 @@
 """What a new user meets first (issue 34): tracebacks, silent acceptance, chat defaults, habits."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from click.testing import CliRunner
@@ -78,6 +80,23 @@ def test_closed_stdin_is_one_line(small_model_dir, chat_dir):
 def test_closed_stdout_is_one_line(small_model_dir):
     check_one_line(run_gen("--model", small_model_dir, "--max-new-tokens", 4, "the cat", close=(1,)),
                    "stdout is closed")
+
+
+BENCH = ("bench", "--contexts", 8, "--steps", 1, "--warmup", 0, "--no-isolate", "--quiet", "--threads", 1,
+         "--attention", "linear", "--backend", "torch")
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/dev/full"), reason="no /dev/full on this system")
+def test_bench_into_a_closed_or_full_stdout_is_one_line_and_keeps_its_json(small_model_dir, tmp_path):
+    """gen bench's table is its product: a closed stdout is refused before measuring (it measured and
+    exited 0, the table lost); a full one is one line after the --json file is written."""
+    out = tmp_path / "b.json"
+    check_one_line(run_gen(*BENCH, "--model", small_model_dir, "--json", out, close=(1,)), "stdout is closed")
+    assert not out.exists()
+    with open("/dev/full", "w") as full:
+        proc = run_gen(*BENCH, "--model", small_model_dir, "--json", out, stdout=full)
+    check_one_line(proc, "cannot write to stdout", "No space left")
+    assert json.loads(out.read_text())["results"]
 
 
 @pytest.mark.skipif(not __import__("os").path.exists("/dev/full"), reason="no /dev/full on this system")
