@@ -18,6 +18,7 @@ its own state and its own sampler, so streams on one `LLM` are independent of ea
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 from collections.abc import Sequence
 
@@ -78,6 +79,8 @@ def load(model: str = "tiny", attention: str | None = None, feature_map: str | N
     where the rules live); warns (UntrainedPathWarning) when `attention` is a path the weights were
     not trained for.
     """
+    if not isinstance(model, (str, os.PathLike)) or not str(model).strip():
+        raise InvalidArgumentError(f"model must be a registered name (e.g. tiny) or a checkpoint path, got {model!r:.60}")
     if attention is not None:
         check_attention(attention)
     if feature_map is not None:
@@ -318,7 +321,7 @@ def make_config(*, max_new_tokens: int = 256, temperature: float = 0.8, top_k: i
                               repetition_penalty=repetition_penalty, seed=seed, presence_penalty=presence_penalty,
                               frequency_penalty=frequency_penalty, logit_bias=logit_bias or ())
     return GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
-                            eos_ids=None if eos_ids is None else tuple(eos_ids),
+                            eos_ids=eos_ids,
                             ignore_eos=ignore_eos, max_context=max_context)
 
 

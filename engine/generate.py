@@ -13,6 +13,7 @@ model or the sampler reaches the consumer through `next()`, and the state is fre
 """
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -52,7 +53,20 @@ class GenerationConfig:
         if c is not None and (not isinstance(c, int) or isinstance(c, bool) or c < 1):
             raise InvalidArgumentError(f"max_context must be an integer >= 1, got {c!r}")
         if self.eos_ids is not None:
-            object.__setattr__(self, "eos_ids", tuple(int(i) for i in self.eos_ids))
+            object.__setattr__(self, "eos_ids", token_ids(self.eos_ids, "eos_ids"))
+
+
+def token_ids(ids, name: str) -> tuple[int, ...]:
+    """A list (tuple, set, range) of token ids, integers >= 0, as a tuple; else one line naming `name`."""
+    try:
+        if isinstance(ids, (str, bytes, dict)) or any(isinstance(i, bool) for i in ids):
+            raise TypeError
+        out = tuple(operator.index(i) for i in ids)
+    except TypeError:
+        out = None
+    if out is None or any(i < 0 for i in out):
+        raise InvalidArgumentError(f"{name} must be a list of token ids (integers >= 0), got {ids!r:.60}")
+    return out
 
 
 @dataclass

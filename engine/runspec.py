@@ -98,11 +98,16 @@ def check_prefill_chunk(chunk) -> int:
 
 
 def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
-    if name is None or isinstance(name, torch.dtype):
+    if name is None:
+        return name
+    if isinstance(name, torch.dtype):
+        if name not in set(DTYPES.values()) | {torch.float64}:   # float64: references and tests
+            raise InvalidArgumentError(f"dtype {name} is not one the weights can run in; valid: float32, float16, "
+                                       f"bfloat16")
         return name
     try:
         return DTYPES[name]
-    except KeyError:
+    except (KeyError, TypeError):
         raise InvalidArgumentError(f"unknown dtype {name!r}; valid: float32, float16, bfloat16") from None
 
 
@@ -163,6 +168,9 @@ def parse_softmax_layers(spec, cfg) -> tuple[str, ...]:
             spec = [int(x) for x in spec.split(",") if x.strip()]
         except ValueError:
             raise InvalidArgumentError(f"--softmax-layers {spec}: give layer numbers like 2,9,11 or auto:K") from None
+    if not isinstance(spec, (list, tuple, range)) or any(isinstance(i, bool) or not isinstance(i, int) for i in spec):
+        raise InvalidArgumentError(f"softmax_layers must be a list of layer numbers ([2, 9, 11]), \"2,9,11\" or "
+                                   f"\"auto:K\", got {spec!r:.60}")
     return layer_attention_for(L, list(spec))
 
 

@@ -67,15 +67,15 @@ class SamplingParams:
         def bad(msg):
             raise InvalidArgumentError(msg)
         if not _finite(self.temperature) or self.temperature < 0:
-            bad(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+            bad(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            bad(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
+            bad(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not _finite(self.top_p) or not 0 < self.top_p <= 1:
-            bad(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+            bad(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
         if not _finite(self.min_p) or not 0 <= self.min_p <= 1:
-            bad(f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
+            bad(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
         if not _finite(self.repetition_penalty) or self.repetition_penalty <= 0:
-            bad(f"repetition_penalty must be > 0 (1 = off, > 1 discourages repeats), got {self.repetition_penalty}")
+            bad(f"repetition_penalty must be > 0 (1 = off, > 1 discourages repeats), got {self.repetition_penalty!r}")
         if not FP32.tiny <= self.repetition_penalty <= FP32.max:
             bad(f"repetition_penalty must be within float32's range [{FP32.tiny:.3g}, {FP32.max:.3g}] "
                 f"(1 = off), got {self.repetition_penalty}")
@@ -85,7 +85,7 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             x = getattr(self, name)
             if not _finite(x) or not -2 <= x <= 2:
-                bad(f"{name} must be in [-2, 2] (0 = off), got {x}")
+                bad(f"{name} must be in [-2, 2] (0 = off), got {x!r}")
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         try:
             pairs = [(i, b) for i, b in bias]

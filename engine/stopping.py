@@ -26,6 +26,8 @@ def check_stop_strings(stop) -> tuple[str, ...]:
         return ()
     if isinstance(stop, str):
         stop = (stop,)
+    if not isinstance(stop, (list, tuple)):
+        raise InvalidArgumentError(f"stop must be a string or a list of strings, got {stop!r:.60}")
     stop = tuple(stop)
     for s in stop:
         if not isinstance(s, str) or not s:

@@ -144,3 +144,34 @@ def test_stop_reason_tells_eos_from_a_stop_string(small_tokenizer):
     a, b = Generation(model, [[1], [1]], cfg, small_tokenizer).run()
     assert a.finish_reason == b.finish_reason == "stop"
     assert a.stop_reason == eos and b.stop_reason == "cat"
+
+
+# ---------------------------------------------------------------------- API arguments of the wrong type
+@pytest.mark.parametrize("call,says", [
+    (lambda llm: load(None), "model must be a registered name"),
+    (lambda llm: load(5), "model must be a registered name"),
+    (lambda llm: load("tiny", dtype=torch.int8), "dtype torch.int8 is not one the weights can run in"),
+    (lambda llm: load("tiny", attention="hybrid", softmax_layers=1), "softmax_layers must be a list of layer numbers"),
+    (lambda llm: llm.generate("Once", stop=5), "stop must be a string or a list of strings, got 5"),
+    (lambda llm: llm.generate("Once", eos_ids=5), "eos_ids must be a list of token ids"),
+    (lambda llm: llm.generate("Once", eos_ids=["a"]), "eos_ids must be a list of token ids"),
+    (lambda llm: llm.generate("Once", eos_ids=[-1]), "eos_ids must be a list of token ids"),
+    (lambda llm: llm.generate("Once", temperature="0.5"), "temperature must be >= 0 (0 = greedy), got '0.5'")],
+    ids=["model-none", "model-int", "dtype-int8", "softmax-layers-int", "stop-int", "eos-int", "eos-str", "eos-negative",
+         "temperature-str"])
+def test_api_arguments_of_the_wrong_type_are_typed_one_line_errors(call, says):
+    """Each was a TypeError, a bare ValueError or a multi-line RuntimeError (or, for a string temperature,
+    a message that read as if 0.5 were refused)."""
+    llm = load("tiny")
+    with pytest.raises(InvalidArgumentError) as e:
+        call(llm)
+    assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_eos_ids_take_any_collection_of_token_ids():
+    llm = load("tiny")
+    eos = llm.tokenizer.encode("Once upon")[-1]
+    for ids in ([eos], (eos,), {eos}, range(eos, eos + 1)):
+        out = llm.stream("Once", eos_ids=ids, temperature=0, max_new_tokens=4)
+        "".join(out)
+        assert out.result.ids
