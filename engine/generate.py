@@ -278,6 +278,12 @@ def allocate(model, **kw):
     except RuntimeError as e:   # torch.OutOfMemoryError (CUDA) is one too
         if not isinstance(e, torch.OutOfMemoryError) and "allocate memory" not in str(e):
             raise
+        spec = kw.get("spec")
+        window, sparse = getattr(spec, "window", 0) or 0, getattr(spec, "sparse_keys", 0) or 0
+        if spec is not None and spec.attention == "linear" and (window or sparse):   # what a linear layer holds exactly
+            held = f"a window of {window:,} keys" + (f" and {sparse:,} sparse keys" if sparse else "")
+            raise InvalidArgumentError(f"the decoding state does not fit in memory: its linear layers hold {held} "
+                                       f"a sequence; lower --window / --sparse-keys") from None
         raise InvalidArgumentError(f"a state for {kw['max_len']} tokens per sequence does not fit in memory; "
                                    f"lower max_context or max_new_tokens, or use linear attention") from None
 

@@ -361,6 +361,12 @@ def test_a_prompt_longer_than_the_context_allocates_no_cache_for_it(small_model_
 def test_a_state_that_cannot_fit_is_one_line(small_model_dir):
     one_line_error(gen("-m", small_model_dir, "--attention", "softmax", "-c", 10 ** 12, "-n", 10 ** 12, "hi"),
                    "does not fit in memory")
+    # linear layers' exact keys: the window and the sparse cache are named (it said "a state for 4 tokens ...
+    # or use linear attention", to a run on linear attention)
+    for args, held in ((["--window", 10 ** 12], "a window of 1,000,000,000,000 keys"),
+                       (["--window", 4, "--sparse-keys", 10 ** 12], "and 1,000,000,000,000 sparse keys")):
+        one_line_error(gen("-m", small_model_dir, "--attention", "linear", *args, "-n", 3, "hi"),
+                       "does not fit in memory", held, "lower --window / --sparse-keys")
 
 
 @pytest.mark.parametrize("attention", ["softmax", "linear"])
