@@ -229,7 +229,8 @@ def test_a_missing_or_malformed_data_file_is_one_line(tmp_path):
         assert "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("line,why", [("{not json", "not JSON"), ('["a"]', "JSON object"),
+@pytest.mark.parametrize("line,why", [("{not json", "not JSON"), ('{"context": "Quest', "starting at column 13)"),
+                                      ('["a"]', "JSON object"),
                                       ('{"choices": ["a", "b"], "answer": 0}', '"context"'),
                                       ('{"context": "c", "choices": ["a"], "answer": 0}', '"choices"'),
                                       ('{"context": "c", "choices": ["a", "b"], "answer": 2}', '"answer"')])

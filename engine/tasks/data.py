@@ -172,7 +172,7 @@ def check_item(path: Path, lineno: int, line: str) -> None:
     try:
         item = json.loads(line)
     except json.JSONDecodeError as e:
-        raise InvalidArgumentError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
+        raise InvalidArgumentError(f"{where}: not JSON ({e.msg.removesuffix(' at')} at column {e.colno})") from None
     if not isinstance(item, dict):
         raise InvalidArgumentError(f"{where}: an item is a JSON object with context, choices and answer")
     if not isinstance(item.get("context"), str) or not item["context"].strip():
