@@ -170,7 +170,7 @@ def check_task_file(path: str | Path) -> int:
 def check_item(path: Path, lineno: int, line: str) -> None:
     where = f"{path} line {lineno}"
     try:
-        item = json.loads(line)
+        item = json.loads(line.rstrip("\r\n"))   # a line cut inside a string: "unterminated", not its newline
     except json.JSONDecodeError as e:
         raise InvalidArgumentError(f"{where}: not JSON ({e.msg.removesuffix(' at')} at column {e.colno})") from None
     if not isinstance(item, dict):
