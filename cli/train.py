@@ -4,7 +4,7 @@ from __future__ import annotations
 import click
 
 from cli.common import device_option, run_guarded, threads_option
-from engine.train import TrainArgs, train
+from engine.train import AMP_DTYPES, TrainArgs, train
 
 
 @click.command("train")
@@ -32,7 +32,8 @@ from engine.train import TrainArgs, train
 @click.option("--save-every", default=20, show_default=True)
 @threads_option("CPU threads, at most the cores this process may run on (default: PyTorch's)")
 @click.option("--stop-after", type=int, help="save a checkpoint and stop at this step (resume later)")
-@click.option("--amp", default="bfloat16", show_default=True, help="autocast dtype, or 'none'")
+@click.option("--amp", type=click.Choice([*AMP_DTYPES, "none"]), default="bfloat16", show_default=True,
+              help="autocast dtype, or 'none'")
 @device_option
 def train_cmd(train_file, valid_file, out, export, paths, amp, **kw):
     """Train a tokenizer and a model on documents separated by '<|endoftext|>' lines."""

@@ -161,14 +161,15 @@ def check_args(a: LinearizeArgs) -> None:
     """Bad input: one line (InvalidArgumentError), before anything is written."""
     if not a.data:
         raise InvalidArgumentError("give at least one --data file")
-    for path in a.data:
-        read_documents(path)          # raises on a missing, non-UTF-8 or empty file
     if a.finetune_tokens is not None and a.finetune_tokens < a.tokens:
         raise InvalidArgumentError(f"--finetune-tokens must be at least --tokens ({a.tokens}), got {a.finetune_tokens}")
-    for name, v in (("seq_len", a.seq_len), ("tokens", a.tokens), ("batch_size", a.batch_size),
+    for name, v in (("tokens", a.tokens), ("batch_size", a.batch_size),
                     ("finetune_batch", a.finetune_batch), ("save_every", a.save_every)):
         if v < 1:
             raise InvalidArgumentError(f"--{name.replace('_', '-')} must be at least 1, got {v}")
+    if a.seq_len < 2:   # one token: attention sees only itself (linear = softmax), and the finetune predicts nothing
+        raise InvalidArgumentError(f"--seq-len must be at least 2 (a row of one token has nothing to learn from), "
+                                   f"got {a.seq_len}")
     for name, v in (("layer_steps", a.layer_steps), ("finetune_steps", a.finetune_steps), ("hybrid", a.hybrid),
                     ("lora_rank", a.lora_rank), ("finetune_linear_every", a.finetune_linear_every)):
         if v < 0:
@@ -190,10 +191,16 @@ def check_args(a: LinearizeArgs) -> None:
     if a.transfer_inputs != "softmax" and (a.init is not None or a.control):
         raise InvalidArgumentError(f"--transfer-inputs: a {'--control' if a.control else '--init'} run has no "
                                    "transfer; leave it out")
+    for name, v in (("lr", a.lr), ("finetune_lr", a.finetune_lr), ("maps_lr", a.maps_lr), ("decay_lr", a.decay_lr),
+                    ("gate_lr", a.gate_lr), ("finetune_clip", a.finetune_clip), ("budget", a.budget)):
+        if v is not None and not math.isfinite(v):   # NaN passes every comparison below
+            raise InvalidArgumentError(f"--{name.replace('_', '-')} must be a finite number, got {v}")
     if a.finetune_clip < 0:
         raise InvalidArgumentError(f"--finetune-clip must be 0 (off) or more, got {a.finetune_clip}")
-    if a.maps_lr is not None and a.maps_lr < 0:
-        raise InvalidArgumentError(f"--maps-lr must be 0 or more, got {a.maps_lr}")
+    # learning rates: 0 freezes what it drives (--lr 0: the transfer's maps; --finetune-lr 0: the adapters)
+    for name, v in (("lr", a.lr), ("finetune_lr", a.finetune_lr), ("maps_lr", a.maps_lr)):
+        if v is not None and v < 0:
+            raise InvalidArgumentError(f"--{name.replace('_', '-')} must be 0 or more, got {v}")
     if a.maps_lr is not None and a.control:
         raise InvalidArgumentError("--maps-lr: a --control run has no maps to train; leave it out")
     if a.decay_lr <= 0:
@@ -202,6 +209,8 @@ def check_args(a: LinearizeArgs) -> None:
         raise InvalidArgumentError(f"--gate-lr must be positive, got {a.gate_lr}")
     if a.budget is not None and a.budget <= 0:
         raise InvalidArgumentError(f"--budget must be a positive number of minutes, got {a.budget}")
+    for path in a.data:
+        read_documents(path)          # raises on a missing, non-UTF-8 or empty file
     out = Path(a.out)
     if out.exists() and not out.is_dir():
         raise InvalidArgumentError(f"{out}: exists and is not a directory")
@@ -431,8 +440,9 @@ def _linearize(a: LinearizeArgs, g: Group, log, on_step) -> dict | None:
         raise InvalidArgumentError(f"{a.model}: ships no tokenizer; linearize needs one to encode the data")
     cfg = ckpt.config.replace(feature_map="hedgehog", attention="linear", layer_attention=None,
                               window=a.window, transfer_loss=None)
-    if a.hybrid > cfg.num_hidden_layers:
-        raise InvalidArgumentError(f"--hybrid {a.hybrid}: the model has only {cfg.num_hidden_layers} layers")
+    if a.hybrid >= cfg.num_hidden_layers:   # before anything is written: every layer softmax linearizes nothing
+        raise InvalidArgumentError(f"--hybrid {a.hybrid}: the model has {cfg.num_hidden_layers} layers, and --hybrid K "
+                                   f"must leave at least one linear; give at most {cfg.num_hidden_layers - 1}")
     model = build(cfg, ckpt.tensors, g.device, getattr(torch, a.dtype), interleaved_rotary=ckpt.interleaved_rotary)
     dequantize_model(model)   # the same fp32 math, without widening every block on every call
     for p in model.parameters():

@@ -15,19 +15,22 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import time
 from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from engine.errors import InvalidArgumentError
 from engine.evaluate import evaluate
 from engine.loader import parse_device
 from engine.threads import set_threads
 from engine.transformer import Transformer
-from models.config import ModelConfig
+from models.config import FEATURE_MAP_NAMES, LAYER_PATHS, ModelConfig
 from models.corpus import read_documents
 from models.tokenizer import Tokenizer, train_tokenizer
 from models.weights import save_pretrained
@@ -78,6 +81,63 @@ class TrainArgs:
             trained_for=tuple(self.paths))
 
 
+AMP_DTYPES = ("bfloat16", "float16")   # what autocast runs in on the CPU and on CUDA (None: fp32)
+MIN_VOCAB = 260   # the tokenizer's 256 byte pieces, unk, bos and eos, and at least one character
+
+
+def check_args(a: TrainArgs) -> None:
+    """Bad input: one line (InvalidArgumentError), before the tokenizer trains or OUT is created."""
+    if a.tokenizer is None and a.vocab_size < MIN_VOCAB:
+        raise InvalidArgumentError(f"--vocab-size must be at least {MIN_VOCAB} (256 byte pieces, 3 special ones "
+                                   f"and the text's characters), got {a.vocab_size}")
+    for name, v in (("dim", a.dim), ("layers", a.layers), ("heads", a.heads), ("seq_len", a.seq_len),
+                    ("batch_size", a.batch_size), ("eval_every", a.eval_every), ("save_every", a.save_every),
+                    ("stop_after", a.stop_after)):
+        if v is not None and v < 1:
+            raise InvalidArgumentError(f"--{name.replace('_', '-')} must be at least 1, got {v}")
+    for name, v in (("steps", a.steps), ("warmup", a.warmup), ("eval_docs", a.eval_docs)):
+        if v < 0:
+            raise InvalidArgumentError(f"--{name.replace('_', '-')} must be 0 or more, got {v}")
+    if a.dim % a.heads:
+        raise InvalidArgumentError(f"--dim must be a multiple of --heads ({a.heads}), got {a.dim}")
+    if a.dim // a.heads % 2:
+        raise InvalidArgumentError(f"--dim / --heads (the head size) must be even for rotary embeddings, "
+                                   f"got {a.dim} / {a.heads} = {a.dim // a.heads}")
+    if a.kv_heads is not None and (a.kv_heads < 1 or a.heads % a.kv_heads):
+        raise InvalidArgumentError(f"--kv-heads must be at least 1 and divide --heads ({a.heads}), got {a.kv_heads}")
+    if not math.isfinite(a.lr) or a.lr < 0:
+        raise InvalidArgumentError(f"--lr must be a finite number, 0 or more, got {a.lr}")
+    if a.amp is not None and a.amp not in AMP_DTYPES:
+        raise InvalidArgumentError(f"--amp must be one of {', '.join(AMP_DTYPES)}, none; got {a.amp!r}")
+    if not a.paths or any(p not in LAYER_PATHS for p in a.paths):
+        raise InvalidArgumentError(f"--paths must list attention paths of {', '.join(LAYER_PATHS)}, "
+                                   f"e.g. softmax,linear; got {','.join(a.paths)!r}")
+    if a.feature_map not in FEATURE_MAP_NAMES:
+        raise InvalidArgumentError(f"--feature-map must be one of {', '.join(FEATURE_MAP_NAMES)}, got {a.feature_map!r}")
+    if a.tokenizer is not None and not os.path.isfile(a.tokenizer):
+        raise InvalidArgumentError(f"--tokenizer {a.tokenizer}: no such file; give a tokenizer.model")
+    if os.path.exists(a.out) and not os.path.isdir(a.out):
+        raise InvalidArgumentError(f"{a.out}: exists and is not a directory")
+    # any other rule of the model's config, on a stand-in vocabulary (the real one comes with the tokenizer)
+    a.model_config(SimpleNamespace(vocab_size=MIN_VOCAB, bos_id=1, eos_id=2))
+
+
+def trained_tokenizer(docs: list[str], path: str, vocab_size: int) -> None:
+    """train_tokenizer, with SentencePiece's word on a --vocab-size this text cannot fill as one line."""
+    try:
+        train_tokenizer(docs, path, vocab_size)
+    except RuntimeError as e:
+        low = re.search(r"smaller than required_chars\. \d+ vs (\d+)", str(e))
+        high = re.search(r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)", str(e))
+        if low:
+            raise InvalidArgumentError(f"--vocab-size {vocab_size} is too small for this text: give at least "
+                                       f"{low.group(1)} (256 byte pieces, 3 special ones and its characters)") from None
+        if high:
+            raise InvalidArgumentError(f"--vocab-size {vocab_size} is more pieces than this text yields: give at most "
+                                       f"{high.group(1)}, or more text") from None
+        raise
+
+
 def lr_at(step: int, a: TrainArgs) -> float:
     if step < a.warmup:
         return a.lr * (step + 1) / a.warmup
@@ -111,7 +171,7 @@ def _atomic_save(obj, path: str) -> None:
 
 
 def train(a: TrainArgs, log=print) -> Transformer:
-    os.makedirs(a.out, exist_ok=True)
+    check_args(a)
     if a.threads:
         set_threads(a.threads)
     random.seed(a.seed)
@@ -119,18 +179,20 @@ def train(a: TrainArgs, log=print) -> Transformer:
 
     tok_path = os.path.join(a.out, "tokenizer.model")
     train_docs = read_documents(a.train)
+    valid_docs = read_documents(a.valid)[: a.eval_docs] if a.valid else []   # (both before any file is written)
     if not os.path.exists(tok_path):
         if a.tokenizer:
             import shutil
+            os.makedirs(a.out, exist_ok=True)   # only now (train_tokenizer makes it too): bad input leaves none
             shutil.copyfile(a.tokenizer, tok_path)
         else:
             log(f"training tokenizer: {a.vocab_size} pieces on {len(train_docs)} documents")
-            train_tokenizer(train_docs, tok_path, a.vocab_size)
+            trained_tokenizer(train_docs, tok_path, a.vocab_size)
     tok = Tokenizer(tok_path)
     stream = tokenize_corpus(tok, train_docs)
     if len(stream) <= a.seq_len + 1:
-        raise ValueError(f"{a.train}: {len(stream)} tokens, fewer than one window of {a.seq_len + 1}")
-    valid_docs = read_documents(a.valid)[: a.eval_docs] if a.valid else []
+        raise InvalidArgumentError(f"{a.train}: {len(stream)} tokens, fewer than one window of {a.seq_len + 1}; "
+                                   f"give more text or a smaller --seq-len")
     log(f"corpus: {len(train_docs)} documents, {len(stream)} tokens "
         f"({sum(len(d.encode()) for d in train_docs) / len(stream):.2f} bytes/token)")
 
