@@ -72,6 +72,26 @@ FINETUNE_SCHEDULES = ("constant", "cosine")
 TRANSFER_INPUTS = ("softmax", "linear")
 
 
+# what an interrupted run has already computed with: a --resume must give the same (the budget, the save
+# interval, the device, threads and --grad-checkpoint may change; --lora-rank and --maps-lr are checked where
+# the finetune's saved state depends on them)
+RESUME_SAME = ("model", "data", "seq_len", "tokens", "finetune_tokens", "eval_rows", "layer_steps", "batch_size", "lr",
+               "finetune_steps", "finetune_batch", "finetune_lr", "finetune_loss", "finetune_dtype", "finetune_clip",
+               "finetune_schedule", "finetune_linear_every", "decay", "decay_lr", "gate", "gate_lr", "hybrid", "window",
+               "seed", "init", "control", "dtype")
+
+
+def check_resume_settings(saved: dict, a: "LinearizeArgs") -> None:
+    """One line naming the first setting a --resume changes (it mixed them silently: layers transferred
+    on rows of one length and the rest on another, the summary recording only the last)."""
+    now = json.loads(json.dumps(asdict(a)))   # as the progress file holds them (lists, not tuples)
+    for key in RESUME_SAME:
+        if key in saved and saved[key] != now[key]:
+            flag = "--" + key.replace("_", "-")
+            raise InvalidArgumentError(f"--resume with {flag} {now[key]}, but the interrupted run used {saved[key]}; "
+                                       f"resume with the same value (or start a new --out)")
+
+
 @dataclass
 class LinearizeArgs:
     model: str
@@ -461,6 +481,8 @@ def _linearize(a: LinearizeArgs, g: Group, log, on_step) -> dict | None:
     transfer_rows = train_rows[:max(1, a.tokens // a.seq_len)]
     L = cfg.num_hidden_layers
     state = progress.load() if a.resume else {}
+    if state:
+        check_resume_settings(state["args"], a)
     # the later layers of an interrupted transfer learn on the stream the earlier ones did
     if state and state["layers_done"] < L and state.get("transfer_inputs", "softmax") != a.transfer_inputs:
         raise InvalidArgumentError(f"--resume with --transfer-inputs {a.transfer_inputs}, but the interrupted "

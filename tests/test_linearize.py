@@ -11,6 +11,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from cli.main import main
+from engine.errors import InvalidArgumentError
 from engine.linearize import LinearizeArgs, linearize
 from engine.loader import load_model
 from models.linearized import write_json, write_maps
@@ -34,6 +35,29 @@ def args(model_dir, corpus, out, **kw):
                 layer_steps=6, batch_size=2, finetune_steps=4, finetune_batch=2, save_every=2, seed=3)
     base.update(kw)
     return LinearizeArgs(**base)
+
+
+def test_resume_with_other_settings_is_one_line_and_leaves_the_progress(small_model_dir, corpus, tmp_path):
+    """An interrupted run resumed with another --seq-len (or window, seed, learning rate...) mixed them
+    silently (layers transferred on rows of 32 tokens, the rest on 64, the summary saying 64); the
+    budget and the save interval may change."""
+    out = tmp_path / "cut"
+
+    def interrupt(phase, layer, step):
+        if (phase, layer, step) == ("transfer", 1, 2):
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        linearize(args(small_model_dir, corpus, out, finetune_steps=0), log=lambda m: None, on_step=interrupt)
+    before = (out / ".linearize" / "progress.json").read_text()
+    for change, says in ((dict(seq_len=64), "--seq-len 64, but the interrupted run used 32"),
+                         (dict(window=4), "--window 4, but the interrupted run used 0"),
+                         (dict(seed=4), "--seed 4, but the interrupted run used 3")):
+        with pytest.raises(InvalidArgumentError, match=says):
+            linearize(args(small_model_dir, corpus, out, finetune_steps=0, resume=True, **change), log=lambda m: None)
+        assert (out / ".linearize" / "progress.json").read_text() == before
+    linearize(args(small_model_dir, corpus, out, finetune_steps=0, resume=True, budget=30.0, save_every=5),
+              log=lambda m: None)
+    assert json.loads((out / "linearize.json").read_text())["args"]["seq_len"] == 32
 
 
 def test_transfer_steps_lower_the_loss_and_output_loads(small_model_dir, corpus, tmp_path):
