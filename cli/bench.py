@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from cli.common import (backend_option, KV_DTYPE_HELP, check_output_path, check_stdio, device_option, run_guarded,
+from cli.common import (backend_option, KV_DTYPE_HELP, check_output_path, check_stdio, device_option, native_backend, run_guarded,
                         threads_option, writing_stdout)
 from engine.bench import DEFAULT_CONTEXTS, BenchSettings, run_bench, write_json
 from engine.bench.configs import parse_attentions
@@ -90,7 +90,7 @@ def bench_cmd(model_name, contexts, attention, softmax_layers, window, prefill_t
                                  prefill_tokens=prefill_tokens,
                                  feature_map=feature_map, steps=steps, warmup=warmup, threads=threads,
                                  dtype=dtype, kv_dtype=kv_dtype, device=device, isolate=isolate,
-                                 backend="native" if native else backend, weights=weights, batch=batch)
+                                 backend=native_backend(backend, native), weights=weights, batch=batch)
         report = run_bench(settings, compare_hf=compare_hf, hf_new_tokens=hf_new_tokens,
                            hf_repeats=hf_repeats, progress=not quiet)
         report["settings"]["command"] = " ".join(["gen", *map(shlex.quote, sys.argv[1:])])

@@ -127,6 +127,13 @@ def dtype_options(fn):
     return click.option("--dtype", help="float32 (default), bfloat16, float16")(fn)
 
 
+def native_backend(backend: str, native: bool) -> str:
+    """--native is --backend native: with another --backend the two contradict (one line, exit 2)."""
+    if native and backend not in ("auto", "native"):
+        fail(f"--native is --backend native, and --backend {backend} asks for another step form; give one of them")
+    return "native" if native else backend
+
+
 def backend_option(fn):
     """`--backend`, one declaration for every command that decodes (gen, chat, bench, serve); the choices are
     engine.runspec.BACKENDS."""

@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 from tqdm import tqdm
 
-from cli.common import run_options, check_stdio, device_option, fail, run_guarded, writing_stdout
+from cli.common import run_options, check_stdio, check_threads, device_option, fail, run_guarded, writing_stdout
 from cli.generate import load_quietly
 from engine.evaluate import evaluate_file
 from engine.loader import load_model
@@ -44,7 +44,8 @@ TASK_NAMES = (*TASKS, "passkey")
               f"(default {','.join(f'{d:g}' for d in DEPTHS)})")
 @click.option("--trials", type=int, default=20, show_default=True,
               help="passkey: trials per length (spread over the depths), each with its own key")
-@click.option("--seed", type=int, default=0, show_default=True, help="passkey: the seed its keys are drawn with")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="passkey: the seed its keys are drawn with")
 @click.option("--results", "results_dir", type=click.Path(file_okay=False),
               help="tasks: keep each result in DIR/<configuration>.json as it finishes; a rerun of the same "
                    "configuration and settings reads it instead of scoring again (an interrupted grid resumes); "
@@ -58,7 +59,7 @@ TASK_NAMES = (*TASKS, "passkey")
 @click.option("--quantize", type=click.Choice(["q8_0", "q4_0", "q4_1"]),
               help="quantize the matrices at load (a GGUF's own Q8_0/Q4_0/Q4_1 blocks are kept as they are); "
                    "scored on the dequantized weights")
-@click.option("--threads", type=int, help="CPU threads (default: all cores: scoring is batched matmuls; on a busy "
+@click.option("--threads", type=int, callback=check_threads, help="CPU threads (default: all cores: scoring is batched matmuls; on a busy "
               "machine fewer may be faster)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def eval_cmd(model_name, attention, softmax_layers, window, feature_map, data, task_lists, task_files, limit,

@@ -10,7 +10,8 @@ import warnings
 import click
 from tqdm import tqdm
 
-from cli.common import (backend_option, dtype_options, run_options, check_stdio, fail, given, prefill_chunk_option, run_guarded, activations_option,
+from cli.common import (backend_option, dtype_options, run_options, check_stdio, fail, given, native_backend, prefill_chunk_option,
+                        run_guarded, activations_option,
                         device_option, sampling_options, threads_option, writing_stdout)
 from engine.api import check_text, load, make_config
 from engine.errors import InvalidArgumentError
@@ -66,7 +67,7 @@ def generate_cmd(prompt, prompt_opt, ids, chat_message, model_name, attention, s
             fail("--chat takes the message itself; give no PROMPT, --prompt or --ids with it")
         the_prompt = read_prompt(prompt, prompt_opt, ids) if chat_message is None else chat_message
         make_config(**settings)                      # bad settings fail before the model loads
-        llm = load_quietly(model_name, attention, feature_map, device, dtype, "native" if native else backend,
+        llm = load_quietly(model_name, attention, feature_map, device, dtype, native_backend(backend, native),
                           threads, quantize, softmax_layers=softmax_layers, window=window, kv_dtype=kv_dtype,
                           prefill_chunk=prefill_chunk, activations=activations, sparse_keys=sparse_keys)
         if chat_message is None and isinstance(the_prompt, str) and llm.tokenizer is None:
@@ -113,7 +114,7 @@ def read_prompt(prompt, prompt_opt, ids):
              "give the prompt once: PROMPT, --prompt or --ids, not several")
     if ids is not None:
         try:
-            out = [int(x) for x in ids.replace(" ", "").split(",") if x != ""]
+            out = [int(x) for x in ids.replace(" ", "").strip(",").split(",")] if ids.strip(" ,") else []
         except ValueError:
             fail(f"--ids takes comma-separated integers like 1,2,3, got {ids!r}")
         if not out:

@@ -16,6 +16,7 @@ so the cut does not depend on how the text was split into chunks.
 from __future__ import annotations
 
 from engine.errors import InvalidArgumentError
+from models.chat_template import utf8_problem
 
 FINISH_REASONS = ("stop", "length", "context")
 
@@ -32,6 +33,9 @@ def check_stop_strings(stop) -> tuple[str, ...]:
     for s in stop:
         if not isinstance(s, str) or not s:
             raise InvalidArgumentError(f"stop strings must be non-empty strings, got {s!r}")
+        problem = utf8_problem(s)
+        if problem:   # it could never match the text, which is UTF-8
+            raise InvalidArgumentError(f"stop string {s!r} is not valid UTF-8 ({problem}); pass UTF-8 text")
     return stop
 
 

@@ -183,6 +183,9 @@ BAD = {
     "two-prompts": (["--ids", "1,2", "hi"], "not several"),
     "bad-ids": (["--ids", "1,x"], "comma-separated"),
     "empty-ids": (["--ids", ","], "empty"),
+    "ids-with-a-hole": (["--ids", "1,,2"], "comma-separated"),   # (was read as 1,2)
+    "stop-not-utf8": (["--stop", "a\udcff", "hi"], "stop string 'a\\udcff' is not valid UTF-8 (byte 0xff"),
+    "native-and-another-backend": (["--native", "--backend", "torch", "hi"], "--native is --backend native"),
     "ids-outside-vocab": (["--ids", "1,100000"], "outside the vocabulary"),
     "prompt-longer-than-context": (["--max-context", "3", "the cat sat on the mat"], "context holds 3"),
     "empty-stop": (["--stop", "", "hi"], "stop"),

@@ -55,6 +55,8 @@ def one_line_error(r, text):
     (["--data", "x.txt", "--batch-size", "-1"], "--batch-size must be at least 1, got -1"),
     (["--data", "x.txt", "--max-docs", "0"], "--max-docs must be at least 1, got 0"),
     (["--data", "x.txt", "--context", "1"], "--context must be at least 2 tokens, got 1"),
+    (["--data", "x.txt", "--threads", "999"], "999: give 1 to"),   # as gen -t 999 (it was accepted)
+    (["--task", "passkey", "--seed", "-1"], "'--seed': -1 is not in the range x>=0"),
 ])
 def test_bad_options_are_one_line_before_any_work(args, text):
     one_line_error(gen("--model", "no-such-model", *args), text)
