@@ -191,6 +191,17 @@ def test_gen_serve_that_cannot_listen_says_so_in_one_line_before_loading(host, m
             "no-such-host.invalid": "--host no-such-host.invalid: "}[host] in r.output, r.output
 
 
+def test_every_address_a_host_may_name_passes_the_listen_check():
+    """--host '' (every address, as asyncio reads it), 0.0.0.0, localhost on a free port: no refusal."""
+    import socket
+    from engine.serve.connections import check_listen
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    for host in ("", "0.0.0.0", "localhost", "127.0.0.1"):
+        check_listen(host, port)
+
+
 def test_gen_serve_refuses_bad_arguments_in_one_line():
     from click.testing import CliRunner
     from cli.main import main

@@ -163,7 +163,8 @@ def check_listen(host: str, port: int) -> None:
     in use, one this machine does not have, or an unknown name is one line (InvalidArgumentError)
     before the model loads, not uvicorn's log and exit 3 after it."""
     try:
-        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,   # "": every address, as asyncio
+                                       flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
         raise InvalidArgumentError(f"--host {host}: {e.strerror.lower()}; give an address of this machine "
                                    f"(127.0.0.1: this machine alone; 0.0.0.0: every address)") from None
