@@ -110,6 +110,14 @@ def generated_sentences(n: int = 400, seed: int = 0) -> list[str]:
             for _ in range(n)]
 
 
+def sentence_corpus(path, n: int = 300, seed: int = 0):
+    """A corpus file of generated_sentences, five to a document, documents separated by '<|endoftext|>'
+    lines (what gen linearize and gen train read); returns the path."""
+    sents = generated_sentences(n, seed=seed)
+    path.write_text("\n<|endoftext|>\n".join(" ".join(sents[i:i + 5]) for i in range(0, n, 5)))
+    return path
+
+
 @pytest.fixture(scope="session")
 def small_tokenizer(tmp_path_factory):
     """A 300-piece byte-fallback SentencePiece model trained here (no ../shared needed)."""

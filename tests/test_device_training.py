@@ -12,17 +12,14 @@ from cli.main import main
 from engine.linearize import LinearizeArgs, linearize
 from engine.loader import build as lin_build
 from engine.train import TrainArgs, train
-from tests.conftest import generated_sentences
+from tests.conftest import generated_sentences, sentence_corpus
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (runs on the GPU script)")
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "text.txt"
-    sents = generated_sentences(200, seed=4)
-    path.write_text("\n<|endoftext|>\n".join(" ".join(sents[i:i + 5]) for i in range(0, 200, 5)))
-    return path
+    return sentence_corpus(tmp_path_factory.mktemp("data") / "text.txt", 200, seed=4)
 
 
 def lin_args(model_dir, corpus, out, **kw):

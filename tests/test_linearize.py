@@ -15,7 +15,7 @@ from engine.errors import InvalidArgumentError
 from engine.linearize import LinearizeArgs, linearize
 from engine.loader import load_model
 from models.linearized import write_json, write_maps
-from tests.conftest import generated_sentences
+from tests.conftest import sentence_corpus
 
 
 def cli(*args):
@@ -24,10 +24,7 @@ def cli(*args):
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "text.txt"
-    sents = generated_sentences(300, seed=1)
-    path.write_text("\n<|endoftext|>\n".join(" ".join(sents[i:i + 5]) for i in range(0, 300, 5)))
-    return path
+    return sentence_corpus(tmp_path_factory.mktemp("data") / "text.txt", 300, seed=1)
 
 
 def args(model_dir, corpus, out, **kw):

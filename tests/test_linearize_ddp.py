@@ -22,7 +22,7 @@ from engine.distributed import Group
 from engine.errors import InvalidArgumentError
 from engine.linearize import LinearizeArgs
 from models.linearized import write_adapters, write_maps
-from tests.conftest import ROOT, generated_sentences
+from tests.conftest import ROOT, sentence_corpus
 
 if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
     pytest.skip("this torch build has no torch.distributed with gloo", allow_module_level=True)
@@ -33,10 +33,7 @@ RUN = dict(seq_len=32, tokens=1024, eval_rows=2, layer_steps=5, batch_size=4, fi
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "text.txt"
-    sents = generated_sentences(300, seed=2)
-    path.write_text("\n<|endoftext|>\n".join(" ".join(sents[i:i + 5]) for i in range(0, 300, 5)))
-    return path
+    return sentence_corpus(tmp_path_factory.mktemp("data") / "text.txt", 300, seed=2)
 
 
 def exact_outputs():

@@ -4,7 +4,7 @@ import pytest
 from click.testing import CliRunner
 
 from cli.main import main
-from tests.conftest import generated_sentences
+from tests.conftest import sentence_corpus
 
 LINEARIZE = ["--tokens", "512", "--seq-len", "32", "--layer-steps", "1", "--finetune-steps", "1", "--batch-size", "2",
              "--finetune-batch", "2", "-t", "1"]
@@ -14,10 +14,7 @@ TRAIN = ["--steps", "2", "--dim", "32", "--layers", "1", "--heads", "2", "--seq-
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "text.txt"
-    sents = generated_sentences(300, seed=2)
-    path.write_text("\n<|endoftext|>\n".join(" ".join(sents[i:i + 5]) for i in range(0, 300, 5)))
-    return path
+    return sentence_corpus(tmp_path_factory.mktemp("data") / "text.txt", 300, seed=2)
 
 
 def ids(cases) -> list[str]:
