@@ -105,6 +105,9 @@ def serve_cmd(model_name, attention, softmax_layers, window, feature_map, host, 
         fail(f"--shutdown-grace must be a number of seconds >= 0, got {shutdown_grace}")
     if api_key is not None and not api_key.strip():
         fail("--api-key must not be empty (leave it out to ask for no key)")
+    if api_key is not None and (api_key != api_key.strip() or not api_key.isascii() or not api_key.isprintable()):
+        fail("--api-key must be printable ASCII without spaces around it: clients send it in an HTTP header, "
+             "where no other key could ever match")
     if any(not n.strip() for n in served_names):
         fail("--served-model-name takes a non-empty name")
     if any(not h.strip() for h in allow_hosts) or any(not o.strip() for o in cors_origins):

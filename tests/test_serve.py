@@ -118,6 +118,12 @@ def test_chat_logprobs_and_the_turn_end_ends_a_reply(chat_live):
 GOOD = {"model": NAME, "prompt": "the cat", "max_tokens": 3, "temperature": 0}
 BAD = {   # id: (endpoint, body (bytes: sent raw), status, param)
     "malformed-json": ("completions", b'{"model": "small", "prompt": ', 400, None),
+    # a surrogate's UTF-8-shaped bytes (ED A0 80): json.loads of the bytes passed them on (a 500 rendering the
+    # 404 that names the model, or a stop string that never matches)
+    "surrogate-bytes-in-model": ("completions", b'{"prompt": "hi", "max_tokens": 2, "model": "x\xed\xa0\x80"}', 400, None),
+    "surrogate-bytes-in-stop": ("completions", b'{"prompt": "hi", "max_tokens": 2, "stop": "\xed\xa0\x80"}', 400, None),
+    "logit-bias-superscript-key": ("completions", dict(GOOD, logit_bias={"\u00b2": 5}), 400, "logit_bias"),   # a 500
+    "logit-bias-5000-digit-key": ("completions", dict(GOOD, logit_bias={"9" * 5000: 5}), 400, "logit_bias"),   # a 500
     "not-an-object": ("completions", [1, 2], 400, None),
     "max_tokens-string": ("completions", dict(GOOD, max_tokens="5"), 400, "max_tokens"),
     "max_tokens-negative": ("completions", dict(GOOD, max_tokens=-1), 400, "max_tokens"),
@@ -202,11 +208,14 @@ def test_every_address_a_host_may_name_passes_the_listen_check():
         check_listen(host, port)
 
 
-def test_gen_serve_refuses_bad_arguments_in_one_line():
+def test_gen_serve_refuses_bad_arguments_in_one_line(monkeypatch):
     from click.testing import CliRunner
+    import cli.serve
     from cli.main import main
+    monkeypatch.setattr(cli.serve, "check_listen", lambda host, port: None)   # port 8000 may be taken here
     for args, what in ((["--model", "no-such-model"], "unknown model"), (["--max-batch", "0"], "--max-batch"),
-                       (["--port", "0"], "--port")):
+                       (["--port", "0"], "--port"), (["--api-key", " spaced "], "--api-key must be printable ASCII"),
+                       (["--api-key", "cl\u00e9"], "--api-key must be printable ASCII")):
         r = CliRunner().invoke(main, ["serve", *args])
         assert r.exit_code == 2, r.output
         assert what in r.output and "Traceback" not in r.output

@@ -41,6 +41,7 @@ def test_the_browser_opens_once_the_server_answers():
 def test_gen_serve_open_wires_it(monkeypatch):
     import cli.serve as serve
     calls = []
+    monkeypatch.setattr(serve, "check_listen", lambda host, port: None)   # port 8000 may be taken here
     monkeypatch.setattr(serve, "open_server", lambda *a, **k: "server")
     monkeypatch.setattr(serve, "run", lambda server, host, port, **policy: calls.append(("run", host, port)))
     monkeypatch.setattr(serve, "open_when_ready", lambda url: calls.append(("open", url)))

@@ -108,6 +108,7 @@ def test_gen_api_key_env_sets_the_key(monkeypatch):
     import cli.serve
     from cli.main import main
     seen = {}
+    monkeypatch.setattr(cli.serve, "check_listen", lambda host, port: None)   # no socket: the Policy is the subject
     monkeypatch.setattr(cli.serve, "open_server", lambda *a, **k: "server")
     monkeypatch.setattr(cli.serve, "run", lambda server, **k: seen.update(k))
     r = CliRunner().invoke(main, ["serve"], env={"GEN_API_KEY": "from-env"})

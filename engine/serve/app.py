@@ -287,8 +287,13 @@ def load_json(body: bytes):
     included), nested deeper than MAX_DEPTH, or a string that is not valid Unicode (a lone surrogate
     such as "\\ud800": no tokenizer can encode it)."""
     try:
-        value = json.loads(body)
-    except ValueError as e:   # JSONDecodeError, UnicodeDecodeError, an integer of over 4300 digits
+        text = body.decode("utf-8-sig")   # strict: a surrogate's bytes (ED A0 80) are not UTF-8 (json.loads of
+    except UnicodeDecodeError as e:       # the bytes would pass them: it decodes with surrogatepass)
+        raise bad_request(f"the request body is not valid UTF-8 ({e.reason} at byte {e.start}): send UTF-8 text",
+                          None, "invalid_unicode") from None
+    try:
+        value = json.loads(text)
+    except ValueError as e:   # JSONDecodeError, an integer of over 4300 digits
         raise bad_request(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
     except RecursionError:
         depth = MAX_DEPTH + 1

@@ -9,6 +9,8 @@ with a 400 naming it). `n` choices (up to MAX_N), `presence_penalty` / `frequenc
 """
 from __future__ import annotations
 
+import re
+
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -79,7 +81,7 @@ class Sampling(BaseModel):
             if len(bias) > MAX_LOGIT_BIAS:
                 raise ValueError(f"at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}")
             for key, value in bias.items():
-                if not key.strip().isdigit():
+                if not re.fullmatch(r"[0-9]{1,12}", key.strip()):   # ASCII digits: "²".isdigit(), int("9" * 5000) fails
                     raise ValueError(f"keys must be token ids (strings of digits), got {key!r}")
                 if not -100 <= value <= 100:
                     raise ValueError(f"values must be in [-100, 100], got {value} for token {key}")
