@@ -256,6 +256,18 @@ def test_a_blank_last_user_message_is_a_400_as_a_blank_prompt_is(chat_live, cont
     assert ok.status_code == 200, ok.text
 
 
+def test_more_messages_than_the_prompt_can_hold_are_refused_before_rendering(chat_live, monkeypatch):
+    """A message takes at least one token: more of them than --max-prompt is a 400 before the template
+    renders them (100,000 one-letter messages took seconds of the server's CPU to reach the same 400)."""
+    server = chat_live.server
+    monkeypatch.setattr(type(server.llm.chat_template), "encode", lambda *a, **k: pytest.fail("rendered them"))
+    n = server.max_prompt + 1
+    r = httpx.post(chat_live.url + "/v1/chat/completions", timeout=30, json={
+        "model": NAME, "max_tokens": 2, "messages": [{"role": "user", "content": "x"}] * n})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "context_length_exceeded" and f"are {n}," in err["message"], err
+
+
 def test_system_fingerprint_is_sent_and_stable(live, chat_live):
     a = complete(live, max_tokens=2)
     chunks = stream_chunks(live, "completions", {"model": NAME, "prompt": "x", "max_tokens": 2})

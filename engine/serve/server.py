@@ -116,6 +116,10 @@ class Server:
     def chat_ids(self, req: ChatRequest) -> list[int]:
         """The prompt ids of the messages through the model's chat template (models.chat_template, as
         `llm.chat` renders them: template markers as special tokens, message text as plain text)."""
+        if self.max_prompt and len(req.messages) > self.max_prompt:   # before rendering them (100k took seconds)
+            raise bad_request(f"The messages are {len(req.messages)}, more than the {self.max_prompt} tokens this server "
+                              "takes per request (gen serve --max-prompt) can hold (a message takes at least one). "
+                              "Shorten the conversation.", "messages", "context_length_exceeded")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         if self.llm.tokenizer is not None:
             self.check_chars([m["content"] or "" for m in messages], "messages")
