@@ -6,8 +6,8 @@ import sys
 
 import click
 
-from cli.common import (backend_option, KV_DTYPE_HELP, check_output_path, check_stdio, device_option, native_backend, run_guarded,
-                        threads_option, writing_stdout)
+from cli.common import (backend_option, KV_DTYPE_HELP, check_output_path, check_stdio, device_option, native_backend,
+                        run_guarded, threads_option, writing_stdout)
 from engine.bench import DEFAULT_CONTEXTS, BenchSettings, run_bench, write_json
 from engine.bench.configs import parse_attentions
 from engine.errors import InvalidArgumentError
@@ -58,7 +58,9 @@ def parse_attention(ctx, param, value):
 @click.option("--kv-dtype", help=KV_DTYPE_HELP)
 @device_option
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write the report as JSON here")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="write the two-panel plot here (PNG; .svg, .pdf and the other formats matplotlib writes by their extension)")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
+              help="write the two-panel plot here (PNG; .svg, .pdf and the other formats matplotlib writes by their "
+                   "extension)")
 @click.option("--compare-hf", is_flag=True, help="also time transformers' generate on the same checkpoint")
 @click.option("--hf-new-tokens", default=128, show_default=True, help="greedy tokens per --compare-hf run")
 @click.option("--hf-repeats", default=3, show_default=True, help="timed runs per side (median counts)")

@@ -10,9 +10,9 @@ import warnings
 import click
 from tqdm import tqdm
 
-from cli.common import (backend_option, dtype_options, run_options, check_stdio, fail, given, native_backend, prefill_chunk_option,
-                        run_guarded, activations_option,
-                        device_option, sampling_options, threads_option, writing_stdout)
+from cli.common import (backend_option, dtype_options, run_options, check_stdio, fail, given, native_backend,
+                        prefill_chunk_option, run_guarded, activations_option, device_option, sampling_options,
+                        threads_option, writing_stdout)
 from engine.api import check_text, load, make_config
 from engine.errors import InvalidArgumentError
 from engine.steps import DEFAULT_ACTIVATIONS, DEFAULT_PREFILL_CHUNK

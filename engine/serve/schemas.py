@@ -81,7 +81,8 @@ class Sampling(BaseModel):
             if len(bias) > MAX_LOGIT_BIAS:
                 raise ValueError(f"at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}")
             for key, value in bias.items():
-                if not re.fullmatch(r"[0-9]{1,12}", key.strip()):   # ASCII digits: "²".isdigit(), int("9" * 5000) fails
+                # ASCII digits: "²".isdigit() but int("²") fails, and int("9" * 5000) is refused
+                if not re.fullmatch(r"[0-9]{1,12}", key.strip()):
                     raise ValueError(f"keys must be token ids (strings of digits), got {key!r}")
                 if not -100 <= value <= 100:
                     raise ValueError(f"values must be in [-100, 100], got {value} for token {key}")
