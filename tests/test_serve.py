@@ -128,6 +128,7 @@ BAD = {   # id: (endpoint, body (bytes: sent raw), status, param)
     "max_tokens-string": ("completions", dict(GOOD, max_tokens="5"), 400, "max_tokens"),
     "max_tokens-negative": ("completions", dict(GOOD, max_tokens=-1), 400, "max_tokens"),
     "temperature-string": ("completions", dict(GOOD, temperature="hot"), 400, "temperature"),
+    "temperature-nan": ("completions", b'{"prompt": "hi", "temperature": NaN}', 400, "temperature"),
     "unknown-attention": ("completions", dict(GOOD, attention="flash"), 400, "attention"),
     "hybrid-without-softmax-layers": ("completions", dict(GOOD, attention="hybrid"), 400, "attention"),
     "unknown-field": ("completions", dict(GOOD, frobnicate=1), 400, "frobnicate"),
@@ -148,6 +149,15 @@ BAD = {   # id: (endpoint, body (bytes: sent raw), status, param)
     "chat-unknown-model": ("chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]},
                            404, "model"),
 }
+
+
+def test_a_number_that_is_not_finite_is_named_so(live):
+    """NaN passes no range check: it was refused as 'less than or equal to 2', which 0.5 also is."""
+    for field in ("temperature", "frequency_penalty", "top_p"):
+        r = httpx.post(f"{live.url}/v1/completions", content=f'{{"prompt": "hi", "{field}": NaN}}'.encode(),
+                       headers={"content-type": "application/json"}, timeout=30)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == field and "finite number" in err["message"], err
 
 
 @pytest.mark.parametrize("case", list(BAD))

@@ -35,7 +35,7 @@ class StreamOptions(BaseModel):
 
 class Sampling(BaseModel):
     """What both endpoints share."""
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)   # NaN: "a finite number", not "<= 2"
 
     model: str | None = None          # None: the served model
     max_tokens: int | None = Field(default=None, ge=1)
