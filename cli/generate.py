@@ -25,6 +25,8 @@ from engine.steps import DEFAULT_ACTIVATIONS, DEFAULT_PREFILL_CHUNK
 @click.option("--ids", metavar="1,2,3", help="a prompt of token ids instead of text (no BOS added)")
 @click.option("--chat", "chat_message", metavar="TEXT",
               help="answer this one user message with the model's chat template, then exit (see `gen chat`)")
+@click.option("--system", metavar="TEXT", help="with --chat: a system message before it (default: the template's own, "
+                                              "if any)")
 @click.option("-m", "--model", "model_name", default="tiny", show_default=True, help="registered name or path")
 @run_options()
 @click.option("-n", "--max-new-tokens", default=256, show_default=True, type=int)
@@ -47,7 +49,7 @@ from engine.steps import DEFAULT_ACTIVATIONS, DEFAULT_PREFILL_CHUNK
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object (text, ids, finish_reason, stop_reason, stats)")
 @prefill_chunk_option
 @activations_option
-def generate_cmd(prompt, prompt_opt, ids, chat_message, model_name, attention, softmax_layers, window, feature_map, max_new_tokens,
+def generate_cmd(prompt, prompt_opt, ids, chat_message, system, model_name, attention, softmax_layers, window, feature_map, max_new_tokens,
                  temperature,
                  top_k, top_p, min_p, repetition_penalty, seed, stop, device, dtype, kv_dtype, max_context, echo, backend, native,
                  threads, quantize, verbose, as_json, prefill_chunk, activations, sparse_keys=None):
@@ -65,6 +67,8 @@ def generate_cmd(prompt, prompt_opt, ids, chat_message, model_name, attention, s
                     if prompt == "-" else None)
         if chat_message is not None and (prompt, prompt_opt, ids) != (None, None, None):
             fail("--chat takes the message itself; give no PROMPT, --prompt or --ids with it")
+        if system is not None and chat_message is None:
+            fail("--system goes with --chat MESSAGE (or gen chat --system TEXT for a conversation)")
         the_prompt = read_prompt(prompt, prompt_opt, ids) if chat_message is None else chat_message
         make_config(**settings)                      # bad settings fail before the model loads
         llm = load_quietly(model_name, attention, feature_map, device, dtype, native_backend(backend, native),
@@ -73,7 +77,8 @@ def generate_cmd(prompt, prompt_opt, ids, chat_message, model_name, attention, s
         if chat_message is None and isinstance(the_prompt, str) and llm.tokenizer is None:
             fail(f"{model_name} ships no tokenizer, so it cannot read text; give the prompt as token ids: --ids 1,2,3")
         if chat_message is not None:   # keep the stream: dropping it would close its generation
-            chat_stream = llm.chat([{"role": "user", "content": chat_message}], **settings)
+            system_turn = [] if system is None else [{"role": "system", "content": system}]
+            chat_stream = llm.chat([*system_turn, {"role": "user", "content": chat_message}], **settings)
             generation = chat_stream.generation
         else:
             generation = llm.start([the_prompt], **settings)

@@ -241,6 +241,20 @@ def test_cli_one_shot_and_repl(model_dir):
     assert r.exit_code == 2
 
 
+def test_cli_one_shot_takes_a_system_message(model_dir):
+    """gen --chat MESSAGE --system TEXT answers as llm.chat([system, user]) (gen chat had --system; the
+    one-shot form had none); --system without --chat is one line."""
+    r = CliRunner().invoke(main, ["--model", str(model_dir), "--chat", "Hello there", "--system", "Be brief.",
+                                  "--temperature", "0", "--max-new-tokens", "5"])
+    assert r.exit_code == 0, r.output
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    reply = load(str(model_dir)).chat(messages, temperature=0, max_new_tokens=5)
+    assert r.stdout.startswith("".join(reply))
+    assert f"prompt {reply.result.stats.prompt_tokens} tokens" in r.stderr   # the system turn, not the default one
+    r = CliRunner().invoke(main, ["--model", str(model_dir), "--system", "Be brief.", "hi"])
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "--system goes with --chat" in r.output
+
+
 def test_template_sources_in_a_directory(tmp_path):
     import json as _json
     from models.chat_template import find_template
