@@ -59,8 +59,9 @@ TASK_NAMES = (*TASKS, "passkey")
 @click.option("--quantize", type=click.Choice(["q8_0", "q4_0", "q4_1"]),
               help="quantize the matrices at load (a GGUF's own Q8_0/Q4_0/Q4_1 blocks are kept as they are); "
                    "scored on the dequantized weights")
-@click.option("--threads", type=int, callback=check_threads, help="CPU threads (default: all cores: scoring is batched matmuls; on a busy "
-              "machine fewer may be faster)")
+@click.option("--threads", type=int, callback=check_threads,
+              help="CPU threads (default: all cores: scoring is batched matmuls; on a busy machine fewer may be "
+                   "faster)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def eval_cmd(model_name, attention, softmax_layers, window, feature_map, data, task_lists, task_files, limit,
              lengths, depths, trials, seed, results_dir, context, max_docs, batch_size, device, dtype, quantize,

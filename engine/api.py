@@ -36,7 +36,7 @@ from engine.runspec import (DEFAULT_ACTIVATIONS, DEFAULT_PREFILL_CHUNK, RunSpec,
 from engine.steps import Stepper
 from engine.quant import quantize_model
 from engine.threads import available_cores, set_threads
-from models.chat_template import check_messages, check_question, utf8_problem
+from models.chat_template import check_question, utf8_problem
 from models.pages import trim_heap
 from models.registry import path_warning
 
@@ -237,7 +237,7 @@ class LLM:
         with the model's chat template; settings: those of `stream`, each one not given taken from
         `chat_sampling`. Stops at the turn's end token."""
         template = self._template()
-        check_question(check_messages(messages))
+        check_question(messages)   # the messages themselves are checked where the template renders them
         settings = {**self.chat_sampling, **settings}
         settings.setdefault("eos_ids", self.chat_eos_ids())
         ids = template.encode(self.tokenizer, messages, add_generation_prompt=True)
