@@ -171,20 +171,24 @@ def test_native_regrouped_copies_hand_back_their_blocks(q4_1_file, native_built)
     from engine.steps.native.abi import bind
     if not bind().gen_has_q4_1r():
         pytest.skip("this build has no grouped q4_1 / q8_0 kernels (they need AVX-512 VNNI)")
-    llm = load(str(q4_1_file), threads=1)
+    llm = load(str(q4_1_file), threads=1)   # (the load makes the copies: nothing of the map is read here)
     model = llm.model
     views = [b.mlp.gate_up.blocks for b in model.layers] + [b.mlp.down_proj.blocks for b in model.layers] + \
         [b.self_attn.o_proj.blocks for b in model.layers]
-    before = [v.clone() for v in views]
     head = model.lm_head.blocks
     assert head.data_ptr() == model.embed_tokens.blocks.data_ptr()
-    table = head.clone()
     prompt = [1] + list(range(5, CFG["vocab_size"], 257))   # rows from all over the table
     ids = llm.generate(prompt, max_new_tokens=3, temperature=0).ids
-    spans = [tuple(int(x, 16) for x in line.split()[0].split("-")) for line in open("/proc/self/maps")
-             if line.rstrip().endswith(q4_1_file.name)]
-    assert spans and sum(resident_file_bytes(lo, hi - lo) for lo, hi in spans) == 0   # (before any read here)
-    assert all(torch.equal(v, b) for v, b in zip(views, before)) and torch.equal(head, table)
+    maps = [line.split() for line in open("/proc/self/maps") if line.rstrip().endswith(q4_1_file.name)]
+    spans = [(*(int(x, 16) for x in m[0].split("-")), int(m[2], 16)) for m in maps]   # (lo, hi, file offset)
+    assert spans and sum(resident_file_bytes(lo, hi - lo) for lo, hi, _ in spans) == 0   # (before any read here)
+    data = q4_1_file.read_bytes()   # the file's bytes, read without a map
+
+    def stored(t):   # what the file holds where `t` maps it
+        lo, _, offset = next(s for s in spans if s[0] <= t.data_ptr() < s[1])
+        at = t.data_ptr() - lo + offset
+        return torch.frombuffer(bytearray(data[at:at + t.numel()]), dtype=torch.uint8).view(t.shape)
+    assert all(torch.equal(v, stored(v)) for v in views) and torch.equal(head, stored(head))
     assert llm.generate(prompt, max_new_tokens=3, temperature=0).ids == ids
 
 
@@ -227,7 +231,8 @@ def test_the_header_pages_go_back_after_parsing(q4_1_file):
 
 def test_a_load_and_a_plan_that_made_copies_trim_the_heap(q4_1_file, native_built, monkeypatch):
     """What a load freed (metadata, the tokenizer's build) and the scratch of the native step's
-    copies go back to the kernel once each (glibc's malloc_trim); a plan that made no copy does not trim."""
+    copies go back to the kernel once each (glibc's malloc_trim); a plan that made no copy does not trim.
+    The copies are made by the load (its run's one-token state), not in the first prompt's prefill."""
     import platform
 
     import engine.api
@@ -238,14 +243,15 @@ def test_a_load_and_a_plan_that_made_copies_trim_the_heap(q4_1_file, native_buil
     monkeypatch.setattr(engine.api, "trim_heap", lambda: calls.append("load"))
     monkeypatch.setattr(engine.steps.native.step, "trim_heap", lambda: calls.append("plan"))
     llm = engine.api.load(str(q4_1_file), threads=1)
-    assert calls == ["load"]
-    llm.generate([1, 5, 9], max_new_tokens=2, temperature=0)
     step = next(f for f in llm.step.forms if f.name == "native")
     made = ["plan"] if step.weights.made else []   # (no copies where the build lacks the grouped kernels)
     assert step.weights.made == 0 or step.weights.made >= 4   # per layer o, gate_up, down; the head
     assert calls == ["load", *made]
-    llm.generate([1, 5, 9], max_new_tokens=2, temperature=0)   # a new state's plan: the copies exist
-    assert calls == ["load", *made]
+    copies = step.weights.made
+    llm.generate([1, 5, 9], max_new_tokens=2, temperature=0)   # the first prompt: the copies exist
+    assert calls == ["load", *made] and step.weights.made == copies
+    llm.generate([1, 5, 9], max_new_tokens=2, temperature=0)
+    assert calls == ["load", *made] and step.weights.made == copies
 
 
 def test_a_prompt_plan_hands_its_scratch_back_when_it_dies(q4_1_file, native_built, monkeypatch):

@@ -67,6 +67,10 @@ class NativeStep:
                 trim_heap()   # the copies' freed scratch (a model's size, once) goes back to the kernel
         return plan
 
+    def prepare(self, state) -> None:
+        """The weight copies a plan for `state` reads (`weights`), made now: a plan for it, dropped with it."""
+        self._plan(state)
+
     def __call__(self, tokens: torch.Tensor, state) -> torch.Tensor:
         return self._plan(state).step(tokens, state)
 
