@@ -142,7 +142,14 @@ def test_with_cors_origin_preflights_are_answered_for_that_origin_only(keyed):
     assert {"authorization", "content-type"} <= {h.strip().lower() for h in
                                                  r.headers["access-control-allow-headers"].split(",")}
     r = httpx.options(keyed.url + "/v1/chat/completions", headers=dict(pre, Origin="http://evil.example"))
-    assert r.status_code >= 400 and "access-control-allow-origin" not in r.headers
+    openai_error(r, 403, "origin_not_allowed")
+    assert "access-control-allow-origin" not in r.headers
+    # the allowed origin asking for a method or header the server does not take: Starlette's refusal
+    # was plain text ("Disallowed CORS method"); now OpenAI's shape
+    for ask, word in (({"Access-Control-Request-Method": "PUT"}, "method"),
+                      ({"Access-Control-Request-Headers": "x-secret"}, "headers")):
+        r = httpx.options(keyed.url + "/v1/chat/completions", headers=dict(pre, **ask))
+        assert word in openai_error(r, 400, "cors_refused")["message"].lower()
     r = httpx.post(keyed.url + "/v1/completions", json=GOOD,
                    headers={"Origin": "http://localhost:3000", "Authorization": f"Bearer {KEY}"})
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
@@ -157,6 +164,12 @@ def test_docs_are_off_unless_asked(live, small_model_dir, path):
         assert httpx.get(srv.url + path).status_code == 200
     finally:
         srv.stop()
+
+
+def test_health_answers_head_as_get(live):
+    """A monitor that probes with HEAD gets /health's status (it was a 405), without a body."""
+    get, head = httpx.get(live.url + "/health"), httpx.head(live.url + "/health")
+    assert get.status_code == head.status_code == 200 and get.json()["status"] == "ok" and head.content == b""
 
 
 def test_unknown_route_and_wrong_method_are_openai_errors(live):

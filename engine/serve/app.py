@@ -44,6 +44,19 @@ DONE = b"data: [DONE]\r\n\r\n"
 MAX_DEPTH = 64    # JSON nesting a body may have (a chat request needs 4)
 
 
+class JSONRefusingCORS(CORSMiddleware):
+    """Starlette's CORS middleware, with a refused preflight (an origin, method or header not allowed)
+    answered in OpenAI's error shape instead of plain text; what it allows is Starlette's, unchanged."""
+
+    def preflight_response(self, request_headers):
+        response = super().preflight_response(request_headers)
+        if response.status_code < 400:
+            return response
+        reason = bytes(response.body).decode("utf-8", "replace").strip() or "CORS preflight refused"
+        return APIError(response.status_code, f"{reason} (the server's --cors-origin names who may call it)",
+                        code="cors_refused").response()
+
+
 def create_app(server: Server, policy: Policy | None = None) -> "FastAPI":
     """The app serving `server`, behind `policy`'s guard (default: Policy(), loopback Hosts only, no
     key, no CORS, no docs, 4 MiB bodies)."""
@@ -69,7 +82,7 @@ def create_app(server: Server, policy: Policy | None = None) -> "FastAPI":
     # the last added runs first: HostGuard, then CORS (answers preflights), then RequestGuard
     app.add_middleware(RequestGuard, policy=policy)
     if policy.cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(policy.cors_origins), allow_methods=["GET", "POST"],
+        app.add_middleware(JSONRefusingCORS, allow_origins=list(policy.cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"], max_age=600)
     app.add_middleware(HostGuard, policy=policy)
     created = int(time.time())
@@ -105,7 +118,7 @@ def create_app(server: Server, policy: Policy | None = None) -> "FastAPI":
 
     add_page(app, server)   # the comparison page at / (engine.serve.page)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])   # (monitors that probe with HEAD get the status alone)
     async def health():
         if server.draining:   # a load balancer stops sending requests here
             return JSONResponse({"status": "shutting_down", "model": server.name}, status_code=503)
