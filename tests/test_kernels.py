@@ -242,18 +242,18 @@ SMOLLM2, ODD = (2, 9, 3, 64), (3, 6, 2, 24)
 
 @interpreted
 @pytest.mark.parametrize("shape, dtype, parts", [
-    (SMOLLM2, FP32, ""), (SMOLLM2, FP32, "decay"), (SMOLLM2, FP32, "gated"),
-    (SMOLLM2, BF16, ""), (SMOLLM2, BF16, "decay"), (SMOLLM2, BF16, "gated"),
+    (SMOLLM2, FP32, ""), (SMOLLM2, FP32, "decay"), (SMOLLM2, FP32, "gated"), (SMOLLM2, BF16, "gated"),
     (ODD, FP32, "gated"), (ODD, BF16, "")],
-    ids=["smollm2-fp32-map", "smollm2-fp32-decay", "smollm2-fp32-gated", "smollm2-bf16-map", "smollm2-bf16-decay",
-         "smollm2-bf16-gated", "odd-fp32-gated", "odd-bf16-map"])
+    ids=["smollm2-fp32-map", "smollm2-fp32-decay", "smollm2-fp32-gated", "smollm2-bf16-gated", "odd-fp32-gated",
+         "odd-bf16-map"])
 @torch.no_grad()
 def test_hedgehog_decode_applies_the_map_in_the_kernel(shape, dtype, parts):
     """`linear_decode_hedgehog` from the raw q, k, v == the Hedgehog map's own featurization, decay and
     gate + the torch step, two steps, S and z included. SmolLM2's attention (9 query heads on 3 kv heads
     of 64, G 3 padded to a block of 4) on B 2, and D 24 (not a power of two: the column blocks and the
     head's Dv are masked) with G 3 on B 3. q and k scaled up: softmaxes far from uniform. Layer 1 of 2,
-    maps of a strided layout (slices of the stacked parameters)."""
+    maps of a strided layout (slices of the stacked parameters). bf16 at SmolLM2's shape only gated (a
+    decay and its gate: the map alone and the decay are its parts, and bf16 costs ~4 s a case interpreted)."""
     B, H, Hkv, D = shape
     cfg, fm = hedgehog_maps(H, Hkv, D, parts, scale=0.3)
     g = torch.Generator().manual_seed(7)
