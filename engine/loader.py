@@ -106,8 +106,9 @@ def build(cfg: ModelConfig, hf_tensors, device, dtype, interleaved_rotary: bool 
         setattr(model.get_submodule(parent) if parent else model, name, module)
         runtime[f"{path}.blocks"] = module.blocks
     if cfg.feature_map == "hedgehog":
-        fresh = {f"hedgehog.{k}": v for k, v in Hedgehog.for_config(cfg).state_dict().items()}
-        runtime.update({k: v.to(device, dtype) for k, v in (maps or fresh).items()})
+        if not maps:   # fresh (identity) maps
+            maps = {f"hedgehog.{k}": v for k, v in Hedgehog.for_config(cfg).state_dict().items()}
+        runtime.update({k: v.to(device, dtype) for k, v in maps.items()})
     model.load_state_dict(runtime, assign=True, strict=True)
     if tied:
         model.lm_head.weight = model.embed_tokens.weight

@@ -77,6 +77,21 @@ def test_a_load_never_imports_dynamo(fresh_load):
     assert fresh_load[1] == "[]"
 
 
+def test_learned_maps_made_on_the_meta_device_never_import_dynamo():
+    """Hedgehog's identity maps made under a load's meta device (engine.loader.build) ran torch.eye
+    through torch._refs, importing torch._dynamo (~1.1 s of every load of smollm2-linear); they are
+    identities still."""
+    code = ("import sys, torch\n"
+            "from engine.attention.feature_maps import Hedgehog\n"
+            "with torch.device('meta'):\n"
+            "    Hedgehog(2, 4, 2, 8, decay=True)\n"
+            "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))\n"
+            "fm = Hedgehog(2, 3, 1, 4)\n"
+            "print(all(torch.equal(w, torch.eye(4).expand_as(w)) for w in (fm.q_weight, fm.k_weight)), "
+            "tuple(fm.q_weight.shape), tuple(fm.k_weight.shape))\n")
+    assert python(code).strip().splitlines()[-2:] == ["[]", "True (2, 3, 4, 4) (2, 1, 4, 4)"]
+
+
 def test_a_gguf_load_leaves_sentencepiece_out_and_importable(fresh_load):
     """The gguf package's __init__ imports sentencepiece for its vocabulary converters (~1.3 MB that
     reading a file never runs): a load imports the package without it, and `import sentencepiece`

@@ -129,7 +129,10 @@ class Hedgehog(FeatureMap, nn.Module):
     def __init__(self, layers: int = 0, heads: int = 1, kv_heads: int = 1, head_dim: int = 1, decay: bool = False):
         nn.Module.__init__(self)
         for role, n in (("q", heads), ("k", kv_heads)):
-            eye = torch.eye(head_dim).expand(layers, n, head_dim, head_dim).clone()
+            # identities, not torch.eye: under a load's meta device torch.eye runs torch._refs, whose
+            # first call imports torch._dynamo (~1.1 s and its pages, in every load of learned maps)
+            eye = torch.zeros(layers, n, head_dim, head_dim)
+            eye.diagonal(dim1=-2, dim2=-1).fill_(1.0)
             self.register_parameter(f"{role}_weight", nn.Parameter(eye))
             self.register_parameter(f"{role}_bias", nn.Parameter(torch.zeros(layers, n, head_dim)))
         self.register_parameter("decay_logit", None)
