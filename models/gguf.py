@@ -242,21 +242,25 @@ class _LeftOut:
         return None
 
 
+class PlainMap:
+    """A GGUFReader mixin (first among the bases): the reader's map seen as a plain ndarray, the same
+    pages, but slicing it skips np.memmap's per-slice bookkeeping, which made reading 100k vocabulary
+    strings and dequantizing row groups 2-3x slower."""
+    @property
+    def data(self):
+        return self._data
+
+    @data.setter
+    def data(self, value):
+        self._data = np.asarray(value)
+
+
 def _reader_class():
     gguf = import_gguf()
     GGUFReader, GGUFValueType, ReaderField = gguf.GGUFReader, gguf.GGUFValueType, gguf.gguf_reader.ReaderField
 
-    class Reader(GGUFReader):
-        """GGUFReader whose map is seen as a plain ndarray: the same pages, but slicing it skips
-        np.memmap's per-slice bookkeeping, which made reading 100k vocabulary strings and
-        dequantizing row groups 2-3x slower."""
-        @property
-        def data(self):
-            return self._data
-
-        @data.setter
-        def data(self, value):
-            self._data = np.asarray(value)
+    class Reader(PlainMap, GGUFReader):
+        """GGUFReader over a plain-ndarray map (PlainMap), parsing the metadata faster."""
 
         def _fast_build_fields(self, offs, count):
             """The metadata as Python values in `values` (models.gguf_metadata: not two numpy views
