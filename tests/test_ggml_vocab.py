@@ -134,10 +134,10 @@ def test_agrees_with_transformers_gguf_tokenizer(name, monkeypatch):
     class PlainMapReader(PlainMap, gguf.GGUFReader):   # gguf's own parse; only the map's view is ours
         pass
 
-    monkeypatch.setattr(gguf, "GGUFReader", PlainMapReader)   # transformers imports it from gguf per call
-    with warnings.catch_warnings():
+    tok = tokenizer(name)   # (ours first: models.gguf's reader subclasses gguf.GGUFReader as it is)
+    with warnings.catch_warnings(), monkeypatch.context() as patch:
         warnings.simplefilter("ignore")
+        patch.setattr(gguf, "GGUFReader", PlainMapReader)   # transformers imports it from gguf per call
         ref = AutoTokenizer.from_pretrained(str(DEFAULT_DIR), gguf_file=vocab_file(name).name)
-    tok = tokenizer(name)
     for s in strings():
         assert tok.encode(s) == ref.encode(s, add_special_tokens=False), s

@@ -269,6 +269,26 @@ def test_a_load_and_a_plan_that_made_copies_trim_the_heap(q4_1_file, native_buil
     assert calls == ["load", *made] and step.weights.made == copies
 
 
+def test_a_load_whose_native_plan_cannot_be_made_still_loads(q4_1_file, native_built, monkeypatch):
+    """The copies made at load come from a native plan; weights a plan cannot read (NativeUnavailableError)
+    leave the load as it was before copies were made there (a run that only scores never meets it).
+    Float weights make no copies at load (their 16-bit copies would add memory a run that never
+    decodes natively holds)."""
+    import engine.api
+    from engine.steps.native import NativeUnavailableError
+    from engine.steps.native.step import NativeStep
+
+    def refuse(self, state):
+        raise NativeUnavailableError("the native step needs contiguous CPU weights (test)")
+    with monkeypatch.context() as patch:
+        patch.setattr(NativeStep, "_plan", refuse)
+        llm = engine.api.load(str(q4_1_file), threads=1)
+        step = next(f for f in llm.step.forms if f.name == "native")
+        assert step.weights.made == 0 and not step.plans
+    tiny = engine.api.load("tiny", threads=1)
+    assert next(f for f in tiny.step.forms if f.name == "native").weights.made == 0
+
+
 def test_a_prompt_plan_hands_its_scratch_back_when_it_dies(q4_1_file, native_built, monkeypatch):
     """A plan that read a prompt block (its prompt plan: per thread rows x the widest output, the
     vocabulary) trims the heap when it is freed with its state; a plan that only decoded does not."""

@@ -150,6 +150,8 @@ def test_with_cors_origin_preflights_are_answered_for_that_origin_only(keyed):
                       ({"Access-Control-Request-Headers": "x-secret"}, "headers")):
         r = httpx.options(keyed.url + "/v1/chat/completions", headers=dict(pre, **ask))
         assert word in openai_error(r, 400, "cors_refused")["message"].lower()
+        # Starlette's headers kept (what a browser's console reports from; Vary for caches)
+        assert r.headers["access-control-allow-origin"] == "http://localhost:3000" and "Origin" in r.headers["vary"]
     r = httpx.post(keyed.url + "/v1/completions", json=GOOD,
                    headers={"Origin": "http://localhost:3000", "Authorization": f"Bearer {KEY}"})
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:3000"

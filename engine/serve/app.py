@@ -53,8 +53,10 @@ class JSONRefusingCORS(CORSMiddleware):
         if response.status_code < 400:
             return response
         reason = bytes(response.body).decode("utf-8", "replace").strip() or "CORS preflight refused"
-        return APIError(response.status_code, f"{reason} (the server's --cors-origin names who may call it)",
-                        code="cors_refused").response()
+        headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "content-type")}
+        return APIError(response.status_code, f"{reason} (this server takes GET and POST with the headers "
+                        "Authorization and Content-Type, from the origins gen serve --cors-origin names)",
+                        code="cors_refused", headers=headers).response()
 
 
 def create_app(server: Server, policy: Policy | None = None) -> "FastAPI":
@@ -118,7 +120,8 @@ def create_app(server: Server, policy: Policy | None = None) -> "FastAPI":
 
     add_page(app, server)   # the comparison page at / (engine.serve.page)
 
-    @app.api_route("/health", methods=["GET", "HEAD"])   # (monitors that probe with HEAD get the status alone)
+    @app.get("/health")
+    @app.head("/health", include_in_schema=False)   # monitors that probe with HEAD get the status alone
     async def health():
         if server.draining:   # a load balancer stops sending requests here
             return JSONResponse({"status": "shutting_down", "model": server.name}, status_code=503)

@@ -108,13 +108,16 @@ class Stepper:
 
     def prepare(self, state) -> None:
         """Make now what the step forms make once on their first call for states like `state` (the
-        native form: its weight copies, ~0.2 s on SmolLM2's GGUF), so that the first prompt's prefill
-        time is the prefill's own (a load calls this with a one-token state of its run)."""
+        native form: its quantized matrices' regrouped copies, ~0.2 s on SmolLM2's GGUF), so that the
+        first prompt's prefill time is the prefill's own (a load calls this with a one-slot state of its run)."""
         tokens = torch.zeros(state.batch_size, 1, dtype=torch.long, device=state.device)
         for form in self.forms:
             prepare = getattr(form, "prepare", None)
             if prepare is not None and form.why_not(state, tokens) is None:
-                prepare(state)
+                try:
+                    prepare(state)
+                except NativeUnavailableError:   # weights its plan cannot read: the step falls back when it runs
+                    pass
 
     @property
     def forms_available(self) -> list[str]:
