@@ -134,7 +134,7 @@ class LLM:
         # the step's one-time weight copies now, not in the first prompt's prefill time (on a state of
         # one slot, its window and sparse keys capped: what a run asks for is checked when it runs)
         probe = dataclasses.replace(spec, window=min(spec.window, 64), sparse_keys=min(spec.sparse_keys, 64))
-        self.step.prepare(model.init_state(batch=1, max_len=1, spec=probe))
+        self.step.prepare(lambda: model.init_state(batch=1, max_len=1, spec=probe))
         self.attention = spec.attention
         self.feature_map = feature_map   # as given (None: the model's); the run's: spec.feature_map
         self.map_sets: tuple[str, ...] = ()   # the checkpoint's other sets of learned maps (load() fills it)

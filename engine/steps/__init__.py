@@ -106,18 +106,14 @@ class Stepper:
             if plans is not None:
                 plans.pop(state, None)
 
-    def prepare(self, state) -> None:
-        """Make now what the step forms make once on their first call for states like `state` (the
-        native form: its quantized matrices' regrouped copies, ~0.2 s on SmolLM2's GGUF), so that the
-        first prompt's prefill time is the prefill's own (a load calls this with a one-slot state of its run)."""
-        tokens = torch.zeros(state.batch_size, 1, dtype=torch.long, device=state.device)
+    def prepare(self, make_state) -> None:
+        """Make now what the step forms make once on their first call (the native form: its quantized
+        matrices' regrouped copies, ~0.2 s on SmolLM2's GGUF), so that the first prompt's prefill time is
+        the prefill's own. make_state(): a one-slot state of the run, made only where a form has work."""
         for form in self.forms:
             prepare = getattr(form, "prepare", None)
-            if prepare is not None and form.why_not(state, tokens) is None:
-                try:
-                    prepare(state)
-                except NativeUnavailableError:   # weights its plan cannot read: the step falls back when it runs
-                    pass
+            if prepare is not None:
+                prepare(make_state)
 
     @property
     def forms_available(self) -> list[str]:

@@ -9,7 +9,7 @@ import engine.steps.native as package   # its EXACT16 / REGROUP, read when a ste
 from engine.attention.sparse import SparseWindowState
 from engine.quant import QuantLinear
 from engine.runspec import check_activations
-from engine.steps.native.abi import bind
+from engine.steps.native.abi import NativeUnavailableError, bind
 from engine.steps.native.cases import state_parts, why_not
 from engine.steps.native.plan import PREFILL_ROWS, NativeDecoder
 from engine.steps.native.weights import DerivedWeights
@@ -67,13 +67,20 @@ class NativeStep:
                 trim_heap()   # the copies' freed scratch (a model's size, once) goes back to the kernel
         return plan
 
-    def prepare(self, state) -> None:
-        """The weight copies a plan for `state` reads (`weights`), made now (a plan for it, dropped with
-        it), for quantized matrices only: their regrouped copies replace the blocks' pages (handed back)
-        and cost ~0.2 s on SmolLM2's GGUF. Float weights' 16-bit copies add memory a run that never
-        decodes here would hold for nothing, and take milliseconds: made at the first step, as before."""
-        if self._quantized():
-            self._plan(state)
+    def prepare(self, make_state) -> None:
+        """The weight copies a plan for the state make_state() returns reads (`weights`), made now (a plan
+        for it, dropped with it), for quantized matrices only: their regrouped copies replace the blocks'
+        pages (handed back) and cost ~0.2 s on SmolLM2's GGUF. Float weights' 16-bit copies add memory a
+        run that never decodes here would hold for nothing, and take milliseconds: made at the first
+        step. Weights a plan cannot read are left as they are (the step falls back when it runs)."""
+        if not self._quantized():
+            return
+        state = make_state()
+        if self.why_not(state, torch.zeros(state.batch_size, 1, dtype=torch.long, device=state.device)) is None:
+            try:
+                self._plan(state)
+            except NativeUnavailableError:
+                pass
 
     def __call__(self, tokens: torch.Tensor, state) -> torch.Tensor:
         return self._plan(state).step(tokens, state)
