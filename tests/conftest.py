@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -19,12 +20,36 @@ SHARED = Path(os.environ.get("GEN_SHARED_DIR", ROOT.parent / "shared"))
 def native_cache(tmp_path_factory):
     """One fresh build cache of the native step for the whole run, shared by the xdist workers and the
     processes tests start (the environment carries it): the step is compiled once per run (the
-    workers take turns on its lock), from this checkout's sources, never read from ~/.cache. A
-    GEN_ENGINE_CACHE set by the user is kept."""
+    workers take turns on its lock) from this checkout's sources, unless `gen`'s own cache holds the
+    library of exactly these sources (seed_from_the_users_cache). A GEN_ENGINE_CACHE set by the user
+    is kept."""
     base = tmp_path_factory.getbasetemp()
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") and base.name.startswith("popen-") else base
-    os.environ.setdefault("GEN_ENGINE_CACHE", str(shared / "native-cache"))
+    if "GEN_ENGINE_CACHE" not in os.environ:
+        os.environ["GEN_ENGINE_CACHE"] = str(shared / "native-cache")
+        seed_from_the_users_cache(Path(os.environ["GEN_ENGINE_CACHE"]))
     yield os.environ["GEN_ENGINE_CACHE"]
+
+
+def seed_from_the_users_cache(run_cache: Path) -> None:
+    """A library `gen` already compiled into its own cache (~/.cache/gen-engine: .ci/run's first `gen`
+    command builds it) from exactly these sources is copied into the run's cache instead of compiled
+    again (~15 s of CPU): its file name is the hash of every source and header, the flags, the compiler
+    and the CPU (engine.steps.native.build.source_key), so it is what a build here would make. The
+    build itself is tested from scratch by tests/test_native_build.py. Copied whole (a temporary file
+    renamed), so a worker never loads half of one."""
+    from engine.steps.native import build
+    cc = build.compiler()
+    if cc is None:
+        return
+    name = f"decode-{build.source_key(cc)}.so"
+    built = Path.home() / ".cache" / "gen-engine" / name
+    if not built.is_file() or (run_cache / name).exists():
+        return
+    run_cache.mkdir(parents=True, exist_ok=True)
+    tmp = run_cache / f".{name}.{os.getpid()}"
+    shutil.copyfile(built, tmp)
+    os.replace(tmp, run_cache / name)
 
 
 @pytest.fixture

@@ -237,7 +237,7 @@ def hedgehog_reference_step(fm, layer, q, k, v, S, z):
     return linear_attention_step(phi_q, phi_k, v32, S, z, decay).view(B, H, 1, -1)
 
 
-SMOLLM2, ODD = (2, 9, 3, 64), (3, 6, 2, 24)
+SMOLLM2, ODD = (1, 9, 3, 64), (3, 6, 2, 24)
 
 
 @interpreted
@@ -250,8 +250,9 @@ SMOLLM2, ODD = (2, 9, 3, 64), (3, 6, 2, 24)
 def test_hedgehog_decode_applies_the_map_in_the_kernel(shape, dtype, parts):
     """`linear_decode_hedgehog` from the raw q, k, v == the Hedgehog map's own featurization, decay and
     gate + the torch step, two steps, S and z included. SmolLM2's attention (9 query heads on 3 kv heads
-    of 64, G 3 padded to a block of 4) on B 2, and D 24 (not a power of two: the column blocks and the
-    head's Dv are masked) with G 3 on B 3. q and k scaled up: softmaxes far from uniform. Layer 1 of 2,
+    of 64, G 3 padded to a block of 4) on B 1, and D 24 (not a power of two: the column blocks and the
+    head's Dv are masked) with G 3 on B 3 (the batch's strides: a program a row, ~2 s a row interpreted
+    at SmolLM2's shape). q and k scaled up: softmaxes far from uniform. Layer 1 of 2,
     maps of a strided layout (slices of the stacked parameters). bf16 at SmolLM2's shape only gated (a
     decay and its gate: the map alone and the decay are its parts, and bf16 costs ~4 s a case interpreted)."""
     B, H, Hkv, D = shape
