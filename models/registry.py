@@ -94,13 +94,23 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
         check_vocab(tokenizer, cfg, tok_path)
         return Checkpoint(cfg, tensors, tokenizer, path=path, chat_template=dir_template(path, tokenizer),
                           sampling=read_generation_config(path))
-    if path.suffix.lower() == ".gguf":
+    if path.suffix.lower() == ".gguf" or has_gguf_magic(path):
         return read_gguf_checkpoint(path)
     if path.suffix in (".safetensors", ".json"):
         raise CheckpointError(f"{path}: pass the directory holding config.json and the safetensors file(s)")
     # llama2.c files have no fixed suffix: the header decides
     cfg, tensors = read_llama2c(path)
     return Checkpoint(cfg, tensors, None, interleaved_rotary=True, path=path)
+
+
+def has_gguf_magic(path: Path) -> bool:
+    """The file starts with GGUF's signature: a GGUF file named without the suffix (a hub blob, a
+    symlink) is read as one, not as a llama2.c header of implausible numbers."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False   # the reader after it says what is wrong with the path
 
 
 def packaged_path(name: str) -> Path:

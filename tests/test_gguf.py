@@ -332,6 +332,18 @@ def test_directory_named_gguf_and_copy(tmp_path, model, tok_dir):
     assert torch.equal(logits(a, IDS), logits(load_model(path)[0], IDS))
 
 
+def test_a_gguf_named_without_its_suffix_is_read_by_its_signature(tmp_path, model, tok_dir):
+    """A hub blob or a link named without .gguf: the file's first bytes decide, not the name (it was read
+    as a llama2.c header: "implausible header (dim=1179993927, ...)", the bytes of "GGUF")."""
+    path = tmp_path / "m.gguf"
+    write_gguf(path, model, tok_dir)
+    (tmp_path / "blob").symlink_to(path)
+    a, tok = load_model(tmp_path / "blob")
+    assert tok is not None and torch.equal(logits(a, IDS), logits(load_model(path)[0], IDS))
+    (tmp_path / "other").write_bytes(b"GGUG" + bytes(100))   # not the signature: llama2.c's reader says why
+    assert "not a llama2.c checkpoint" in load_error(tmp_path / "other")
+
+
 def test_each_tensor_is_dequantized_once_per_load(tmp_path, model, tok_dir, monkeypatch):
     """The model is built tensor by tensor from the map: every tensor read once, none held twice."""
     from models.gguf import GGUFTensors
