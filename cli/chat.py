@@ -47,8 +47,8 @@ def chat_cmd(model_name, attention, softmax_layers, window, feature_map, system,
     """Chat with a model that has a chat template: each line you type is a message, the reply streams back.
 
     /reset starts a new conversation, /exit or Ctrl-D leaves, Ctrl-C stops a reply (the conversation
-    stays). Lines piped in work too, one message per line. After each reply a line on stderr gives
-    its tokens and speed.
+    stays). Lines piped in work too, one message per line (exit code 2 when one got an error instead
+    of a reply). After each reply a line on stderr gives its tokens and speed.
 
     Sampling: each option you give wins; the others come from the model's generation config
     (generation_config.json beside the weights, or a GGUF's general.sampling.* keys) where it names
@@ -74,19 +74,23 @@ def chat_cmd(model_name, attention, softmax_layers, window, feature_map, system,
             click.echo(f"gen chat: {model_name}, {llm.attention} attention, "
                        f"{sampling}. {HELP_LINE}.", err=True)
         with writing_stdout():
-            repl(session, settings, prompt="> " if tty else "", verbose=verbose)
+            failed = repl(session, settings, prompt="> " if tty else "", verbose=verbose)
+        if failed and not tty:   # piped messages: a script must see that some got no reply
+            sys.exit(2)
 
     run_guarded(run)
 
 
-def repl(session, settings: dict, prompt: str = "> ", verbose: bool = False) -> None:
+def repl(session, settings: dict, prompt: str = "> ", verbose: bool = False) -> int:
+    """Read messages until /exit or end of input; returns how many got an error instead of a reply."""
+    failed = 0
     while True:
         try:
             line = input(prompt)
         except EOFError:
             if prompt:
                 click.echo("", err=True)
-            return
+            return failed
         except KeyboardInterrupt:        # Ctrl-C at the prompt: a fresh line, the session stays
             click.echo("", err=True)
             continue
@@ -94,7 +98,7 @@ def repl(session, settings: dict, prompt: str = "> ", verbose: bool = False) -> 
         if not command:
             continue
         if command in ("/exit", "/quit"):
-            return
+            return failed
         if command == "/reset":
             session.reset()
             click.echo("gen: conversation cleared", err=True)
@@ -102,11 +106,18 @@ def repl(session, settings: dict, prompt: str = "> ", verbose: bool = False) -> 
         try:
             reply = session.send(line, **settings)
         except EngineError as e:         # e.g. the context is full: say so, keep the REPL
-            click.echo(f"gen: error: {user_text(e)}", err=True)
+            click.echo(f"gen: error: {in_the_repl(user_text(e))}", err=True)
+            failed += 1
             continue
         interrupted = stream_reply(reply)
         click.echo(summary(reply.result, interrupted=interrupted) if verbose else
                    turn_timing(reply.result, interrupted=interrupted), err=True)
+
+
+def in_the_repl(text: str) -> str:
+    """The API's advice in the REPL's words: its command and the CLI's option."""
+    return text.replace("start a new one (reset), raise max_context",
+                        "start a new one (/reset), raise --max-context")
 
 
 def stream_reply(reply) -> bool:

@@ -241,6 +241,20 @@ def test_cli_one_shot_and_repl(model_dir):
     assert r.exit_code == 2
 
 
+def test_piped_messages_that_fail_end_the_run_with_exit_2(model_dir):
+    """Lines piped into gen chat: a message that cannot be answered (here it overflows --max-context) is
+    one line in the REPL's words (/reset, --max-context) and the next message is still answered, but
+    the run ends with exit 2, so a script sees it (it ended 0)."""
+    args = ["chat", "--model", str(model_dir), "--temperature", "0", "--max-new-tokens", "3", "--max-context", "128"]
+    r = CliRunner().invoke(main, args, input="Hello there\n" + "word " * 60 + "\n/reset\nHello there\n")
+    assert r.exit_code == 2, r.output
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("gen: error:")]
+    assert len(errors) == 1 and "start a new one (/reset), raise --max-context" in errors[0], r.stderr
+    assert r.stdout.count("\n") == 2                        # the first and the last message were answered
+    ok = CliRunner().invoke(main, args, input="Hello there\n")
+    assert ok.exit_code == 0, ok.output
+
+
 def test_cli_one_shot_takes_a_system_message(model_dir):
     """gen --chat MESSAGE --system TEXT answers as llm.chat([system, user]) (gen chat had --system; the
     one-shot form had none); --system without --chat is one line."""
