@@ -322,11 +322,12 @@ def test_chat_text_that_is_not_utf8_is_one_line_on_the_cli(model_dir):
                         (["chat", "--model", str(model_dir), "--system", bad], "hi\n")):
         r = CliRunner().invoke(main, args, input=stdin)
         assert r.exit_code == 2 and r.output.count("\n") == 1 and "not valid UTF-8 (byte 0xff" in r.output, r.output
-    # the REPL says so and reads on (a real process: stdin's undecodable bytes as Python keeps them)
+    # the REPL says so and reads on (a real process: stdin's undecodable bytes as Python keeps them); piped,
+    # the run then ends with exit 2
     run = subprocess.run([sys.executable, "-m", "cli.main", "chat", "--model", str(model_dir), "--temperature", "0",
                           "--max-new-tokens", "2", "--threads", "1"], input=b"\xff\xfe\nHello there\n",
                          capture_output=True, cwd=ROOT, timeout=120)
-    assert run.returncode == 0 and b"not valid UTF-8 (byte 0xff at character 0)" in run.stderr, run.stderr
+    assert run.returncode == 2 and b"not valid UTF-8 (byte 0xff at character 0)" in run.stderr, run.stderr
     assert b"Traceback" not in run.stderr and run.stdout.strip()   # it answered the next line
 
 
