@@ -220,8 +220,9 @@ def stream(llm, generation, prompt, echo: bool, verbose: bool = False) -> None:
         raise
     click.echo(summary(generation.result(0)), err=True)
     if verbose:
-        click.echo(f"gen: step form: {llm.step.last_form}; forms available: {', '.join(llm.step.forms_available)}; "
-                   f"fallback: {llm.step.fallback or 'none'}", err=True)
+        form = generation.result(0).stats.step_form
+        click.echo(f"gen: step form: {form or 'none ran (the prompt block made the only token)'}; forms available: "
+                   f"{', '.join(llm.step.forms_available)}; fallback: {llm.step.fallback or 'none'}", err=True)
 
 
 def summary(result, interrupted: bool = False) -> str:
@@ -232,17 +233,19 @@ def summary(result, interrupted: bool = False) -> str:
     ms_per_token = 1e3 / s.decode_tokens_per_s if s.decode_tokens_per_s > 0 else 0.0
     what = {"softmax": "KV cache", "linear": "linear state"}.get(s.attention, f"{s.attention} state")   # hybrid: both
     finish = "interrupted" if interrupted else result.finish_reason
-    return (f"gen: prompt {s.prompt_tokens} tokens in {prefill_ms:.1f} ms ({prompt_rate:.1f} tokens/s) | "
-            f"{s.new_tokens} new tokens, {s.decode_tokens_per_s:.1f} tokens/s ({ms_per_token:.2f} ms/token), "
+    decode = (f"{s.new_tokens} new tokens, {s.decode_tokens_per_s:.1f} tokens/s ({ms_per_token:.2f} ms/token)"
+              if s.decode_tokens_per_s > 0 else f"{s.new_tokens} new token{'s' * (s.new_tokens != 1)}, no decode step")
+    return (f"gen: prompt {s.prompt_tokens} tokens in {prefill_ms:.1f} ms ({prompt_rate:.1f} tokens/s) | {decode}, "
             f"first token after {s.time_to_first_token_s * 1e3:.1f} ms | {what} {human_bytes(s.state_bytes)} | "
-            f"{s.attention} attention, seed {s.seed} | step {s.step_form or '?'} | finish: {finish}")
+            f"{s.attention} attention, seed {s.seed} | step {s.step_form or 'none'} | finish: {finish}")
 
 
 def turn_timing(result, interrupted: bool = False) -> str:
     """One short line per chat reply: its tokens and speed, the prompt it prefilled, why it ended."""
     s = result.stats
     finish = "interrupted" if interrupted else result.finish_reason
-    return (f"gen: {s.new_tokens} tokens, {s.decode_tokens_per_s:.1f} tokens/s | prompt {s.prompt_tokens} tokens in "
+    rate = f"{s.decode_tokens_per_s:.1f} tokens/s" if s.decode_tokens_per_s > 0 else "no decode step"
+    return (f"gen: {s.new_tokens} tokens, {rate} | prompt {s.prompt_tokens} tokens in "
             f"{s.prefill_s * 1e3:.0f} ms | finish: {finish}")
 
 

@@ -76,12 +76,12 @@ class Stats:
     prefill_s: float                # the prompt block's step (the whole batch's)
     time_to_first_token_s: float    # from the call to the first sampled token
     decode_s: float                 # from the first token to this sequence's last
-    decode_tokens_per_s: float      # (new_tokens - 1) / decode_s; 0 with fewer than 2 tokens
+    decode_tokens_per_s: float      # (new_tokens - 1) / decode_s; 0 with fewer than 2 tokens (no decode step)
     state_bytes: int                # the decoding state's tensors (the whole batch's)
     attention: str
     batch: int
     seed: int                       # the sampler's seed (drawn from the OS when none was given)
-    step_form: str | None = None    # the form that ran the last decode step (engine.steps), if known
+    step_form: str | None = None    # the form that ran the last decode step (engine.steps); None: none ran
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -172,6 +172,7 @@ class Generation(Closing):
         self._prefill_s = 0.0
         self._t_first = None
         self._t_last = [None] * B
+        self._stepped = False   # a decode step ran (the first token comes from the prompt's block)
         self.on_prefill = None   # optional callback(tokens prefilled, prompt tokens), after each prompt block
         self._it = self._run()
 
@@ -234,6 +235,7 @@ class Generation(Closing):
                 if self.done:
                     return
                 logits = self.step(nxt[:, None], self.state)[:, -1]        # (B, V)
+                self._stepped = True
         finally:
             self.state = None   # the frame's last reference to the state goes with the generator
             if self._owns_state:   # its pages lie between the heap's live blocks: return them (not in a
@@ -266,7 +268,7 @@ class Generation(Closing):
                       time_to_first_token_s=(t_first - self._t0) if ids else 0.0, decode_s=decode_s,
                       decode_tokens_per_s=(len(ids) - 1) / decode_s if len(ids) > 1 and decode_s > 0 else 0.0,
                       state_bytes=self.state_bytes, attention=self.attention, batch=len(self.prompts),
-                      seed=self.seed, step_form=getattr(self.step, "last_form", None))
+                      seed=self.seed, step_form=getattr(self.step, "last_form", None) if self._stepped else None)
         return Result(self.sequences[b].text, list(ids), reason, stats)
 
 

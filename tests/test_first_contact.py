@@ -399,3 +399,21 @@ def test_the_cli_shows_progress_for_a_long_prompt_on_a_terminal(small_model_dir,
     monkeypatch.setattr(cli.generate, "stderr_is_terminal", lambda: False)
     r = gen("-m", small_model_dir, "--attention", "linear", "-n", 2, "the cat sat on the mat and the dog ran home")
     assert r.exit_code == 0 and "reading the prompt" not in r.stderr
+
+
+def test_one_new_token_reports_no_decode_step(small_model_dir):
+    """-n 1: the prompt's block makes the only token, so no step form ran and there is no decode rate.
+    The summary said "1 new tokens, 0.0 tokens/s (0.00 ms/token) ... step module" and -v "step form:
+    module ... fallback: none" (the prompt block's form, or a previous call's)."""
+    llm = load(str(small_model_dir), backend="torch")
+    llm.generate("the cat", temperature=0, max_new_tokens=3)           # a call that stepped, before
+    one = llm.generate("the cat", temperature=0, max_new_tokens=1)
+    assert one.stats.new_tokens == 1 and one.stats.step_form is None and one.stats.decode_tokens_per_s == 0.0
+    r = gen("--model", small_model_dir, "-n", 1, "-v", "--backend", "torch", "the cat")
+    assert r.exit_code == 0, r.output
+    summary, verbose = r.stderr.strip().splitlines()[-2:]
+    assert "| 1 new token, no decode step, first token after" in summary and "| step none |" in summary, summary
+    assert verbose.startswith("gen: step form: none ran"), verbose
+    r = gen("--model", small_model_dir, "-n", 3, "-v", "--backend", "torch", "--temperature", 0, "the cat")
+    summary, verbose = r.stderr.strip().splitlines()[-2:]
+    assert "3 new tokens, " in summary and "| step torch |" in summary and verbose.startswith("gen: step form: torch;")
