@@ -91,6 +91,9 @@ def generate_cmd(prompt, prompt_opt, ids, chat_message, system, model_name, atte
                        err=True)
         if as_json and echo:
             click.echo("gen: warning: --echo is ignored with --json (its \"text\" is the continuation alone)", err=True)
+        elif chat_message is not None and echo:   # it printed the message glued to the reply: "HiHello! ..."
+            click.echo("gen: warning: --echo is ignored with --chat (the reply is an answer, not a continuation of "
+                       "the message)", err=True)
         if as_json:
             try:
                 result, code = generation.run()[0], 0
@@ -106,7 +109,7 @@ def generate_cmd(prompt, prompt_opt, ids, chat_message, system, model_name, atte
                 sys.exit(code)
             return
         with writing_stdout():
-            stream(llm, generation, the_prompt, echo, verbose)
+            stream(llm, generation, the_prompt, echo and chat_message is None, verbose)
 
     run_guarded(run)
 

@@ -345,3 +345,12 @@ def test_a_blank_question_is_refused_everywhere_a_blank_system_prompt_is_not(llm
     assert reply.result.ids
     r = CliRunner().invoke(main, ["--model", str(model_dir), "--chat", "   "])
     assert r.exit_code == 2 and r.output.count("\n") == 1 and "last user message is empty" in r.output, r.output
+
+
+def test_echo_with_chat_is_ignored_with_a_warning(model_dir):
+    """--echo prints the prompt before its continuation; a chat reply is no continuation (it printed
+    "HiHello! ..."): ignored, with a warning, as with --json."""
+    base = ["--model", str(model_dir), "--chat", "Hello there", "--temperature", "0", "--max-new-tokens", "5"]
+    plain, echoed = CliRunner().invoke(main, base), CliRunner().invoke(main, base + ["--echo"])
+    assert echoed.exit_code == 0 and echoed.stdout == plain.stdout, echoed.output
+    assert "gen: warning: --echo is ignored with --chat" in echoed.stderr
