@@ -54,6 +54,8 @@ class GenerationConfig:
             raise InvalidArgumentError(f"max_context must be an integer >= 1, got {c!r}")
         if self.eos_ids is not None:
             object.__setattr__(self, "eos_ids", token_ids(self.eos_ids, "eos_ids"))
+        if not isinstance(self.ignore_eos, bool):   # "no" would be true
+            raise InvalidArgumentError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
 
 
 def token_ids(ids, name: str) -> tuple[int, ...]:
@@ -131,6 +133,10 @@ class Generation(Closing):
         self.attention = self.spec.attention
         self.feature_map = feature_map
         self.prompts = check_prompts(prompts, model.config.vocab_size)
+        outside = [i for i in config.eos_ids or () if i >= model.config.vocab_size]
+        if outside:   # it could never be sampled: the run would not stop where the caller meant
+            raise InvalidArgumentError(f"eos_ids: token id {outside[0]} is outside the vocabulary "
+                                       f"(0..{model.config.vocab_size - 1})")
         if config.stop and tokenizer is None:
             raise InvalidArgumentError("stop strings need a tokenizer, and this model ships none; "
                                        "drop --stop or use a checkpoint with tokenizer.model")
