@@ -67,7 +67,9 @@ class SamplingParams:
         def bad(msg):
             raise InvalidArgumentError(msg)
         if not _finite(self.temperature) or self.temperature < 0:
-            bad(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+            t = self.temperature
+            what = "a finite number >= 0" if isinstance(t, float) and t == t and t > 0 else ">= 0"   # inf
+            bad(f"temperature must be {what} (0 = greedy), got {t!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             bad(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not _finite(self.top_p) or not 0 < self.top_p <= 1:

@@ -158,9 +158,10 @@ def test_stop_reason_tells_eos_from_a_stop_string(small_tokenizer):
     (lambda llm: llm.generate("Once", eos_ids=[-1]), "eos_ids must be a list of token ids"),
     (lambda llm: llm.generate("Once", eos_ids=[99999]), "eos_ids: token id 99999 is outside the vocabulary (0..4095)"),
     (lambda llm: llm.generate("Once", ignore_eos="no"), "ignore_eos must be True or False, got 'no'"),
-    (lambda llm: llm.generate("Once", temperature="0.5"), "temperature must be >= 0 (0 = greedy), got '0.5'")],
+    (lambda llm: llm.generate("Once", temperature="0.5"), "temperature must be >= 0 (0 = greedy), got '0.5'"),
+    (lambda llm: llm.generate("Once", temperature=float("inf")), "temperature must be a finite number >= 0")],
     ids=["model-none", "model-int", "dtype-int8", "softmax-layers-int", "stop-int", "eos-int", "eos-str", "eos-negative",
-         "eos-outside-vocab", "ignore-eos-str", "temperature-str"])
+         "eos-outside-vocab", "ignore-eos-str", "temperature-str", "temperature-inf"])
 def test_api_arguments_of_the_wrong_type_are_typed_one_line_errors(call, says):
     """Each was a TypeError, a bare ValueError or a multi-line RuntimeError (or, for a string temperature,
     a message that read as if 0.5 were refused)."""
