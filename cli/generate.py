@@ -86,6 +86,9 @@ def generate_cmd(prompt, prompt_opt, ids, chat_message, system, model_name, atte
         if max_context is not None and generation.context is None:
             click.echo(f"gen: warning: --max-context is ignored: {llm.attention} attention has no context limit",
                        err=True)
+        if kv_dtype is not None and llm.attention == "linear":   # (hybrid: its softmax layers' cache)
+            click.echo("gen: warning: --kv-dtype is ignored: linear attention keeps no KV cache (a window's keys "
+                       "are in the model's dtype)", err=True)
         if feature_map is not None and llm.attention != "linear":
             click.echo(f"gen: warning: --feature-map is ignored: {llm.attention} attention has no feature map",
                        err=True)

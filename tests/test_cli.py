@@ -107,6 +107,15 @@ def test_context_finish_and_max_context_warning_for_linear(small_model_dir):
     assert r.exit_code == 0 and "gen: warning: --max-context is ignored" in r.stderr
 
 
+def test_kv_dtype_on_linear_attention_warns_it_is_ignored(small_model_dir):
+    """Linear attention keeps no KV cache: --kv-dtype does nothing there (it was silent); softmax takes it."""
+    args = ["--model", small_model_dir, "--kv-dtype", "float16", "--max-new-tokens", "2", "--ids", "1,2,3"]
+    r = gen(*args, "--attention", "linear")
+    assert r.exit_code == 0 and "gen: warning: --kv-dtype is ignored: linear attention keeps no KV cache" in r.stderr
+    r = gen(*args, "--attention", "softmax")
+    assert r.exit_code == 0 and "--kv-dtype is ignored" not in r.stderr
+
+
 def test_echo_prints_the_prompt_first(small_model_dir):
     plain = gen("--model", small_model_dir, *GREEDY, "the cat")
     echoed = gen("--model", small_model_dir, *GREEDY, "--echo", "the cat")
