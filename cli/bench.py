@@ -1,15 +1,17 @@
 """`gen bench`: decode latency and memory of softmax vs linear attention as the context grows."""
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 
 import click
 
-from cli.common import (backend_option, KV_DTYPE_HELP, check_output_path, check_stdio, device_option, native_backend,
-                        run_guarded, threads_option, writing_stdout)
+from cli.common import (backend_option, KV_DTYPE_HELP, check_output_path, check_stdio, device_option, fail,
+                        native_backend, run_guarded, threads_option, writing_stdout)
 from engine.bench import DEFAULT_CONTEXTS, BenchSettings, run_bench, write_json
 from engine.bench.configs import parse_attentions
+from engine.bench.output import written_in_place
 from engine.errors import InvalidArgumentError
 from engine.bench.plot import plot, plot_format
 from engine.bench.report import format_table, summary_lines
@@ -82,8 +84,8 @@ def bench_cmd(model_name, contexts, attention, softmax_layers, window, prefill_t
     def run():
         check_stdio()   # the table is the product: a closed stdout is one line before measuring
         for out in (json_path, plot_path):   # fail before measuring, not after the whole run
-            if out:
-                check_output_path(out)
+            if out and not written_in_place(out):   # (a device or FIFO is opened, nothing created beside it)
+                check_output_path(os.path.realpath(out) if os.path.islink(out) else out)   # a link: its target's
         if plot_path:
             plot_format(plot_path)   # an extension matplotlib cannot write: one line now
         settings = BenchSettings(model=model_name, contexts=contexts or DEFAULT_CONTEXTS,
@@ -97,12 +99,16 @@ def bench_cmd(model_name, contexts, attention, softmax_layers, window, prefill_t
                            hf_repeats=hf_repeats, progress=not quiet)
         report["settings"]["command"] = " ".join(["gen", *map(shlex.quote, sys.argv[1:])])
         stopped = report.get("interrupted")
-        written = []   # the files first: a stdout that fails below (a full disk, a reader gone) loses no measurement
-        if json_path and report["results"]:
-            write_json(report, json_path)
-            written.append(json_path)
-        if plot_path and report["results"]:
-            written.append(plot(report, plot_path))
+        # the files first: a stdout that fails below (a full disk, a reader gone) loses no measurement; a file
+        # that cannot be written (--json /dev/full) is one line after the table, which keeps the measurements
+        written, unwritten = [], None
+        for out, write in ((json_path, write_json), (plot_path, plot)):
+            if out and report["results"]:
+                try:
+                    write(report, out)
+                    written.append(out)
+                except InvalidArgumentError as e:
+                    unwritten = unwritten or str(e)
         with writing_stdout():
             if report["results"]:
                 click.echo(format_table(report["results"]))
@@ -111,6 +117,8 @@ def bench_cmd(model_name, contexts, attention, softmax_layers, window, prefill_t
                     click.echo(line)
             for path in written:
                 click.echo(f"wrote {path}")
+        if unwritten:
+            fail(f"{unwritten}; the measurements are in the table above")
         if stopped:
             click.echo(f"gen bench: interrupted after {stopped['finished']} of {stopped['configurations']} "
                        f"configurations (the rows above are those that finished)", err=True)

@@ -5,7 +5,8 @@
 
 Modules: `sweep` (one configuration, in-process or in a fresh subprocess), `memory` (state
 bytes by formula, up-front refusal of depths the machine cannot hold, peak RSS), `report`
-(machine, summary, crossover, target checks, table), `plot`, `hf_compare`.
+(machine, summary, crossover, target checks, table), `plot`, `hf_compare`, `output` (the --json and
+--plot files: a file replaced whole, a link followed, a device or FIFO written in place).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from engine.bench.hf_compare import compare_hf as run_compare
 from engine.bench.configs import layer_paths
 from engine.bench.floor import copy_bandwidth, floor_ms
 from engine.bench.memory import available_bytes, check_fits, run_bytes
+from engine.bench.output import write_output
 from engine.bench.report import decode_crossover, machine_info, memory_crossover, relative_to_softmax
 from engine.loader import load_model
 from engine.quant import quantize_model
@@ -82,8 +84,8 @@ def run_bench(settings: BenchSettings, compare_hf: bool = False, hf_new_tokens: 
     runtimes = {a: settings.runtime(model.config, a) for a in settings.attentions}   # bad layers etc.: refused now
     check_fits([(runtimes[a][1]["configuration"], c,
                  run_bytes(runtimes[a][0], runtimes[a][0].attention, settings.prefilled(c), settings.slots(c),
-                           model.dtype, info["weight_bytes"], fmap))
-                for a, c in configs])
+                           model.dtype, info["weight_bytes"], fmap, settings.batch))
+                for a, c in configs], batch=settings.batch)
 
     bandwidth = copy_bandwidth(model.device)   # once per run, before the sweep (engine.bench.floor)
     results = []
@@ -130,8 +132,6 @@ def run_bench(settings: BenchSettings, compare_hf: bool = False, hf_new_tokens: 
 
 
 def write_json(report: dict, path: str | os.PathLike) -> None:
-    tmp = f"{os.fspath(path)}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
+    """Write the report to `path` (engine.bench.output: a file whole or not at all, a link followed, a
+    device or FIFO written in place); InvalidArgumentError, one line, when it cannot be written."""
+    write_output(path, lambda f: f.write(json.dumps(report, indent=2) + "\n"))

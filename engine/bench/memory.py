@@ -81,14 +81,16 @@ def prefill_work_bytes(cfg, attention: str, tokens: int, dtype: torch.dtype, fea
 
 
 def run_bytes(cfg, attention: str, context: int, slots: int, dtype: torch.dtype, weight_bytes: int,
-              feature_map: str | None = None) -> dict[str, int]:
+              feature_map: str | None = None, batch: int = 1) -> dict[str, int]:
     """What one (attention, context) configuration needs: weights, state, prefill activations.
 
-    `cfg` may be a configuration's runtime config (then its hybrid layers and window count)."""
+    `cfg` may be a configuration's runtime config (then its hybrid layers and window count). The state
+    and the prefill activations are per sequence: `batch` sequences (prefilled as one block) need
+    `batch` times them; the weights are shared."""
     rt = cfg if cfg.attention == attention else cfg.replace(attention=attention, layer_attention=None, window=0)
     parts = {"weights": weight_bytes,
-             "state": config_state_bytes(rt, slots, dtype, feature_map),
-             "prefill": prefill_work_bytes(cfg, attention, context, dtype, feature_map)}
+             "state": config_state_bytes(rt, slots, dtype, feature_map, batch),
+             "prefill": batch * prefill_work_bytes(cfg, attention, context, dtype, feature_map)}
     parts["total"] = sum(parts.values())
     return parts
 
@@ -138,9 +140,10 @@ def human(n: int | None) -> str:
 
 
 def check_fits(needs: list[tuple[str, int, dict[str, int]]], available: int | None = None,
-               headroom: float = 0.9) -> None:
+               headroom: float = 0.9, batch: int = 1) -> None:
     """Refuse, before anything runs, every configuration that needs more than `headroom` of
-    MemAvailable. needs: (label, context, run_bytes(...)) per configuration."""
+    MemAvailable. needs: (label, context, run_bytes(...)) per configuration; batch: the batch they were
+    counted for (named in the refusal, whose remedy may then be a smaller batch)."""
     available = available_bytes() if available is None else available
     if available is None:
         return
@@ -149,9 +152,11 @@ def check_fits(needs: list[tuple[str, int, dict[str, int]]], available: int | No
     if too_big:
         label, ctx, parts = max(too_big, key=lambda t: t[2]["total"])
         depths = sorted({ctx for _, ctx, _ in too_big})
+        at_batch, or_batch = (f" at batch {batch}", " or lower --batch") if batch > 1 else ("", "")
         raise DepthTooLargeError(
-            f"context {ctx} ({label}) needs {parts['total']} bytes ({human(parts['total'])}: state "
+            f"context {ctx} ({label}){at_batch} needs {parts['total']} bytes ({human(parts['total'])}: state "
             f"{human(parts['state'])}, weights {human(parts['weights'])}, prefill activations "
             f"{human(parts['prefill'])}) but this machine has {available} bytes ({human(available)}) "
-            f"available (MemAvailable, /proc/meminfo); drop depth(s) {', '.join(map(str, depths))} from --contexts")
+            f"available (MemAvailable, /proc/meminfo); drop depth(s) {', '.join(map(str, depths))} from --contexts"
+            f"{or_batch}")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from engine.bench.output import write_output
 from engine.bench.report import by_path, entry
 from engine.errors import InvalidArgumentError
 
@@ -28,7 +29,8 @@ def plot_format(path: str | os.PathLike) -> str:
 
 def plot(report: dict, path: str | os.PathLike) -> str:
     """Write the two-panel plot (log-scale x) to `path`, in the format its extension names (PNG without
-    one: the file is still named `path`); returns the path."""
+    one: the file is still named `path`); returns the path. InvalidArgumentError, one line, when it
+    cannot be written."""
     fmt = plot_format(path)
     import matplotlib
     matplotlib.use("Agg")
@@ -68,6 +70,7 @@ def plot(report: dict, path: str | os.PathLike) -> str:
     fig.suptitle(f"{s['model']} - {m['cpu']}, {m['threads']} thread(s), {s['dtype']}, torch {m['torch']}",
                  fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120, format=fmt)
-    plt.close(fig)
-    return os.fspath(path)
+    try:   # engine.bench.output: a file whole or not at all, a link followed, a device or FIFO written in place
+        return write_output(path, lambda f: fig.savefig(f, dpi=120, format=fmt), binary=True)
+    finally:
+        plt.close(fig)
