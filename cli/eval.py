@@ -28,7 +28,7 @@ TASK_NAMES = (*TASKS, "passkey")
 
 
 @click.command("eval")
-@click.option("--model", "model_name", default="tiny", show_default=True, help="registered name or path")
+@click.option("-m", "--model", "model_name", default="tiny", show_default=True, help="registered name or path")
 @run_options()
 @click.option("--data", type=click.Path(dir_okay=False),
               help="perplexity of a corpus file: documents separated by '<|endoftext|>' lines")
@@ -59,7 +59,7 @@ TASK_NAMES = (*TASKS, "passkey")
 @click.option("--quantize", type=click.Choice(["q8_0", "q4_0", "q4_1"]),
               help="quantize the matrices at load (a GGUF's own Q8_0/Q4_0/Q4_1 blocks are kept as they are); "
                    "scored on the dequantized weights")
-@click.option("--threads", type=int, callback=check_threads,
+@click.option("-t", "--threads", type=int, callback=check_threads,
               help="CPU threads (default: all cores: scoring is batched matmuls; on a busy machine fewer may be "
                    "faster)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")

@@ -22,8 +22,10 @@ if _QUIET_START:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 try:
+    import difflib
     import importlib.metadata
     import platform
+    import sys
     from contextlib import contextmanager
 
     import click
@@ -33,6 +35,7 @@ try:
 
     from cli.bench import bench_cmd
     from cli.chat import chat_cmd
+    from cli.common import OUTPUT_ERRNOS, writing_stdout
     from cli.convert import convert_cmd
     from cli.eval import eval_cmd
     from cli.generate import generate_cmd
@@ -52,6 +55,8 @@ class GenGroup(click.Group):
 
     def parse_args(self, ctx, args):
         if args and args[0] not in self.commands and args[0] not in (*ctx.help_option_names, "--version"):
+            if not ctx.resilient_parsing:
+                note_misspelled_command(args, self.commands)
             args = [DEFAULT_COMMAND, *args]
         return super().parse_args(ctx, args)
 
@@ -66,6 +71,44 @@ class GenGroup(click.Group):
         with one_line_errors():
             return super().invoke(ctx)
 
+    def main(self, *args, **kwargs):
+        """Help or --version into a full stdout (`gen --help > /dev/full`): one line, exit 2, as generation's
+        output is (writing_stdout); a reader that left (`| head`) stays quiet, as click leaves it."""
+        try:
+            return super().main(*args, **kwargs)
+        except OSError as e:
+            if not echoing_stdout(e):
+                raise
+            with writing_stdout():
+                raise
+
+
+def echoing_stdout(error: OSError) -> bool:
+    """Whether `error` is a full or broken stdout that click.echo met (help, --version, a command's lines),
+    not some other file's."""
+    if error.errno not in OUTPUT_ERRNOS:
+        return False
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is click.utils.echo.__code__:
+            file = tb.tb_frame.f_locals.get("file")
+            try:
+                return file is sys.stdout or file.fileno() == 1
+            except (AttributeError, OSError, ValueError):
+                return False
+        tb = tb.tb_next
+    return False
+
+
+def note_misspelled_command(args, commands) -> None:
+    """`gen bnech`: a bare word is a prompt (and generates), but one that nearly names a subcommand gets a
+    note on stderr saying so, and how to run the command."""
+    if len(args) != 1 or args[0].startswith("-") or not args[0].isalpha():
+        return
+    close = difflib.get_close_matches(args[0], list(commands), n=1, cutoff=0.75)
+    if close:
+        click.echo(f'gen: note: generating from the prompt "{args[0]}"; for the command, gen {close[0]}', err=True)
+
 
 @contextmanager
 def one_line_errors():
@@ -75,9 +118,19 @@ def one_line_errors():
     except click.exceptions.NoArgsIsHelpError:
         raise
     except click.ClickException as e:
-        hint = " (see gen --help)" if isinstance(e, click.UsageError) else ""
+        hint = f" (see {command_path(e.ctx)} --help)" if isinstance(e, click.UsageError) else ""
         click.echo(f"gen: error: {e.format_message()}{hint}", err=True)
         raise click.exceptions.Exit(e.exit_code) from None
+
+
+def command_path(ctx) -> str:
+    """`gen eval` for eval's context: the subcommands' names under `gen`, however the program was started
+    (`python -m cli.main`, a test runner)."""
+    names = []
+    while ctx is not None and ctx.parent is not None:
+        names.append(ctx.info_name)
+        ctx = ctx.parent
+    return " ".join(["gen", *reversed(names)])
 
 
 def version() -> str:

@@ -17,7 +17,7 @@ ANY_ADDRESS = ("0.0.0.0", "::", "")
 
 
 @click.command("serve")
-@click.option("--model", "model_name", default="tiny", show_default=True,
+@click.option("-m", "--model", "model_name", default="tiny", show_default=True,
               help="registered name or path; also the name clients send as `model`")
 @click.option("--served-model-name", "served_names", multiple=True, metavar="NAME",
               help="the name clients send as `model` and responses carry (repeatable: the first is reported, "

@@ -163,6 +163,7 @@ def parse_softmax_layers(spec, cfg) -> tuple[str, ...]:
             raise InvalidArgumentError(f"--softmax-layers {spec} needs the transfer losses gen linearize records; "
                                        f"this model has none: list the layers (e.g. 2,9,11)")
         return layer_attention_for(L, highest_loss_layers(cfg.transfer_loss, k))
+    given = spec
     if isinstance(spec, str):
         try:
             spec = [int(x) for x in spec.split(",") if x.strip()]
@@ -171,6 +172,9 @@ def parse_softmax_layers(spec, cfg) -> tuple[str, ...]:
     if not isinstance(spec, (list, tuple, range)) or any(isinstance(i, bool) or not isinstance(i, int) for i in spec):
         raise InvalidArgumentError(f"softmax_layers must be a list of layer numbers ([2, 9, 11]), \"2,9,11\" or "
                                    f"\"auto:K\", got {spec!r:.60}")
+    if not spec:   # a hybrid without softmax layers is linear attention under another name
+        raise InvalidArgumentError(f"--softmax-layers {given!r:.60} names no layer: give layer numbers like 2,9,11 or "
+                                   f"auto:K (no softmax layer at all: --attention linear)")
     return layer_attention_for(L, list(spec))
 
 
