@@ -67,6 +67,17 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 
+def one_line_error(r, *words, code=2):
+    """A click result that is one `gen: error:` line on stderr holding each of `words`, exit `code`."""
+    print(repr(r.stderr))
+    assert r.exit_code == code and "Traceback" not in r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gen: error: ")
+    for w in words:
+        assert w in lines[0]
+    return lines[0]
+
+
 def tiny_config(**overrides) -> ModelConfig:
     base = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=4, vocab_size=97, max_position_embeddings=128, rms_norm_eps=1e-5)

@@ -14,21 +14,12 @@ import pytest
 from click.testing import CliRunner
 
 from cli.main import echoing_stdout, main
+from conftest import one_line_error
 from engine.errors import InvalidArgumentError
 
 
 def gen(*args):
     return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def one_line_error(r, *words, code=2):
-    print(repr(r.stderr))
-    assert r.exit_code == code and "Traceback" not in r.output
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("gen: error: ")
-    for w in words:
-        assert w in lines[0]
-    return lines[0]
 
 
 def run_gen(*args, stdout):

@@ -8,6 +8,7 @@ import torch
 from click.testing import CliRunner
 
 from cli.main import main
+from conftest import one_line_error
 from engine.api import load
 
 
@@ -20,16 +21,6 @@ def chat_dir(tmp_path_factory):
 
 def gen(*args, input=None):
     return CliRunner().invoke(main, [str(a) for a in args], input=input)
-
-
-def one_line_error(r, *words, code=2):
-    print(repr(r.stderr))
-    assert r.exit_code == code and "Traceback" not in r.output
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("gen: error: ")
-    for w in words:
-        assert w in lines[0]
-    return lines[0]
 
 
 # ---------------------------------------------------------------------- item 3: tracebacks
