@@ -326,6 +326,34 @@ def test_a_stalled_body_gets_408_and_idle_connections_close(small_model_dir):
         srv.stop()
 
 
+def test_a_body_that_trickles_in_gets_408_though_no_gap_reaches_the_timeout(small_model_dir):
+    """A byte every 0.3 s never stalls for --read-timeout (1 s) but would hold its connection for as long as
+    the client liked (512 such held every other client off); past its first second a body must average
+    MIN_BODY_RATE bytes a second."""
+    from engine.serve.guard import MIN_BODY_RATE
+    srv = LiveServer(make_server(small_model_dir), Policy(read_timeout=1.0))
+    try:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1000\r\n\r\n{")
+            s.settimeout(0.3)
+            start, answer = time.monotonic(), b""
+            while time.monotonic() - start < 8 and not answer:
+                try:
+                    s.sendall(b" ")
+                    answer = s.recv(65536)
+                except socket.timeout:
+                    continue
+                except OSError:
+                    break
+        assert answer.startswith(b"HTTP/1.1 408"), answer
+        error = json.loads(answer.partition(b"\r\n\r\n")[2])["error"]
+        assert error["code"] == "request_timeout" and f"average {MIN_BODY_RATE} bytes/s" in error["message"]
+        assert post(srv, GOOD).status_code == 200
+    finally:
+        srv.stop()
+
+
 # ---------------------------------------------------------------------- the queue
 @contextlib.contextmanager
 def row_held(live):

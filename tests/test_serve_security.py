@@ -39,7 +39,9 @@ def keyed(small_model_dir):
 
 
 # ---------------------------------------------------------------------- who may call
-@pytest.mark.parametrize("host", ["evil.example", "evil.example:8000", "127.0.0.1.evil.example", "10.0.0.7"])
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:8000", "127.0.0.1.evil.example", "10.0.0.7",
+                                  "[127.0.0.1].evil.example:8000", "[::1]evil.example", "[::1]@evil.example", "[::1",
+                                  "[localhost].evil.example"])   # (a bracket's content was taken, the rest ignored)
 def test_a_foreign_host_is_refused(live, host):
     err = openai_error(httpx.get(live.url + "/v1/models", headers={"Host": host}), 400, "host_not_allowed")
     assert "--allow-host" in err["message"]

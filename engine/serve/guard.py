@@ -19,8 +19,10 @@ Refused, each with OpenAI's error body (engine.serve.errors), in this order:
   byte is read, else as soon as the bytes received pass the limit (a chunked body is never buffered
   whole); the rest of the body is then read and thrown away for a bounded time before the close
   (engine.serve.connections' lingering close), so a client still writing it reads the 413, not a reset;
-- a body whose next part does not arrive within `read_timeout` seconds (408, connection closed): a
-  client that sends half a body does not hold its handler forever.
+- a body whose next part does not arrive within `read_timeout` seconds, or that arrives slower than
+  MIN_BODY_RATE bytes a second after its first `read_timeout` seconds (408, connection closed): a
+  client that sends half a body, or one byte every few seconds, does not hold its handler and its
+  connection forever (Apache's mod_reqtimeout rule: a deadline that grows with the bytes received).
 The connection limit and the deadline on request headers are engine.serve.connections' (the
 protocol's): they act before there is a request.
 """
@@ -38,6 +40,7 @@ DEFAULT_MAX_BODY = 4 << 20     # bytes: a 4 MiB JSON body holds ~1M tokens of te
 DEFAULT_MAX_CONNECTIONS = 512  # open connections (idle or not); batch rows and queue places are far fewer
 DEFAULT_READ_TIMEOUT_S = 10.0  # seconds for a request's headers, and between the parts of its body
 DEFAULT_KEEP_ALIVE_S = 5.0     # seconds an idle connection is kept between requests (uvicorn's default)
+MIN_BODY_RATE = 500            # bytes a second a body must average past its first read_timeout seconds
 PUBLIC = frozenset({"/health"}) | PAGE   # the page and its files hold no secret (engine.serve.page)
 DOCS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
@@ -91,10 +94,14 @@ class Policy:
 
 
 def _name(host: str) -> str:
-    """A Host header's name: no port, no IPv6 brackets, no trailing dot, lower case."""
+    """A Host header's name: no port, no IPv6 brackets, no trailing dot, lower case. A bracketed value
+    is an address only when nothing but a port follows it ("[::1]:8000"); anything else
+    ("[::1].evil.example", "[::1") is no name ("": no allowed name or domain matches it)."""
     host = host.strip().lower()
     if host.startswith("["):
-        return host[1:host.find("]")] if "]" in host else host[1:]
+        address, bracket, port = host[1:].partition("]")
+        whole = bracket and (not port or (port[0] == ":" and port[1:].isdigit()))
+        return address if whole else ""
     if host.count(":") == 1:
         host = host.split(":", 1)[0]
     return host.rstrip(".")
@@ -174,14 +181,25 @@ class RequestGuard:
 
     async def _limited(self, scope, receive, send):
         limit, timeout, seen, started, whole = self.policy.max_body, self.policy.read_timeout or None, 0, False, False
+        loop = asyncio.get_running_loop()
+        begun = None   # when the app first asked for the body
 
         async def counted_receive():
-            nonlocal seen, whole
+            nonlocal seen, whole, begun
             if whole:   # the body is in: what follows is a wait for the client to go (no deadline)
                 return await receive()
+            wait = timeout
+            if timeout is not None:
+                begun = loop.time() if begun is None else begun
+                left = begun + timeout + seen / MIN_BODY_RATE - loop.time()   # the deadline grows with the bytes
+                if left <= 0:
+                    raise too_slow_rate(seen, loop.time() - begun)
+                wait = min(timeout, left)
             try:
-                message = await asyncio.wait_for(receive(), timeout)
+                message = await asyncio.wait_for(receive(), wait)
             except asyncio.TimeoutError:
+                if wait < timeout:
+                    raise too_slow_rate(seen, loop.time() - begun) from None
                 raise too_slow(timeout) from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
@@ -220,4 +238,12 @@ def too_slow(timeout: float) -> APIError:
                     code="request_timeout", headers={"Connection": "close"})
 
 
-__all__ = ["Policy", "HostGuard", "RequestGuard", "LOOPBACK", "DEFAULT_MAX_BODY", "too_large", "too_slow"]
+def too_slow_rate(seen: int, seconds: float) -> APIError:
+    """408 for a body that trickles in (each part within --read-timeout, the whole too slow); closes."""
+    return APIError(408, f"The request body arrives too slowly: {seen} bytes in {seconds:.0f} s (a body must "
+                         f"average {MIN_BODY_RATE} bytes/s after its first --read-timeout seconds)",
+                    code="request_timeout", headers={"Connection": "close"})
+
+
+__all__ = ["Policy", "HostGuard", "RequestGuard", "LOOPBACK", "DEFAULT_MAX_BODY", "MIN_BODY_RATE", "too_large",
+           "too_slow", "too_slow_rate"]
