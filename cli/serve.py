@@ -48,8 +48,9 @@ ANY_ADDRESS = ("0.0.0.0", "::", "")
               help=f"connections held at once; one more gets 503 and is closed (default: {DEFAULT_MAX_CONNECTIONS}, "
                    "or half the open-file limit, ulimit -n, when that is lower; 0 = no limit)")
 @click.option("--read-timeout", type=float, default=DEFAULT_READ_TIMEOUT_S, show_default=True,
-              help="seconds a client has to send a request's headers, and between the parts of its body "
-                   "(else the connection closes; a stalled body gets 408); 0 = none")
+              help="seconds a client has to send a request's headers, and between the parts of its body, "
+                   "which past its first such seconds must average 500 bytes/s (else the connection closes; a "
+                   "stalled or trickling body gets 408); 0 = none")
 @click.option("--timeout-keep-alive", type=float, default=DEFAULT_KEEP_ALIVE_S, show_default=True,
               help="seconds an idle connection is kept open between requests")
 @click.option("--shutdown-grace", type=float, default=DEFAULT_GRACE_S, show_default=True,
