@@ -212,19 +212,19 @@ MALFORMED = {   # id: (endpoint, raw body, param)
     "nested-5000": ("completions", deep(5000), None),
     "nested-100": ("completions", deep(100), None),
     "user-content-null": ("chat/completions", json.dumps({"model": NAME, "messages": [
-        {"role": "user", "content": None}]}).encode(), "messages"),
+        {"role": "user", "content": None}]}).encode(), "messages[0].content"),
     "user-content-missing": ("chat/completions", json.dumps({"model": NAME, "messages": [
-        {"role": "user"}]}).encode(), "messages"),
+        {"role": "user"}]}).encode(), "messages[0].content"),
     "not-utf8": ("completions", b'{"model": "small", "prompt": "\xff\xfe"}', None),
     # Python's json refuses an integer literal past 4300 digits with a ValueError, not a JSONDecodeError
     "integer-of-5000-digits": ("completions", b'{"model": "small", "prompt": "x", "max_tokens": 1' + b"0" * 5000
                                + b"}", None),
     "text-part-not-a-string": ("chat/completions", json.dumps({"model": NAME, "messages": [
-        {"role": "user", "content": [{"type": "text", "text": 5}]}]}).encode(), "messages"),
+        {"role": "user", "content": [{"type": "text", "text": 5}]}]}).encode(), "messages[0].content"),
     "text-part-without-text": ("chat/completions", json.dumps({"model": NAME, "messages": [
-        {"role": "user", "content": [{"type": "text"}]}]}).encode(), "messages"),
+        {"role": "user", "content": [{"type": "text"}]}]}).encode(), "messages[0].content"),
     "part-without-type": ("chat/completions", json.dumps({"model": NAME, "messages": [
-        {"role": "user", "content": [{"text": "hi"}]}]}).encode(), "messages"),
+        {"role": "user", "content": [{"text": "hi"}]}]}).encode(), "messages[0].content"),
 }
 
 

@@ -91,11 +91,11 @@ class Sampling(BaseModel):
     @model_validator(mode="after")
     def _neutral_only(self):
         if isinstance(self.stop, list) and len(self.stop) > 4:
-            raise ValueError("stop takes at most 4 sequences")
+            raise FieldError("stop", "stop takes at most 4 sequences")
         if self.stop is not None and any(not s for s in ([self.stop] if isinstance(self.stop, str) else self.stop)):
-            raise ValueError("stop sequences must be non-empty strings")
+            raise FieldError("stop", "stop sequences must be non-empty strings")
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
+            raise FieldError("stream_options", "stream_options is only allowed when stream is true")
         return self
 
     @property
@@ -128,12 +128,13 @@ class CompletionRequest(Sampling):
         p = self.prompt
         if isinstance(p, list) and p and not isinstance(p[0], int):
             if len(p) != 1:
-                raise ValueError("one prompt per request (batched prompts are not supported)")
+                raise FieldError("prompt", "one prompt per request (batched prompts are not supported)")
             self.prompt = p[0]
         if self.prompt == "" or self.prompt == []:
-            raise ValueError("the prompt is empty")
-        if self.echo or self.best_of != 1 or self.suffix:
-            raise ValueError("echo, best_of and suffix are not supported")
+            raise FieldError("prompt", "the prompt is empty")
+        for name, given in (("echo", self.echo), ("best_of", self.best_of != 1), ("suffix", self.suffix)):
+            if given:
+                raise FieldError(name, "echo, best_of and suffix are not supported")
         return self
 
 
@@ -146,12 +147,15 @@ class Message(BaseModel):
     @model_validator(mode="after")
     def _content_given(self):
         if self.content is None and self.role != "assistant":   # OpenAI: only an assistant's may be null
-            raise ValueError(f"a {self.role} message needs content (a string or a list of content parts), not null")
+            raise FieldError("content", f"a {self.role} message needs content (a string or a list of content parts), "
+                                        "not null")
         for part in self.content if isinstance(self.content, list) else ():
             if not isinstance(part.get("type"), str):
-                raise ValueError('each content part needs a string "type", e.g. {"type": "text", "text": "..."}')
+                raise FieldError("content", 'each content part needs a string "type", e.g. {"type": "text", "text": '
+                                            '"..."}')
             if part["type"] == "text" and not isinstance(part.get("text"), str):
-                raise ValueError('a text content part needs a string "text": {"type": "text", "text": "..."}')
+                raise FieldError("content", 'a text content part needs a string "text": {"type": "text", "text": '
+                                            '"..."}')
         return self
 
     def text(self) -> str:
@@ -168,8 +172,32 @@ class ChatRequest(Sampling):
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs=true")
+            raise FieldError("top_logprobs", "top_logprobs needs logprobs=true")
         return self
+
+
+class FieldError(ValueError):
+    """A check across fields that names the one the client should change (the error's `param`)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _param(loc) -> str | None:
+    """pydantic's location as the client wrote it: ("messages", 0, "role") -> "messages[0].role"; the
+    union member it tried ("stop", "str") is no field of the request: the path ends before it."""
+    fields = {name for model in (ResponseFormat, StreamOptions, CompletionRequest, Message, ChatRequest)
+              for name in model.model_fields}
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in fields:
+            out += f".{part}" if out else part
+        else:
+            break
+    return out or None
 
 
 def parse(cls, raw):
@@ -180,7 +208,12 @@ def parse(cls, raw):
         return cls.model_validate(raw)
     except ValidationError as e:
         err = e.errors()[0]
-        param = str(err["loc"][0]) if err["loc"] else None
+        cause = (err.get("ctx") or {}).get("error")
+        param = _param(err["loc"])
+        if err["type"] == "extra_forbidden":   # the unknown key itself ends the path
+            param = ".".join(filter(None, (_param(err["loc"][:-1]), str(err["loc"][-1]))))
+        if isinstance(cause, FieldError):
+            param = ".".join(filter(None, (param, cause.param)))
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             raise bad_request(f"Unrecognized request argument supplied: {param}", param, "unknown_parameter") from None
