@@ -170,10 +170,25 @@ def test_docs_are_off_unless_asked(live, small_model_dir, path):
         srv.stop()
 
 
-def test_health_answers_head_as_get(live):
-    """A monitor that probes with HEAD gets /health's status (it was a 405), without a body."""
-    get, head = httpx.get(live.url + "/health"), httpx.head(live.url + "/health")
-    assert get.status_code == head.status_code == 200 and get.json()["status"] == "ok" and head.content == b""
+@pytest.mark.parametrize("path", ["/health", "/v1/models", f"/v1/models/{NAME}", "/stats", "/"])
+def test_every_get_route_answers_head_as_get(live, path):
+    """HEAD (RFC 9110: a server that answers GET answers HEAD) gets the GET's status and headers without a
+    body; it was a 405 everywhere but /health. A route that takes no GET answers HEAD as GET: 405."""
+    get, head = httpx.get(live.url + path), httpx.head(live.url + path)
+    assert get.status_code == head.status_code == 200 and get.content and head.content == b""
+    assert head.headers["content-type"] == get.headers["content-type"]
+    assert head.headers["content-length"] == get.headers["content-length"]
+    assert httpx.head(live.url + "/v1/completions").status_code == 405
+
+
+def test_a_post_to_a_get_route_is_405_whatever_its_body(live):
+    """The body's media type (415) is checked only where a route takes the POST: elsewhere the router's
+    405 (or 404) says what is wrong (text/plain to /health was a 415)."""
+    r = httpx.post(live.url + "/health", content=b"x", headers={"Content-Type": "text/plain"})
+    openai_error(r, 405, "method_not_allowed")
+    openai_error(httpx.post(live.url + "/v1/nothing", content=b"x", headers={"Content-Type": "text/plain"}), 404)
+    r = httpx.post(live.url + "/v1/completions", content=b"x", headers={"Content-Type": "text/plain"})
+    openai_error(r, 415, "unsupported_media_type")
 
 
 def test_unknown_route_and_wrong_method_are_openai_errors(live):

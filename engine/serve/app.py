@@ -120,8 +120,7 @@ def create_app(server: Server, policy: Policy | None = None) -> "FastAPI":
 
     add_page(app, server)   # the comparison page at / (engine.serve.page)
 
-    @app.get("/health")
-    @app.head("/health", include_in_schema=False)   # monitors that probe with HEAD get the status alone
+    @app.get("/health")   # (HEAD too, as every GET route: engine.serve.guard; monitors probe with it)
     async def health():
         if server.draining:   # a load balancer stops sending requests here
             return JSONResponse({"status": "shutting_down", "model": server.name}, status_code=503)

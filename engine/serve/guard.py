@@ -13,8 +13,9 @@ Refused, each with OpenAI's error body (engine.serve.errors), in this order:
   user visits may not drive the server;
 - without `Authorization: Bearer <api_key>` when a key is set (401), on every route but /health
   (and the docs pages when they are on);
-- a POST whose body is not `application/json` (415): forms and text/plain are what a page can send
-  without a preflight;
+- a POST whose body is not `application/json` (415), to a route that takes POSTs (another path or
+  method is the router's 404 / 405): forms and text/plain are what a page can send without a preflight;
+HEAD on any GET route is answered as the GET, without the body.
 - a body over `max_body` bytes (413, connection closed): refused from its Content-Length before a
   byte is read, else as soon as the bytes received pass the limit (a chunked body is never buffered
   whole); the rest of the body is then read and thrown away for a bounded time before the close
@@ -161,7 +162,9 @@ class RequestGuard:
             return await _refuse(send, APIError(
                 401, "Incorrect or missing API key: send the header `Authorization: Bearer <key>`",
                 code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}))
-        if scope["method"] not in BODY_METHODS:
+        if scope["method"] == "HEAD":   # every GET route answers HEAD: its status and headers, no body
+            return await self.app(dict(scope, method="GET"), receive, _headers_only(send))
+        if scope["method"] not in BODY_METHODS or not _routed(scope):   # (no route takes it: the router's 404 / 405)
             return await self.app(scope, receive, send)
         media = headers.get("content-type", "").split(";", 1)[0].strip().lower()
         if media != "application/json":
@@ -219,6 +222,27 @@ class RequestGuard:
             if started or e.status not in (408, 413):
                 raise
             await _refuse(send, e, close=True)
+
+
+def _headers_only(send):
+    """`send` for a HEAD request answered as its GET: the response's start (status, headers, the GET's
+    Content-Length) as it is, its body empty (RFC 9110 9.3.2)."""
+    async def head_send(message):
+        if message["type"] == "http.response.body":
+            message = {"type": "http.response.body", "body": b"", "more_body": message.get("more_body", False)}
+        await send(message)
+    return head_send
+
+
+def _routed(scope) -> bool:
+    """Whether a route of the app takes this method at this path (a POST to a GET route is the router's
+    405, not a 415 for its body)."""
+    from starlette.routing import Match
+    app = scope.get("app")
+    routes = getattr(getattr(app, "router", None), "routes", None)
+    if routes is None:   # not mounted in an app with a router: check every body
+        return True
+    return any(route.matches(scope)[0] == Match.FULL for route in routes)
 
 
 def _key_matches(headers: dict, key: str) -> bool:
