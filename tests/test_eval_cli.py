@@ -264,3 +264,43 @@ def test_a_failed_results_write_is_one_line_and_keeps_the_file(tmp_path, monkeyp
     with pytest.raises(InvalidArgumentError, match=r"cannot keep the result of passkey in .*: No space left on device$"):
         store.put("passkey", {"trials": 2}, result)
     assert store.path.read_text() == before and sorted(p.name for p in fresh.iterdir()) == [store.path.name]
+
+
+def test_results_of_other_weights_at_the_same_path_are_scored_again(small_tokenizer, tmp_path):
+    """--results kept a configuration by the model's name: another model copied to the same path (or a
+    retrained export) got the old model's scores back. What the files hold is part of the configuration."""
+    from conftest import tiny_model
+    from models.weights import save_pretrained
+
+    def saved(seed):
+        save_pretrained(tiny_model(seed=seed, vocab_size=small_tokenizer.vocab_size, max_position_embeddings=64,
+                                   trained_for=("softmax", "linear")), str(tmp_path / "m"),
+                        tokenizer_path=small_tokenizer.path)
+    args = ["--model", tmp_path / "m", "--task", "passkey", "--lengths", "260", "--trials", "1", "--json",
+            "--results", tmp_path / "res"]
+
+    def passkey():
+        r = gen(*args)
+        assert r.exit_code == 0, r.output
+        return json.loads(r.stdout)["tasks"]["passkey"]
+    saved(3)
+    assert "cached" not in passkey() and "cached" in passkey()      # the same weights: kept, then reused
+    saved(4)
+    assert "cached" not in passkey()                                  # other weights: scored again
+    assert len(list((tmp_path / "res").glob("*.json"))) == 2          # the first model's results are kept
+
+
+def test_two_runs_of_one_configuration_keep_both_results(tmp_path):
+    """Two runs into one --results directory at once (--task piqa and --task arc_easy): each wrote its own
+    copy of the file, and the last writer's lost the other's task."""
+    from engine.tasks.harness import ResultStore
+    conf = {"model": "m", "attention": "softmax", "weights": "x"}
+
+    def result(acc):
+        return {"metrics": {"acc": {"value": acc, "stderr": 0.1}}, "scoring": {}, "seconds": 1.0, "documents": 3}
+    first, second = ResultStore(tmp_path, conf), ResultStore(tmp_path, conf)   # both read the file before
+    first.put("piqa", {"limit": 3}, result(0.5))
+    second.put("arc_easy", {"limit": 2}, result(0.25))
+    kept = ResultStore(tmp_path, conf)
+    assert kept.get("piqa", {"limit": 3}) == result(0.5) and kept.get("arc_easy", {"limit": 2}) == result(0.25)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [first.path.name]   # no lock file beside it

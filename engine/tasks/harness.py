@@ -24,14 +24,58 @@ from pathlib import Path
 from unittest import mock
 
 from engine.errors import InvalidArgumentError
+
+try:
+    import fcntl
+except ImportError:   # pragma: no cover (not POSIX: writers do not take turns)
+    fcntl = None
 from engine.tasks.scoring import ScoreStats
 
 BOOTSTRAP_ITERS = 1000   # lm-eval's bootstrap for the stderr of non-mean metrics (LAMBADA's perplexity)
 
 
+SIGNATURE_SPAN = 1 << 20   # bytes read from each end of a weights file for its signature
+
+
+def weights_signature(model: str | os.PathLike) -> str | None:
+    """What the files behind `model` (a registered name or a path; a linearized set's base model too)
+    hold, cheaply: each file's name, size and the sha256 of its first and last MiB. Another model copied
+    to the same path, a retrained export, a rewritten set: another signature, so a --results directory
+    never hands back another model's scores under the same name. None when it cannot be read."""
+    from models.registry import resolve
+    h, seen = hashlib.sha256(), set()
+
+    def add(path: Path, depth: int = 0) -> None:
+        path = path.resolve()
+        if path in seen or depth > 3:
+            return
+        seen.add(path)
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        for f in files:
+            size = f.stat().st_size
+            with open(f, "rb") as fh:
+                head = fh.read(SIGNATURE_SPAN)
+                fh.seek(max(size - SIGNATURE_SPAN, 0))
+                tail = fh.read(SIGNATURE_SPAN)
+            name = f.relative_to(path) if path.is_dir() else f.name
+            h.update(f"{name}\0{size}\0".encode() + hashlib.sha256(head).digest() + hashlib.sha256(tail).digest())
+        config = path / "config.json"
+        if config.is_file():
+            base = json.loads(config.read_text(encoding="utf-8")).get("base_model")
+            if isinstance(base, str):
+                add(resolve(base), depth + 1)
+
+    try:
+        add(Path(resolve(model)))
+    except (OSError, ValueError, json.JSONDecodeError):
+        return None
+    return h.hexdigest()[:16]
+
+
 def configuration(llm, model: str, dtype: str | None = None, quantize: str | None = None,
                   context: int | None = None) -> dict:
-    """What decides a configuration's scores: model, path per layer, window, feature map, weights, context."""
+    """What decides a configuration's scores: model (its name and what its files hold: weights_signature),
+    path per layer, window, feature map, dtype, quantization, context."""
     spec = llm.spec
     paths = list(spec.layer_paths(llm.model.config.num_hidden_layers))
     out = {"model": str(model), "attention": llm.attention,
@@ -41,6 +85,7 @@ def configuration(llm, model: str, dtype: str | None = None, quantize: str | Non
            "dtype": str(dtype or "float32"), "quantize": quantize, "context": context}
     if spec.linear_sparse_keys:   # named only when on: earlier results keep their file names
         out["sparse_keys"] = spec.linear_sparse_keys
+    out["weights"] = weights_signature(model)
     return out
 
 
@@ -100,19 +145,51 @@ class ResultStore:
 
     def put(self, task: str, settings: dict, result: dict) -> None:
         """Kept at once: written whole to a temporary file, then renamed over the results file (a failed
-        write leaves the file as it was and is one line)."""
-        old = self.data["tasks"].get(task)
-        earlier = [e for e in ([{"settings": old["settings"], "result": old["result"]}, *old.get("earlier", [])]
-                               if old else []) if e["settings"] != settings]
-        self.data["tasks"][task] = {"settings": settings, "result": result, **({"earlier": earlier} if earlier else {})}
+        write leaves the file as it was and is one line). Writers take turns on a lock of the directory
+        (no lock file beside the results) and each merges its task into what the file holds then: two
+        runs of one configuration into one directory (`--task piqa` and `--task arc_easy` at once) keep
+        both results (the last writer's copy won)."""
         tmp = self.path.with_suffix(".json.tmp")
         try:
-            tmp.write_text(json.dumps(self.data, indent=1) + "\n", encoding="utf-8")
-            os.replace(tmp, self.path)
+            with _turn(self.directory):
+                self._merge_from_disk()
+                old = self.data["tasks"].get(task)
+                earlier = [e for e in ([{"settings": old["settings"], "result": old["result"]},
+                                        *old.get("earlier", [])] if old else []) if e["settings"] != settings]
+                self.data["tasks"][task] = {"settings": settings, "result": result,
+                                            **({"earlier": earlier} if earlier else {})}
+                tmp.write_text(json.dumps(self.data, indent=1) + "\n", encoding="utf-8")
+                os.replace(tmp, self.path)
         except OSError as e:
             with contextlib.suppress(OSError):
                 tmp.unlink()
             raise InvalidArgumentError(f"cannot keep the result of {task} in {self.path}: {e.strerror}") from None
+
+    def _merge_from_disk(self) -> None:
+        """Take the tasks another writer kept since this store read the file (its entries win for their
+        tasks; this store's own come after, in put)."""
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return
+        if stored_problem(data, self.conf) is None:
+            self.data["tasks"].update(data["tasks"])
+
+
+@contextlib.contextmanager
+def _turn(directory: Path):
+    """An exclusive flock on the directory itself while the block runs (released when its descriptor
+    closes); where there are no such locks (not POSIX, NFS without lockd) the block runs alone."""
+    fd = None
+    try:
+        if fcntl is not None:
+            with contextlib.suppress(OSError):
+                fd = os.open(directory, os.O_RDONLY)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def check_results_dir(directory: str | os.PathLike) -> Path:
