@@ -48,8 +48,9 @@ TASK_NAMES = (*TASKS, "passkey")
               help="passkey: the seed its keys are drawn with")
 @click.option("--results", "results_dir", type=click.Path(file_okay=False),
               help="tasks: keep each result in DIR/<configuration>.json as it finishes; a rerun of the same "
-                   "configuration and settings reads it instead of scoring again (an interrupted grid resumes); "
-                   "results with other settings are kept beside it")
+                   "configuration (the model's files included: other weights at the same path score again) and "
+                   "settings reads it instead of scoring again (an interrupted grid resumes); results with other "
+                   "settings are kept beside it; runs into one DIR at once keep every result")
 @click.option("--context", type=int, help="perplexity: window length in tokens; tasks: the most tokens an item may "
               "hold (cut from the left). Default: max_position_embeddings")
 @click.option("--max-docs", type=int, help="perplexity: score only the first N documents (default: all)")
