@@ -483,6 +483,11 @@ def _linearize(a: LinearizeArgs, g: Group, log, on_step) -> dict | None:
     state = progress.load() if a.resume else {}
     if state:
         check_resume_settings(state["args"], a)
+        was, now = state.get("data_sha256"), [u["sha256"] for u in used]
+        if was is not None and was != now:   # the same names, other text: the layers done learned on the old one
+            changed = next(u["file"] for u, w in zip(used, was) if u["sha256"] != w)
+            raise InvalidArgumentError(f"--resume with --data {changed} changed since the interrupted run began "
+                                       f"(its sha256 differs); resume with the same text (or start a new --out)")
     # the later layers of an interrupted transfer learn on the stream the earlier ones did
     if state and state["layers_done"] < L and state.get("transfer_inputs", "softmax") != a.transfer_inputs:
         raise InvalidArgumentError(f"--resume with --transfer-inputs {a.transfer_inputs}, but the interrupted "
@@ -500,7 +505,8 @@ def _linearize(a: LinearizeArgs, g: Group, log, on_step) -> dict | None:
             saved = {"lora": init_lora.state_dict()}
             log(f"starting from {a.init}: its adapters")
         state = {"layers_done": L, "finetune_done": 0, "losses": [], "finetune_log": [], "seconds": 0.0,
-                 "args": asdict(a), "losses_measured": "none: a softmax control has no transfer"}
+                 "args": asdict(a), "data_sha256": [u["sha256"] for u in used],
+                 "losses_measured": "none: a softmax control has no transfer"}
         progress.save(state, {"maps": maps.state_dict(), **(saved or {})})
     elif a.init is not None:   # the transfer is the init's: its maps, adapters and per-layer losses
         d = Path(a.init)
@@ -516,14 +522,15 @@ def _linearize(a: LinearizeArgs, g: Group, log, on_step) -> dict | None:
         if len(losses["layers"]) != L:
             raise InvalidArgumentError(f"--init {d}: {len(losses['layers'])} layers of transfer losses, the model has {L}")
         state = {"layers_done": L, "finetune_done": 0, "losses": losses["layers"], "finetune_log": [], "seconds": 0.0,
-                 "args": asdict(a), "losses_measured": f"{losses['loss']} (the transfer of --init {d})",
+                 "args": asdict(a), "data_sha256": [u["sha256"] for u in used],
+                 "losses_measured": f"{losses['loss']} (the transfer of --init {d})",
                  "kept_from_init": kept_from_init(a),   # read now (and saved for --resume), not when DIR may be gone
                  "transfer_inputs": init_transfer_inputs(d)}
         progress.save(state, {"maps": maps.state_dict(), **(saved or {})})
         log(f"starting from {d}: its maps{' and adapters' if saved else ''}, no transfer")
     else:
         state = {"layers_done": 0, "finetune_done": 0, "losses": [], "finetune_log": [], "seconds": 0.0,
-                 "args": asdict(a), "transfer_inputs": a.transfer_inputs}
+                 "args": asdict(a), "data_sha256": [u["sha256"] for u in used], "transfer_inputs": a.transfer_inputs}
         saved = None
         if g.main:
             layer_rows = torch.cat([transfer_rows, eval_rows])

@@ -57,6 +57,22 @@ def test_resume_with_other_settings_is_one_line_and_leaves_the_progress(small_mo
     assert json.loads((out / "linearize.json").read_text())["args"]["seq_len"] == 32
 
 
+def test_resume_on_data_that_changed_is_one_line(small_model_dir, tmp_path):
+    """--resume with a --data file whose text changed since the interruption: the layers done learned on
+    the old text, and data.json recorded only the new file's sha256 (the same name passed the check)."""
+    text = sentence_corpus(tmp_path / "text.txt", 300, seed=1)
+    out = tmp_path / "cut"
+
+    def interrupt(phase, layer, step):
+        if (phase, layer, step) == ("transfer", 1, 2):
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        linearize(args(small_model_dir, text, out, finetune_steps=0), log=lambda m: None, on_step=interrupt)
+    sentence_corpus(text, 300, seed=2)   # the same file name, other sentences
+    with pytest.raises(InvalidArgumentError, match=r"--resume with --data .*text.txt changed since the interrupted"):
+        linearize(args(small_model_dir, text, out, finetune_steps=0, resume=True), log=lambda m: None)
+
+
 def test_transfer_steps_lower_the_loss_and_output_loads(small_model_dir, corpus, tmp_path):
     out = tmp_path / "lin"
     linearize(args(small_model_dir, corpus, out, finetune_steps=0), log=lambda m: None)
