@@ -12,7 +12,9 @@ from models.llama2c import convert_llama2c
 # What a model directory holds; `--force` removes these (and nothing else) before writing.
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
                "model-*-of-*.safetensors", "*.safetensors.tmp", "tokenizer.model", "tokenizer.json",
-               "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "README.md")
+               "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "README.md",
+               # a `gen linearize` output's: its maps and adapters would apply to the new model
+               "maps.safetensors", "adapters.safetensors", "linearize.json", "transfer_losses.json", "data.json")
 
 
 @click.group("convert")
@@ -30,13 +32,15 @@ def convert_cmd():
 def llama2c_cmd(src, out_dir, tokenizer, force, progress):
     """Convert a llama2.c checkpoint SRC (legacy or version 1) into OUT_DIR."""
     out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        if not force:
-            held = ", ".join(sorted(p.name for p in out.iterdir())[:4])
-            fail(f"{out_dir}: is not empty (holds {held}); pass --force to replace the model files in it")
-        for name in MODEL_FILES:            # --force: no file of an older model survives next to the new one
+    if out.exists() and any(out.iterdir()) and not force:
+        held = ", ".join(sorted(p.name for p in out.iterdir())[:4])
+        fail(f"{out_dir}: is not empty (holds {held}); pass --force to replace the model files in it")
+
+    def clear():   # --force: no file of an older model survives next to the new one (once SRC has been read)
+        for name in MODEL_FILES if out.exists() else ():
             for p in out.glob(name):
                 p.unlink()
-    cfg = run_guarded(lambda: convert_llama2c(src, out_dir, tokenizer_path=tokenizer, progress=progress))
+    cfg = run_guarded(lambda: convert_llama2c(src, out_dir, tokenizer_path=tokenizer, progress=progress,
+                                              before_writing=clear))
     click.echo(f"wrote {out_dir}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
                f"{cfg.num_attention_heads} heads ({cfg.num_key_value_heads} kv), vocab {cfg.vocab_size}", err=True)

@@ -155,12 +155,20 @@ def _rope_tables(cfg: ModelConfig) -> list[torch.Tensor]:
 
 
 def convert_llama2c(src: str | os.PathLike, out_dir: str | os.PathLike, tokenizer_path: str | None = None,
-                    progress: bool = False) -> ModelConfig:
+                    progress: bool = False, before_writing=None) -> ModelConfig:
     """llama2.c file -> Hugging Face layout dir (config.json + model.safetensors, q/k half-split).
 
     Streams tensor by tensor from the memory-mapped input; `progress` shows a bar over bytes written.
+    The checkpoint and the tokenizer (a SentencePiece model of at most the model's vocabulary) are
+    checked first; `before_writing()` (e.g. clearing an older model) runs only once they pass.
     """
     cfg, tensors = read_llama2c(src)
+    if tokenizer_path:   # garbage, or another model's, was copied in and failed every later load
+        from models.registry import check_vocab
+        from models.tokenizer import Tokenizer
+        check_vocab(Tokenizer(tokenizer_path), cfg, tokenizer_path)
+    if before_writing is not None:
+        before_writing()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     shapes = {}

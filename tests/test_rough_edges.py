@@ -120,6 +120,33 @@ def test_convert_refuses_a_non_empty_dir_and_force_leaves_no_stale_files(tmp_pat
     load_model(out)
 
 
+def test_convert_checks_the_tokenizer_and_the_source_before_it_clears_or_writes(tmp_path, small_tokenizer):
+    """A --tokenizer that is no SentencePiece model, or another model's, was copied in (every later load
+    failed); --force removed the old model before a bad SRC failed (the old one lost), and kept a
+    linearize output's maps and adapters beside the new model."""
+    from models.llama2c import export_llama2c
+    src = tmp_path / "m.bin"
+    export_llama2c(tiny_model(seed=5, vocab_size=small_tokenizer.vocab_size), src, version=1)
+    garbage = tmp_path / "bin.bin"
+    garbage.write_bytes(os.urandom(2000))
+    one_line_error(gen("convert", "llama2c", src, tmp_path / "a", "--no-progress", "--tokenizer", garbage),
+                   "not a SentencePiece model")
+    assert not (tmp_path / "a").exists()
+    small = tmp_path / "small.bin"
+    export_llama2c(tiny_model(seed=5, vocab_size=small_tokenizer.vocab_size - 10), small, version=1)
+    one_line_error(gen("convert", "llama2c", small, tmp_path / "b", "--no-progress", "--tokenizer",
+                       small_tokenizer.path), "this tokenizer belongs to another model")
+    out = tmp_path / "out"
+    assert gen("convert", "llama2c", src, out, "--no-progress", "--tokenizer", small_tokenizer.path).exit_code == 0
+    for name in ("maps.safetensors", "adapters.safetensors", "linearize.json"):   # as if linearized
+        (out / name).write_bytes(b"{}")
+    kept = {p.name: p.read_bytes() for p in out.iterdir()}
+    one_line_error(gen("convert", "llama2c", garbage, out, "--no-progress", "--force"), "llama2.c")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == kept          # a bad SRC: nothing cleared
+    assert gen("convert", "llama2c", src, out, "--no-progress", "--force").exit_code == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+
+
 # ---------------------------------------------------------------------- streaming and stopping
 def test_bytes_that_can_never_complete_a_character_are_released_at_once():
     tok = Tokenizer(shared_path("tokenizers", "llama2", "tokenizer.model"))
