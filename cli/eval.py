@@ -100,6 +100,8 @@ def eval_cmd(model_name, attention, softmax_layers, window, feature_map, data, t
             if context is not None and context > trained:
                 warn(f"--context {context} is beyond the model's trained positions ({trained}): scored, but the "
                      f"model's outputs there are not meaningful")
+            if "passkey" in tasks and context is not None:   # (it ran at its --lengths, the option unsaid)
+                warn(f"--context {context} is ignored by the passkey task: its --lengths set its prompts' lengths")
             if "passkey" in tasks and max(lengths_) > trained:
                 warn(f"passkey length {max(lengths_)} is beyond the model's trained positions ({trained}): scored, "
                      f"but the model's outputs there are not meaningful")

@@ -304,3 +304,9 @@ def test_two_runs_of_one_configuration_keep_both_results(tmp_path):
     kept = ResultStore(tmp_path, conf)
     assert kept.get("piqa", {"limit": 3}) == result(0.5) and kept.get("arc_easy", {"limit": 2}) == result(0.25)
     assert sorted(p.name for p in tmp_path.iterdir()) == [first.path.name]   # no lock file beside it
+
+
+def test_context_with_passkey_warns_that_it_is_ignored(small_model_dir):
+    """--context limits the lm-eval tasks' items; passkey's prompts are its --lengths (it was silent)."""
+    r = gen("--model", small_model_dir, "--task", "passkey", "--lengths", 260, "--trials", 1, "--context", 20, "--json")
+    assert r.exit_code == 0 and "--context 20 is ignored by the passkey task" in r.stderr, r.output
