@@ -7,15 +7,22 @@ Every document becomes BOS + text + EOS; the token stream is cut into random win
 one checkpoint serves both. Checkpoints (`OUT/checkpoint.pt`) are written atomically every
 `--save-every` steps; starting again with the same OUT resumes from the last one.
 Batches are a pure function of (seed, step), so a resumed run sees the batches an
-uninterrupted one would have.
+uninterrupted one would have; a resume that changes the model, its data or its optimisation
+(RESUME_SAME, the training text, the tokenizer) is refused in one line before any work.
+A run that fails before its first checkpoint removes what it created (OUT, OUT/tokenizer.model).
+`--export DIR` writes the model once the checkpoint is at --steps (also when it already was);
+a DIR holding anything but this run's own earlier export is refused unless `force`.
 """
 from __future__ import annotations
 
+import filecmp
+import hashlib
 import json
 import math
 import os
 import random
 import re
+import shutil
 import signal
 import time
 from dataclasses import asdict, dataclass, field
@@ -25,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from engine.errors import InvalidArgumentError
+from engine.errors import CheckpointError, InvalidArgumentError
 from engine.evaluate import evaluate
 from engine.loader import parse_device
 from engine.threads import set_threads
@@ -68,6 +75,7 @@ class TrainArgs:
     amp: str | None = "bfloat16"          # autocast dtype for the forward pass; None: fp32
     device: str = "cpu"                   # where the model trains (cpu, cuda, cuda:N)
     stop_after: int | None = None         # save and stop at this step (the schedule still spans `steps`)
+    force: bool = False                   # replace a model already in `export` (not this run's own export)
     progress: bool = True
 
     def model_config(self, tok: Tokenizer) -> ModelConfig:
@@ -166,34 +174,232 @@ def loss_fn(model: Transformer, batch: torch.Tensor, paths, feature_map) -> dict
 
 def _atomic_save(obj, path: str) -> None:
     tmp = path + ".tmp"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    finally:   # a failed write (a full disk) leaves neither a half-written checkpoint nor the .tmp
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
-def train(a: TrainArgs, log=print) -> Transformer:
+# what a resumed run must give as its checkpoint recorded it: they change the model, its data or its optimisation
+# (it mixed them silently: a new --lr or --seed trained on, a new --dim was a traceback). --steps may change (more
+# steps is what resuming is for), and so may --valid, the evaluation and save intervals, --stop-after, --export,
+# --device and --threads; the training text and the tokenizer are compared by content (check_resume_data,
+# check_tokenizer).
+RESUME_SAME = ("dim", "layers", "heads", "kv_heads", "intermediate", "seq_len", "batch_size", "lr", "min_lr_ratio",
+               "warmup", "weight_decay", "paths", "feature_map", "linear_rope", "seed", "amp")
+
+EXPORTS = "exports.json"   # in OUT: the --export directories this run has written (its own: rewritten freely)
+EXPORT_WRITES = {"config.json", "model.safetensors", "model.safetensors.tmp", "tokenizer.model"}   # save_pretrained's
+
+
+def _flag(key: str, value) -> str:
+    """A setting as the command line gives it: --lr 0.1, --paths softmax,linear, --no-linear-rope, no --kv-heads."""
+    name = "--" + key.replace("_", "-")
+    if isinstance(value, bool):
+        return name if value else "--no-" + key.replace("_", "-")
+    if value is None:
+        return f"{name} none" if key == "amp" else f"no {name}"
+    if isinstance(value, (list, tuple)):
+        return f"{name} {','.join(map(str, value))}"
+    return f"{name} {value}"
+
+
+def read_checkpoint(path: str) -> dict | None:
+    """OUT/checkpoint.pt, or None where there is none; one that cannot be read is one line."""
+    if not os.path.exists(path):
+        return None
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:   # a truncated file, another format, no permission
+        raise CheckpointError(f"{path}: cannot be read ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                              f"remove it to start the run over, or give a new --out") from None
+    if not isinstance(saved, dict) or not {"model", "optimizer", "step"} <= set(saved):
+        raise CheckpointError(f"{path}: not a gen train checkpoint; remove it to start the run over, "
+                              f"or give a new --out")
+    return saved
+
+
+def check_resume_settings(saved: dict, a: TrainArgs, ckpt: str) -> None:
+    """One line naming the first setting a resumed run changes, with both values."""
+    recorded = saved.get("args")
+    if not isinstance(recorded, dict):
+        return
+    recorded = json.loads(json.dumps(recorded, default=str))   # lists, not tuples, on both sides
+    now = json.loads(json.dumps(asdict(a)))
+    for key in RESUME_SAME:
+        if key in recorded and recorded[key] != now[key]:
+            raise InvalidArgumentError(f"{_flag(key, now[key])}, but {a.out} was trained with "
+                                       f"{_flag(key, recorded[key])} ({ckpt}, step {saved['step']}); resume with "
+                                       f"the same value, or give a new --out")
+
+
+def check_resume_data(saved: dict, a: TrainArgs, ckpt: str, digest: str) -> None:
+    """The training text of a resumed run is the one it started on (by content: the file may have moved)."""
+    recorded = (saved.get("args") or {}).get("train")
+    if saved.get("train_sha256") is not None:
+        same = saved["train_sha256"] == digest
+    else:   # a checkpoint from before the text's digest was kept: by name
+        same = recorded is None or recorded == a.train
+    if not same:
+        was = f" ({recorded} when the run started)" if recorded and recorded != a.train else ""
+        raise InvalidArgumentError(f"--train {a.train}: not the text {a.out} was trained on{was} ({ckpt}, step "
+                                   f"{saved['step']}); resume with the same text, or give a new --out")
+
+
+def check_tokenizer(a: TrainArgs, tok_path: str, resumed: bool) -> None:
+    """--tokenizer must be a SentencePiece model with BOS and EOS, and the one OUT already holds (a resumed
+    run's); without it, OUT's tokenizer must have --vocab-size pieces. Before anything is copied or trained."""
+    held = "was trained with" if resumed else "already holds"
+    if a.tokenizer is not None:
+        try:
+            tok = Tokenizer(a.tokenizer)
+        except CheckpointError as e:
+            raise InvalidArgumentError(f"--tokenizer {e}; give a SentencePiece tokenizer.model") from None
+        if tok.bos_id < 0 or tok.eos_id < 0:
+            raise InvalidArgumentError(f"--tokenizer {a.tokenizer}: has no BOS or EOS piece (every document is "
+                                       f"BOS + text + EOS); give a tokenizer with both")
+        a.model_config(tok)   # any rule of the model's config on its vocabulary
+        if os.path.isfile(tok_path) and not filecmp.cmp(a.tokenizer, tok_path, shallow=False):
+            raise InvalidArgumentError(f"--tokenizer {a.tokenizer} differs from {tok_path}, the tokenizer {a.out} "
+                                       f"{held}; give that one (--tokenizer {tok_path}), or give a new --out")
+    elif os.path.isfile(tok_path):
+        try:
+            pieces = Tokenizer(tok_path).vocab_size
+        except CheckpointError as e:
+            raise InvalidArgumentError(f"{e}; remove it, or give a new --out") from None
+        if pieces != a.vocab_size:
+            raise InvalidArgumentError(f"--vocab-size {a.vocab_size}, but {tok_path}, the tokenizer {a.out} {held}, "
+                                       f"has {pieces} pieces; give --vocab-size {pieces} (or --tokenizer {tok_path}), "
+                                       f"or give a new --out")
+
+
+def _own_export(a: TrainArgs, held: list[str]) -> bool:
+    """Whether --export holds only what this run wrote there before (a rerun rewrites it without --force)."""
+    try:
+        with open(os.path.join(a.out, EXPORTS)) as f:
+            dirs = json.load(f)["dirs"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return os.path.realpath(a.export) in dirs and set(held) <= EXPORT_WRITES
+
+
+def _export_holds(a: TrainArgs) -> list[str]:
+    return sorted(os.listdir(a.export)) if os.path.isdir(a.export) else []
+
+
+def check_export(a: TrainArgs) -> None:
+    """--export: a directory, not OUT, and empty, this run's own earlier export, or `force` (before training)."""
+    if a.export is None:
+        return
+    if os.path.exists(a.export) and not os.path.isdir(a.export):
+        raise InvalidArgumentError(f"--export {a.export}: exists and is not a directory; give a directory "
+                                   f"for the model")
+    if os.path.realpath(a.export) == os.path.realpath(a.out):
+        raise InvalidArgumentError(f"--export {a.export} is the run directory (--out); give another directory")
+    held = _export_holds(a)
+    if held and not a.force and not _own_export(a, held):
+        more = ", ..." if len(held) > 4 else ""
+        raise InvalidArgumentError(f"--export {a.export}: is not empty (holds {', '.join(held[:4])}{more}); pass "
+                                   f"--force to replace the model files in it, or give a new directory")
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class _Lines:
+    """The run's progress lines through `log` (above any progress bar). The first that cannot be written
+    (OSError: the reader left, stdout is full) is kept in `error` and no later one is tried; the training
+    loop then saves its checkpoint and raises it."""
+
+    def __init__(self, log):
+        self.log, self.error = log, None
+
+    def __call__(self, line: str) -> None:
+        if self.error is not None:
+            return
+        try:
+            with tqdm.external_write_mode():
+                self.log(line)
+        except OSError as e:
+            self.error = e
+
+
+class _Created:
+    """OUT and OUT/tokenizer.model as they were before the run: what the run created of them is removed
+    when it fails before its first checkpoint, so bad input leaves no files, and no tokenizer that a
+    rerun would silently take."""
+
+    def __init__(self, out: str, tok_path: str):
+        self.out, self.tok_path = out, tok_path
+        self.new_out, self.new_tok = not os.path.exists(out), not os.path.exists(tok_path)
+
+    def remove(self) -> None:
+        try:
+            if self.new_out:
+                shutil.rmtree(self.out, ignore_errors=True)
+            elif self.new_tok and os.path.exists(self.tok_path):
+                os.remove(self.tok_path)
+        except OSError:   # the run's own error is the one to report
+            pass
+
+
+def train(a: TrainArgs, log=print, clear_export=None) -> Transformer:
+    """Train (or resume) the run in `a.out` and return the model. Every check of the input comes before any
+    file is written; a run that fails before its first checkpoint removes what it created.
+
+    `log` takes each progress line; the first it cannot write (OSError: the reader left, stdout is full)
+    stops the run at the next whole step: the checkpoint is saved (and the export written when the run
+    had finished), then that error is raised. `clear_export(dir)`: with `a.force`, removes another model's
+    files from the --export directory just before this model's are written there."""
     check_args(a)
+    tok_path = os.path.join(a.out, "tokenizer.model")
+    ckpt = os.path.join(a.out, "checkpoint.pt")
+    saved = read_checkpoint(ckpt)
+    if saved is not None:
+        check_resume_settings(saved, a, ckpt)
+    check_tokenizer(a, tok_path, resumed=saved is not None)
+    check_export(a)
+    train_docs = read_documents(a.train)
+    valid_docs = read_documents(a.valid)[: a.eval_docs] if a.valid else []
+    digest = _sha256(a.train)
+    if saved is not None:
+        check_resume_data(saved, a, ckpt, digest)
     if a.threads:
         set_threads(a.threads)
     random.seed(a.seed)
     torch.manual_seed(a.seed)
 
-    tok_path = os.path.join(a.out, "tokenizer.model")
-    train_docs = read_documents(a.train)
-    valid_docs = read_documents(a.valid)[: a.eval_docs] if a.valid else []   # (both before any file is written)
+    say = _Lines(log)
+    created = _Created(a.out, tok_path)
+    try:
+        return _train(a, say, saved, train_docs, valid_docs, digest, tok_path, ckpt, clear_export)
+    except BaseException:
+        if not os.path.exists(ckpt):   # nothing of this run was saved: it leaves nothing behind
+            created.remove()
+        raise
+
+
+def _train(a, say, saved, train_docs, valid_docs, digest, tok_path, ckpt, clear_export) -> Transformer:
     if not os.path.exists(tok_path):
         if a.tokenizer:
-            import shutil
-            os.makedirs(a.out, exist_ok=True)   # only now (train_tokenizer makes it too): bad input leaves none
-            shutil.copyfile(a.tokenizer, tok_path)
+            os.makedirs(a.out, exist_ok=True)
+            shutil.copyfile(a.tokenizer, tok_path)   # (checked by check_tokenizer)
         else:
-            log(f"training tokenizer: {a.vocab_size} pieces on {len(train_docs)} documents")
+            say(f"training tokenizer: {a.vocab_size} pieces on {len(train_docs)} documents")
             trained_tokenizer(train_docs, tok_path, a.vocab_size)
     tok = Tokenizer(tok_path)
     stream = tokenize_corpus(tok, train_docs)
     if len(stream) <= a.seq_len + 1:
         raise InvalidArgumentError(f"{a.train}: {len(stream)} tokens, fewer than one window of {a.seq_len + 1}; "
                                    f"give more text or a smaller --seq-len")
-    log(f"corpus: {len(train_docs)} documents, {len(stream)} tokens "
+    say(f"corpus: {len(train_docs)} documents, {len(stream)} tokens "
         f"({sum(len(d.encode()) for d in train_docs) / len(stream):.2f} bytes/token)")
 
     cfg = a.model_config(tok)
@@ -205,45 +411,75 @@ def train(a: TrainArgs, log=print) -> Transformer:
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": a.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=a.lr, betas=(0.9, 0.95))
     step, history = 0, []
-    ckpt = os.path.join(a.out, "checkpoint.pt")
-    if os.path.exists(ckpt):
-        saved = torch.load(ckpt, map_location="cpu", weights_only=False)
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["optimizer"])
+    if saved is not None:
+        try:
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise CheckpointError(f"{ckpt}: does not fit this model ({str(e).strip().splitlines()[-1].strip()}); "
+                                  f"give the settings it was trained with, or a new --out") from None
         step, history = saved["step"], saved.get("history", [])
         torch.set_rng_state(saved["torch_rng"])
-        log(f"resumed from {ckpt} at step {step}")
+        say(f"resumed from {ckpt} at step {step}")
     n_params = sum(p.numel() for p in model.parameters())
-    log(f"model: {n_params / 1e6:.2f}M parameters, {cfg.num_hidden_layers} layers, dim {cfg.hidden_size}, "
+    say(f"model: {n_params / 1e6:.2f}M parameters, {cfg.num_hidden_layers} layers, dim {cfg.hidden_size}, "
         f"paths {','.join(a.paths)}, feature map {a.feature_map}")
 
     def save(step: int):
         _atomic_save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
                       "history": history, "torch_rng": torch.get_rng_state(), "args": asdict(a),
-                      "config": cfg.to_dict()}, ckpt)
+                      "train_sha256": digest, "config": cfg.to_dict()}, ckpt)
 
+    end = min(a.steps, a.stop_after) if a.stop_after else a.steps
+    if step >= end:
+        if saved is None:   # --steps 0: the initial model, saved so the run resumes and exports like any other
+            save(step)
+            say(f"--steps 0: nothing to train; saved the initial model to {ckpt}")
+        else:
+            limit = f"--steps {a.steps}" if step >= a.steps else f"--stop-after {a.stop_after}"
+            say(f"{ckpt} is already at step {step} ({limit}): nothing to train")
+    else:
+        step = _loop(model, opt, stream, a, step, end, history, save, valid_docs, tok, say, ckpt)
+    model.eval()
+    if a.export:
+        if step >= a.steps:
+            export(model, a, tok_path, clear_export)
+            say(f"exported step {step} to {a.export}")
+        else:
+            say(f"stopped at step {step} of {a.steps} (--stop-after): {a.export} is written when the run reaches "
+                f"--steps; run the same command without --stop-after to finish it")
+    if say.error is not None:
+        raise say.error
+    return model
+
+
+def _loop(model, opt, stream, a, step, end, history, save, valid_docs, tok, say, ckpt) -> int:
+    """Steps up to `end`; a Ctrl-C, or a progress line that could not be written, stops it at a whole step,
+    saved."""
     bar = None
-    if a.progress:
+    if a.progress and say.error is None:
         bar = tqdm(total=a.steps, initial=step, desc="train", unit="step", dynamic_ncols=True)
     model.train()
     t_last, tok_since = time.perf_counter(), 0
-    end = min(a.steps, a.stop_after) if a.stop_after else a.steps
-    with StopOnInterrupt() as interrupt:
-        while step < end:
-            if interrupt.requested:   # Ctrl-C: the last step finished whole; keep it, say where
-                save(step)
-                if bar:
-                    bar.close()
-                log(f"interrupted: saved step {step} of {a.steps} to {ckpt}; run the same command again to resume")
-                raise KeyboardInterrupt
-            step, t_last, tok_since = _one_step(model, opt, stream, a, step, end, bar, t_last, tok_since, history,
-                                                save, valid_docs, tok, log)
-    if bar:
-        bar.close()
-    model.eval()
-    if a.export and step == a.steps:
-        export(model, a, tok_path)
-    return model
+    try:
+        with StopOnInterrupt() as interrupt:
+            while step < end:
+                if interrupt.requested or say.error is not None:   # the last step finished whole; keep it
+                    save(step)
+                    if say.error is not None:
+                        raise say.error
+                    if bar:
+                        bar.close()
+                        bar = None
+                    say(f"interrupted: saved step {step} of {a.steps} to {ckpt}; run the same command again "
+                        f"to resume")
+                    raise KeyboardInterrupt
+                step, t_last, tok_since = _one_step(model, opt, stream, a, step, end, bar, t_last, tok_since,
+                                                    history, save, valid_docs, tok, say)
+    finally:
+        if bar:
+            bar.close()
+    return step
 
 
 def _one_step(model, opt, stream, a, step, end, bar, t_last, tok_since, history, save, valid_docs, tok, log):
@@ -275,7 +511,7 @@ def _one_step(model, opt, stream, a, step, end, bar, t_last, tok_since, history,
         res = {p: evaluate(model, tok, valid_docs, attention=p, feature_map=a.feature_map) for p in a.paths}
         model.train()
         msg = "  ".join(f"{p} {r.bits_per_byte:.4f} bpb ({r.nats_per_token:.3f} nats/tok)" for p, r in res.items())
-        (bar.write if bar else log)(f"step {step} lr {lr_at(step, a):.2e} eval: {msg}")
+        log(f"step {step} lr {lr_at(step, a):.2e} eval: {msg}")
         history.append({"step": step, "eval": {p: r.to_dict() for p, r in res.items()}})
         save(step)
         with open(os.path.join(a.out, "history.json"), "w") as f:
@@ -307,7 +543,26 @@ class StopOnInterrupt:
             signal.signal(signal.SIGINT, self._old)
 
 
-def export(model: Transformer, a: TrainArgs, tok_path: str) -> None:
+def export(model: Transformer, a: TrainArgs, tok_path: str, clear_export=None) -> None:
+    """The model into --export. Another model's files there (allowed by `force`) go first (clear_export); the
+    directory is recorded as this run's own before it is written, so a rerun rewrites a half-written one."""
+    held = _export_holds(a)
+    if held and not _own_export(a, held):
+        if not a.force:   # (check_export refused it before training; something wrote there since)
+            raise InvalidArgumentError(f"--export {a.export}: is not empty (holds {', '.join(held[:4])}); pass "
+                                       f"--force to replace the model files in it, or give a new directory")
+        if clear_export is not None:
+            clear_export(a.export)
+    path = os.path.join(a.out, EXPORTS)
+    try:
+        with open(path) as f:
+            dirs = list(json.load(f)["dirs"])
+    except (OSError, ValueError, KeyError, TypeError):
+        dirs = []
+    if os.path.realpath(a.export) not in dirs:
+        with open(path + ".tmp", "w") as f:
+            json.dump({"dirs": dirs + [os.path.realpath(a.export)]}, f)
+        os.replace(path + ".tmp", path)
     save_pretrained(model, a.export, dtype=getattr(torch, a.export_dtype), tokenizer_path=tok_path)
 
 
