@@ -21,6 +21,7 @@ from tqdm import tqdm
 from models.config import ModelConfig
 from models.errors import CheckpointError, ConfigError
 from models.hf_dir import SINGLE, write_safetensors
+from models.tokenizer import Tokenizer, check_vocab
 from models.weights import hf_to_llama2c, interleaved_to_half, llama2c_layout, runtime_to_hf
 
 MAGIC = 0x616B3432
@@ -164,8 +165,6 @@ def convert_llama2c(src: str | os.PathLike, out_dir: str | os.PathLike, tokenize
     """
     cfg, tensors = read_llama2c(src)
     if tokenizer_path:   # garbage, or another model's, was copied in and failed every later load
-        from models.registry import check_vocab
-        from models.tokenizer import Tokenizer
         check_vocab(Tokenizer(tokenizer_path), cfg, tokenizer_path)
     if before_writing is not None:
         before_writing()

@@ -28,7 +28,7 @@ from models.gguf_tokenizer import GGUF_TOKENIZERS, gguf_tokenizer
 from models.hf_dir import read_hf_dir
 from models.linearized import adapters_on, apply_linearized, is_linearized, read_linearized_config, variant_sets
 from models.llama2c import read_llama2c
-from models.tokenizer import Tokenizer
+from models.tokenizer import Tokenizer, check_vocab
 
 WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"
 REGISTRY = {"tiny": WEIGHTS_DIR / "tiny", "smollm2-linear": WEIGHTS_DIR / "smollm2-linear",
@@ -156,13 +156,6 @@ def dir_template(path: Path, tokenizer) -> ChatTemplate | None:
         return tokenizer.id_to_token(i) or "" if ok else ""
     return ChatTemplate(source, token(getattr(tokenizer, "bos_id", None)), token(getattr(tokenizer, "eos_id", None)),
                         where=str(path), check=False)
-
-
-def check_vocab(tokenizer, cfg: ModelConfig, where) -> None:
-    """A tokenizer whose ids run past the model's embedding rows would index out of range: refuse it."""
-    if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
-        raise CheckpointError(f"{where}: the tokenizer has {tokenizer.vocab_size} tokens but the model's "
-                              f"vocab_size is {cfg.vocab_size}; this tokenizer belongs to another model")
 
 
 def path_warning(cfg: ModelConfig, attention: str | None) -> str | None:

@@ -87,3 +87,11 @@ def train_tokenizer(docs: list[str], out_path: str, vocab_size: int, model_type:
         os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
         os.replace(prefix + ".model", out_path)
     return Tokenizer(out_path)
+
+
+def check_vocab(tokenizer, cfg, where) -> None:
+    """A tokenizer whose ids run past the model's embedding rows (cfg: a models.config.ModelConfig) would
+    index out of range: refuse it."""
+    if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
+        raise CheckpointError(f"{where}: the tokenizer has {tokenizer.vocab_size} tokens but the model's "
+                              f"vocab_size is {cfg.vocab_size}; this tokenizer belongs to another model")

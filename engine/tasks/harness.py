@@ -30,6 +30,7 @@ try:
 except ImportError:   # pragma: no cover (not POSIX: writers do not take turns)
     fcntl = None
 from engine.tasks.scoring import ScoreStats
+from models.registry import resolve
 
 BOOTSTRAP_ITERS = 1000   # lm-eval's bootstrap for the stderr of non-mean metrics (LAMBADA's perplexity)
 
@@ -42,7 +43,6 @@ def weights_signature(model: str | os.PathLike) -> str | None:
     hold, cheaply: each file's name, size and the sha256 of its first and last MiB. Another model copied
     to the same path, a retrained export, a rewritten set: another signature, so a --results directory
     never hands back another model's scores under the same name. None when it cannot be read."""
-    from models.registry import resolve
     h, seen = hashlib.sha256(), set()
 
     def add(path: Path, depth: int = 0) -> None:
