@@ -25,7 +25,7 @@ import re
 import shutil
 import signal
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 
 import torch
