@@ -34,17 +34,21 @@ def args(model_dir, corpus, out, **kw):
     return LinearizeArgs(**base)
 
 
+def interrupted_in_the_transfer(a: LinearizeArgs) -> None:
+    """Run `a` and stop it (Ctrl-C) at layer 1's third transfer step: OUT holds a run to resume."""
+    def interrupt(phase, layer, step):
+        if (phase, layer, step) == ("transfer", 1, 2):
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        linearize(a, log=lambda m: None, on_step=interrupt)
+
+
 def test_resume_with_other_settings_is_one_line_and_leaves_the_progress(small_model_dir, corpus, tmp_path):
     """An interrupted run resumed with another --seq-len (or window, seed, learning rate...) mixed them
     silently (layers transferred on rows of 32 tokens, the rest on 64, the summary saying 64); the
     budget and the save interval may change."""
     out = tmp_path / "cut"
-
-    def interrupt(phase, layer, step):
-        if (phase, layer, step) == ("transfer", 1, 2):
-            raise KeyboardInterrupt
-    with pytest.raises(KeyboardInterrupt):
-        linearize(args(small_model_dir, corpus, out, finetune_steps=0), log=lambda m: None, on_step=interrupt)
+    interrupted_in_the_transfer(args(small_model_dir, corpus, out, finetune_steps=0))
     before = (out / ".linearize" / "progress.json").read_text()
     for change, says in ((dict(seq_len=64), "--seq-len 64, but the interrupted run used 32"),
                          (dict(window=4), "--window 4, but the interrupted run used 0"),
@@ -62,12 +66,7 @@ def test_resume_on_data_that_changed_is_one_line(small_model_dir, tmp_path):
     the old text, and data.json recorded only the new file's sha256 (the same name passed the check)."""
     text = sentence_corpus(tmp_path / "text.txt", 300, seed=1)
     out = tmp_path / "cut"
-
-    def interrupt(phase, layer, step):
-        if (phase, layer, step) == ("transfer", 1, 2):
-            raise KeyboardInterrupt
-    with pytest.raises(KeyboardInterrupt):
-        linearize(args(small_model_dir, text, out, finetune_steps=0), log=lambda m: None, on_step=interrupt)
+    interrupted_in_the_transfer(args(small_model_dir, text, out, finetune_steps=0))
     sentence_corpus(text, 300, seed=2)   # the same file name, other sentences
     with pytest.raises(InvalidArgumentError, match=r"--resume with --data .*text.txt changed since the interrupted"):
         linearize(args(small_model_dir, text, out, finetune_steps=0, resume=True), log=lambda m: None)
