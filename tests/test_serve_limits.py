@@ -354,6 +354,33 @@ def test_a_body_that_trickles_in_gets_408_though_no_gap_reaches_the_timeout(smal
         srv.stop()
 
 
+@pytest.mark.parametrize("head", [b"POST /v1/nothing", b"POST /health"])
+def test_a_body_to_a_route_that_takes_no_post_cannot_trickle_on(small_model_dir, head):
+    """A POST no route takes gets the router's 404 / 405 at once, then its connection closes (the rest of
+    its body drained for LINGER_S at most): a byte every 0.3 s held it open for as long as the client liked."""
+    from engine.serve.connections import LINGER_S
+    srv = LiveServer(make_server(small_model_dir), Policy(read_timeout=1.0))
+    try:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
+            s.sendall(head + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: text/plain\r\n"
+                      b"Content-Length: 100000\r\n\r\nx")
+            s.settimeout(0.3)
+            start, answer, closed = time.monotonic(), b"", False
+            while time.monotonic() - start < LINGER_S + 4 and not closed:
+                try:
+                    s.sendall(b"x")
+                    chunk = s.recv(65536)
+                    answer += chunk
+                    closed = chunk == b""
+                except socket.timeout:
+                    continue
+                except OSError:   # reset: closed
+                    closed = True
+        assert closed and answer.split(b"\r\n")[0] in (b"HTTP/1.1 404 Not Found", b"HTTP/1.1 405 Method Not Allowed"), answer
+    finally:
+        srv.stop()
+
+
 # ---------------------------------------------------------------------- the queue
 @contextlib.contextmanager
 def row_held(live):

@@ -14,8 +14,8 @@ Refused, each with OpenAI's error body (engine.serve.errors), in this order:
 - without `Authorization: Bearer <api_key>` when a key is set (401), on every route but /health
   (and the docs pages when they are on);
 - a POST whose body is not `application/json` (415), to a route that takes POSTs (another path or
-  method is the router's 404 / 405): forms and text/plain are what a page can send without a preflight;
-HEAD on any GET route is answered as the GET, without the body.
+  method is the router's 404 / 405, and the connection closes after it): forms and text/plain are what a
+  page can send without a preflight;
 - a body over `max_body` bytes (413, connection closed): refused from its Content-Length before a
   byte is read, else as soon as the bytes received pass the limit (a chunked body is never buffered
   whole); the rest of the body is then read and thrown away for a bounded time before the close
@@ -25,7 +25,8 @@ HEAD on any GET route is answered as the GET, without the body.
   client that sends half a body, or one byte every few seconds, does not hold its handler and its
   connection forever (Apache's mod_reqtimeout rule: a deadline that grows with the bytes received).
 The connection limit and the deadline on request headers are engine.serve.connections' (the
-protocol's): they act before there is a request.
+protocol's): they act before there is a request. HEAD on any GET route is answered as the GET, without
+the body.
 """
 from __future__ import annotations
 
@@ -164,8 +165,10 @@ class RequestGuard:
                 code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}))
         if scope["method"] == "HEAD":   # every GET route answers HEAD: its status and headers, no body
             return await self.app(dict(scope, method="GET"), receive, _headers_only(send))
-        if scope["method"] not in BODY_METHODS or not _routed(scope):   # (no route takes it: the router's 404 / 405)
+        if scope["method"] not in BODY_METHODS:
             return await self.app(scope, receive, send)
+        if not _routed(scope):   # no route takes it: the router's 404 / 405, and the connection closes after it
+            return await self.app(scope, receive, _closing(send))   # (a body nobody reads may not trickle on)
         media = headers.get("content-type", "").split(";", 1)[0].strip().lower()
         if media != "application/json":
             return await _refuse(send, APIError(
@@ -195,9 +198,7 @@ class RequestGuard:
             if timeout is not None:
                 begun = loop.time() if begun is None else begun
                 left = begun + timeout + seen / MIN_BODY_RATE - loop.time()   # the deadline grows with the bytes
-                if left <= 0:
-                    raise too_slow_rate(seen, loop.time() - begun)
-                wait = min(timeout, left)
+                wait = min(timeout, max(left, 0.05))   # (a part already here after a stalled loop is still taken)
             try:
                 message = await asyncio.wait_for(receive(), wait)
             except asyncio.TimeoutError:
@@ -232,6 +233,17 @@ def _headers_only(send):
             message = {"type": "http.response.body", "body": b"", "more_body": message.get("more_body", False)}
         await send(message)
     return head_send
+
+
+def _closing(send):
+    """`send` whose response closes the connection (the rest of an unread body is drained for a bounded
+    time: engine.serve.connections' lingering close), as the 413 and 415 refusals do."""
+    async def closing_send(message):
+        if message["type"] == "http.response.start":
+            headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"connection"]
+            message = dict(message, headers=[*headers, (b"connection", b"close")])
+        await send(message)
+    return closing_send
 
 
 def _routed(scope) -> bool:
