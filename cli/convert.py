@@ -37,9 +37,11 @@ def llama2c_cmd(src, out_dir, tokenizer, force, progress):
         fail(f"{out_dir}: is not empty (holds {held}); pass --force to replace the model files in it")
 
     def clear():   # --force: no file of an older model survives next to the new one (once SRC has been read)
+        keep = [Path(f) for f in (src, tokenizer) if f]   # (--tokenizer OUT/tokenizer.model: kept, then copied)
         for name in MODEL_FILES if out.exists() else ():
             for p in out.glob(name):
-                p.unlink()
+                if not any(k.exists() and p.samefile(k) for k in keep):
+                    p.unlink()
     cfg = run_guarded(lambda: convert_llama2c(src, out_dir, tokenizer_path=tokenizer, progress=progress,
                                               before_writing=clear))
     click.echo(f"wrote {out_dir}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "

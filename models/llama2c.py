@@ -181,6 +181,7 @@ def convert_llama2c(src: str | os.PathLike, out_dir: str | os.PathLike, tokenize
               disable=not progress) as bar:
         write_safetensors(out / SINGLE, tensors, shapes=shapes, progress=bar)
     cfg.to_json(out / "config.json")
-    if tokenizer_path:
-        shutil.copyfile(tokenizer_path, out / "tokenizer.model")
+    dest = out / "tokenizer.model"
+    if tokenizer_path and not (dest.is_file() and os.path.samefile(tokenizer_path, dest)):   # (already there)
+        shutil.copyfile(tokenizer_path, dest)
     return cfg

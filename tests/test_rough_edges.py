@@ -143,6 +143,9 @@ def test_convert_checks_the_tokenizer_and_the_source_before_it_clears_or_writes(
     kept = {p.name: p.read_bytes() for p in out.iterdir()}
     one_line_error(gen("convert", "llama2c", garbage, out, "--no-progress", "--force"), "llama2.c")
     assert {p.name: p.read_bytes() for p in out.iterdir()} == kept          # a bad SRC: nothing cleared
+    r = gen("convert", "llama2c", src, out, "--no-progress", "--force", "--tokenizer", out / "tokenizer.model")
+    assert r.exit_code == 0, r.output   # new weights, the tokenizer it held (it was cleared, then not found)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.model"]
     assert gen("convert", "llama2c", src, out, "--no-progress", "--force").exit_code == 0
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
 
