@@ -285,6 +285,10 @@ def test_results_of_other_weights_at_the_same_path_are_scored_again(small_tokeni
         return json.loads(r.stdout)["tasks"]["passkey"]
     saved(3)
     assert "cached" not in passkey() and "cached" in passkey()      # the same weights: kept, then reused
+    (tmp_path / "m" / "README.md").write_text("a model card edited")   # not weights: still the same configuration
+    (tmp_path / "m" / ".git").mkdir()
+    (tmp_path / "m" / ".git" / "index").write_bytes(b"git's own")
+    assert "cached" in passkey()
     saved(4)
     assert "cached" not in passkey()                                  # other weights: scored again
     assert len(list((tmp_path / "res").glob("*.json"))) == 2          # the first model's results are kept

@@ -40,9 +40,10 @@ SIGNATURE_SPAN = 1 << 20   # bytes read from each end of a weights file for its 
 
 def weights_signature(model: str | os.PathLike) -> str | None:
     """What the files behind `model` (a registered name or a path; a linearized set's base model too)
-    hold, cheaply: each file's name, size and the sha256 of its first and last MiB. Another model copied
-    to the same path, a retrained export, a rewritten set: another signature, so a --results directory
-    never hands back another model's scores under the same name. None when it cannot be read."""
+    hold, cheaply: each weights file's (_weights_file) name, size and the sha256 of its first and last
+    MiB. Another model copied to the same path, a retrained export, a rewritten set: another signature,
+    so a --results directory never hands back another model's scores under the same name (a model card
+    or git's files changing do not count). None when it cannot be read."""
     h, seen = hashlib.sha256(), set()
 
     def add(path: Path, depth: int = 0) -> None:
@@ -50,7 +51,8 @@ def weights_signature(model: str | os.PathLike) -> str | None:
         if path in seen or depth > 3:
             return
         seen.add(path)
-        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        files = sorted(p for p in path.rglob("*") if p.is_file() and _weights_file(p.relative_to(path))) \
+            if path.is_dir() else [path]
         for f in files:
             size = f.stat().st_size
             with open(f, "rb") as fh:
@@ -70,6 +72,18 @@ def weights_signature(model: str | os.PathLike) -> str | None:
     except (OSError, ValueError, json.JSONDecodeError):
         return None
     return h.hexdigest()[:16]
+
+
+WEIGHTS_FILES = {"config.json", "generation_config.json", "tokenizer.model", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "chat_template.jinja", "transfer_losses.json"}
+WEIGHTS_SUFFIXES = {".safetensors", ".gguf", ".bin", ".pt"}
+
+
+def _weights_file(rel: Path) -> bool:
+    """A file a load reads (config, tokenizer, tensors; in a variant's folder too), not a model card, a
+    results directory kept inside the model's, git's or a hub's metadata (a dot folder)."""
+    return not any(part.startswith(".") for part in rel.parts) and (
+        rel.name in WEIGHTS_FILES or rel.suffix in WEIGHTS_SUFFIXES)
 
 
 def configuration(llm, model: str, dtype: str | None = None, quantize: str | None = None,
