@@ -22,7 +22,6 @@ if _QUIET_START:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 try:
-    import difflib
     import importlib.metadata
     import platform
     import sys
@@ -101,13 +100,19 @@ def echoing_stdout(error: OSError) -> bool:
 
 
 def note_misspelled_command(args, commands) -> None:
-    """`gen bnech`: a bare word is a prompt (and generates), but one that nearly names a subcommand gets a
-    note on stderr saying so, and how to run the command."""
-    if len(args) != 1 or args[0].startswith("-") or not args[0].isalpha():
+    """`gen bnech`: a bare word is a prompt (and generates), but one that is a typo of a subcommand gets a
+    note on stderr saying so, and how to run the command. A typo: the name in other case, two neighbouring
+    letters swapped, or one letter left out of a word of 4 or more, past the first letter (typing slips;
+    not "cat" for chat, "rain" for train, "veal" for eval or "beach" for bench, which are prompts)."""
+    if len(args) != 1 or not args[0].isalpha():
         return
-    close = difflib.get_close_matches(args[0], list(commands), n=1, cutoff=0.75)
-    if close:
-        click.echo(f'gen: note: generating from the prompt "{args[0]}"; for the command, gen {close[0]}', err=True)
+    word = args[0].lower()
+    for name in commands:
+        swapped = any(word == name[:i] + name[i + 1] + name[i] + name[i + 2:] for i in range(1, len(name) - 1))
+        dropped = len(word) >= 4 and any(word == name[:i] + name[i + 1:] for i in range(1, len(name)))
+        if word == name or swapped or dropped:
+            click.echo(f'gen: note: generating from the prompt "{args[0]}"; for the command, gen {name}', err=True)
+            return
 
 
 @contextmanager

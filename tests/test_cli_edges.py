@@ -141,7 +141,8 @@ def prompts(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("word,command", [("bnech", "bench"), ("Bench", "bench"), ("evl", "eval"), ("sevre", "serve")])
+@pytest.mark.parametrize("word,command", [("bnech", "bench"), ("Bench", "bench"), ("evla", "eval"), ("sevre", "serve"),
+                                          ("bnch", "bench"), ("linarize", "linearize")])
 def test_a_near_subcommand_name_gets_a_note(prompts, word, command):
     r = gen(word)
     assert r.exit_code == 0, r.output
@@ -151,7 +152,8 @@ def test_a_near_subcommand_name_gets_a_note(prompts, word, command):
 
 
 @pytest.mark.parametrize("args", [["hello"], ["--", "bnech"], ["--prompt", "bnech"], ["bnech", "-n", "1"],
-                                  ["bnech bench"]])
+                                  ["bnech bench"], ["what"], ["cat"], ["cheat"], ["rain"], ["beach"], ["veal"],
+                                  ["evil"], ["server"], ["nerve"]])   # words a prompt is made of
 def test_other_prompts_get_no_note(prompts, args):
     r = gen(*args)
     assert r.exit_code == 0, r.output
