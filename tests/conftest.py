@@ -34,10 +34,11 @@ def native_cache(tmp_path_factory):
 def seed_from_the_users_cache(run_cache: Path) -> None:
     """A library `gen` already compiled into its own cache (~/.cache/gen-engine: .ci/run's first `gen`
     command builds it) from exactly these sources is copied into the run's cache instead of compiled
-    again (~15 s of CPU): its file name is the hash of every source and header, the flags, the compiler
-    and the CPU (engine.steps.native.build.source_key), so it is what a build here would make. The
-    build itself is tested from scratch by tests/test_native_build.py. Copied whole (a temporary file
-    renamed), so a worker never loads half of one."""
+    again (~15 s of CPU): its file name is the hash of every source and header, build.py, the flags, the
+    compiler (its file's size and time) and the CPU (engine.steps.native.build.source_key), so it is what
+    a build here would make; then that compile (by `gen`, from this checkout) is the one the tests run
+    on. tests/test_native_build.py tests the build's steps (locks, a failed compile) with a stand-in
+    compiler. Copied whole (a temporary file renamed), so a worker never loads half of one."""
     from engine.steps.native import build
     cc = build.compiler()
     if cc is None:

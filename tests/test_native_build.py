@@ -1,7 +1,8 @@
 """How the native step is built (engine/steps/native/build.py): every source compiled on its own
 compiler process, at once; one link; concurrent builders of one library wait for the first instead of
 compiling again; a failure leaves nothing behind. A stand-in compiler logs each call and compiles an
-empty file instead of the source (the real build runs in every native test)."""
+empty file instead of the source (the real build is what every native test loads: compiled by the first
+process of the run, or by `gen` into its own cache from the same sources: tests/conftest.py)."""
 from __future__ import annotations
 
 import shutil

@@ -3,8 +3,8 @@
     lib = library()      # raises NativeUnavailableError when it cannot be built
 
 Built with the system C compiler ($CC, else cc, else gcc) into ~/.cache/gen-engine (or
-$GEN_ENGINE_CACHE), keyed by the sources' hash, the flags, the compiler and the CPU (the library
-is built with -march=native). The sources compile in parallel (one compiler per core: ~9 s instead of
+$GEN_ENGINE_CACHE), keyed by the sources' hash, this file's, the flags, the compiler and the CPU (the
+library is built with -march=native): source_key. The sources compile in parallel (one compiler per core: ~9 s instead of
 ~17 s on 2 cores, kernels.c alone takes half), then link into a temporary file that is renamed, so a
 concurrent reader never sees half a library; concurrent builders of the same library (two first runs,
 a test suite's workers) wait on one lock file and the later ones load what the first built. Flags: -O3
@@ -51,10 +51,19 @@ def _cpu_id() -> str:
 
 
 def source_key(cc: str) -> str:
+    """The library's name: a hash of every source and header, this file (how they are built), the flags,
+    the compiler (its path, and the size and time of the file it resolves to: an upgrade is another
+    compiler) and the CPU."""
     h = hashlib.sha256()
     for name in HEADERS + SOURCES:
         h.update(name.encode() + b"\0" + (HERE / name).read_bytes())
-    h.update(" ".join(FLAGS + [cc, _cpu_id()]).encode())
+    h.update(Path(__file__).read_bytes())
+    try:
+        st = os.stat(shutil.which(cc) or cc)
+        compiler_file = f"{st.st_size}:{st.st_mtime_ns}"
+    except (OSError, TypeError):
+        compiler_file = "?"
+    h.update(" ".join(FLAGS + [cc, compiler_file, _cpu_id()]).encode())
     return h.hexdigest()[:16]
 
 
