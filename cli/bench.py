@@ -117,10 +117,11 @@ def bench_cmd(model_name, contexts, attention, softmax_layers, window, prefill_t
                     click.echo(line)
             for path in written:
                 click.echo(f"wrote {path}")
-        if unwritten:
-            fail(f"{unwritten}; the measurements are in the table above")
         if stopped:
             click.echo(f"gen bench: interrupted after {stopped['finished']} of {stopped['configurations']} "
                        f"configurations (the rows above are those that finished)", err=True)
+        if unwritten:
+            fail(f"{unwritten}; the measurements are in the table above")
+        if stopped:
             sys.exit(130)
     run_guarded(run)

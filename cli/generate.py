@@ -226,8 +226,9 @@ def stream(llm, generation, prompt, echo: bool, verbose: bool = False) -> None:
         raise
     click.echo(summary(generation.result(0)), err=True)
     if verbose:
-        form = generation.result(0).stats.step_form
-        click.echo(f"gen: step form: {form or 'none ran (the prompt block made the only token)'}; forms available: "
+        stats = generation.result(0).stats
+        form = stats.step_form or ("?" if stats.new_tokens > 1 else "none ran (the prompt block made the only token)")
+        click.echo(f"gen: step form: {form}; forms available: "
                    f"{', '.join(llm.step.forms_available)}; fallback: {llm.step.fallback or 'none'}", err=True)
 
 
@@ -239,18 +240,20 @@ def summary(result, interrupted: bool = False) -> str:
     ms_per_token = 1e3 / s.decode_tokens_per_s if s.decode_tokens_per_s > 0 else 0.0
     what = {"softmax": "KV cache", "linear": "linear state"}.get(s.attention, f"{s.attention} state")   # hybrid: both
     finish = "interrupted" if interrupted else result.finish_reason
+    stepped = s.new_tokens > 1   # the first token comes from the prompt's block
     decode = (f"{s.new_tokens} new tokens, {s.decode_tokens_per_s:.1f} tokens/s ({ms_per_token:.2f} ms/token)"
-              if s.decode_tokens_per_s > 0 else f"{s.new_tokens} new token{'s' * (s.new_tokens != 1)}, no decode step")
+              if stepped else f"{s.new_tokens} new token{'s' * (s.new_tokens != 1)}, no decode step")
     return (f"gen: prompt {s.prompt_tokens} tokens in {prefill_ms:.1f} ms ({prompt_rate:.1f} tokens/s) | {decode}, "
             f"first token after {s.time_to_first_token_s * 1e3:.1f} ms | {what} {human_bytes(s.state_bytes)} | "
-            f"{s.attention} attention, seed {s.seed} | step {s.step_form or 'none'} | finish: {finish}")
+            f"{s.attention} attention, seed {s.seed} | step {s.step_form or ('?' if stepped else 'none')} | "
+            f"finish: {finish}")
 
 
 def turn_timing(result, interrupted: bool = False) -> str:
     """One short line per chat reply: its tokens and speed, the prompt it prefilled, why it ended."""
     s = result.stats
     finish = "interrupted" if interrupted else result.finish_reason
-    rate = f"{s.decode_tokens_per_s:.1f} tokens/s" if s.decode_tokens_per_s > 0 else "no decode step"
+    rate = f"{s.decode_tokens_per_s:.1f} tokens/s" if s.new_tokens > 1 else "no decode step"
     return (f"gen: {s.new_tokens} tokens, {rate} | prompt {s.prompt_tokens} tokens in "
             f"{s.prefill_s * 1e3:.0f} ms | finish: {finish}")
 

@@ -240,8 +240,8 @@ def check_resume_data(saved: dict, a: TrainArgs, ckpt: str, digest: str) -> None
     recorded = (saved.get("args") or {}).get("train")
     if saved.get("train_sha256") is not None:
         same = saved["train_sha256"] == digest
-    else:   # a checkpoint from before the text's digest was kept: by name
-        same = recorded is None or recorded == a.train
+    else:   # a checkpoint from before the text's digest was kept: by path (./data.txt is data.txt)
+        same = recorded is None or os.path.realpath(recorded) == os.path.realpath(a.train)
     if not same:
         was = f" ({recorded} when the run started)" if recorded and recorded != a.train else ""
         raise InvalidArgumentError(f"--train {a.train}: not the text {a.out} was trained on{was} ({ckpt}, step "
