@@ -6,15 +6,8 @@ from pathlib import Path
 import click
 
 from cli.common import fail, run_guarded
+from models.hf_dir import remove_model_files
 from models.llama2c import convert_llama2c
-
-
-# What a model directory holds; `--force` removes these (and nothing else) before writing.
-MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
-               "model-*-of-*.safetensors", "*.safetensors.tmp", "tokenizer.model", "tokenizer.json",
-               "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "README.md",
-               # a `gen linearize` output's: its maps and adapters would apply to the new model
-               "maps.safetensors", "adapters.safetensors", "linearize.json", "transfer_losses.json", "data.json")
 
 
 @click.group("convert")
@@ -36,13 +29,9 @@ def llama2c_cmd(src, out_dir, tokenizer, force, progress):
         held = ", ".join(sorted(p.name for p in out.iterdir())[:4])
         fail(f"{out_dir}: is not empty (holds {held}); pass --force to replace the model files in it")
 
-    def clear():   # --force: no file of an older model survives next to the new one (once SRC has been read)
-        keep = [Path(f) for f in (src, tokenizer) if f]   # (--tokenizer OUT/tokenizer.model: kept, then copied)
-        for name in MODEL_FILES if out.exists() else ():
-            for p in out.glob(name):
-                if not any(k.exists() and p.samefile(k) for k in keep):
-                    p.unlink()
+    # --force: the older model's files go once SRC and the tokenizer have been read (--tokenizer
+    # OUT/tokenizer.model is kept, then taken)
     cfg = run_guarded(lambda: convert_llama2c(src, out_dir, tokenizer_path=tokenizer, progress=progress,
-                                              before_writing=clear))
+                                              before_writing=lambda: remove_model_files(out, keep=(src, tokenizer))))
     click.echo(f"wrote {out_dir}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
                f"{cfg.num_attention_heads} heads ({cfg.num_key_value_heads} kv), vocab {cfg.vocab_size}", err=True)

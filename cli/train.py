@@ -1,12 +1,9 @@
 """`gen train`: train the tokenizer and a model on a corpus (see engine/train.py)."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import click
 
 from cli.common import check_stdio, device_option, run_guarded, threads_option, writing_stdout
-from cli.convert import MODEL_FILES
 from engine.train import AMP_DTYPES, TrainArgs, train
 
 
@@ -66,17 +63,10 @@ def train_cmd(train_file, valid_file, out, export, paths, amp, **kw):
 
     def run():
         try:
-            train(args, log=line, clear_export=remove_model_files)
+            train(args, log=line)
         except OSError as e:
             if not any(e is u for u in unwritten):
                 raise
             with writing_stdout():   # the reader left: exit 1, quietly; stdout full: one line, exit 2
                 raise
     run_guarded(run)
-
-
-def remove_model_files(directory: str) -> None:
-    """--force: no file of an older model (its README among them) survives next to the new one."""
-    for name in MODEL_FILES:
-        for p in Path(directory).glob(name):
-            p.unlink()

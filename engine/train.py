@@ -39,6 +39,7 @@ from engine.threads import set_threads
 from engine.transformer import Transformer
 from models.config import FEATURE_MAP_NAMES, LAYER_PATHS, ModelConfig
 from models.corpus import read_documents
+from models.hf_dir import remove_model_files
 from models.tokenizer import Tokenizer, train_tokenizer
 from models.weights import save_pretrained
 
@@ -350,14 +351,14 @@ class _Created:
             pass
 
 
-def train(a: TrainArgs, log=print, clear_export=None) -> Transformer:
+def train(a: TrainArgs, log=print) -> Transformer:
     """Train (or resume) the run in `a.out` and return the model. Every check of the input comes before any
     file is written; a run that fails before its first checkpoint removes what it created.
 
     `log` takes each progress line; the first it cannot write (OSError: the reader left, stdout is full)
     stops the run at the next whole step: the checkpoint is saved (and the export written when the run
-    had finished), then that error is raised. `clear_export(dir)`: with `a.force`, removes another model's
-    files from the --export directory just before this model's are written there."""
+    had finished), then that error is raised. With `a.force`, another model's files in the --export
+    directory (models.hf_dir.MODEL_FILES) are removed just before this model's are written there."""
     check_args(a)
     tok_path = os.path.join(a.out, "tokenizer.model")
     ckpt = os.path.join(a.out, "checkpoint.pt")
@@ -379,14 +380,14 @@ def train(a: TrainArgs, log=print, clear_export=None) -> Transformer:
     say = _Lines(log)
     created = _Created(a.out, tok_path)
     try:
-        return _train(a, say, saved, train_docs, valid_docs, digest, tok_path, ckpt, clear_export)
+        return _train(a, say, saved, train_docs, valid_docs, digest, tok_path, ckpt)
     except BaseException:
         if not os.path.exists(ckpt):   # nothing of this run was saved: it leaves nothing behind
             created.remove()
         raise
 
 
-def _train(a, say, saved, train_docs, valid_docs, digest, tok_path, ckpt, clear_export) -> Transformer:
+def _train(a, say, saved, train_docs, valid_docs, digest, tok_path, ckpt) -> Transformer:
     if not os.path.exists(tok_path):
         if a.tokenizer:
             os.makedirs(a.out, exist_ok=True)
@@ -443,7 +444,7 @@ def _train(a, say, saved, train_docs, valid_docs, digest, tok_path, ckpt, clear_
     model.eval()
     if a.export:
         if step >= a.steps:
-            export(model, a, tok_path, clear_export)
+            export(model, a, tok_path)
             say(f"exported step {step} to {a.export}")
         else:
             say(f"stopped at step {step} of {a.steps} (--stop-after): {a.export} is written when the run reaches "
@@ -543,16 +544,15 @@ class StopOnInterrupt:
             signal.signal(signal.SIGINT, self._old)
 
 
-def export(model: Transformer, a: TrainArgs, tok_path: str, clear_export=None) -> None:
-    """The model into --export. Another model's files there (allowed by `force`) go first (clear_export); the
+def export(model: Transformer, a: TrainArgs, tok_path: str) -> None:
+    """The model into --export. Another model's files there (allowed by `force`) go first; the
     directory is recorded as this run's own before it is written, so a rerun rewrites a half-written one."""
     held = _export_holds(a)
     if held and not _own_export(a, held):
         if not a.force:   # (check_export refused it before training; something wrote there since)
             raise InvalidArgumentError(f"--export {a.export}: is not empty (holds {', '.join(held[:4])}); pass "
                                        f"--force to replace the model files in it, or give a new directory")
-        if clear_export is not None:
-            clear_export(a.export)
+        remove_model_files(a.export)
     path = os.path.join(a.out, EXPORTS)
     try:
         with open(path) as f:

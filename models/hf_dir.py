@@ -23,6 +23,25 @@ from models.config import ModelConfig
 from models.weights import check_tensors, hf_shapes
 
 SINGLE = "model.safetensors"
+
+# What a model directory holds (`gen convert --force`, `gen train --export --force` remove these, and
+# nothing else, before writing a model there): a Hugging Face layout's files, and a `gen linearize`
+# output's (its maps and adapters would apply to the new model).
+MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+               "model-*-of-*.safetensors", "*.safetensors.tmp", "tokenizer.model", "tokenizer.json",
+               "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "README.md",
+               "maps.safetensors", "adapters.safetensors", "linearize.json", "transfer_losses.json", "data.json")
+
+
+def remove_model_files(directory: str | os.PathLike, keep=()) -> None:
+    """Remove an older model's files (MODEL_FILES) from `directory`, but none that is one of `keep` (paths:
+    e.g. the tokenizer the new model takes from there); no file of the old model survives beside the new."""
+    directory = Path(directory)
+    keep = [Path(k) for k in keep if k and Path(k).exists()]
+    for name in MODEL_FILES if directory.is_dir() else ():
+        for p in directory.glob(name):
+            if not any(p.samefile(k) for k in keep):
+                p.unlink()
 INDEX = "model.safetensors.index.json"
 
 
