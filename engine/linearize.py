@@ -35,7 +35,6 @@ the finetune; a run cut by the budget records the steps it made.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import math
 import os
@@ -61,7 +60,7 @@ from engine.errors import InvalidArgumentError
 from engine.runspec import RunSpec, check_window
 from engine.loader import build, parse_device
 from engine.quant import dequantize_model
-from models.corpus import read_documents
+from models.corpus import file_sha256, read_documents
 from models.linearized import read_adapters, read_maps, write_adapters, write_json, write_maps
 from models.registry import read_checkpoint, resolve
 
@@ -341,7 +340,7 @@ def build_rows(tok, a: LinearizeArgs) -> tuple[torch.Tensor, list[dict]]:
         if n == 0:
             raise InvalidArgumentError(f"{path}: holds fewer than {a.seq_len} tokens; give more text")
         rows.append(torch.tensor(stream[:n * a.seq_len]).view(n, a.seq_len))
-        used.append({"file": str(path), "sha256": _sha256(path), "documents_used": n_docs,
+        used.append({"file": str(path), "sha256": file_sha256(path), "documents_used": n_docs,
                      "documents_in_file": len(docs), "tokens_used": n * a.seq_len})
     # interleave the files' rows so the eval rows and every batch mix them
     n = min(r.shape[0] for r in rows)
@@ -349,10 +348,6 @@ def build_rows(tok, a: LinearizeArgs) -> tuple[torch.Tensor, list[dict]]:
         u["tokens_used"] = n * a.seq_len
     mixed = torch.stack([r[:n] for r in rows], 1).flatten(0, 1)
     return mixed, used
-
-
-def _sha256(path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 # ---------------------------------------------------------------------- one layer
@@ -481,10 +476,11 @@ def _linearize(a: LinearizeArgs, g: Group, log, on_step) -> dict | None:
     transfer_rows = train_rows[:max(1, a.tokens // a.seq_len)]
     L = cfg.num_hidden_layers
     state = progress.load() if a.resume else {}
+    data_sha256 = [u["sha256"] for u in used]   # what a --resume checks its text by
     if state:
         check_resume_settings(state["args"], a)
-        was, now = state.get("data_sha256"), [u["sha256"] for u in used]
-        if was is not None and was != now:   # the same names, other text: the layers done learned on the old one
+        was = state.get("data_sha256")
+        if was is not None and was != data_sha256:   # the same names, other text: the layers done learned on the old one
             changed = next(u["file"] for u, w in zip(used, was) if u["sha256"] != w)
             raise InvalidArgumentError(f"--resume with --data {changed} changed since the interrupted run began "
                                        f"(its sha256 differs); resume with the same text (or start a new --out)")
@@ -505,7 +501,7 @@ def _linearize(a: LinearizeArgs, g: Group, log, on_step) -> dict | None:
             saved = {"lora": init_lora.state_dict()}
             log(f"starting from {a.init}: its adapters")
         state = {"layers_done": L, "finetune_done": 0, "losses": [], "finetune_log": [], "seconds": 0.0,
-                 "args": asdict(a), "data_sha256": [u["sha256"] for u in used],
+                 "args": asdict(a), "data_sha256": data_sha256,
                  "losses_measured": "none: a softmax control has no transfer"}
         progress.save(state, {"maps": maps.state_dict(), **(saved or {})})
     elif a.init is not None:   # the transfer is the init's: its maps, adapters and per-layer losses
@@ -522,7 +518,7 @@ def _linearize(a: LinearizeArgs, g: Group, log, on_step) -> dict | None:
         if len(losses["layers"]) != L:
             raise InvalidArgumentError(f"--init {d}: {len(losses['layers'])} layers of transfer losses, the model has {L}")
         state = {"layers_done": L, "finetune_done": 0, "losses": losses["layers"], "finetune_log": [], "seconds": 0.0,
-                 "args": asdict(a), "data_sha256": [u["sha256"] for u in used],
+                 "args": asdict(a), "data_sha256": data_sha256,
                  "losses_measured": f"{losses['loss']} (the transfer of --init {d})",
                  "kept_from_init": kept_from_init(a),   # read now (and saved for --resume), not when DIR may be gone
                  "transfer_inputs": init_transfer_inputs(d)}
@@ -530,7 +526,7 @@ def _linearize(a: LinearizeArgs, g: Group, log, on_step) -> dict | None:
         log(f"starting from {d}: its maps{' and adapters' if saved else ''}, no transfer")
     else:
         state = {"layers_done": 0, "finetune_done": 0, "losses": [], "finetune_log": [], "seconds": 0.0,
-                 "args": asdict(a), "data_sha256": [u["sha256"] for u in used], "transfer_inputs": a.transfer_inputs}
+                 "args": asdict(a), "data_sha256": data_sha256, "transfer_inputs": a.transfer_inputs}
         saved = None
         if g.main:
             layer_rows = torch.cat([transfer_rows, eval_rows])

@@ -68,7 +68,7 @@ class SamplingParams:
             raise InvalidArgumentError(msg)
         if not _finite(self.temperature) or self.temperature < 0:
             t = self.temperature
-            what = "a finite number >= 0" if isinstance(t, float) and t == t and t > 0 else ">= 0"   # inf
+            what = "a finite number >= 0" if t == math.inf else ">= 0"
             bad(f"temperature must be {what} (0 = greedy), got {t!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             bad(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")

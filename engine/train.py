@@ -16,7 +16,6 @@ a DIR holding anything but this run's own earlier export is refused unless `forc
 from __future__ import annotations
 
 import filecmp
-import hashlib
 import json
 import math
 import os
@@ -38,7 +37,7 @@ from engine.loader import parse_device
 from engine.threads import set_threads
 from engine.transformer import Transformer
 from models.config import FEATURE_MAP_NAMES, LAYER_PATHS, ModelConfig
-from models.corpus import read_documents
+from models.corpus import file_sha256, read_documents
 from models.hf_dir import remove_model_files
 from models.tokenizer import Tokenizer, train_tokenizer
 from models.weights import save_pretrained
@@ -278,12 +277,16 @@ def check_tokenizer(a: TrainArgs, tok_path: str, resumed: bool) -> None:
 
 def _own_export(a: TrainArgs, held: list[str]) -> bool:
     """Whether --export holds only what this run wrote there before (a rerun rewrites it without --force)."""
+    return os.path.realpath(a.export) in _exports(a) and set(held) <= EXPORT_WRITES
+
+
+def _exports(a: TrainArgs) -> list[str]:
+    """The --export directories OUT/exports.json records as this run's (none where it cannot be read)."""
     try:
         with open(os.path.join(a.out, EXPORTS)) as f:
-            dirs = json.load(f)["dirs"]
+            return list(json.load(f)["dirs"])
     except (OSError, ValueError, KeyError, TypeError):
-        return False
-    return os.path.realpath(a.export) in dirs and set(held) <= EXPORT_WRITES
+        return []
 
 
 def _export_holds(a: TrainArgs) -> list[str]:
@@ -304,14 +307,6 @@ def check_export(a: TrainArgs) -> None:
         more = ", ..." if len(held) > 4 else ""
         raise InvalidArgumentError(f"--export {a.export}: is not empty (holds {', '.join(held[:4])}{more}); pass "
                                    f"--force to replace the model files in it, or give a new directory")
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 class _Lines:
@@ -369,7 +364,7 @@ def train(a: TrainArgs, log=print) -> Transformer:
     check_export(a)
     train_docs = read_documents(a.train)
     valid_docs = read_documents(a.valid)[: a.eval_docs] if a.valid else []
-    digest = _sha256(a.train)
+    digest = file_sha256(a.train)
     if saved is not None:
         check_resume_data(saved, a, ckpt, digest)
     if a.threads:
@@ -547,18 +542,11 @@ class StopOnInterrupt:
 def export(model: Transformer, a: TrainArgs, tok_path: str) -> None:
     """The model into --export. Another model's files there (allowed by `force`) go first; the
     directory is recorded as this run's own before it is written, so a rerun rewrites a half-written one."""
+    check_export(a)   # (it passed before training; something may have written there since)
     held = _export_holds(a)
-    if held and not _own_export(a, held):
-        if not a.force:   # (check_export refused it before training; something wrote there since)
-            raise InvalidArgumentError(f"--export {a.export}: is not empty (holds {', '.join(held[:4])}); pass "
-                                       f"--force to replace the model files in it, or give a new directory")
+    if held and not _own_export(a, held):   # another model's, and --force
         remove_model_files(a.export)
-    path = os.path.join(a.out, EXPORTS)
-    try:
-        with open(path) as f:
-            dirs = list(json.load(f)["dirs"])
-    except (OSError, ValueError, KeyError, TypeError):
-        dirs = []
+    path, dirs = os.path.join(a.out, EXPORTS), _exports(a)
     if os.path.realpath(a.export) not in dirs:
         with open(path + ".tmp", "w") as f:
             json.dump({"dirs": dirs + [os.path.realpath(a.export)]}, f)

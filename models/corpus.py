@@ -5,6 +5,7 @@ the model.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Iterator
 
@@ -42,3 +43,12 @@ def read_documents(path: str | os.PathLike) -> list[str]:
     if not docs:
         raise InvalidArgumentError(f"{os.fspath(path)}: holds no documents")
     return docs
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The sha256 of a (training) file's bytes, read a MiB at a time: what a resumed run checks its text by."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

@@ -34,6 +34,8 @@ import asyncio
 import hmac
 from dataclasses import dataclass
 
+from starlette.routing import Match
+
 from engine.serve.errors import APIError
 from engine.serve.page import PUBLIC_PATHS as PAGE
 
@@ -249,7 +251,6 @@ def _closing(send):
 def _routed(scope) -> bool:
     """Whether a route of the app takes this method at this path (a POST to a GET route is the router's
     405, not a 415 for its body)."""
-    from starlette.routing import Match
     app = scope.get("app")
     routes = getattr(getattr(app, "router", None), "routes", None)
     if routes is None:   # not mounted in an app with a router: check every body

@@ -184,16 +184,18 @@ class FieldError(ValueError):
         self.param = param
 
 
+REQUEST_FIELDS = frozenset(name for model in (ResponseFormat, StreamOptions, CompletionRequest, Message, ChatRequest)
+                           for name in model.model_fields)
+
+
 def _param(loc) -> str | None:
     """pydantic's location as the client wrote it: ("messages", 0, "role") -> "messages[0].role"; the
     union member it tried ("stop", "str") is no field of the request: the path ends before it."""
-    fields = {name for model in (ResponseFormat, StreamOptions, CompletionRequest, Message, ChatRequest)
-              for name in model.model_fields}
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in fields:
+        elif part in REQUEST_FIELDS:
             out += f".{part}" if out else part
         else:
             break

@@ -14,6 +14,7 @@ documents scored, the time and the scorer's token counts.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import hashlib
 import json
 import os
@@ -24,13 +25,14 @@ from pathlib import Path
 from unittest import mock
 
 from engine.errors import InvalidArgumentError
+from engine.tasks.scoring import ScoreStats
+from models.hf_dir import MODEL_FILES
+from models.registry import resolve
 
 try:
     import fcntl
 except ImportError:   # pragma: no cover (not POSIX: writers do not take turns)
     fcntl = None
-from engine.tasks.scoring import ScoreStats
-from models.registry import resolve
 
 BOOTSTRAP_ITERS = 1000   # lm-eval's bootstrap for the stderr of non-mean metrics (LAMBADA's perplexity)
 
@@ -74,16 +76,15 @@ def weights_signature(model: str | os.PathLike) -> str | None:
     return h.hexdigest()[:16]
 
 
-WEIGHTS_FILES = {"config.json", "generation_config.json", "tokenizer.model", "tokenizer.json", "tokenizer_config.json",
-                 "special_tokens_map.json", "chat_template.jinja", "transfer_losses.json"}
-WEIGHTS_SUFFIXES = {".safetensors", ".gguf", ".bin", ".pt"}
+RECORDS = {"README.md", "linearize.json", "data.json", "*.safetensors.tmp"}   # model files a load does not read
 
 
 def _weights_file(rel: Path) -> bool:
-    """A file a load reads (config, tokenizer, tensors; in a variant's folder too), not a model card, a
-    results directory kept inside the model's, git's or a hub's metadata (a dot folder)."""
-    return not any(part.startswith(".") for part in rel.parts) and (
-        rel.name in WEIGHTS_FILES or rel.suffix in WEIGHTS_SUFFIXES)
+    """A file a load reads (a model directory's files, models.hf_dir.MODEL_FILES, less its records; in a
+    variant's folder too), not a model card, a results directory kept inside the model's, git's or a
+    hub's metadata (a dot folder)."""
+    return not any(part.startswith(".") for part in rel.parts) and any(
+        fnmatch.fnmatch(rel.name, pattern) for pattern in MODEL_FILES if pattern not in RECORDS)
 
 
 def configuration(llm, model: str, dtype: str | None = None, quantize: str | None = None,
