@@ -5,10 +5,13 @@
 Each line you type is a user message; the reply streams back. The conversation and its decoding
 state are kept (engine.chat), so a turn prefills only what it adds. `/reset` starts a new
 conversation, `/exit` or Ctrl-D leaves, Ctrl-C stops a reply (the session and what was said so
-far stay). Lines read from a pipe work too (one message per line), without the `> ` prompt.
+far stay), `/help` lists these. Any other single word after a slash (`/exti`) is an unknown command, not
+a message (ollama's rule); a message that starts with a slash is written `//...`. Lines read from a pipe
+work too (one message per line), without the `> ` prompt.
 """
 from __future__ import annotations
 
+import re
 import signal
 import sys
 
@@ -22,6 +25,7 @@ from engine.errors import EngineError
 from engine.sampling import CHAT_DEFAULTS, describe_sampling
 
 HELP_LINE = "/reset starts over, /exit or Ctrl-D leaves, Ctrl-C stops a reply"
+COMMAND = re.compile(r"/[A-Za-z?][\w?-]*")   # what reads as a command: a slash and one word
 
 
 @click.command("chat")
@@ -103,6 +107,16 @@ def repl(session, settings: dict, prompt: str = "> ", verbose: bool = False) -> 
             session.reset()
             click.echo("gen: conversation cleared", err=True)
             continue
+        if command in ("/help", "/?"):
+            click.echo(f"gen: {HELP_LINE}; a message that starts with / is written //...", err=True)
+            continue
+        if COMMAND.fullmatch(command):   # a mistyped command must not go to the model as a message
+            click.echo(f"gen: error: unknown command {command}: {HELP_LINE} (/help); "
+                       f"to send it as a message, write /{command}", err=True)
+            failed += 1
+            continue
+        if command.startswith("//"):
+            line = line.replace("/", "", 1)
         try:
             reply = session.send(line, **settings)
         except EngineError as e:         # e.g. the context is full: say so, keep the REPL

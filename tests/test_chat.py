@@ -255,6 +255,22 @@ def test_piped_messages_that_fail_end_the_run_with_exit_2(model_dir):
     assert ok.exit_code == 0, ok.output
 
 
+def test_a_mistyped_command_is_not_sent_as_a_message(model_dir):
+    """`/exti` in gen chat is an unknown command (one line naming the commands; a piped run ends 2), not a
+    message the model answers; /help lists the commands; `//text` sends "/text"."""
+    args = ["chat", "--model", str(model_dir), "--temperature", "0", "--max-new-tokens", "3"]
+    r = CliRunner().invoke(main, args, input="/exti\n/help\nHello there\n")
+    assert r.exit_code == 2, r.output
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("gen: error:")]
+    assert len(errors) == 1 and "unknown command /exti" in errors[0] and "//exti" in errors[0], r.stderr
+    assert "/reset starts over" in r.stderr
+    assert r.stdout.count("\n") == 1                        # only "Hello there" was answered
+    llm = load(str(model_dir))
+    expected = "".join(llm.chat([{"role": "user", "content": "/exti"}], temperature=0, max_new_tokens=3))
+    r = CliRunner().invoke(main, args, input="//exti\n")
+    assert r.exit_code == 0 and r.stdout == f"{expected}\n", r.output
+
+
 def test_cli_one_shot_takes_a_system_message(model_dir):
     """gen --chat MESSAGE --system TEXT answers as llm.chat([system, user]) (gen chat had --system; the
     one-shot form had none); --system without --chat is one line."""

@@ -135,3 +135,24 @@ def test_a_file_that_is_not_a_state_is_refused(small_model_dir, tmp_path):
     (tmp_path / "junk.safetensors").write_bytes(b"not a file at all")
     with pytest.raises(CheckpointError):
         llm.load_state(tmp_path / "junk.safetensors")
+
+
+def test_saving_through_a_link_keeps_the_link_and_other_files(small_model_dir, tmp_path):
+    """A state saved to a symbolic link writes its target (the link stays a link), a FILE.tmp of the
+    user's is left alone, and a directory or a missing folder is one CheckpointError line."""
+    llm = load(str(small_model_dir), backend="torch")
+    saved = llm.prefill([1, 5, 6])
+    target = tmp_path / "kept" / "s.safetensors"
+    target.parent.mkdir()
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(target)
+    (tmp_path / "link.safetensors.tmp").write_text("mine")
+    llm.save_state(link, saved)
+    assert link.is_symlink() and target.is_file()
+    assert (tmp_path / "link.safetensors.tmp").read_text() == "mine"
+    assert llm.load_state(link).ids == saved.ids
+    assert sorted(p.name for p in target.parent.iterdir()) == ["s.safetensors"]   # no temporary left
+    with pytest.raises(CheckpointError, match="is a directory; give a file path"):
+        llm.save_state(tmp_path, saved)
+    with pytest.raises(CheckpointError, match="cannot write .*nowhere/s.safetensors: No such file"):
+        llm.save_state(tmp_path / "nowhere" / "s.safetensors", saved)
