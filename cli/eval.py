@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 from tqdm import tqdm
 
 from cli.common import run_options, check_stdio, check_threads, device_option, fail, run_guarded, writing_stdout
@@ -72,8 +73,11 @@ def eval_cmd(model_name, attention, softmax_layers, window, feature_map, data, t
     check_stdio()
     task_list = ",".join(task_lists) if task_lists else None
     task_files = once_each(task_files)
+    ctx = click.get_current_context()   # --trials and --seed have defaults: were they given?
+    passkey_flags = [flag for flag, name in (("--trials", "trials"), ("--seed", "seed")) if ctx.get_parameter_source(name)
+                     not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)]
     tasks = check_modes(data, task_list, task_files, limit, lengths, depths, results_dir, max_docs, trials,
-                        context, batch_size)
+                        context, batch_size, passkey_flags)
     if data is not None:
         return perplexity(model_name, attention, softmax_layers, window, feature_map, data, context, max_docs,
                           batch_size, device, dtype, quantize, threads, as_json, sparse_keys)
@@ -170,8 +174,9 @@ def perplexity(model_name, attention, softmax_layers, window, feature_map, data,
 
 
 def check_modes(data, task_list, task_files, limit, lengths, depths, results_dir, max_docs, trials, context=None,
-                batch_size=8) -> list[str]:
-    """Which tasks a run asks for (none: perplexity of --data), every option checked against the mode."""
+                batch_size=8, passkey_flags=()) -> list[str]:
+    """Which tasks a run asks for (none: perplexity of --data), every option checked against the mode.
+    passkey_flags: the passkey-only options with defaults that were given (--trials, --seed)."""
     if context is not None and context < 2:
         fail(f"--context must be at least 2 tokens, got {context}")
     if data is not None and (task_list or task_files):
@@ -183,6 +188,8 @@ def check_modes(data, task_list, task_files, limit, lengths, depths, results_dir
                             ("--results", results_dir)):
             if value is not None:
                 fail(f"{flag} applies to --task; for a corpus file use --max-docs")
+        if passkey_flags:
+            fail(f"{passkey_flags[0]} applies to --task passkey, not to --data (every document is scored)")
         if max_docs is not None and max_docs < 1:
             fail(f"--max-docs must be at least 1, got {max_docs}")
         if batch_size < 1:
@@ -205,6 +212,9 @@ def check_modes(data, task_list, task_files, limit, lengths, depths, results_dir
         fail("--limit applies to lm-eval tasks and --task-file; passkey takes --lengths and --trials")
     if (lengths or depths) and "passkey" not in tasks:
         fail("--lengths and --depths apply to --task passkey")
+    if passkey_flags and "passkey" not in tasks:   # lm-eval's zero-shot tasks draw nothing at random
+        fail(f"{' and '.join(passkey_flags)} {'apply' if len(passkey_flags) > 1 else 'applies'} to --task passkey; "
+             f"lm-eval tasks and task files score every item (--limit N: the first N)")
     if trials < 1:
         fail(f"--trials must be at least 1, got {trials}")
     return tasks

@@ -57,6 +57,9 @@ def one_line_error(r, text):
     (["--data", "x.txt", "--context", "1"], "--context must be at least 2 tokens, got 1"),
     (["--data", "x.txt", "--threads", "999"], "999: give 1 to"),   # as gen -t 999 (it was accepted)
     (["--task", "passkey", "--seed", "-1"], "'--seed': -1 is not in the range x>=0"),
+    (["--task", "piqa", "--seed", "3"], "--seed applies to --task passkey; lm-eval tasks"),   # was accepted, unused
+    (["--task", "piqa", "--trials", "20", "--seed", "0"], "--trials and --seed apply to --task passkey"),
+    (["--data", "x.txt", "--trials", "5"], "--trials applies to --task passkey, not to --data"),
 ])
 def test_bad_options_are_one_line_before_any_work(args, text):
     one_line_error(gen("--model", "no-such-model", *args), text)
