@@ -36,7 +36,7 @@ def parse_attention(ctx, param, value):
         raise click.BadParameter(str(e)) from None
 
 
-@click.command("bench")
+@click.command("bench", short_help="Decode time and memory of each attention path, side by side.")
 @click.option("-m", "--model", "model_name", default="tiny", show_default=True, help="registered name or path")
 @click.option("--contexts", callback=parse_contexts, metavar="N,N,...",
               help="context depths to sweep  [default: 128,512,2048,8192,32768]")

@@ -28,7 +28,7 @@ HELP_LINE = "/reset starts over, /exit or Ctrl-D leaves, Ctrl-C stops a reply"
 COMMAND = re.compile(r"/[A-Za-z?][\w?-]*")   # what reads as a command: a slash and one word
 
 
-@click.command("chat")
+@click.command("chat", short_help="Chat with an instruction-tuned model in the terminal.")
 @click.option("-m", "--model", "model_name", default="smollm2", show_default=True,
               help="registered name or path of a model with a chat template (GGUF, tokenizer_config.json)")
 @run_options()

@@ -174,7 +174,7 @@ def run_options(attention_help: str = "default: the model's own"):
     """The run's attention options, declared once for gen, chat, eval and serve: --attention,
     --softmax-layers, --window, --sparse-keys, --feature-map. Their values go to engine.runspec.RunSpec.resolve
     unchanged, so a bad one is the rule's own line (exit 2), the same as a server request's 400."""
-    options = [click.option("--attention", metavar="PATH", help=f"{', '.join(PATHS)} ({attention_help})"),
+    options = [click.option("--attention", metavar="NAME", help=f"{', '.join(PATHS)} ({attention_help})"),
                click.option("--softmax-layers", help="hybrid: layers that keep a KV cache, e.g. 2,9,11, or auto:K"),
                click.option("--window", type=int, help="linear layers also attend exactly to the last W keys (W >= 1)"),
                click.option("--sparse-keys", type=int, help="with a window: each linear layer and head also keeps the M "

@@ -28,7 +28,7 @@ PASSKEY_LENGTHS = (512, 1024, 2048, 4096)
 TASK_NAMES = (*TASKS, "passkey")
 
 
-@click.command("eval")
+@click.command("eval", short_help="Perplexity, zero-shot tasks (lm-eval) and passkey retrieval.")
 @click.option("-m", "--model", "model_name", default="tiny", show_default=True, help="registered name or path")
 @run_options()
 @click.option("--data", type=click.Path(dir_okay=False),
@@ -168,7 +168,7 @@ def perplexity(model_name, attention, softmax_layers, window, feature_map, data,
             echo(json.dumps({"model": str(model_name), "data": data, **res.to_dict()}))
         else:
             echo(f"{res.attention}: {res.bits_per_byte:.4f} bits/byte, {res.nats_per_token:.4f} nats/token, "
-                 f"perplexity {res.perplexity:.3f} ({res.documents} documents, {res.tokens} tokens, "
+                 f"perplexity {res.perplexity:.3f} ({res.documents} document{'s' * (res.documents != 1)}, {res.tokens} tokens, "
                  f"{res.bytes} bytes, context {res.context})")
     run_guarded(run)
 

@@ -18,7 +18,7 @@ from engine.errors import InvalidArgumentError
 from engine.steps import DEFAULT_ACTIVATIONS, DEFAULT_PREFILL_CHUNK
 
 
-@click.command("generate")
+@click.command("generate", short_help="Continue a prompt (the default: gen PROMPT).")
 @click.argument("prompt", required=False)
 @click.option("-p", "--prompt", "prompt_opt", metavar="TEXT",
               help="the prompt as an option (also when it equals a subcommand's name)")

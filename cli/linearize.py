@@ -11,7 +11,7 @@ from engine.linearize import FINETUNE_DTYPES, FINETUNE_SCHEDULES, TRANSFER_INPUT
 from engine.threads import set_threads
 
 
-@click.command("linearize")
+@click.command("linearize", short_help="Learn linear-attention maps that imitate a checkpoint's softmax.")
 @click.option("-m", "--model", "model_name", required=True, help="registered name or path of the softmax model")
 @click.option("--data", multiple=True, required=True, type=click.Path(dir_okay=False),
               help="training text, documents separated by '<|endoftext|>' lines (repeat for several files)")

@@ -124,6 +124,9 @@ def one_line_errors():
         raise
     except click.ClickException as e:
         hint = f" (see {command_path(e.ctx)} --help)" if isinstance(e, click.UsageError) else ""
+        if (isinstance(e, click.UsageError) and e.message.startswith("Got unexpected extra argument")
+                and e.ctx is not None and e.ctx.info_name == "generate"):   # gen Once upon a time
+            hint = ': a prompt of several words goes in quotes, as in gen "Once upon a time"'
         click.echo(f"gen: error: {e.format_message()}{hint}", err=True)
         raise click.exceptions.Exit(e.exit_code) from None
 

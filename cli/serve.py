@@ -16,7 +16,7 @@ from engine.serve.shutdown import DEFAULT_GRACE_S
 ANY_ADDRESS = ("0.0.0.0", "::", "")
 
 
-@click.command("serve")
+@click.command("serve", short_help="Serve a model over the OpenAI API, with a side-by-side page.")
 @click.option("-m", "--model", "model_name", default="tiny", show_default=True,
               help="registered name or path; also the name clients send as `model`")
 @click.option("--served-model-name", "served_names", multiple=True, metavar="NAME",

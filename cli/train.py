@@ -7,7 +7,7 @@ from cli.common import check_stdio, device_option, run_guarded, threads_option, 
 from engine.train import AMP_DTYPES, TrainArgs, train
 
 
-@click.command("train")
+@click.command("train", short_help="Train a tokenizer and a small model on your documents.")
 @click.option("--train", "train_file", required=True, type=click.Path(dir_okay=False), help="training corpus")
 @click.option("--valid", "valid_file", type=click.Path(dir_okay=False), help="held-out corpus for evaluation")
 @click.option("--out", required=True, type=click.Path(file_okay=False),

@@ -11,6 +11,7 @@ runtime model is the engine's job (`engine.loader.build`).
 """
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import os
 from dataclasses import dataclass, field
@@ -68,7 +69,10 @@ def resolve(model: str | os.PathLike) -> Path:
     looks_like_path = os.sep in str(model) or str(model).startswith(".") or Path(str(model)).suffix
     if looks_like_path:
         raise InvalidArgumentError(f"{model}: no such file or directory")
-    raise InvalidArgumentError(f"unknown model {str(model)!r}; known models: {', '.join([*REGISTRY, *PACKAGED])} "
+    known = [*REGISTRY, *PACKAGED]
+    close = difflib.get_close_matches(str(model).lower(), known, n=1, cutoff=0.8)   # smolm2, tinyy, smollm2_linear
+    hint = f"did you mean {close[0]}? " if close else ""
+    raise InvalidArgumentError(f"unknown model {str(model)!r}; {hint}known models: {', '.join(known)} "
                                f"(or pass a path to a checkpoint directory or file)")
 
 

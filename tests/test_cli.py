@@ -173,9 +173,21 @@ def test_help_documents_prompts_named_like_subcommands():
     assert r.exit_code == 0 and "gen -- bench" in r.stdout and "generate" in r.stdout and "train" in r.stdout
 
 
+def test_help_lists_each_command_in_one_whole_line():
+    """gen --help's list of commands: one summary line each, not a docstring cut off at '...' (click's
+    45-character cut: "bench  Prefill to each depth, then time decode steps, for each...")."""
+    lines = gen("--help").stdout.split("Commands:\n", 1)[1].splitlines()
+    commands = {line.split()[0]: line for line in lines if line.strip()}
+    assert set(commands) >= {"bench", "chat", "convert", "eval", "generate", "linearize", "serve", "train"}
+    assert len(commands) == len([line for line in lines if line.strip()])   # no wrapped second lines
+    assert not [line for line in commands.values() if line.endswith("...")], commands
+
+
 # ---------------------------------------------------------------------- bad input
 BAD = {
     "unknown-model": (["--model", "nosuchmodel", "hi"], "known models: tiny"),
+    "misspelled-model": (["--model", "smolm2", "hi"], "unknown model 'smolm2'; did you mean smollm2? known models"),
+    "unquoted-prompt": (["Once", "upon", "a", "time"], 'extra arguments (upon a time): a prompt of several words goes in quotes'),
     "missing-path": (["--model", "./no/such/dir", "hi"], "no such file"),
     "temperature": (["--temperature", "-0.5", "hi"], "temperature"),
     "temperature-text": (["--temperature", "warm", "hi"], "--temperature"),

@@ -14,12 +14,14 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 httpx = pytest.importorskip("httpx")
 from test_serve_batching import SlowSteps                      # noqa: E402
 from test_serve_support import NAME, LiveServer, make_server    # noqa: E402
+from engine.serve import print_cache_stats                      # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LONG = {"prompt": "the cat", "max_tokens": 10 ** 6, "attention": "linear", "ignore_eos": True}
@@ -160,3 +162,14 @@ def test_a_second_signal_exits_at_once(small_model_dir):
         h.close()
     finally:
         served.kill()
+
+
+def test_the_exit_summary_of_an_empty_prefix_cache_says_nothing_is_held(capsys):
+    """A server that cached no prompt ended its summary with a dangling 'held: '."""
+    stats = {"hits": 0, "misses": 0, "tokens_saved": 0, "time_saved_s": 0.0, "by_path": {}}
+    server = SimpleNamespace(scheduler=SimpleNamespace(cache=SimpleNamespace(stats=lambda: stats)))
+    print_cache_stats(server)
+    assert capsys.readouterr().out.rstrip().endswith("; held: nothing")
+    stats["by_path"] = {"softmax": {"entries": 2, "bytes": 2**20}}
+    print_cache_stats(server)
+    assert capsys.readouterr().out.rstrip().endswith("; held: softmax: 2 prompts, 1.00 MiB")

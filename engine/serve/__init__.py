@@ -67,7 +67,8 @@ def print_cache_stats(server: Server) -> None:
     s = server.scheduler.cache.stats()
     print(f"prefix cache: {s['hits']} hits / {s['misses']} misses, {s['tokens_saved']} prompt tokens "
           f"restored (~{s['time_saved_s']:.2f} s of prefill saved); held: "
-          + ", ".join(f"{p}: {d['entries']} prompts, {d['bytes'] / 2**20:.2f} MiB" for p, d in s["by_path"].items()))
+          + (", ".join(f"{p}: {d['entries']} prompts, {d['bytes'] / 2**20:.2f} MiB" for p, d in s["by_path"].items())
+             or "nothing"))
 
 
 __all__ = ["PREFILL_SHARE", "Server", "open_server", "create_app", "run", "Policy", "PrefixCache", "Job", "Scheduler",
