@@ -70,8 +70,9 @@ def parse_attention(ctx, param, value):
               help="a fresh subprocess per configuration, so peak RSS is that configuration's own")
 @backend_option
 @click.option("--native", is_flag=True, help="alias of --backend native")
-@click.option("--weights", type=click.Choice(["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1"]),
-              help="weight type: f16/bf16 set --dtype; q8_0/q4_0/q4_1 quantize the fp32 model at load")
+@click.option("--weights", "--quantize", "weights", type=click.Choice(["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1"]),
+              help="weight type: f16/bf16 set --dtype; q8_0/q4_0/q4_1 quantize the fp32 model at load (--quantize: gen's "
+                   "name for it)")
 @click.option("--batch", default=1, show_default=True, help="sequences decoded together (tokens/s: aggregate)")
 @click.option("--quiet", is_flag=True, help="no progress bar")
 def bench_cmd(model_name, contexts, attention, softmax_layers, window, prefill_tokens, feature_map, steps, warmup,

@@ -225,3 +225,15 @@ def test_model_info_counts_quantized_matrices(kind):
     after = model_info(model)
     assert after["parameters"] == before["parameters"]
     assert 0 < after["weight_bytes"] < before["weight_bytes"] / 3
+
+
+def test_quantize_is_gen_s_name_for_bench_s_weights(model_dir, tmp_path):
+    """`gen --quantize q8_0` and `gen bench --weights q8_0` are one thing: bench takes --quantize too."""
+    from cli.main import main
+    out = tmp_path / "b.json"
+    r = CliRunner().invoke(main, ["bench", "--model", str(model_dir), "--quantize", "q8_0", "--contexts", "8",
+                                  "--steps", "1", "--warmup", "0", "--attention", "linear", "--no-isolate",
+                                  "--quiet", "--threads", "1", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    data = json.loads(out.read_text())
+    assert data["settings"]["weights"] == "q8_0" and data["results"][0]["weights"] == "q8_0"
