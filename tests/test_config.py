@@ -53,6 +53,24 @@ def test_unsupported_model_type_names_supported(tmp_path):
         ModelConfig.from_json(path)
 
 
+def test_a_config_without_model_type_takes_its_family_from_architectures(tmp_path):
+    """No model_type: architectures names the family; a class of no supported family is refused (a
+    GemmaForCausalLM config ran as a Llama); neither key: a bare Llama config, as before."""
+    bare = {k: v for k, v in BASE.items() if k != "model_type"}
+    assert ModelConfig.from_json(write(tmp_path, bare)).model_type == "llama"
+    for cls, family in [("MistralForCausalLM", "mistral"), ("Qwen2ForCausalLM", "qwen2"), ("LlamaForCausalLM", "llama")]:
+        assert ModelConfig.from_json(write(tmp_path, {**bare, "architectures": [cls]})).model_type == family
+    with pytest.raises(ConfigError, match=r"no model_type, and architectures \['GemmaForCausalLM'\] names no supported"):
+        ModelConfig.from_json(write(tmp_path, {**bare, "architectures": ["GemmaForCausalLM"]}))
+
+
+@pytest.mark.parametrize("method", ["bitsandbytes", "gptq", "awq"])
+def test_a_quantized_checkpoint_is_refused(tmp_path, method):
+    """quantization_config (its tensors packed integers or bnb blocks) ran over whatever tensors matched."""
+    with pytest.raises(ConfigError, match=f"a {method}-quantized checkpoint .* give the float weights"):
+        ModelConfig.from_json(write(tmp_path, {**BASE, "quantization_config": {"quant_method": method, "bits": 4}}))
+
+
 @pytest.mark.parametrize("bad,match", [({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
                                        ({"attention": "flash"}, "attention must be one of softmax, linear"),
                                        ({"hidden_act": "gelu"}, "unsupported setting hidden_act"),
