@@ -228,8 +228,9 @@ def stream(llm, generation, prompt, echo: bool, verbose: bool = False) -> None:
     if verbose:
         stats = generation.result(0).stats
         form = stats.step_form or ("?" if stats.new_tokens > 1 else "none ran (the prompt block made the only token)")
-        click.echo(f"gen: step form: {form}; forms available: "
-                   f"{', '.join(llm.step.forms_available)}; fallback: {llm.step.fallback or 'none'}", err=True)
+        click.echo(f"gen: step form: {form}; forms available: {', '.join(llm.step.forms_available)} (--backend "
+                   f"{llm.step.backend}: each step runs on the first that takes it); "
+                   f"fallback: {llm.step.fallback or 'none'}", err=True)
 
 
 def summary(result, interrupted: bool = False) -> str:

@@ -295,8 +295,8 @@ def test_gen_verbose_shows_the_graph_reason(small_model_dir):
                                   "--max-new-tokens", "3", "the cat"])
     assert r.exit_code == 0, r.output
     line = [s for s in r.stderr.splitlines() if "step form" in s]
-    assert line == [("gen: step form: torch; forms available: graph, torch; "
-                     "fallback: graph: the graph step runs on CUDA only, not cpu")]
+    assert line == [("gen: step form: torch; forms available: graph, torch (--backend graph: each step runs on the "
+                     "first that takes it); fallback: graph: the graph step runs on CUDA only, not cpu")]
 
 
 # ---------------------------------------------------------------------- GraphStep's bookkeeping, CUDA stood in (CPU)
