@@ -7,6 +7,7 @@ import sys
 import click
 
 from cli.common import device_option, run_guarded, threads_option
+from engine.errors import InvalidArgumentError
 from engine.linearize import FINETUNE_DTYPES, FINETUNE_SCHEDULES, TRANSFER_INPUTS, WEIGHT_DTYPES, LinearizeArgs, linearize
 from engine.threads import set_threads
 
@@ -64,6 +65,9 @@ from engine.threads import set_threads
               help="low-rank adapters of this rank on the linear layers' q/k/v/o, trained with the finetune (0: none)")
 @click.option("--hybrid", default=0, show_default=True,
               help="keep the K layers of highest relative transfer loss softmax during the finetune")
+@click.option("--softmax-layers", "softmax_layers", metavar="2,9,11",
+              help="instead of --hybrid: keep these layers softmax during the finetune (e.g. those a retrieval "
+                   "score picks: benchmarks/retrieval_layers.py); recorded as the output's layer_attention")
 @click.option("--window", default=0, show_default=True, help="sliding window + linear (0: off)")
 @click.option("--budget", type=float, help="wall-time budget in minutes (half transfer, half finetune)")
 @click.option("--seed", default=0, show_default=True)
@@ -83,7 +87,7 @@ from engine.threads import set_threads
               help="the frozen model's weights: bfloat16 holds them in half the memory (an 8B model: 16 GB, not 32); "
                    "maps, adapters and Adam stay fp32")
 def linearize_cmd(model_name, data, out, tokens, finetune_tokens, seq_len, layer_steps, transfer_inputs, batch_size, lr, finetune_steps,
-                  finetune_batch, finetune_lr, finetune_loss, finetune_dtype, finetune_schedule, finetune_linear_every, finetune_clip, grad_checkpoint, maps_lr, decay, decay_lr, gate, gate_lr, lora_rank, hybrid, window, budget, seed, resume, init, control, threads,
+                  finetune_batch, finetune_lr, finetune_loss, finetune_dtype, finetune_schedule, finetune_linear_every, finetune_clip, grad_checkpoint, maps_lr, decay, decay_lr, gate, gate_lr, lora_rank, hybrid, softmax_layers, window, budget, seed, resume, init, control, threads,
                   device, dtype):
     """With the model frozen, train per-layer hedgehog maps (transfer), then finetune them end to end."""
     def run():
@@ -95,7 +99,7 @@ def linearize_cmd(model_name, data, out, tokens, finetune_tokens, seq_len, layer
                              finetune_linear_every=finetune_linear_every, grad_checkpoint=grad_checkpoint, maps_lr=maps_lr,
                              decay=decay or gate, decay_lr=decay_lr, gate=gate, gate_lr=gate_lr,
                              lora_rank=lora_rank,
-                             hybrid=hybrid, window=window, budget=budget, seed=seed, resume=resume, init=init,
+                             hybrid=hybrid, softmax_layers=layer_list(softmax_layers), window=window, budget=budget, seed=seed, resume=resume, init=init,
                              control=control, device=device, dtype=dtype, command="gen " + shlex.join(sys.argv[1:]))
         try:
             summary = linearize(args, log=lambda m: click.echo(m, err=True))
@@ -109,3 +113,16 @@ def linearize_cmd(model_name, data, out, tokens, finetune_tokens, seq_len, layer
         click.echo(f"wrote {out}: {transfer}, {summary['finetune_steps_done']} finetune steps, "
                    f"{summary['wall_seconds_this_run']:.0f} s this run")
     run_guarded(run)
+
+
+def layer_list(text: str | None) -> list[int] | None:
+    """--softmax-layers "2,9,11" -> [2, 9, 11] (each layer checked against the model later)."""
+    if text is None:
+        return None
+    if text.strip().startswith("auto:"):
+        raise InvalidArgumentError(f"--softmax-layers {text}: gen linearize chooses K layers by transfer loss with "
+                                   f"--hybrid K; --softmax-layers lists them (2,9,11)")
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise InvalidArgumentError(f"--softmax-layers {text}: give layer numbers like 2,9,11") from None

@@ -76,8 +76,8 @@ TRANSFER_INPUTS = ("softmax", "linear")
 # the finetune's saved state depends on them)
 RESUME_SAME = ("model", "data", "seq_len", "tokens", "finetune_tokens", "eval_rows", "layer_steps", "batch_size", "lr",
                "finetune_steps", "finetune_batch", "finetune_lr", "finetune_loss", "finetune_dtype", "finetune_clip",
-               "finetune_schedule", "finetune_linear_every", "decay", "decay_lr", "gate", "gate_lr", "hybrid", "window",
-               "seed", "init", "control", "dtype")
+               "finetune_schedule", "finetune_linear_every", "decay", "decay_lr", "gate", "gate_lr", "hybrid", "softmax_layers",
+               "window", "seed", "init", "control", "dtype")
 
 
 def check_resume_settings(saved: dict, a: "LinearizeArgs") -> None:
@@ -121,6 +121,7 @@ class LinearizeArgs:
     gate_lr: float = 3e-3          # the gate's learning rate (the same schedule)
     lora_rank: int = 0             # low-rank adapters on the linear layers' q/k/v/o, trained in the finetune (0: none)
     hybrid: int = 0                # softmax layers kept during the finetune (highest relative loss)
+    softmax_layers: list[int] | None = None   # or these layers kept softmax (e.g. chosen by a retrieval score)
     window: int = 0                # sliding window + linear during transfer and finetune (0: off)
     budget: float | None = None    # minutes
     seed: int = 0
@@ -194,6 +195,13 @@ def check_args(a: LinearizeArgs) -> None:
         if v < 0:
             raise InvalidArgumentError(f"--{name.replace('_', '-')} must be 0 or more, got {v}")
     check_window(a.window or None)   # 0: no window
+    if a.softmax_layers is not None:
+        if a.hybrid:
+            raise InvalidArgumentError("give --hybrid K (the K layers of highest transfer loss) or --softmax-layers "
+                                       "LIST, not both")
+        if not a.softmax_layers:
+            raise InvalidArgumentError("--softmax-layers names no layer: give layer numbers like 2,9,11 (none at "
+                                       "all: leave the option out)")
     if a.finetune_loss not in ("lm", "kl"):
         raise InvalidArgumentError(f"--finetune-loss must be lm or kl, got {a.finetune_loss!r}")
     if a.finetune_dtype not in FINETUNE_DTYPES:
@@ -249,7 +257,8 @@ def check_control(a: LinearizeArgs) -> None:
     if not a.lora_rank or not a.finetune_steps:
         raise InvalidArgumentError("--control trains low-rank adapters in the finetune: give --lora-rank R and "
                                    "--finetune-steps N, as for the linearized run it is the control of")
-    given = [flag for flag, on in (("--hybrid", a.hybrid), ("--window", a.window), ("--decay", a.decay),
+    given = [flag for flag, on in (("--hybrid", a.hybrid), ("--softmax-layers", a.softmax_layers),
+                                   ("--window", a.window), ("--decay", a.decay),
                                    ("--gate", a.gate),
                                    ("--finetune-linear-every", a.finetune_linear_every),
                                    ("--finetune-loss kl", a.finetune_loss == "kl")) if on]
@@ -458,6 +467,11 @@ def _linearize(a: LinearizeArgs, g: Group, log, on_step) -> dict | None:
     if a.hybrid >= cfg.num_hidden_layers:   # before anything is written: every layer softmax linearizes nothing
         raise InvalidArgumentError(f"--hybrid {a.hybrid}: the model has {cfg.num_hidden_layers} layers, and --hybrid K "
                                    f"must leave at least one linear; give at most {cfg.num_hidden_layers - 1}")
+    if a.softmax_layers:   # each layer exists, once, and one at least stays linear
+        layer_attention_for(cfg.num_hidden_layers, a.softmax_layers)
+        if len(a.softmax_layers) >= cfg.num_hidden_layers:
+            raise InvalidArgumentError(f"--softmax-layers names all {cfg.num_hidden_layers} layers: leave at least "
+                                       f"one linear")
     model = build(cfg, ckpt.tensors, g.device, getattr(torch, a.dtype), interleaved_rotary=ckpt.interleaved_rotary)
     dequantize_model(model)   # the same fp32 math, without widening every block on every call
     for p in model.parameters():
@@ -600,7 +614,8 @@ def _linearize(a: LinearizeArgs, g: Group, log, on_step) -> dict | None:
             f"(relative {before / y_ms:.3f} -> {after / y_ms:.3f}), {rec['seconds']:.0f} s")
     bar.close()
     relative = [r["relative"] for r in state["losses"]]
-    layer_attention = None if a.control else layer_attention_for(L, highest_loss_layers(relative, a.hybrid))
+    layer_attention = None if a.control else layer_attention_for(
+        L, a.softmax_layers if a.softmax_layers else highest_loss_layers(relative, a.hybrid))
     # ----------------------------------------------------------------- finetune
     finetune_rows = train_rows[:a.finetune_tokens // a.seq_len] if a.finetune_tokens else transfer_rows
     if state["finetune_done"] and state["args"].get("lora_rank", 0) != a.lora_rank:
@@ -624,10 +639,15 @@ def _linearize(a: LinearizeArgs, g: Group, log, on_step) -> dict | None:
     g.barrier()
     summary = None
     if g.main:
-        summary = write_output(model, a, state, used, layer_attention if a.hybrid else None, t0, rows_used, lora, g)
+        summary = write_output(model, a, state, used, layer_attention if is_hybrid(a) else None, t0, rows_used, lora, g)
         shutil.rmtree(progress.dir, ignore_errors=True)
     g.barrier()   # the ranks leave the group together: none tears it down while rank 0 still writes
     return summary
+
+
+def is_hybrid(a: LinearizeArgs) -> bool:
+    """Whether the run keeps some layers softmax (--hybrid K or --softmax-layers LIST)."""
+    return bool(a.hybrid or a.softmax_layers)
 
 
 def finetune_lr(a: LinearizeArgs, step: int, base: float | None = None) -> float:
@@ -647,7 +667,8 @@ def step_configs(cfg, a: LinearizeArgs, layer_attention):
     if a.control:   # the control: every step softmax (its adapters sit in every layer's own projections)
         control = cfg.replace(attention="softmax", layer_attention=None, window=0)
         return lambda step: control
-    mix = cfg.replace(attention="hybrid" if a.hybrid else "linear", layer_attention=layer_attention if a.hybrid else None)
+    mix = cfg.replace(attention="hybrid" if is_hybrid(a) else "linear",
+                      layer_attention=layer_attention if is_hybrid(a) else None)
     pure = cfg.replace(attention="linear", layer_attention=None, window=0)
     return lambda step: pure if a.finetune_linear_every and step % a.finetune_linear_every == 0 else mix
 

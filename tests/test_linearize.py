@@ -270,6 +270,38 @@ def test_init_finetunes_from_a_linearized_directory(small_model_dir, corpus, tmp
         assert not out.exists()
 
 
+def test_softmax_layers_keeps_the_listed_layers_softmax_in_the_finetune(small_model_dir, corpus, tmp_path):
+    """--softmax-layers LIST (layers chosen by another score than --hybrid's transfer loss, e.g. retrieval):
+    the finetune runs them softmax, the output records them as its layer_attention, and only the linear
+    layers' adapters move; bad lists are one line, exit 2, before anything is written."""
+    first = tmp_path / "first"
+    linearize(args(small_model_dir, corpus, first, lora_rank=4, finetune_steps=1), log=lambda m: None)
+    losses = json.loads((first / "config.json").read_text())["transfer_loss"]
+    L, low = len(losses), min(range(len(losses)), key=losses.__getitem__)   # not what --hybrid 1 would keep
+    out = tmp_path / "chosen"
+    r = cli("linearize", "--model", small_model_dir, "--data", corpus, "--out", out, "--init", first,
+            "--lora-rank", "4", "--softmax-layers", str(low), "--finetune-steps", "2", "--finetune-lr", "0.05",
+            "--tokens", "256", "--seq-len", "16", "--finetune-batch", "2")
+    assert r.exit_code == 0, r.output
+    config = json.loads((out / "config.json").read_text())
+    assert config["attention"] == "hybrid"
+    assert config["layer_attention"] == ["softmax" if i == low else "linear" for i in range(L)]
+    before, after = load_file(first / "adapters.safetensors"), load_file(out / "adapters.safetensors")
+    moved = {i for k in before for i in range(L) if not torch.equal(before[k][i], after[k][i])}   # (L, ...) each
+    assert moved == set(range(L)) - {low}, moved   # the softmax layer's adapters were not read
+    for extra, says in ((["--softmax-layers", "0", "--hybrid", "1"], "not both"),
+                        (["--softmax-layers", "99"], "softmax layer 99 does not exist"),
+                        (["--softmax-layers", "0,0"], "listed twice"),
+                        (["--softmax-layers", ",".join(map(str, range(L)))], "leave at least one linear"),
+                        (["--softmax-layers", "auto:2"], "--hybrid K"),
+                        (["--softmax-layers", "a,b"], "give layer numbers like 2,9,11"),
+                        (["--softmax-layers", "0", "--control", "--lora-rank", "4"], "drop --softmax-layers")):
+        never = tmp_path / "never"
+        r = cli("linearize", "--model", small_model_dir, "--data", corpus, "--out", never, *extra)
+        assert r.exit_code == 2 and says in r.output and len(r.output.strip().splitlines()) == 1, r.output
+        assert not never.exists()
+
+
 def test_cosine_schedule_decays_the_finetune_lr(small_model_dir, corpus, tmp_path):
     """--finetune-schedule cosine: step 1 at --finetune-lr, then a half cosine towards 0 at the last step;
     the run takes those rates (same first steps as constant, different maps after), and a bad name is
