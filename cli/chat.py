@@ -6,7 +6,8 @@ Each line you type is a user message; the reply streams back. The conversation a
 state are kept (engine.chat), so a turn prefills only what it adds. `/reset` starts a new
 conversation, `/exit` or Ctrl-D leaves, Ctrl-C stops a reply (the session and what was said so
 far stay), `/help` lists these. Any other single word after a slash (`/exti`) is an unknown command, not
-a message (ollama's rule); a message that starts with a slash is written `//...`. Lines read from a pipe
+a message (ollama's rule); such a one-word message is written with two slashes (`//etc` sends `/etc`;
+`// TODO` and `/usr/bin is a path` are messages as they are). Lines read from a pipe
 work too (one message per line), without the `> ` prompt.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ from engine.api import make_config
 from engine.errors import EngineError
 from engine.sampling import CHAT_DEFAULTS, describe_sampling
 
-HELP_LINE = "/reset starts over, /exit or Ctrl-D leaves, Ctrl-C stops a reply"
+HELP_LINE = "/reset starts over, /exit or Ctrl-D leaves, Ctrl-C stops a reply, /help"
 COMMAND = re.compile(r"/[A-Za-z?][\w?-]*")   # what reads as a command: a slash and one word
 
 
@@ -101,21 +102,22 @@ def repl(session, settings: dict, prompt: str = "> ", verbose: bool = False) -> 
         command = line.strip()
         if not command:
             continue
-        if command in ("/exit", "/quit"):
+        if command.lower() in ("/exit", "/quit"):
             return failed
-        if command == "/reset":
+        if command.lower() == "/reset":
             session.reset()
             click.echo("gen: conversation cleared", err=True)
             continue
-        if command in ("/help", "/?"):
-            click.echo(f"gen: {HELP_LINE}; a message that starts with / is written //...", err=True)
+        if command.lower() in ("/help", "/?"):
+            click.echo("gen: /reset starts over, /exit (or /quit, Ctrl-D) leaves, Ctrl-C stops a reply; a message "
+                       "that is one word after a slash is written with two (//etc is sent as /etc)", err=True)
             continue
         if COMMAND.fullmatch(command):   # a mistyped command must not go to the model as a message
-            click.echo(f"gen: error: unknown command {command}: {HELP_LINE} (/help); "
+            click.echo(f"gen: error: unknown command {command}: {HELP_LINE}; "
                        f"to send it as a message, write /{command}", err=True)
             failed += 1
             continue
-        if command.startswith("//"):
+        if command.startswith("//") and COMMAND.fullmatch(command[1:]):   # the escape, and only it: "// TODO" stays
             line = line.replace("/", "", 1)
         try:
             reply = session.send(line, **settings)

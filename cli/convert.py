@@ -10,7 +10,7 @@ from models.hf_dir import remove_model_files
 from models.llama2c import convert_llama2c
 
 
-@click.group("convert")
+@click.group("convert", short_help="Convert a llama2.c checkpoint to a Hugging Face directory.")
 def convert_cmd():
     """Convert a checkpoint to a Hugging Face Llama layout directory."""
 

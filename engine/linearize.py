@@ -17,7 +17,7 @@ softmax model (attention transfer, Hedgehog / LoLCATs), then finetune them end t
    issue 14: MSE of the o_proj output). Reported per layer: absolute and relative loss (MSE over
    the target's mean square), before and after.
 3. Finetune (`finetune_steps`): all maps at once through the whole model run linear (or hybrid:
-   the `hybrid` layers with the highest relative loss stay softmax), loss = the LM loss
+   the `hybrid` layers with the highest relative loss stay softmax, or the `softmax_layers` listed), loss = the LM loss
    (`finetune_loss="lm"`) or KL(softmax model || this model) on the logits ("kl"). With
    `lora_rank` R > 0, low-rank adapters on the linear layers' q/k/v and o projections
    (`engine.adapters`, LoLCATs) train beside the maps and ship as DIR/adapters.safetensors.
@@ -85,10 +85,23 @@ def check_resume_settings(saved: dict, a: "LinearizeArgs") -> None:
     on rows of one length and the rest on another, the summary recording only the last)."""
     now = json.loads(json.dumps(asdict(a)))   # as the progress file holds them (lists, not tuples)
     for key in RESUME_SAME:
-        if key in saved and saved[key] != now[key]:
+        was = saved.get(key, ADDED_LATER.get(key, now[key]))   # a key older progress files lack: its default
+        if was != now[key]:
             flag = "--" + key.replace("_", "-")
-            raise InvalidArgumentError(f"--resume with {flag} {now[key]}, but the interrupted run used {saved[key]}; "
-                                       f"resume with the same value (or start a new --out)")
+            raise InvalidArgumentError(f"--resume with {flag} {shown(now[key])}, but the interrupted run used "
+                                       f"{shown(was)}; resume with the same value (or start a new --out)")
+
+
+ADDED_LATER = {"softmax_layers": None}   # RESUME_SAME keys a progress file written before them lacks, and their value then
+
+
+def shown(value) -> str:
+    """A setting as its flag takes it: [2, 9] -> 2,9; None -> (not given)."""
+    if value is None:
+        return "(not given)"
+    if isinstance(value, list):
+        return ",".join(map(str, value))
+    return str(value)
 
 
 @dataclass

@@ -30,20 +30,6 @@ FAMILIES = {
     "qwen3": Family("Qwen3ForCausalLM", qk_norm=True),
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
-
-
-def model_type_of(architectures, where: str = "config") -> str:
-    """A config without `model_type`: the family its `architectures` names; none named: llama (a bare
-    Llama config); any other class is refused (it ran as a Llama: a Gemma config got Llama's forward)."""
-    if not architectures:
-        return "llama"
-    names = architectures if isinstance(architectures, list) else [architectures]
-    by_class = {family.architecture: model_type for model_type, family in FAMILIES.items()}
-    for name in names:
-        if name in by_class:
-            return by_class[name]
-    raise ConfigError(f"{where}: no model_type, and architectures {names} names no supported family; "
-                      f"supported: {', '.join(f.architecture for f in FAMILIES.values())}")
 ATTENTION_PATHS = ("softmax", "linear", "hybrid")   # hybrid: per layer, see layer_attention
 LAYER_PATHS = ("softmax", "linear")
 POSITION_ENCODINGS = ("rope", "none")
@@ -60,6 +46,22 @@ ROPE_SCALINGS = {
 # Keys without which no model can be built; everything else has the Hugging Face default.
 REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads", "vocab_size")
+
+
+def model_type_of(architectures, where: str = "config") -> str:
+    """A config without `model_type`: the family its `architectures` names; none named: llama (a bare
+    Llama config); any other class is refused (it ran as a Llama: a Gemma config got Llama's forward)."""
+    if not architectures:
+        return "llama"
+    names = [architectures] if isinstance(architectures, str) else architectures
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"{where}: architectures must be a list of class names, got {architectures!r:.60}")
+    by_class = {family.architecture: model_type for model_type, family in FAMILIES.items()}
+    for name in names:
+        if name in by_class:
+            return by_class[name]
+    raise ConfigError(f"{where}: no model_type, and architectures {names} names no supported family; "
+                      f"supported: {', '.join(f.architecture for f in FAMILIES.values())}")
 
 
 @dataclass(frozen=True)
@@ -229,12 +231,14 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict, where: str = "config") -> "ModelConfig":
         raw = dict(raw)
-        model_type = raw["model_type"] = raw.get("model_type") or model_type_of(raw.get("architectures"), where)
+        if raw.get("model_type") is None:   # absent (or null): the family `architectures` names
+            raw["model_type"] = model_type_of(raw.get("architectures"), where)
+        model_type = raw["model_type"]
         quantized = raw.get("quantization_config")
         if quantized:   # bitsandbytes, GPTQ, AWQ, FP8: tensors this loader does not read
-            method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
-            raise ConfigError(f"{where}: a {method}-quantized checkpoint (quantization_config) is not supported; "
-                              f"give the float weights (safetensors) or a GGUF file")
+            method = quantized.get("quant_method") if isinstance(quantized, dict) else None
+            raise ConfigError(f"{where}: a {f'{method}-' if method else ''}quantized checkpoint (quantization_config) "
+                              f"is not supported; give the float weights (safetensors) or a GGUF file")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(f"{where}: unsupported model_type {model_type!r}; "
                               f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")

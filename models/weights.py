@@ -23,11 +23,13 @@ while loading or converting.
 from __future__ import annotations
 
 import os
+import stat
 
 import torch
 
 from models.errors import CheckpointError
 from models.config import ModelConfig
+from models.replace import replacing
 
 FUSED = {  # runtime suffix -> checkpoint suffixes, concatenated along rows
     "self_attn.qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
@@ -174,40 +176,27 @@ def runtime_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
 
 def save_safetensors(tensors: dict, file: str | os.PathLike, metadata: dict | None = None,
                      private: bool = False) -> None:
-    """Write a safetensors file atomically (a temporary file beside it, then renamed; a failed write
-    leaves neither a half-written FILE nor the temporary). A symbolic link is followed: its target is
-    replaced and the link stays a link. Readable as the process's umask allows, like any file it writes
+    """Write a safetensors file whole (models.replace: a temporary file beside it, renamed; a failed write
+    leaves neither a half-written FILE nor the temporary; a symbolic link is followed and stays a link).
+    Readable as an existing FILE was, else as the process's umask allows, like any file it writes
     (safetensors' writer makes its files 0600 whatever the umask, so a model directory copied to a
     shared place was unreadable to everyone but its writer); `private`: 0600 (a saved conversation).
-    A directory, device or FIFO at FILE is CheckpointError (a file is what is written)."""
-    import stat
-    import tempfile
+    A directory, device or FIFO at FILE, or a path that cannot be written, is CheckpointError."""
     from safetensors.torch import save_file
-    real = os.path.realpath(file)   # a link's target (existing or not): renaming onto the link would replace it
     try:
-        mode = os.stat(real).st_mode
+        mode = os.stat(file).st_mode
     except FileNotFoundError:
         mode = None
+    except OSError as e:   # a loop of links, a directory that cannot be searched
+        raise CheckpointError(f"cannot write {os.fspath(file)}: {e.strerror or e}") from None
     if mode is not None and not stat.S_ISREG(mode):
         what = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
         raise CheckpointError(f"{os.fspath(file)}: is {what}; give a file path to write")
     try:
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(real), prefix=f".{os.path.basename(real)}.", suffix=".tmp")
-    except OSError as e:   # a missing or read-only directory: the temporary's name would only confuse
+        with replacing(file, private=private) as tmp:
+            save_file(tensors, tmp, metadata=metadata)
+    except OSError as e:   # the temporary's name would only confuse
         raise CheckpointError(f"cannot write {os.fspath(file)}: {e.strerror or e}") from None
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata=metadata)
-        if not private:
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)
-        else:
-            os.chmod(tmp, 0o600)
-        os.replace(tmp, real)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def save_pretrained(model, out_dir: str, dtype: torch.dtype | None = None,

@@ -18,8 +18,10 @@ pytest.importorskip("jinja2", reason="jinja2 is not installed")
 from click.testing import CliRunner  # noqa: E402
 
 from chat_fixtures import CHATML, bpe_model_dir  # noqa: E402
+from cli.chat import repl  # noqa: E402
 from cli.main import main  # noqa: E402
 from engine.api import load  # noqa: E402
+from engine.errors import EngineError  # noqa: E402
 from engine.generate import Generation, GenerationConfig  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from models.chat_template import ChatTemplate  # noqa: E402
@@ -255,7 +257,7 @@ def test_piped_messages_that_fail_end_the_run_with_exit_2(model_dir):
     assert ok.exit_code == 0, ok.output
 
 
-def test_a_mistyped_command_is_not_sent_as_a_message(model_dir):
+def test_a_mistyped_command_is_not_sent_as_a_message(model_dir, monkeypatch):
     """`/exti` in gen chat is an unknown command (one line naming the commands; a piped run ends 2), not a
     message the model answers; /help lists the commands; `//text` sends "/text"."""
     args = ["chat", "--model", str(model_dir), "--temperature", "0", "--max-new-tokens", "3"]
@@ -269,6 +271,27 @@ def test_a_mistyped_command_is_not_sent_as_a_message(model_dir):
     expected = "".join(llm.chat([{"role": "user", "content": "/exti"}], temperature=0, max_new_tokens=3))
     r = CliRunner().invoke(main, args, input="//exti\n")
     assert r.exit_code == 0 and r.stdout == f"{expected}\n", r.output
+    # what the session is sent: the escape unescaped, any other line as typed
+    sent = []
+
+    class Recording:
+        def send(self, line, **settings):
+            sent.append(line)
+            raise EngineError("recorded")
+
+    lines = iter(["//exti", "// TODO: x", "/usr/bin is a path", "//", "/"])
+
+    def typed(prompt=""):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    monkeypatch.setattr("builtins.input", typed)
+    assert repl(Recording(), {}, prompt="") == 5
+    assert sent == ["/exti", "// TODO: x", "/usr/bin is a path", "//", "/"]
+    r = CliRunner().invoke(main, args, input="/EXIT\nHello there\n")   # the commands in any case
+    assert r.exit_code == 0 and r.stdout == "", r.output
 
 
 def test_cli_one_shot_takes_a_system_message(model_dir):

@@ -62,6 +62,10 @@ def test_a_config_without_model_type_takes_its_family_from_architectures(tmp_pat
         assert ModelConfig.from_json(write(tmp_path, {**bare, "architectures": [cls]})).model_type == family
     with pytest.raises(ConfigError, match=r"no model_type, and architectures \['GemmaForCausalLM'\] names no supported"):
         ModelConfig.from_json(write(tmp_path, {**bare, "architectures": ["GemmaForCausalLM"]}))
+    with pytest.raises(ConfigError, match="architectures must be a list of class names"):
+        ModelConfig.from_json(write(tmp_path, {**bare, "architectures": {"a": 1}}))
+    with pytest.raises(ConfigError, match="unsupported model_type ''"):   # given, and empty: not a family
+        ModelConfig.from_json(write(tmp_path, {**bare, "model_type": "", "architectures": ["LlamaForCausalLM"]}))
 
 
 @pytest.mark.parametrize("method", ["bitsandbytes", "gptq", "awq"])
@@ -69,6 +73,8 @@ def test_a_quantized_checkpoint_is_refused(tmp_path, method):
     """quantization_config (its tensors packed integers or bnb blocks) ran over whatever tensors matched."""
     with pytest.raises(ConfigError, match=f"a {method}-quantized checkpoint .* give the float weights"):
         ModelConfig.from_json(write(tmp_path, {**BASE, "quantization_config": {"quant_method": method, "bits": 4}}))
+    with pytest.raises(ConfigError, match="a quantized checkpoint"):
+        ModelConfig.from_json(write(tmp_path, {**BASE, "quantization_config": "x"}))
 
 
 @pytest.mark.parametrize("bad,match", [({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),

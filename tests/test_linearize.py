@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from cli.main import main
-from engine.errors import InvalidArgumentError
+from engine.errors import CheckpointError, InvalidArgumentError
 from engine.linearize import LinearizeArgs, linearize
 from engine.loader import load_model
 from models.linearized import write_json, write_maps
@@ -52,10 +52,18 @@ def test_resume_with_other_settings_is_one_line_and_leaves_the_progress(small_mo
     before = (out / ".linearize" / "progress.json").read_text()
     for change, says in ((dict(seq_len=64), "--seq-len 64, but the interrupted run used 32"),
                          (dict(window=4), "--window 4, but the interrupted run used 0"),
-                         (dict(seed=4), "--seed 4, but the interrupted run used 3")):
+                         (dict(seed=4), "--seed 4, but the interrupted run used 3"),
+                         (dict(softmax_layers=[1]), r"--softmax-layers 1, but the interrupted run used \(not given\)")):
         with pytest.raises(InvalidArgumentError, match=says):
             linearize(args(small_model_dir, corpus, out, finetune_steps=0, resume=True, **change), log=lambda m: None)
         assert (out / ".linearize" / "progress.json").read_text() == before
+    # a progress file from before --softmax-layers (no such key) ran without it: a resume adding it is refused
+    progress = json.loads(before)
+    del progress["args"]["softmax_layers"]
+    (out / ".linearize" / "progress.json").write_text(json.dumps(progress))
+    with pytest.raises(InvalidArgumentError, match=r"--softmax-layers 0, but the interrupted run used \(not given\)"):
+        linearize(args(small_model_dir, corpus, out, finetune_steps=0, resume=True, softmax_layers=[0]),
+                  log=lambda m: None)
     linearize(args(small_model_dir, corpus, out, finetune_steps=0, resume=True, budget=30.0, save_every=5),
               log=lambda m: None)
     assert json.loads((out / "linearize.json").read_text())["args"]["seq_len"] == 32
@@ -417,6 +425,13 @@ def test_written_weights_are_readable_as_the_umask_allows(tmp_path):
     for f in (tmp_path / "maps.safetensors", tmp_path / "hf" / "model.safetensors"):
         assert oct(f.stat().st_mode & 0o777) == oct(0o644), f
     assert not list(tmp_path.rglob("*.tmp"))
+    (tmp_path / "maps.safetensors").chmod(0o640)   # rewritten: it keeps the bits its owner gave it
+    write_maps(tmp_path / "maps.safetensors", {"hedgehog.q_weight": torch.ones(1, 1, 2, 2)})
+    assert oct((tmp_path / "maps.safetensors").stat().st_mode & 0o777) == oct(0o640)
+    (tmp_path / "l1").symlink_to("l2")
+    (tmp_path / "l2").symlink_to("l1")
+    with pytest.raises(CheckpointError, match="cannot write .*l1: Too many levels of symbolic links"):
+        write_maps(tmp_path / "l1", {"hedgehog.q_weight": torch.zeros(1)})
 
 
 def test_transfer_inputs_linear_learns_each_layer_on_the_linearized_stream(small_model_dir, corpus, tmp_path,

@@ -7,14 +7,13 @@ in place where it is something else.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import stat
 import sys
-import tempfile
 from typing import IO, Callable
 
 from engine.errors import InvalidArgumentError
+from models.replace import replacing
 
 
 def _stdio(path: str | os.PathLike):
@@ -68,23 +67,8 @@ def write_output(path: str | os.PathLike, write: Callable[[IO], object], binary:
             with open(path, mode, encoding=encoding) as f:
                 write(f)
             return os.fspath(path)
-        real = os.path.realpath(path)   # a link's target (existing or not), where the new file goes
-        try:
-            bits = stat.S_IMODE(os.stat(real).st_mode)
-        except FileNotFoundError:
-            umask = os.umask(0)
-            os.umask(umask)
-            bits = 0o666 & ~umask   # as open() would have made it (mkstemp makes 0600)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(real), prefix=f".{os.path.basename(real)}.", suffix=".tmp")
-        try:
-            with open(fd, mode, encoding=encoding) as f:
-                write(f)
-            os.chmod(tmp, bits)
-            os.replace(tmp, real)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        with replacing(path) as tmp, open(tmp, mode, encoding=encoding) as f:   # a link followed, its bits kept
+            write(f)
     except OSError as e:
         raise InvalidArgumentError(f"cannot write {os.fspath(path)}: {e.strerror or e}") from None
     return os.fspath(path)
