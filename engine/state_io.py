@@ -1,7 +1,7 @@
 """Decoding states on disk: a safetensors file with the model's identity and the position recorded.
 
     saved = SavedState(state, ids, next_ids)   # a batch-1 state holding `ids`; `next_ids` go in next
-    save(path, saved, model)                   # written to path.tmp, then renamed: never half a file
+    save(path, saved, model)                   # a temporary file beside it, then renamed: never half a file
     saved = load(path, model, max_len=...)     # refused (StateMismatchError) for another model or shape
 
 A state holds every token of a sequence but the last ones, `next_ids` (at least one), which the

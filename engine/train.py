@@ -39,6 +39,7 @@ from engine.transformer import Transformer
 from models.config import FEATURE_MAP_NAMES, LAYER_PATHS, ModelConfig
 from models.corpus import file_sha256, read_documents
 from models.hf_dir import remove_model_files
+from models.replace import replacing
 from models.tokenizer import Tokenizer, train_tokenizer
 from models.weights import save_pretrained
 
@@ -173,13 +174,8 @@ def loss_fn(model: Transformer, batch: torch.Tensor, paths, feature_map) -> dict
 
 
 def _atomic_save(obj, path: str) -> None:
-    tmp = path + ".tmp"
-    try:
+    with replacing(path) as tmp:   # a failed write (a full disk) leaves neither a half-written checkpoint nor a temporary
         torch.save(obj, tmp)
-        os.replace(tmp, path)
-    finally:   # a failed write (a full disk) leaves neither a half-written checkpoint nor the .tmp
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 # what a resumed run must give as its checkpoint recorded it: they change the model, its data or its optimisation

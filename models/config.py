@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from models.errors import ConfigError
+from models.replace import replacing
 
 
 class Family(NamedTuple):
@@ -312,11 +313,9 @@ class ModelConfig:
         return d
 
     def to_json(self, path: str | os.PathLike) -> None:
-        tmp = f"{os.fspath(path)}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
+        with replacing(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
             json.dump(self.to_dict(), f, indent=2, sort_keys=True)
             f.write("\n")
-        os.replace(tmp, path)
 
 
 def rope_scaling_of(raw: dict, where: str) -> dict | None:

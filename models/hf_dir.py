@@ -20,6 +20,7 @@ import torch
 from models.errors import CheckpointError
 from models.generation_config import FILE as GENERATION_CONFIG, read_file as read_generation_file
 from models.config import ModelConfig
+from models.replace import replacing
 from models.weights import check_tensors, hf_shapes
 
 SINGLE = "model.safetensors"
@@ -28,7 +29,7 @@ SINGLE = "model.safetensors"
 # nothing else, before writing a model there): a Hugging Face layout's files, and a `gen linearize`
 # output's (its maps and adapters would apply to the new model).
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
-               "model-*-of-*.safetensors", "*.safetensors.tmp", "tokenizer.model", "tokenizer.json",
+               "model-*-of-*.safetensors", "*.safetensors.tmp", ".*.tmp", "tokenizer.model", "tokenizer.json",
                "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "README.md",
                "maps.safetensors", "adapters.safetensors", "linearize.json", "transfer_losses.json", "data.json")
 
@@ -140,8 +141,7 @@ def write_safetensors(file: str | os.PathLike, tensors: dict[str, torch.Tensor],
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)                       # tensor data starts 8-byte aligned
-    tmp = f"{file}.tmp"
-    with open(tmp, "wb") as f:
+    with replacing(file) as tmp, open(tmp, "wb") as f:
         f.write(len(blob).to_bytes(8, "little"))
         f.write(blob)
         for t in tensors.values():
@@ -149,4 +149,3 @@ def write_safetensors(file: str | os.PathLike, tensors: dict[str, torch.Tensor],
             f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
             if progress is not None:
                 progress.update(t.numel() * t.element_size())
-    os.replace(tmp, file)

@@ -42,6 +42,7 @@ from safetensors.torch import load_file
 
 from models.config import LAYER_PATHS, ModelConfig
 from models.errors import CheckpointError
+from models.replace import replacing
 from models.weights import save_safetensors
 
 CONFIG, MAPS, ADAPTERS = "config.json", "maps.safetensors", "adapters.safetensors"
@@ -216,10 +217,8 @@ def write_maps(file: str | os.PathLike, runtime: dict[str, torch.Tensor], dtype=
 
 
 def write_json(file: str | os.PathLike, obj) -> None:
-    tmp = f"{os.fspath(file)}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
+    with replacing(file) as tmp, open(tmp, "w", encoding="utf-8") as f:
         f.write(dumps_records(obj) + "\n")
-    os.replace(tmp, file)
 
 
 def dumps_records(obj) -> str:
