@@ -121,8 +121,12 @@ def read_prompt(prompt, prompt_opt, ids):
     """Exactly one of PROMPT, --prompt, --ids -> text or a list of ids."""
     given = [p for p in (prompt, prompt_opt, ids) if p is not None]
     if len(given) != 1:
-        fail("give one prompt: PROMPT, --prompt TEXT, or --ids 1,2,3" if not given else
-             "give the prompt once: PROMPT, --prompt or --ids, not several")
+        if not given:
+            fail("give one prompt: PROMPT, --prompt TEXT, or --ids 1,2,3")
+        if prompt is not None and prompt_opt is not None and ids is None:   # gen -p Once upon: "upon" is PROMPT
+            fail(f'give the prompt once: PROMPT, --prompt or --ids, not several (a prompt of several words goes '
+                 f'in quotes: --prompt "{prompt_opt} {prompt}")')
+        fail("give the prompt once: PROMPT, --prompt or --ids, not several")
     if ids is not None:
         try:
             out = [int(x) for x in ids.replace(" ", "").strip(",").split(",")] if ids.strip(" ,") else []

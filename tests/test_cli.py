@@ -189,6 +189,7 @@ BAD = {
     "unknown-model": (["--model", "nosuchmodel", "hi"], "known models: tiny"),
     "misspelled-model": (["--model", "smolm2", "hi"], "unknown model 'smolm2'; did you mean smollm2? known models"),
     "unquoted-prompt": (["Once", "upon", "a", "time"], 'extra arguments (upon a time): a prompt of several words goes in quotes'),
+    "unquoted-prompt-option": (["-p", "Once", "upon"], 'goes in quotes: --prompt "Once upon"'),
     "missing-path": (["--model", "./no/such/dir", "hi"], "no such file"),
     "temperature": (["--temperature", "-0.5", "hi"], "temperature"),
     "temperature-text": (["--temperature", "warm", "hi"], "--temperature"),
