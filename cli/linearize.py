@@ -9,6 +9,7 @@ import click
 from cli.common import device_option, run_guarded, threads_option
 from engine.errors import InvalidArgumentError
 from engine.linearize import FINETUNE_DTYPES, FINETUNE_SCHEDULES, TRANSFER_INPUTS, WEIGHT_DTYPES, LinearizeArgs, linearize
+from engine.runspec import layer_numbers
 from engine.threads import set_threads
 
 
@@ -122,7 +123,4 @@ def layer_list(text: str | None) -> list[int] | None:
     if text.strip().startswith("auto:"):
         raise InvalidArgumentError(f"--softmax-layers {text}: gen linearize chooses K layers by transfer loss with "
                                    f"--hybrid K; --softmax-layers lists them (2,9,11)")
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise InvalidArgumentError(f"--softmax-layers {text}: give layer numbers like 2,9,11") from None
+    return layer_numbers(text)

@@ -149,6 +149,14 @@ def highest_loss_layers(relative, k: int) -> list[int]:
     return sorted(sorted(range(len(relative)), key=lambda j: (-relative[j], j))[:k])
 
 
+def layer_numbers(text: str, alternative: str = "") -> list[int]:
+    """--softmax-layers "2,9,11" -> [2, 9, 11] (empty items skipped; each layer checked against a model later)."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise InvalidArgumentError(f"--softmax-layers {text}: give layer numbers like 2,9,11{alternative}") from None
+
+
 def parse_softmax_layers(spec, cfg) -> tuple[str, ...]:
     """"2,9,11", [2, 9, 11] or "auto:K" (needs the config's transfer_loss) -> per-layer paths."""
     L = cfg.num_hidden_layers
@@ -165,10 +173,7 @@ def parse_softmax_layers(spec, cfg) -> tuple[str, ...]:
         return layer_attention_for(L, highest_loss_layers(cfg.transfer_loss, k))
     given = spec
     if isinstance(spec, str):
-        try:
-            spec = [int(x) for x in spec.split(",") if x.strip()]
-        except ValueError:
-            raise InvalidArgumentError(f"--softmax-layers {spec}: give layer numbers like 2,9,11 or auto:K") from None
+        spec = layer_numbers(spec, " or auto:K")
     if not isinstance(spec, (list, tuple, range)) or any(isinstance(i, bool) or not isinstance(i, int) for i in spec):
         raise InvalidArgumentError(f"softmax_layers must be a list of layer numbers ([2, 9, 11]), \"2,9,11\" or "
                                    f"\"auto:K\", got {spec!r:.60}")

@@ -544,9 +544,8 @@ def export(model: Transformer, a: TrainArgs, tok_path: str) -> None:
         remove_model_files(a.export)
     path, dirs = os.path.join(a.out, EXPORTS), _exports(a)
     if os.path.realpath(a.export) not in dirs:
-        with open(path + ".tmp", "w") as f:
+        with replacing(path) as tmp, open(tmp, "w") as f:
             json.dump({"dirs": dirs + [os.path.realpath(a.export)]}, f)
-        os.replace(path + ".tmp", path)
     save_pretrained(model, a.export, dtype=getattr(torch, a.export_dtype), tokenizer_path=tok_path)
 
 

@@ -28,6 +28,7 @@ from engine.errors import InvalidArgumentError
 from engine.tasks.scoring import ScoreStats
 from models.hf_dir import MODEL_FILES
 from models.registry import resolve
+from models.replace import replacing
 
 try:
     import fcntl
@@ -76,7 +77,7 @@ def weights_signature(model: str | os.PathLike) -> str | None:
     return h.hexdigest()[:16]
 
 
-RECORDS = {"README.md", "linearize.json", "data.json", "*.safetensors.tmp"}   # model files a load does not read
+RECORDS = {"README.md", "linearize.json", "data.json", "*.safetensors.tmp", ".*.tmp"}   # model files a load does not read
 
 
 def _weights_file(rel: Path) -> bool:
@@ -136,9 +137,8 @@ class ResultStore:
         self.conf = conf
         self.path = self.directory / f"{slug(conf)}.json"
         self.data = {"configuration": conf, "tasks": {}}
-        for path in (self.path, self.path.with_suffix(".json.tmp")):
-            if path.exists() and not path.is_file():
-                raise InvalidArgumentError(f"{path}: not a file (this configuration's results go there); move it away")
+        if self.path.exists() and not self.path.is_file():
+            raise InvalidArgumentError(f"{self.path}: not a file (this configuration's results go there); move it away")
         if self.path.is_file():
             try:
                 data = json.loads(self.path.read_text(encoding="utf-8"))
@@ -164,7 +164,6 @@ class ResultStore:
         (no lock file beside the results) and each merges its task into what the file holds then: two
         runs of one configuration into one directory (`--task piqa` and `--task arc_easy` at once) keep
         both results (the last writer's copy won)."""
-        tmp = self.path.with_suffix(".json.tmp")
         try:
             with _turn(self.directory):
                 self._merge_from_disk()
@@ -173,11 +172,9 @@ class ResultStore:
                                         *old.get("earlier", [])] if old else []) if e["settings"] != settings]
                 self.data["tasks"][task] = {"settings": settings, "result": result,
                                             **({"earlier": earlier} if earlier else {})}
-                tmp.write_text(json.dumps(self.data, indent=1) + "\n", encoding="utf-8")
-                os.replace(tmp, self.path)
+                with replacing(self.path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+                    f.write(json.dumps(self.data, indent=1) + "\n")
         except OSError as e:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
             raise InvalidArgumentError(f"cannot keep the result of {task} in {self.path}: {e.strerror}") from None
 
     def _merge_from_disk(self) -> None:
