@@ -30,7 +30,12 @@ As run on 2026-11-28 (an H200; the GGUF, the data and the wheels copied in by tw
 three runs at batch 2 did not fit on the GPU together: run A ran out of memory at its first step (A 49 GiB,
 B 65 GiB, the control 26 GiB in use), B and the control ran their 171 steps; A was then run alone with the
 same arguments and `--budget 5.3`, which stopped it after 153 of the 171 steps (the learning rate at 2.6% of
-its peak there): docs/training/smollm2-linear-8k/stage6_linearized.json. A later loan: run two at batch 2."""
+its peak there): docs/training/smollm2-linear-8k/stage6_linearized.json. A later loan: run two at batch 2.
+
+The next loan (issue 30): `RUNS=ret,ctl` trains the retrieval configuration (`--softmax-layers
+4,6,14,15,17,18,20,23`, from the -8k set) beside its control on the same rows, seed and steps; the two fit at
+batch 2 (A's 49 GiB and the control's 26 GiB above). Checked on a CPU first: `DRY=1 RUNS=ret,ctl OUT=/tmp/dry
+python3 docs/training/smollm2-linear-8k/stage6_driver.py 300` (256-token rows, one thread)."""
 import os
 import re
 import subprocess
@@ -63,9 +68,16 @@ COMMON = ["--model", "smollm2", *DATA, "--seq-len", "8192", "--tokens", "8192", 
 LIN = ["--init", "weights/smollm2-linear-8k", "--hybrid", "8", "--window", "256", "--decay-lr", "0.1", "--gate-lr", "3e-3"]
 if os.environ.get("DRY"):   # a check of this driver on a CPU: short rows, one thread
     COMMON = [x.replace("8192", "256").replace("cuda", "cpu") for x in COMMON] + ["--threads", "1"]
-RUNS = {"lin": COMMON + LIN + ["--finetune-lr", "5e-4"],
-        "ctl": COMMON + ["--control", "--init", "weights/smollm2-control-8k", "--finetune-lr", "5e-4"],
-        "maps": COMMON + LIN + ["--finetune-lr", "0", "--maps-lr", "5e-4"]}
+# the retrieval configuration (docs/eval.md, "Softmax layers chosen by retrieval"): the layers whose
+# linearization costs the passkey most stay softmax; the rest, 3, 5, 9, 10, 11 and 13 among them, train at 8k
+RETRIEVAL = ["--init", "weights/smollm2-linear-8k", "--softmax-layers", "4,6,14,15,17,18,20,23", "--window", "256",
+             "--decay-lr", "0.1", "--gate-lr", "3e-3"]
+ALL_RUNS = {"lin": COMMON + LIN + ["--finetune-lr", "5e-4"],
+            "ctl": COMMON + ["--control", "--init", "weights/smollm2-control-8k", "--finetune-lr", "5e-4"],
+            "maps": COMMON + LIN + ["--finetune-lr", "0", "--maps-lr", "5e-4"],
+            "ret": COMMON + RETRIEVAL + ["--finetune-lr", "5e-4"]}
+# which runs share the GPU: RUNS=ret,ctl for the next loan (stage 6 ran lin,ctl,maps); the first one is probed
+RUNS = {name: ALL_RUNS[name] for name in os.environ.get("RUNS", "lin,ctl,maps").split(",")}
 
 
 def start(name, extra):
@@ -83,7 +95,7 @@ def steps_seen(name, total):
 
 def probe(batch):
     t = time.time()
-    p = start("probe", RUNS["lin"] + ["--finetune-batch", str(batch), "--finetune-steps", "6", "--out", str(O / f"probe{batch}")])
+    p = start("probe", next(iter(RUNS.values())) + ["--finetune-batch", str(batch), "--finetune-steps", "6", "--out", str(O / f"probe{batch}")])
     seen = {}
     while p.poll() is None:
         k = steps_seen("probe", 6)
