@@ -66,6 +66,8 @@ class ChatTemplate:
     def render(self, messages, add_generation_prompt: bool = True, **extra) -> str:
         """The prompt text of `messages`; add_generation_prompt: end with the assistant turn's opening."""
         messages = check_messages(messages)
+        if "developer" not in self.source:   # OpenAI's newer name for the system message, which most
+            messages = [dict(m, role="system") if m["role"] == "developer" else m for m in messages]   # templates predate
         template = self.template   # (a CheckpointError if the source does not parse)
         try:
             return template.render(messages=messages, add_generation_prompt=add_generation_prompt,

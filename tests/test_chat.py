@@ -81,6 +81,18 @@ def test_template_renders_chatml(name):
     assert t.render(msgs, add_generation_prompt=False) == chatml(msgs, gen=False)
 
 
+def test_a_developer_message_is_a_system_message_unless_the_template_knows_the_role():
+    """OpenAI's `developer` role is its newer name for `system`; a template written before it (ChatML,
+    SmolLM2's) renders it as the system message (not as a turn of an unknown role, after the template's
+    own default system prompt). A template that names the role gets it as sent."""
+    asked = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    as_system = [dict(asked[0], role="system"), asked[1]]
+    assert ChatTemplate(CHATML).render(asked) == ChatTemplate(CHATML).render(as_system)
+    knows = ChatTemplate("{% for m in messages %}{{ m.role }}{% if m.role == 'developer' %}!{% endif %}:"
+                         "{{ m.content }}|{% endfor %}")
+    assert knows.render(asked) == "developer!:Be brief.|user:Hi|"
+
+
 def test_template_errors_are_one_line():
     with pytest.raises(CheckpointError, match="does not parse") as e:
         ChatTemplate("{% for m in messages %}", where="m.gguf")

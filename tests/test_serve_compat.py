@@ -116,6 +116,9 @@ def test_filtered_logits_applies_the_bias_before_the_filters():
 # ---------------------------------------------------------------------- through the server
 httpx = pytest.importorskip("httpx")
 from test_serve_support import NAME, LiveServer, chat_model_dir, client, make_server   # noqa: E402,F401
+from engine.serve.app import ChatFormat, Choice, CompletionFormat   # noqa: E402
+from engine.serve.scheduler import Token   # noqa: E402
+from engine.serve.schemas import ChatRequest, CompletionRequest   # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -276,6 +279,97 @@ def test_system_fingerprint_is_sent_and_stable(live, chat_live):
     res = client(chat_live).chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}],
                                                     max_tokens=2)
     assert res.system_fingerprint and res.system_fingerprint.startswith("fp_")
+
+
+def test_the_fingerprint_is_the_requests_own_run(live):
+    """A request's attention options decide its tokens as the model does: another run, another
+    system_fingerprint (streamed too); the server's own run asked for by name, the server's."""
+    own = complete(live, max_tokens=2)["system_fingerprint"]
+    assert complete(live, max_tokens=2, attention="softmax")["system_fingerprint"] == own
+    linear = complete(live, max_tokens=2, attention="linear")["system_fingerprint"]
+    window = complete(live, max_tokens=2, attention="linear", window=4)["system_fingerprint"]
+    hybrid = complete(live, max_tokens=2, attention="hybrid", softmax_layers="0")["system_fingerprint"]
+    assert len({own, linear, window, hybrid}) == 4
+    assert complete(live, max_tokens=2, attention="linear")["system_fingerprint"] == linear
+    chunks = stream_chunks(live, "completions", {"model": NAME, "prompt": "x", "max_tokens": 2, "attention": "linear"})
+    assert {c["system_fingerprint"] for c in chunks} == {linear}
+
+
+def test_null_optional_fields_take_their_defaults(live, chat_live):
+    """OpenAI types its optional fields `T | null`: null is the default, not a 400."""
+    nulls = dict.fromkeys(("temperature", "top_p", "n", "presence_penalty", "frequency_penalty", "echo", "best_of",
+                           "top_k", "min_p", "repetition_penalty", "ignore_eos", "stream"))
+    a = complete(live, max_tokens=3, seed=5, **nulls)
+    assert a["choices"][0]["text"] == complete(live, max_tokens=3, seed=5)["choices"][0]["text"]
+    b = chat(chat_live, max_tokens=3, temperature=0, logprobs=None, top_logprobs=None)
+    assert b["choices"][0]["logprobs"] is None
+    chunks = stream_chunks(chat_live, "chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}],
+                                                           "max_tokens": 2, "stream_options": {"include_usage": None}})
+    assert all(c["usage"] is None for c in chunks)
+    r = httpx.post(live.url + "/v1/completions", json={"model": NAME, "prompt": None}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"   # a required field stays required
+
+
+def test_text_offset_counts_the_tokens_while_a_stop_string_holds_text_back(live):
+    """text_offset is where each token's text starts in the choice's text. A stop string that begins to
+    match holds the released text back for a few tokens (then lets it go when it does not go on); the
+    offsets must not lag with it."""
+    body = dict(prompt="the cat", max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+    plain = complete(live, **body)["choices"][0]
+    lp, text = plain["logprobs"], plain["text"]
+    offsets = lp["text_offset"]
+    assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] < len(text)
+    for tok, off in zip(lp["tokens"], offsets):
+        if not tok.startswith("bytes:"):
+            assert text[off:off + len(tok)] == tok, (tok, off, text)
+    start = offsets[2]
+    held = text[start:start + 8] + "\x01"     # matches for 8 characters, then never
+    for got in (complete(live, stop=held, **body)["choices"][0],
+                [c for c in stream_chunks(live, "completions", dict(body, model=NAME, stop=held)) if c["choices"]]):
+        if isinstance(got, list):   # the stream's chunks, joined
+            got = {"text": "".join(c["choices"][0]["text"] for c in got),
+                   "logprobs": {"text_offset": [o for c in got if c["choices"][0]["logprobs"]
+                                                for o in c["choices"][0]["logprobs"]["text_offset"]]}}
+        assert got["text"] == text
+        assert got["logprobs"]["text_offset"] == offsets
+
+
+def byte_token_ids(server, values=(0xE4, 0xE5)) -> list[int]:
+    """The ids of tokens that stand for one byte each (of a character's first byte: never whole text)."""
+    found = {server.token_bytes(i): i for i in range(server.llm.model.config.vocab_size)}
+    return [found[bytes([v])] for v in values]
+
+
+def test_a_token_holding_part_of_a_character_shows_its_own_bytes(live, chat_live):
+    """Such tokens are "bytes:\\xNN" (OpenAI's form) with their own bytes in chat's `bytes`, not U+FFFD's
+    three: two of them are two keys of a completion's top_logprobs (they collided as one U+FFFD). The
+    tokens through the server (logit_bias picks them), their alternatives as the formats lay them out."""
+    for srv, endpoint in ((live, "completions"), (chat_live, "chat/completions")):
+        e4, e5 = byte_token_ids(srv.server)
+        ev = Token(e4, "", None, -0.5, [(e4, -0.5), (e5, -1.5)])
+        if endpoint == "completions":
+            lp = complete(srv, prompt="the cat", logprobs=1, max_tokens=2, temperature=0,
+                          logit_bias={str(e4): 100})["choices"][0]["logprobs"]
+            assert lp["tokens"] == ["bytes:\\xe4"] * 2
+            piece = CompletionFormat(srv.server, CompletionRequest(prompt="x", logprobs=2))._piece(ev, Choice())
+            assert piece["top_logprobs"] == [{"bytes:\\xe4": -0.5, "bytes:\\xe5": -1.5}]
+        else:
+            content = chat(srv, logprobs=True, max_tokens=2, temperature=0,
+                           logit_bias={str(e4): 100})["choices"][0]["logprobs"]["content"]
+            assert [(t["token"], t["bytes"]) for t in content] == [("bytes:\\xe4", [0xE4])] * 2
+            req = ChatRequest(messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=2)
+            piece = ChatFormat(srv.server, req)._piece(ev, Choice())
+            assert [(t["token"], t["bytes"]) for t in piece["top_logprobs"]] == [("bytes:\\xe4", [0xE4]),
+                                                                               ("bytes:\\xe5", [0xE5])]
+
+
+def test_a_completions_top_logprobs_holds_the_sampled_token(live):
+    """OpenAI: up to logprobs + 1 entries, the sampled token's among them (logprobs 0: it alone)."""
+    for logprobs, temperature in ((0, 0), (1, 2.0)):
+        lp = complete(live, max_tokens=12, temperature=temperature, seed=1, ignore_eos=True,
+                      logprobs=logprobs)["choices"][0]["logprobs"]
+        for tok, chosen, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+            assert top[tok] == chosen and len(top) <= logprobs + 1
 
 
 def test_a_request_for_n_choices_takes_n_places_and_is_cancelled_whole(live, small_model_dir):

@@ -18,6 +18,7 @@ API key, media type, body size) is engine.serve.guard's business.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import threading
 import time
@@ -173,6 +174,7 @@ def create_app(server: Server, policy: Policy | None = None) -> "FastAPI":
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         mailbox = _mailbox(loop)
         job = server.make_job(req, ids, lambda ev: mailbox.post(queue, ev), default_max_tokens)
+        fmt.fingerprint = server.fingerprint_for(job.spec)   # the request's own run (its attention options)
         if req.include_stats:
             fmt = WithStats(fmt, job, server)   # the `gen` field in every chunk; wraps job.emit
         server.submit(job)
@@ -359,7 +361,9 @@ class Choice:
     """One choice's text so far, finish reason, and the format's running logprobs state."""
 
     def __init__(self):
-        self.text, self.reason, self.logprobs, self.offset = "", None, None, 0
+        self.text, self.reason, self.logprobs = "", None, None
+        # completions' text_offset: the characters of the tokens so far (an incomplete one held back)
+        self.chars, self.utf8 = 0, codecs.getincrementaldecoder("utf-8")("replace")
 
 
 class _Format:
@@ -375,6 +379,7 @@ class _Format:
     def __init__(self, server: Server, req):
         self.server, self.req = server, req
         self.id, self.created = f"{self.prefix}-{uuid.uuid4().hex}", int(time.time())
+        self.fingerprint = server.fingerprint   # _serve sets the request's own
         self.choices = [self._choice() for _ in range(req.n)]
 
     def _choice(self) -> Choice:
@@ -404,7 +409,7 @@ class _Format:
 
     def _object(self, obj: str, choices: list, usage=None) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.server.name,
-                "system_fingerprint": self.server.fingerprint, "choices": choices, "usage": usage}
+                "system_fingerprint": self.fingerprint, "choices": choices, "usage": usage}
 
 
 class CompletionFormat(_Format):
@@ -425,9 +430,13 @@ class CompletionFormat(_Format):
         if ev.logprob is None:
             return None
         tt = self.server.token_text
-        out = {"tokens": [tt(ev.id)], "token_logprobs": [ev.logprob],
-               "top_logprobs": [{tt(i): lp for i, lp in (ev.top or [])}], "text_offset": [c.offset]}
-        c.offset += len(ev.text)
+        top = {tt(i): lp for i, lp in (ev.top or [])}
+        top.setdefault(tt(ev.id), ev.logprob)   # as OpenAI and vLLM: the sampled token too (up to logprobs + 1)
+        # text_offset: where the token's text starts in the choice's text, counted from the tokens
+        # themselves (the text released so far lags while a stop string may be starting); a token that
+        # ends a character begun by the one before points at that character
+        out = {"tokens": [tt(ev.id)], "token_logprobs": [ev.logprob], "top_logprobs": [top], "text_offset": [c.chars]}
+        c.chars += len(c.utf8.decode(self.server.token_bytes(ev.id)))
         return out
 
     def _keep(self, c: Choice, piece: dict) -> None:
@@ -462,11 +471,10 @@ class ChatFormat(_Format):
     def _piece(self, ev: Token, c: Choice) -> dict | None:
         if ev.logprob is None:
             return None
-        tt = self.server.token_text
+        tt, tb = self.server.token_text, self.server.token_bytes
 
         def one(i, lp):
-            s = tt(i)
-            return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+            return {"token": tt(i), "logprob": lp, "bytes": list(tb(i))}
         return dict(one(ev.id, ev.logprob), top_logprobs=[one(i, lp) for i, lp in (ev.top or [])])
 
     def _keep(self, c: Choice, piece: dict) -> None:

@@ -22,6 +22,16 @@ MAX_N = 16        # choices per request (each is a batch row: the server refuses
 MAX_LOGIT_BIAS = 300   # tokens a logit_bias may name (OpenAI's limit)
 
 
+def _null_is_the_default(cls, data):
+    """OpenAI types its optional fields `T | null`, null meaning the default (clients send
+    `"temperature": null`): a null optional field is left out, then takes its default. A required
+    field's null stays, to be refused by name."""
+    if isinstance(data, dict):
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
+    return data
+
+
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     type: str
@@ -31,6 +41,8 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
     include_stats: bool = False       # the engine's own: a `gen` field in every chunk (engine.serve.row_stats)
+
+    _nulls = model_validator(mode="before")(classmethod(_null_is_the_default))
 
 
 class Sampling(BaseModel):
@@ -63,6 +75,8 @@ class Sampling(BaseModel):
     window: int | None = None
     sparse_keys: int | None = None    # with a window: hard keys per linear layer and head kept exact
     ignore_eos: bool = False          # as vLLM: run to max_tokens (benchmarks)
+
+    _nulls = model_validator(mode="before")(classmethod(_null_is_the_default))
 
     @field_validator("response_format")
     @classmethod

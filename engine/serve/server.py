@@ -66,6 +66,8 @@ class Server:
         self.max_tokens_cap = max_tokens_cap
         self._chat_eos: frozenset | None = None
         self._token_texts: dict[int, str] = {}
+        self._token_bytes: dict[int, bytes] = {}
+        self._fingerprints: dict = {}
         self.scheduler = Scheduler(llm.model, llm.tokenizer, llm.step, max_batch=max_batch, max_queue=max_queue,
                                    feature_map=llm.feature_map, cache=cache, prefill_share=prefill_share,
                                    kv_headroom=min(self.max_context, self.max_prompt or self.max_context))
@@ -238,12 +240,46 @@ class Server:
         return self.scheduler.closed
 
     def token_text(self, i: int) -> str:
-        """One token's text as logprobs show it (memoised: every streamed token with logprobs asks)."""
+        """One token's text as logprobs show it (memoised: every streamed token with logprobs asks). A
+        token holding part of a character is its bytes as OpenAI writes them, "bytes:\\xe4\\xbd" (its
+        decoded text would be U+FFFD, the same for every such token: top_logprobs keys would collide)."""
         text = self._token_texts.get(i)
         if text is None:
             tok = self.llm.tokenizer
-            text = self._token_texts[i] = tok.decode_continuation([i]) if tok is not None else ""
+            raw = self.token_bytes(i)
+            try:
+                raw.decode("utf-8")
+                text = tok.decode_continuation([i]) if tok is not None else ""
+            except UnicodeDecodeError:
+                text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            self._token_texts[i] = text
         return text
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes one token adds to a reply's UTF-8 text (chat logprobs' `bytes`; a byte-fallback
+        or byte-level piece: its own byte, not U+FFFD's three)."""
+        raw = self._token_bytes.get(i)
+        if raw is None:
+            tok = self.llm.tokenizer
+            if tok is None:
+                raw = b""
+            elif hasattr(tok, "bytes_of"):
+                raw = tok.bytes_of([i])
+            else:
+                byte = tok.byte_value(i) if hasattr(tok, "byte_value") else None
+                raw = bytes([byte]) if byte is not None else tok.decode_continuation([i]).encode("utf-8")
+            self._token_bytes[i] = raw
+        return raw
+
+    def fingerprint_for(self, spec) -> str:
+        """The system_fingerprint of a request's run (its attention, layers, window and sparse keys decide
+        its tokens as much as the model does); the server's own run: `fingerprint`."""
+        if spec == self.llm.spec:
+            return self.fingerprint
+        fp = self._fingerprints.get(spec)
+        if fp is None:
+            fp = self._fingerprints[spec] = fingerprint(self.llm, self.name, spec)
+        return fp
 
 
 def choice_seeds(seed: int | None, n: int) -> list:
@@ -256,17 +292,20 @@ def choice_seeds(seed: int | None, n: int) -> list:
     return [(seed + i) % 2 ** 63 for i in range(n)]
 
 
-def fingerprint(llm, name: str) -> str:
-    """OpenAI's system_fingerprint: what, besides the seed, decides the tokens (the model, its path,
-    dtype, device and step form, the prefill chunk, the engine's version): equal fingerprints and seeds,
-    equal answers."""
+def fingerprint(llm, name: str, spec=None) -> str:
+    """OpenAI's system_fingerprint: what, besides the seed, decides the tokens (the model, its run: the
+    attention, softmax layers, window and sparse keys, `spec` or the server's own; dtype, device and step
+    form, the prefill chunk, the engine's version): equal fingerprints and seeds, equal answers."""
     from importlib.metadata import PackageNotFoundError, version
     try:
         engine_version = version("gen-engine")
     except PackageNotFoundError:
         engine_version = "dev"
     cfg = llm.model.config
-    parts = (engine_version, name, llm.attention, str(llm.feature_map), str(next(llm.model.parameters()).dtype),
+    spec = llm.spec if spec is None else spec
+    run = (spec.attention, spec.layer_paths(cfg.num_hidden_layers), spec.linear_window, spec.linear_sparse_keys,
+           spec.map_set)
+    parts = (engine_version, name, run, str(llm.feature_map), str(next(llm.model.parameters()).dtype),
              str(llm.model.device),
              getattr(llm.step, "backend", None), getattr(llm.step, "prefill_chunk", None), cfg.vocab_size,
              cfg.num_hidden_layers, cfg.hidden_size)
