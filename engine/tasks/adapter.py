@@ -25,6 +25,10 @@ the first stop string.
 """
 from __future__ import annotations
 
+import inspect
+import warnings
+
+import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
@@ -37,6 +41,7 @@ from engine.quant import dequantize_model
 from engine.tasks.scoring import Scorer, ScoreStats
 
 GENERATE_BATCH = 8   # prompts per generation batch
+LOAD_ARGS = frozenset(inspect.signature(load).parameters) - {"model"}   # what model_args may pass on to load()
 
 
 @register_model("gen")
@@ -57,9 +62,20 @@ class GenLM(TemplateLM):
         if llm is None:
             if model is None:
                 raise InvalidArgumentError("GenLM needs an LLM or model=<registered name or path>")
-            if device is not None:
+            unknown = sorted(set(load_kwargs) - LOAD_ARGS)
+            if unknown:
+                raise InvalidArgumentError(f"GenLM: {', '.join(unknown)} is not an argument of the gen model (model_args "
+                                           f"take model, max_length, batch_tokens and load()'s {', '.join(sorted(LOAD_ARGS))})")
+            if device is not None and _absent(str(device)):
+                # lm-eval's command line names cuda:0 unless told otherwise; its own hf model then takes what the
+                # machine has, and so does this one (saying so)
+                warnings.warn(f"GenLM: device {device} is not on this machine; running on the CPU", stacklevel=2)
+            elif device is not None:
                 load_kwargs["device"] = device
-            llm = load(model, **{k: _arg(v) for k, v in load_kwargs.items()})
+            args = {k: _arg(v) for k, v in load_kwargs.items()}
+            if "softmax_layers" in args:
+                args["softmax_layers"] = _layers(args["softmax_layers"])
+            llm = load(model, **args)
         elif model is not None or load_kwargs:
             raise InvalidArgumentError("GenLM: give an LLM or model=... with load() arguments, not both")
         if llm.tokenizer is None:
@@ -70,8 +86,12 @@ class GenLM(TemplateLM):
         self._max_length = int(max_length) if max_length is not None else None
         if self._max_length is not None and self._max_length < 2:
             raise InvalidArgumentError(f"max_length must be at least 2 tokens, got {max_length}")
+        try:
+            batch_tokens = int(batch_tokens)
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(f"batch_tokens must be a whole number of tokens, got {batch_tokens!r:.40}") from None
         self.scorer = Scorer(llm.model, attention=llm.attention, feature_map=llm.feature_map,
-                             batch_tokens=int(batch_tokens), stats=stats)
+                             batch_tokens=batch_tokens, stats=stats)
 
     # ------------------------------------------------------------------ what TemplateLM asks for
     @property
@@ -103,7 +123,10 @@ class GenLM(TemplateLM):
         """requests: ((context, continuation) strings or None, context ids, continuation ids)."""
         pairs = []
         for _, ctx, cont in requests:
-            cont = list(cont)[-self.max_length:]                 # (`hf` asserts this cuts nothing)
+            cont = list(cont)
+            if len(cont) > self.max_length:   # (`hf` asserts; cutting it would score another text)
+                raise InvalidArgumentError(f"a continuation of {len(cont)} tokens is longer than max_length "
+                                           f"{self.max_length}: raise max_length (model_args max_length=N)")
             whole = (list(ctx) + cont)[-(self.max_length + 1):]  # at least one context token is left
             pairs.append((whole[:-len(cont)], cont))
         with tqdm(total=len(pairs), disable=disable_tqdm, desc="Running loglikelihood requests") as bar:
@@ -145,7 +168,10 @@ class GenLM(TemplateLM):
             config = make_config(max_new_tokens=max_new, temperature=temperature if sample else 0.0,
                                  stop=until or None, seed=int(kwargs.pop("seed", 0)),
                                  max_context=self.max_length)
-            keep = max(1, self.max_length - max_new)
+            keep = self.max_length - max_new
+            if keep < 1:   # (`hf` asserts: a prompt cut to nothing answers another question)
+                raise InvalidArgumentError(f"max_gen_toks {max_new} leaves no room for the prompt in max_length "
+                                           f"{self.max_length}: lower the task's max_gen_toks or raise max_length")
             prompts = {i: self.tok_encode(requests[i].args[0])[-keep:] for i in idx}
             order = sorted(idx, key=lambda i: len(prompts[i]))
             for b in range(0, len(order), GENERATE_BATCH):
@@ -168,6 +194,21 @@ class GenLM(TemplateLM):
             if stop:
                 text = text.split(stop)[0]
         return text
+
+
+def _absent(device: str) -> bool:
+    """A CUDA device named on a machine without one (lm-eval's default is cuda:0)."""
+    return device.startswith("cuda") and not torch.cuda.is_available()
+
+
+def _layers(value):
+    """softmax_layers from model_args: lm-eval splits them on commas, so a list is written 3;5;9 (or
+    one number, which its parser makes an int)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    if isinstance(value, str) and not value.startswith("auto:"):
+        return ",".join(value.replace(";", " ").split())
+    return value
 
 
 def _arg(value):
