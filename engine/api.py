@@ -25,12 +25,12 @@ from collections.abc import Sequence
 import torch
 
 from engine.attention import get_feature_map
-from engine.errors import ConfigError, InvalidArgumentError
+from engine.errors import CheckpointError, ConfigError, InvalidArgumentError
 from engine.chat import ChatSession
 from engine.generate import Closing, Generation, GenerationConfig, Result, eos_set
 from engine.loader import load_parts
 from engine.sampling import SamplingParams, chat_sampling
-from engine.state_io import SavedState, load as load_state_file, save as save_state_file
+from engine.state_io import SavedState, check_same_run, load as load_state_file, save as save_state_file
 from engine.runspec import (DEFAULT_ACTIVATIONS, DEFAULT_PREFILL_CHUNK, RunSpec, check_activations, check_attention,
                             check_backend, check_prefill_chunk, check_sparse_keys, check_threads, check_window)
 from engine.steps import Stepper
@@ -70,8 +70,10 @@ def load(model: str = "tiny", attention: str | None = None, feature_map: str | N
     (engine.runspec.RunSpec.resolve says what each combination means).
     kv_dtype: the KV cache's dtype (default: the model's), e.g. "float16" under fp32 weights, as
     llama.cpp keeps its cache: half the cache's bytes, keys and values rounded to 16 bits.
-    activations: what quantized weights multiply in the native step: "f32" (default; PyTorch's
-    arithmetic) or "q8" (activations rounded to q8 blocks, llama.cpp's: faster, less exact).
+    activations: what quantized weights multiply in the native step: "f32-prompt" (default: prompt
+    blocks with fp32 activations, decode steps with q8-rounded ones, as llama.cpp decodes), "f32"
+    (PyTorch's arithmetic throughout: the module and torch steps' tokens) or "q8" (rounded throughout:
+    faster, less exact).
     prefill_chunk: prompts are prefilled in blocks of at most this many tokens (0: one block), as
     `gen --prefill-chunk` and `gen serve` do, so the same request gives the same tokens everywhere.
 
@@ -197,6 +199,7 @@ class LLM:
     def prefill(self, prompt: Prompt, max_len: int | None = None) -> SavedState:
         """Run `prompt` through the model: a SavedState holding all its tokens but the last, which
         `resume` feeds first. max_len: KV cache capacity (default: the model's context)."""
+        check_max_len(max_len, "prefill()")
         ids = self.encode(prompt, "prefill()")
         state = self.model.init_state(batch=1, max_len=max(max_len or self.model.config.max_position_embeddings,
                                                            len(ids)),
@@ -207,20 +210,28 @@ class LLM:
 
     def save_state(self, path, saved: SavedState) -> None:
         """Write a SavedState (from `prefill`) as safetensors, with this model's identity (engine.state_io)."""
+        check_saved(saved, "save_state()")
         save_state_file(path, saved, self.model)
 
     def load_state(self, path, max_len: int | None = None) -> SavedState:
         """Read a state saved by `save_state`; StateMismatchError if another model or shape saved it.
-        max_len: KV cache capacity (default: the model's context)."""
-        return load_state_file(path, self.model, max_len=max_len or self.model.config.max_position_embeddings)
+        max_len: KV cache capacity (default: the model's context). A state of another run (attention,
+        softmax layers, window, sparse keys, feature map) is a StateMismatchError too: it would decode
+        as that run."""
+        check_max_len(max_len, "load_state()")
+        if not isinstance(path, (str, os.PathLike)):
+            raise InvalidArgumentError(f"load_state(): path must be a file path, got {describe(path)}")
+        if not os.path.exists(path):
+            raise CheckpointError(f"{os.fspath(path)}: no such file; give the file llm.save_state() wrote")
+        saved = load_state_file(path, self.model, max_len=max_len or self.model.config.max_position_embeddings)
+        check_same_run(saved.state, self.model, self.spec, f"load_state({os.fspath(path)})")
+        return saved
 
     def resume(self, saved: SavedState, more: Sequence[int] = (), **settings) -> Generation:
         """Continue from a SavedState: feeds its next ids (then `more` ids), generates as `start` does.
         The state is used in place (resume a fresh load to continue twice). Settings: make_config."""
-        runs = "linear" if saved.state.path == "window" else saved.state.path   # a window state: the linear path's
-        if runs != self.attention:
-            raise InvalidArgumentError(f"resume(): the state is for {runs} attention, this LLM runs "
-                                       f"{self.attention}; load(..., attention={runs!r})")
+        check_saved(saved, "resume()")
+        check_same_run(saved.state, self.model, self.spec, "resume()")   # it would decode as its own run
         config = make_config_for("resume()", settings)
         return Generation(self.model, [list(saved.next_ids) + self.encode(list(more), "resume()") if more
                                        else list(saved.next_ids)], config, self.tokenizer,
@@ -283,6 +294,19 @@ def check_text(text: str, call: str) -> None:
         raise InvalidArgumentError(f"{call}: the prompt is not valid UTF-8 ({problem}); pass UTF-8 text")
     if not text.strip():
         raise InvalidArgumentError(f"{call}: the prompt is empty or only whitespace; give some text or token ids")
+
+
+def check_max_len(max_len, call: str) -> None:
+    """max_len: None (the model's context) or a whole number of tokens >= 1."""
+    if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1):
+        raise InvalidArgumentError(f"{call}: max_len must be a whole number of tokens >= 1 (None: the model's "
+                                   f"context), got {max_len!r:.40}")
+
+
+def check_saved(saved, call: str) -> None:
+    if not isinstance(saved, SavedState):
+        raise InvalidArgumentError(f"{call}: expected a SavedState (from llm.prefill() or llm.load_state()), "
+                                   f"got {describe(saved)}")
 
 
 def describe(x) -> str:

@@ -82,7 +82,7 @@ class Stats:
     state_bytes: int                # the decoding state's tensors (the whole batch's)
     attention: str
     batch: int
-    seed: int                       # the sampler's seed (drawn from the OS when none was given)
+    seed: int                       # this sequence's sampler seed (drawn from the OS when none was given)
     step_form: str | None = None    # the form that ran the last decode step (engine.steps); None: none ran
 
     def to_dict(self) -> dict:
@@ -174,6 +174,7 @@ class Generation(Closing):
         self.ids: list[list[int]] = [seq.ids for seq in self.sequences]
         self.results: list[Result | None] = [None] * B
         self.seed = config.sampling.seed
+        self.seeds = [config.sampling.seed] * len(self.prompts)   # each row's (the sampler draws them when none was given)
         self._t0 = time.perf_counter()
         self._prefill_s = 0.0
         self._t_first = None
@@ -218,7 +219,7 @@ class Generation(Closing):
         N, B = cfg.max_new_tokens, len(self.prompts)
         tokens, valid = left_pad(self.prompts, model.device)              # (B, P), (B, P) or None
         sampler = Sampler(cfg.sampling, B, model.config.vocab_size, model.device)
-        self.seed = sampler.seed
+        self.seed, self.seeds = sampler.seed, sampler.seeds
         sampler.observe(tokens, valid)
         try:
             t = time.perf_counter()
@@ -274,7 +275,7 @@ class Generation(Closing):
                       time_to_first_token_s=(t_first - self._t0) if ids else 0.0, decode_s=decode_s,
                       decode_tokens_per_s=(len(ids) - 1) / decode_s if len(ids) > 1 and decode_s > 0 else 0.0,
                       state_bytes=self.state_bytes, attention=self.attention, batch=len(self.prompts),
-                      seed=self.seed, step_form=getattr(self.step, "last_form", None) if self._stepped else None)
+                      seed=self.seeds[b], step_form=getattr(self.step, "last_form", None) if self._stepped else None)
         return Result(self.sequences[b].text, list(ids), reason, stats)
 
 

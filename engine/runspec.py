@@ -223,6 +223,9 @@ class RunSpec:
         name is checked where it is looked up (engine.attention.get_feature_map, a layer above)."""
         mode = resolve_mode(cfg, attention, softmax_layers, window, sparse_keys)
         check_threads(threads)
+        if native and backend not in ("auto", "native"):   # (gen's --native with --backend: the same line)
+            raise InvalidArgumentError(f"native=True is backend='native', and backend={backend!r} asks for another "
+                                       "step form; give one of them")
         return cls(**mode, feature_map=feature_map or cfg.feature_map,
                    dtype=parse_dtype(dtype) or torch.float32, kv_dtype=parse_dtype(kv_dtype),
                    device=parse_device(device), backend="native" if native else check_backend(backend),

@@ -330,8 +330,9 @@ def sample_rows(samplers: list["RowSampler"], logits: torch.Tensor) -> list[int]
 
 
 class Sampler:
-    """The rows of one batch (`gen`, the API): a RowSampler each, all with the same settings and seed
-    (a batched request samples exactly what the same prompt alone would, given equal logits).
+    """The rows of one batch (`gen`, the API): a RowSampler each, all with the same settings and, given a
+    seed, that seed (a batched request samples exactly what the same prompt alone would, given equal
+    logits); without one, a seed of its own each (`seeds`).
 
     batch: number of sequences; vocab_size: V. Call `observe(prompt ids, valid)` once with the
     prompt, then `sample(logits)` each step (it observes the token it returns).
@@ -340,10 +341,12 @@ class Sampler:
     def __init__(self, params: SamplingParams, batch: int, vocab_size: int, device="cpu"):
         check_vocab(params, vocab_size)
         self.params = params
-        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        self.seed = seed
-        fixed = dataclasses.replace(params, seed=seed)
-        self.rows = [RowSampler(fixed, [], vocab_size, device) for _ in range(batch)]
+        # no seed: each row its own draw from the OS (four copies of one prompt are four samples, as
+        # num_return_sequences gives); a seed: every row that seed (a row samples what it would alone)
+        self.seeds = [params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+                      for _ in range(batch)]
+        self.seed = self.seeds[0] if self.seeds else params.seed
+        self.rows = [RowSampler(dataclasses.replace(params, seed=seed), [], vocab_size, device) for seed in self.seeds]
 
     def observe(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Prompt tokens (B, T) int64; valid (B, T) bool, False at pads (not counted as seen)."""

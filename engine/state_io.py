@@ -110,6 +110,47 @@ def load(path: str | os.PathLike, model, max_len: int | None = None, device=None
     return SavedState(state, json.loads(meta["ids"]), json.loads(meta["next_ids"]))
 
 
+_NOT_THE_RUN = frozenset({"slots", "padded", "batch", "dtype", "window_dtype"})   # what a state holds, not how it runs
+
+
+def run_of(state_meta: dict):
+    """What of a state's metadata decides how it decodes (paths per layer, window, sparse keys, feature
+    map, shapes): equal for two states exactly when one run could continue the other."""
+    if isinstance(state_meta, dict):
+        return {k: run_of(v) for k, v in state_meta.items() if k not in _NOT_THE_RUN}
+    if isinstance(state_meta, list):
+        return [run_of(v) for v in state_meta]
+    return state_meta
+
+
+def describe_run(state_meta: dict) -> str:
+    """A state's run in gen's words: "linear, window 4", "hybrid (softmax layers 1), window 4, 2 sparse keys"."""
+    parts = state_meta.get("parts") or [state_meta]
+    linear = next((p for p in parts if p.get("path") != "softmax"), {})
+    if state_meta.get("path") == "hybrid":
+        soft = [i for i, p in enumerate(state_meta.get("layer_paths", ())) if p == "softmax"]
+        out = f"hybrid (softmax layers {','.join(map(str, soft))})"
+    else:
+        out = "linear" if state_meta.get("path") == "window" else str(state_meta.get("path"))
+    if linear.get("window"):
+        out += f", window {linear['window']}"
+    if linear.get("sparse_keys"):
+        out += f", {linear['sparse_keys']} sparse keys"
+    if linear.get("feature_map"):
+        out += f", feature map {linear['feature_map']}"
+    return out
+
+
+def check_same_run(state, model, spec, what: str) -> None:
+    """StateMismatchError unless `state` is what `model` run as `spec` makes (a state of another run would
+    decode as that run, whatever this LLM was loaded as)."""
+    theirs = state.state_dict()["meta"] if not isinstance(state, dict) else state
+    mine = model.init_state(batch=1, max_len=1, spec=spec).state_dict()["meta"]
+    if run_of(theirs) != run_of(mine):
+        raise StateMismatchError(f"{what}: the state is of a {describe_run(theirs)} run; this LLM runs "
+                                 f"{describe_run(mine)}: load the model with the options the state was made with")
+
+
 def cache_dtypes(state_meta: dict) -> list[tuple[str, str]]:
     """(part path, dtype) of a saved state's tensors kept in a model-chosen dtype: KV caches (the
     model's kv_dtype, default its dtype) and windows of keys (the model's dtype)."""

@@ -39,6 +39,13 @@ def test_each_rule_raises_its_typed_one_line_error(message):
     assert isinstance(e.value, InvalidArgumentError) and message in str(e.value) and "\n" not in str(e.value)
 
 
+def test_native_with_another_backend_is_refused_as_the_cli_refuses_it():
+    """load(native=True, backend="torch") ran the native step and said so (`gen --native --backend torch`: exit 2)."""
+    with pytest.raises(InvalidArgumentError, match="native=True is backend='native', and backend='torch' asks"):
+        RunSpec.resolve(tiny_config(), native=True, backend="torch")
+    assert RunSpec.resolve(tiny_config(), native=True).backend == RunSpec.resolve(tiny_config(), backend="native").backend
+
+
 def source_files():
     return [p for d in ("engine", "cli") for p in (ROOT / d).rglob("*.py")]
 

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from engine.api import load
 from engine.errors import InvalidArgumentError
 from engine.sampling import (Sampler, SamplingParams, apply_repetition_penalty, filtered_logits,
                              min_p_filter, top_k_filter, top_p_filter)
@@ -199,6 +200,19 @@ def test_batch_rows_draw_what_the_prompt_alone_would():
     a = [alone.sample(x1).item() for _ in range(15)]
     b = [batch.sample(x3)[1:].tolist() for _ in range(15)]
     assert [r[0] for r in b] == a and [r[1] for r in b] == a
+
+
+def test_a_batch_without_a_seed_samples_each_row_on_its_own(small_model_dir):
+    """Copies of one prompt in a batch without a seed are that many samples (each row's own OS seed,
+    in its Result), not one sample copied; with a seed every row samples what it would alone."""
+    llm = load(str(small_model_dir), backend="torch")
+    kw = dict(temperature=1.0, max_new_tokens=8, ignore_eos=True)
+    rows = llm.generate(["the cat"] * 4, **kw)
+    assert len({r.stats.seed for r in rows}) == 4 and len({tuple(r.ids) for r in rows}) > 1
+    for r in rows[:2]:
+        assert llm.generate("the cat", seed=r.stats.seed, **kw).ids == r.ids
+    a, b = llm.generate(["the cat"] * 2, seed=3, **kw)
+    assert a.ids == b.ids == llm.generate("the cat", seed=3, **kw).ids and a.stats.seed == b.stats.seed == 3
 
 
 def test_no_seed_gives_fresh_seeds_without_touching_the_global_rng():

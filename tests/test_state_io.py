@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
 
 from conftest import ROOT, check_regrouping_copies_rows_exactly, check_rows_join_and_leave, greedy, tiny_model
 from engine.api import load
-from engine.errors import CheckpointError, StateMismatchError
+from engine.errors import CheckpointError, EngineError, StateMismatchError
 from engine.steps import Stepper
 
 PATHS = ["softmax", "linear"]
@@ -122,8 +123,42 @@ def test_a_state_from_another_model_is_refused(small_model_dir, tmp_path):
     with pytest.raises(StateMismatchError, match="configuration"):
         other_shape.load_state(tmp_path / "s.safetensors")
     linear = load(str(small_model_dir), attention="linear", backend="torch")
-    with pytest.raises(Exception, match="softmax attention"):
-        linear.resume(linear.load_state(tmp_path / "s.safetensors"))
+    with pytest.raises(StateMismatchError, match="of a softmax run; this LLM runs linear"):
+        linear.load_state(tmp_path / "s.safetensors")
+
+
+@pytest.mark.parametrize("made, runs", [
+    (dict(attention="linear", window=4), dict(attention="linear", window=8)),
+    (dict(attention="linear", window=4), dict(attention="linear")),
+    (dict(attention="linear", window=4, sparse_keys=2), dict(attention="linear", window=4)),
+    (dict(attention="hybrid", softmax_layers=[1]), dict(attention="hybrid", softmax_layers=[0])),
+    (dict(attention="softmax"), dict(attention="linear")),
+], ids=["window-4-8", "window-none", "sparse-keys", "hybrid-layers", "softmax-linear"])
+def test_a_state_of_another_run_is_refused(small_model_dir, tmp_path, made, runs):
+    """A state decodes as the run that made it: resumed by an LLM of another run (another window, softmax
+    layer, sparse cache) it answered as that run, whatever the LLM was loaded as."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # hybrids of the small model: UntrainedPathWarning
+        maker = load(str(small_model_dir), backend="torch", **made)
+        other = load(str(small_model_dir), backend="torch", **runs)
+    with pytest.raises(StateMismatchError, match="the state is of a .* run; this LLM runs"):
+        other.resume(maker.prefill([1, 5, 6]))
+    maker.save_state(tmp_path / "s.safetensors", maker.prefill([1, 5, 6]))
+    with pytest.raises(StateMismatchError, match="load the model with the options the state was made with"):
+        other.load_state(tmp_path / "s.safetensors")
+    assert len(maker.resume(maker.load_state(tmp_path / "s.safetensors"), max_new_tokens=2).run()[0].ids) == 2
+
+
+def test_misused_state_calls_are_one_typed_error(small_model_dir, tmp_path):
+    llm = load(str(small_model_dir), backend="torch")
+    for call, what in ((lambda: llm.resume(None), "resume\\(\\): expected a SavedState"),
+                       (lambda: llm.save_state(tmp_path / "x.st", "abc"), "save_state\\(\\): expected a SavedState"),
+                       (lambda: llm.prefill([1, 5], max_len="x"), "max_len must be a whole number"),
+                       (lambda: llm.prefill([1, 5], max_len=-1), "max_len must be a whole number"),
+                       (lambda: llm.load_state(tmp_path / "none.st"), "no such file"),
+                       (lambda: llm.load_state(tmp_path / "none.st", max_len=0), "max_len must be")):
+        with pytest.raises(EngineError, match=what):
+            call()
 
 
 def test_a_file_that_is_not_a_state_is_refused(small_model_dir, tmp_path):
