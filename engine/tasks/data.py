@@ -206,6 +206,9 @@ def write_task_file_yaml(path: str | Path, directory: Path, taken=()) -> tuple[s
         "dataset_kwargs:",
         "  data_files:",
         f"    test: {json.dumps(str(Path(path).resolve()))}",
+        # datasets keys its cache of a local file on the path and modification time: a file edited and
+        # then given its old time back (cp -p, rsync -a, an archive) was scored as its old items
+        "  download_mode: force_redownload",
         "output_type: multiple_choice",
         "test_split: test",
         'doc_to_text: "{{context}}"',
