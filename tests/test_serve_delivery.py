@@ -86,6 +86,9 @@ class FakeServer:
     def token_text(self, i):
         return f"<{i}>"
 
+    def token_bytes(self, i):
+        return self.token_text(i).encode()
+
 
 class FakeRequest:
     logprobs = 0
