@@ -118,11 +118,17 @@ def bench_cmd(model_name, contexts, attention, softmax_layers, window, prefill_t
                     click.echo(line)
             for path in written:
                 click.echo(f"wrote {path}")
+        for bad in report.get("failed", ()):
+            click.echo(f"gen bench: {bad['error']}", err=True)
         if stopped:
             click.echo(f"gen bench: interrupted after {stopped['finished']} of {stopped['configurations']} "
                        f"configurations (the rows above are those that finished)", err=True)
         if unwritten:
             fail(f"{unwritten}; the measurements are in the table above")
+        if report.get("failed"):
+            n = len(report["failed"])
+            fail(f"{n} configuration{'s' if n > 1 else ''} failed (above); the rows that finished are in the table"
+                 + (" and the files" if written else ""))
         if stopped:
             sys.exit(130)
     run_guarded(run)

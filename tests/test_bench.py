@@ -1,4 +1,5 @@
 """`gen bench` bookkeeping, not the clock: state bytes vs formulas, JSON keys, plot, refusals."""
+import dataclasses
 import json
 import sys
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+import engine.bench
 from engine.bench import BenchSettings, run_bench, write_json
 from engine.bench.memory import (DepthTooLargeError, check_fits, kv_cache_bytes, linear_state_bytes, run_bytes)
 from engine.bench.report import decode_crossover
@@ -237,3 +239,48 @@ def test_quantize_is_gen_s_name_for_bench_s_weights(model_dir, tmp_path):
     assert r.exit_code == 0, r.output
     data = json.loads(out.read_text())
     assert data["settings"]["weights"] == "q8_0" and data["results"][0]["weights"] == "q8_0"
+
+
+def test_a_failed_configuration_leaves_the_others_in_the_table_json_and_plot(model_dir, tmp_path, monkeypatch):
+    """A worker killed (for memory, say) lost every finished row: no table, JSON or plot. Now its line comes
+    after the table, the others are kept (the JSON names what failed) and the exit code is 2."""
+    from cli.main import main
+    real = engine.bench.run_in_process
+
+    def killed_at_40(model, settings, attention, context):
+        if (attention, context) == ("softmax", 40):
+            raise BenchError("softmax at context 40: worker exited with code -9: no output")
+        return real(model, settings, attention, context)
+    monkeypatch.setattr(engine.bench, "run_in_process", killed_at_40)
+    out_json, out_png = tmp_path / "b.json", tmp_path / "b.png"
+    res = CliRunner().invoke(main, ["bench", "--model", str(model_dir), "--contexts", "8,40", "--steps", "2",
+                                    "--warmup", "1", "--no-isolate", "--quiet", "--threads", "1",
+                                    "--json", str(out_json), "--plot", str(out_png)])
+    assert res.exit_code == 2
+    assert "worker exited with code -9" in res.output and "1 configuration failed" in res.output
+    data = json.loads(out_json.read_text())
+    assert sorted((r["attention"], r["context"]) for r in data["results"]) == [("linear", 8), ("linear", 40),
+                                                                               ("softmax", 8)]
+    assert data["failed"] == [{"attention": "softmax", "context": 40,
+                               "error": "softmax at context 40: worker exited with code -9: no output"}]
+    assert out_png.stat().st_size > 0
+
+
+def test_the_memory_crossover_counts_the_caches_own_dtype(model_dir):
+    """With --kv-dtype float16 a KV slot is half an fp32 one: the crossover was computed at the weights' dtype."""
+    report = run_bench(BenchSettings(model=str(model_dir), contexts=(8,), steps=2, warmup=1, isolate=False,
+                                     kv_dtype="float16"), progress=False)
+    cfg = tiny_model(seed=4, num_key_value_heads=2).config
+    per_slot = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2   # K and V, fp16
+    linear = report["summary"]["linear_state_bytes"]
+    assert report["summary"]["memory_crossover_slots"] == -(-linear // per_slot)
+
+
+def test_prefill_tokens_fill_a_window_and_its_sparse_cache_as_at_the_depth():
+    """`--prefill-tokens P` below a window state's span timed an empty sparse cache (no cached key read): a
+    window run prefills at least W + M + 128 real tokens."""
+    model = tiny_model(max_position_embeddings=512)
+    spec = dataclasses.replace(model.run_spec("linear", None, None), window=8, sparse_keys=4)
+    rec = measure(model, "linear", 400, steps=2, warmup=1, prefill_tokens=16, spec=spec)
+    assert rec["prefill_tokens"] == 8 + 4 + 128 and rec["depth_fill"] == "repeat"
+    assert measure(model, "softmax", 400, steps=2, warmup=1, prefill_tokens=16)["prefill_tokens"] == 16

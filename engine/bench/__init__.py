@@ -89,14 +89,18 @@ def run_bench(settings: BenchSettings, compare_hf: bool = False, hf_new_tokens: 
 
     bandwidth = copy_bandwidth(model.device)   # once per run, before the sweep (engine.bench.floor)
     results = []
+    failed = []   # a configuration that failed (a worker killed for memory): the others still run and report
     bar = tqdm(configs, desc="gen bench", unit="config", disable=not progress, leave=False)
     try:
         for attention, context in bar:
             bar.set_postfix_str(f"{attention} @ {context}")
-            if settings.isolate:
-                results.append(run_isolated(str(path), settings, attention, context))
-            else:
-                results.append(run_in_process(model, settings, attention, context))
+            try:
+                if settings.isolate:
+                    results.append(run_isolated(str(path), settings, attention, context))
+                else:
+                    results.append(run_in_process(model, settings, attention, context))
+            except BenchError as e:
+                failed.append({"attention": attention, "context": context, "error": str(e)})
         interrupted = None
     except KeyboardInterrupt:   # Ctrl-C: report the configurations that finished
         interrupted = {"finished": len(results), "configurations": len(configs)}
@@ -115,6 +119,8 @@ def run_bench(settings: BenchSettings, compare_hf: bool = False, hf_new_tokens: 
     }
     if interrupted:
         report["interrupted"] = interrupted
+    if failed:
+        report["failed"] = failed
     summary: dict = {"decode_crossover": decode_crossover(results), "state_formulas": STATE_FORMULAS,
                      "configurations": {keys["configuration"]: {**keys, "layer_attention": list(layer_paths(rt))}
                                         for rt, keys in runtimes.values()},
@@ -122,7 +128,7 @@ def run_bench(settings: BenchSettings, compare_hf: bool = False, hf_new_tokens: 
     linear_bytes = next((r["state_bytes"] for r in results if r.get("entry") == "linear"), None)
     if linear_bytes is not None:   # (None: no linear configuration ran, or none finished)
         summary["linear_state_bytes"] = linear_bytes
-        summary["memory_crossover_slots"] = memory_crossover(model.config, model.dtype, fmap,
+        summary["memory_crossover_slots"] = memory_crossover(model.config, model.kv_dtype or model.dtype, fmap,
                                                              summary["linear_state_bytes"], settings.batch)
     report["summary"] = summary
     if compare_hf and not interrupted:

@@ -57,7 +57,8 @@ def plot(report: dict, path: str | os.PathLike) -> str:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context depth (tokens)")
         ax.grid(True, which="both", alpha=0.3)
-    ax_t.set_ylabel("decode ms/token (median; band to p90)")
+    batched = any(r.get("batch", 1) > 1 for r in report["results"])
+    ax_t.set_ylabel("decode ms/token" + (" of each sequence (one step)" if batched else "") + " (median; band to p90)")
     forms = sorted({r.get("step_form") or "?" for r in report["results"]})
     ax_t.set_title(f"decode latency (step: {', '.join(forms)})")
     ax_m.set_yscale("log")
@@ -67,7 +68,8 @@ def plot(report: dict, path: str | os.PathLike) -> str:
     ax_m.legend(fontsize=7)
     s = report["settings"]
     m = s["machine"]
-    fig.suptitle(f"{s['model']} - {m['cpu']}, {m['threads']} thread(s), {s['dtype']}, torch {m['torch']}",
+    weights = s.get("weights") or s["dtype"]   # (quantized blocks: their format, not the float dtype)
+    fig.suptitle(f"{s['model']} - {m['cpu']}, {m['threads']} thread(s), {weights}, torch {m['torch']}",
                  fontsize=9)
     fig.tight_layout()
     try:   # engine.bench.output: a file whole or not at all, a link followed, a device or FIFO written in place

@@ -150,7 +150,7 @@ def step_label(r: dict) -> str:
     if r.get("weights"):
         parts.append(r["weights"])
     if r.get("batch", 1) > 1:
-        parts.append(f"B{r['batch']} (tok/s: all rows)")
+        parts.append(f"B{r['batch']} (ms/tok: each row's, one step; tok/s: all rows)")
     return " ".join(parts)
 
 

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from engine.attention import get_feature_map
+from engine.attention.sparse import BLOCK
 from engine.bench.configs import check_entries, configure, entry_window, layer_paths, parse_attentions
 from engine.bench.depth import extend_to_depth
 from engine.bench.floor import weight_bytes_read
@@ -162,6 +163,15 @@ def _clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
+def window_span(run) -> int:
+    """Real tokens a run's window state needs before it holds all it will hold (its W + 63 recent keys and
+    M cached ones, the cache's decisions every BLOCK tokens): `--prefill-tokens` below that timed a state
+    whose sparse cache was empty (no cached key read) and whose window held unwritten keys."""
+    if not run.linear_window:
+        return 0
+    return run.linear_window + run.linear_sparse_keys + 2 * BLOCK
+
+
 def measure(model, attention: str, context: int, steps: int, warmup: int,
             feature_map: str | None = None, seed: int = 0, backend: str = "auto", batch: int = 1,
             prefill_tokens: int | None = None, spec=None, threads: int | None = None) -> dict:
@@ -169,11 +179,13 @@ def measure(model, attention: str, context: int, steps: int, warmup: int,
 
     attention: the path to run on the model's default run; spec: the run itself (a RunSpec: hybrid
     layers, a window; `measure_entry` makes it from the entry). threads: the native pool's (None: default). prefill_tokens P < context: prefill P tokens, then repeat
-    their keys/values up to the depth (`engine.bench.depth`); prefill_s times the P tokens.
+    their keys/values up to the depth (`engine.bench.depth`); prefill_s times the P tokens. A run with a
+    window prefills at least `window_span` real tokens (its window and sparse cache full, as at depth).
 
     The steps run through a `Stepper` for `backend`; the record names the form that ran them.
     batch > 1: that many sequences (different random prompts) step together; decode_tokens_per_s
-    is their aggregate (batch / seconds per step), decode_ms_per_token the time of one step.
+    is their aggregate (batch / seconds per step), decode_ms_per_token the time of one step: each
+    sequence's time per token (vLLM's TPOT), not the step's time over the batch.
     """
     cfg = model.config
     run = model.run_spec(attention, feature_map, spec)
@@ -182,7 +194,7 @@ def measure(model, attention: str, context: int, steps: int, warmup: int,
     slots = context + warmup + steps
     if model.rotary is not None:   # grow the rotary table once, outside every timing
         model.rotary.table(slots, model.device, model.dtype)
-    real = context if prefill_tokens is None else min(context, prefill_tokens)
+    real = context if prefill_tokens is None else min(context, max(prefill_tokens, window_span(run)))
     prompt = torch.randint(0, cfg.vocab_size, (batch, real), generator=torch.Generator().manual_seed(seed))
     scratch = model.init_state(batch, max_len=16 + warmup, spec=run)
     tok = _next_token(step(prompt[:, :16].to(model.device), scratch, last_only=True))   # warm the kernels
