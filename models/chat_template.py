@@ -8,20 +8,23 @@
 The source comes from a GGUF's `tokenizer.chat_template`, a directory's `chat_template.jinja` or
 its `tokenizer_config.json` (`find_template`). Rendering runs in jinja2's
 ImmutableSandboxedEnvironment with the globals Hugging Face templates use (`raise_exception`,
-`strftime_now`, `tojson`), as transformers' `apply_chat_template` does, so the prompt text is the
-same. A template that fails to parse is a CheckpointError; one that raises while rendering
+`strftime_now`, `tojson` with transformers' arguments) and `tools` / `documents` defined (None unless
+given), as transformers' `apply_chat_template` does, so the prompt text is the same (its other special
+tokens, `unk_token`, `pad_token`, are not passed). A template that fails to parse is a CheckpointError; one that raises while rendering
 (`raise_exception("roles must alternate")`) an InvalidArgumentError: one line each.
 
 Tokenizing: the template's markers (`<|im_start|>`...) are special tokens; the messages' text is
 not. When no message contains a special-token string, the whole text is encoded with special
 tokens parsed, exactly as transformers does. When one does, the prompt is cut around that message's
 content and the content is encoded as plain text, so a user cannot close a turn by typing
-"<|im_end|>" (PITFALLS #19). No BOS is added: a template that wants one writes it (PITFALLS #18).
+"<|im_end|>" (PITFALLS #19); the pieces after a cut are encoded as continuations where the tokenizer
+has them (SentencePiece: no "\u2581" added at the cut). No BOS is added: a template that wants one writes it (PITFALLS #18).
 """
 from __future__ import annotations
 
 import json
 import re
+import secrets
 from datetime import datetime
 from pathlib import Path
 
@@ -29,8 +32,7 @@ from models.errors import CheckpointError, InvalidArgumentError
 
 ROLES_HINT = "list of {'role': ..., 'content': ...} dicts"
 ROLES = ("system", "user", "assistant", "developer", "tool")   # those the server's schema accepts too
-_MARK = "\ue000{}\ue001"           # private-use characters around a message index: where content goes
-_MARK_RE = re.compile("\ue000(\\d+)\ue001")
+_MARK = "\ue000{}:{}\ue001"        # private-use characters around a nonce and a message index: where content goes
 _PROBE = "\ue002PROBE\ue003"
 
 
@@ -66,9 +68,8 @@ class ChatTemplate:
     def render(self, messages, add_generation_prompt: bool = True, **extra) -> str:
         """The prompt text of `messages`; add_generation_prompt: end with the assistant turn's opening."""
         messages = check_messages(messages)
-        if "developer" not in self.source:   # OpenAI's newer name for the system message, which most
-            messages = [dict(m, role="system") if m["role"] == "developer" else m for m in messages]   # templates predate
         template = self.template   # (a CheckpointError if the source does not parse)
+        extra = {"tools": None, "documents": None, **extra}   # as transformers: defined, None unless given
         try:
             return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                         bos_token=self.bos_token, eos_token=self.eos_token, **extra)
@@ -89,8 +90,9 @@ class ChatTemplate:
                  if isinstance(m.get("content"), str) and any(s in m["content"] for s in special_tokens)}
         if not risky:
             return [(text, False)]
-        marked = [dict(m, content=_MARK.format(i)) if i in risky else m for i, m in enumerate(messages)]
-        parts = _MARK_RE.split(self.render(marked, add_generation_prompt))
+        nonce = secrets.token_hex(8)   # (a user's text holding a marker of its own is not taken for one)
+        marked = [dict(m, content=_MARK.format(nonce, i)) if i in risky else m for i, m in enumerate(messages)]
+        parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", self.render(marked, add_generation_prompt))
         for strip in (False, True):   # a template may trim the content it inserts
             pieces = [(p, False) if j % 2 == 0 else
                       (messages[int(p)]["content"].strip() if strip else messages[int(p)]["content"], True)
@@ -100,6 +102,10 @@ class ChatTemplate:
                 return pieces
         raise InvalidArgumentError("a message holds a special-token string and the chat template changes "
                                    "message text, so it cannot be kept apart from the template's markers")
+
+    def names_role(self, role: str) -> bool:
+        """The template compares a message's role with `role` (a string literal of it in the source)."""
+        return re.search(f"""['"]{re.escape(role)}['"]""", self.source) is not None
 
     def encode(self, tokenizer, messages, add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the rendered prompt (no BOS added: the template writes one if the model wants it)."""
@@ -124,10 +130,17 @@ class ChatTemplate:
 
 
 def encode_segments(tokenizer, segments) -> list[int]:
-    """Template pieces with special tokens parsed; user text as plain characters."""
+    """Template pieces with special tokens parsed; user text as plain characters. A piece that goes on
+    from one that did not end in a special token is encoded as a continuation where the tokenizer has
+    one (SentencePiece puts "\u2581" before a text and after each special token, not at a cut the text
+    never had)."""
     ids: list[int] = []
+    going_on = getattr(tokenizer, "encode_continuation", None)
+    after_special = True   # the text's start: the tokenizer's own rule
     for piece, is_user in segments:
-        ids += tokenizer.encode(piece, special=not is_user)
+        encode = tokenizer.encode if after_special or going_on is None else going_on
+        ids += encode(piece, special=not is_user)
+        after_special = not is_user and any(piece.endswith(s) for s in tokenizer.special_tokens)
     return ids
 
 
@@ -191,8 +204,8 @@ def find_template(directory: Path) -> str | None:
     return source if isinstance(source, str) else None
 
 
-def _tojson(value, indent=None, ensure_ascii=False, sort_keys=False):
-    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+def _tojson(value, indent=None, ensure_ascii=False, sort_keys=False, separators=None):   # transformers' filter
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys, separators=separators)
 
 
 def _raise(message):

@@ -40,6 +40,24 @@ class SentencePieceBPE(BPETokenizer):
         """Like `decode`, but the first token's leading space is kept (it separates it from the text before)."""
         return self.continuation.decode([self.tok.id_to_token(int(i)) or "" for i in ids])
 
+    def encode_continuation(self, text: str, special: bool = False) -> list[int]:
+        """ids of `text` going on from a text that did not end in a special token (a chat message cut out of
+        its template's text): no "▁" put before it, as encoding the two together would not; after each
+        token matched whole in it (special ones where `special`, user-defined ones always), as there."""
+        if not getattr(self, "space_prefix", False):
+            return self.encode(text, special=special)
+        whole = [t.content for t in self.tok.get_added_tokens_decoder().values() if special or not t.special]
+        found = [i for i in (text.find(t) for t in whole) if i >= 0]
+        head, rest = (text[:min(found)], text[min(found):]) if found else (text, "")
+        ids = []
+        if head:
+            with self._encoding:
+                if getattr(self, "_bare", None) is None:
+                    self._bare = self._build_bare()
+                self._bare.encode_special_tokens = True   # the head holds no special token, or is plain text
+                ids = self._bare.encode(head, add_special_tokens=False).ids
+        return ids + (self.encode(rest, special=special) if rest else [])
+
     def bytes_of(self, ids) -> bytes:
         """The bytes `ids` stand for as a continuation: "▁" is a space, <0xNN> its byte."""
         if getattr(self, "_special_ids", None) is None:
@@ -67,7 +85,7 @@ class SentencePieceBPE(BPETokenizer):
         unk = tokens[unk] if isinstance(unk, int) and 0 <= unk < len(tokens) else None
         prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
 
-        def build():
+        def build(prefix=prefix):
             tok = Tokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
             # a normalizer, not Metaspace: that one adds no "▁" before a text that starts with a space
             tok.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE)] * prefix
@@ -79,6 +97,7 @@ class SentencePieceBPE(BPETokenizer):
         out = cls(build(), meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id"),
                   add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", True)), where=where)
         out.continuation = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+        out.space_prefix, out._build_bare = prefix, lambda: build(prefix=False)
         out.vocab_size = len(tokens)
         return out
 

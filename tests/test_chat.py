@@ -81,16 +81,25 @@ def test_template_renders_chatml(name):
     assert t.render(msgs, add_generation_prompt=False) == chatml(msgs, gen=False)
 
 
-def test_a_developer_message_is_a_system_message_unless_the_template_knows_the_role():
-    """OpenAI's `developer` role is its newer name for `system`; a template written before it (ChatML,
-    SmolLM2's) renders it as the system message (not as a turn of an unknown role, after the template's
-    own default system prompt). A template that names the role gets it as sent."""
+def test_a_template_sees_what_transformers_gives_it():
+    """tools and documents defined (None unless given), tojson with separators (Kimi's templates), a
+    `developer` message as sent (the server maps it to system for templates that do not name it)."""
+    probe = ChatTemplate("{{ tools is none }}|{{ documents is none }}|{{ messages | tojson(separators=(',', ':')) }}|"
+                         "{% for m in messages %}{{ m.role }};{% endfor %}")
     asked = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-    as_system = [dict(asked[0], role="system"), asked[1]]
-    assert ChatTemplate(CHATML).render(asked) == ChatTemplate(CHATML).render(as_system)
-    knows = ChatTemplate("{% for m in messages %}{{ m.role }}{% if m.role == 'developer' %}!{% endif %}:"
-                         "{{ m.content }}|{% endfor %}")
-    assert knows.render(asked) == "developer!:Be brief.|user:Hi|"
+    assert probe.render(asked) == ('True|True|[{"role":"developer","content":"Be brief."},{"role":"user",'
+                                   '"content":"Hi"}]|developer;user;')
+    assert probe.render(asked, tools=[{"type": "function"}]).startswith("False|True|")
+    assert ChatTemplate(CHATML).names_role("system") and not ChatTemplate(CHATML).names_role("developer")
+
+
+def test_a_message_holding_a_marker_of_its_own_is_its_own_text(llm):
+    """The prompt is cut around a message holding special-token text at private-use markers; a message
+    holding such a marker itself (here one naming message 99) was an IndexError (a 500 from the server)."""
+    messages = [{"role": "user", "content": "<|im_end|>"}, {"role": "assistant", "content": "x"},
+                {"role": "user", "content": "look \ue00099\ue001 and \ue0000\ue001"}]
+    ids = llm.chat_template.encode(llm.tokenizer, messages)
+    assert llm.tokenizer.decode(ids).count("look \ue00099\ue001 and \ue0000\ue001") == 1
 
 
 def test_template_errors_are_one_line():

@@ -20,6 +20,7 @@ pytest.importorskip("tokenizers", reason="the tokenizers package is not installe
 
 from chat_fixtures import UNICODE_LINES  # noqa: E402
 from engine.detokenize import StreamDecoder  # noqa: E402
+from models.chat_template import ChatTemplate, encode_segments  # noqa: E402
 from models.errors import CheckpointError  # noqa: E402
 from models.gguf_tokenizer import read_gguf_tokenizer  # noqa: E402
 from scripts.fetch_ggml_vocab import DEFAULT_DIR  # noqa: E402
@@ -110,6 +111,26 @@ def test_sentencepiece_special_tokens_only_from_template_text():
     assert tok.encode("<|user|>\nHi", special=True)[0] == user
     assert user not in tok.encode("<|user|>\nHi")
     assert tok.encode("Hi", bos=True)[0] == tok.bos_id == 1 and tok.vocab_size == 32064
+
+
+@pytest.mark.parametrize("name", ["llama-spm", "phi-3"])
+def test_a_message_cut_out_of_its_template_encodes_as_the_whole_text(name):
+    """A message holding special-token text is encoded apart from its template's text (PITFALLS #19);
+    SentencePiece put a "▁" before each piece, so the cut added space tokens the text never had (on
+    every turn after it too). The cut, on text without special tokens, must give the whole text's ids."""
+    tok = tokenizer(name)
+    template = ChatTemplate("{% for m in messages %}{{ '<s>' if m.role == 'system' else '<|user|>' }}\n"
+                            "{{ m.content }}</s>{% endfor %}<|assistant|>\n")
+    for content in ("hi there", "Hello world, how are you?", " leading space", "x\ny", "2+2=4."):
+        text = template.render([{"role": "system", "content": "Be kind."}, {"role": "user", "content": content}])
+        at = text.rindex(content)
+        cut = [(text[:at], False), (content, True), (text[at + len(content):], False)]
+        assert encode_segments(tok, cut) == tok.encode(text, special=True), content
+    # a message with special-token text (cut out, plain) after the same head: the head's ids and the first word's
+    text = template.render([{"role": "user", "content": "hi </s> there"}])
+    head = tok.encode(text[:text.index("hi </s>")], special=True)
+    got = template.encode(tok, [{"role": "user", "content": "hi </s> there"}])
+    assert got[:len(head) + 1] == tok.encode(text[:text.index(" </s>")], special=True)
 
 
 def strings(n: int = 200, seed: int = 0) -> list[str]:

@@ -310,6 +310,20 @@ def test_null_optional_fields_take_their_defaults(live, chat_live):
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"   # a required field stays required
 
 
+def test_a_developer_message_is_the_system_message_and_text_parts_are_lines(chat_live):
+    """OpenAI's `developer` role is its newer name for `system`: a template that does not name it (ChatML)
+    gets a system message (transformers would render an unknown turn after the default system prompt).
+    Text parts of a content list are joined a line each, as vLLM joins them."""
+    def reply(messages):
+        r = chat(chat_live, messages=messages, max_tokens=4, temperature=0)
+        return r["usage"]["prompt_tokens"], r["choices"][0]["message"]["content"]
+    user = {"role": "user", "content": "hello there"}
+    assert reply([{"role": "developer", "content": "Be brief."}, user]) == \
+        reply([{"role": "system", "content": "Be brief."}, user])
+    parts = {"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "there"}]}
+    assert reply([parts]) == reply([{"role": "user", "content": "hello\nthere"}])
+
+
 def test_text_offset_counts_the_tokens_while_a_stop_string_holds_text_back(live):
     """text_offset is where each token's text starts in the choice's text. A stop string that begins to
     match holds the released text back for a few tokens (then lets it go when it does not go on); the

@@ -173,8 +173,8 @@ class Message(BaseModel):
         return self
 
     def text(self) -> str:
-        if isinstance(self.content, list):   # content parts: keep the text ones
-            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+        if isinstance(self.content, list):   # content parts: the text ones, a line each (as vLLM joins them)
+            return "\n".join(part.get("text", "") for part in self.content if part.get("type") == "text")
         return self.content or ""
 
 

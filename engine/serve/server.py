@@ -123,6 +123,9 @@ class Server:
                               "takes per request (gen serve --max-prompt) can hold (a message takes at least one). "
                               "Shorten the conversation.", "messages", "context_length_exceeded")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        template = self.llm.chat_template
+        if template is not None and not template.names_role("developer"):   # OpenAI's newer name for the
+            messages = [dict(m, role="system") if m["role"] == "developer" else m for m in messages]   # system one
         if self.llm.tokenizer is not None:
             self.check_chars([m["content"] or "" for m in messages], "messages")
         try:
