@@ -144,8 +144,7 @@ def describe_run(state_meta: dict) -> str:
 def check_same_run(state, model, spec, what: str) -> None:
     """StateMismatchError unless `state` is what `model` run as `spec` makes (a state of another run would
     decode as that run, whatever this LLM was loaded as)."""
-    theirs = state.state_dict()["meta"] if not isinstance(state, dict) else state
-    mine = model.init_state(batch=1, max_len=1, spec=spec).state_dict()["meta"]
+    theirs, mine = state.identity(), model.init_state(batch=1, max_len=1, spec=spec).identity()   # (no tensor copied)
     if run_of(theirs) != run_of(mine):
         raise StateMismatchError(f"{what}: the state is of a {describe_run(theirs)} run; this LLM runs "
                                  f"{describe_run(mine)}: load the model with the options the state was made with")

@@ -281,6 +281,8 @@ class Server:
             return self.fingerprint
         fp = self._fingerprints.get(spec)
         if fp is None:
+            if len(self._fingerprints) >= 64:   # clients choose the runs: a bounded memo
+                self._fingerprints.clear()
             fp = self._fingerprints[spec] = fingerprint(self.llm, self.name, spec)
         return fp
 
