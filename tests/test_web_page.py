@@ -328,6 +328,63 @@ def test_a_stream_cut_before_its_done_event_is_an_error_not_an_answer(page):
         proxy.shutdown()
 
 
+def shown_stats(driver) -> list[dict]:
+    """Each pane's readouts as the page shows them: {stat name: text}."""
+    return driver.execute_script("""
+        return window.gen.panes.map(p => Object.fromEntries(
+          [...p.el.querySelectorAll('[data-stat]')].map(dd => [dd.dataset.stat, dd.textContent])));""")
+
+
+def test_numbers_belong_to_the_turn_shown_and_a_bad_max_tokens_is_refused(page):
+    """Clear, a turn that measures less (one token: no ms/token) and another configuration showed the last
+    turn's numbers; max tokens 0 ran as 128."""
+    from selenium.webdriver.support.ui import Select
+    url, driver = page
+    try:
+        web.open_page(driver, url, panes=("softmax", "linear"), max_tokens=12)
+        web.send(driver, PROMPT)
+        web.wait_until(driver, lambda d: web.statuses(d) == ["done", "done"], 30)
+        assert all(s["ms_per_token"] != "\u2013" and s["context"] != "\u2013" for s in shown_stats(driver))
+        driver.find_element("id", "clear").click()
+        assert all(set(s.values()) == {"\u2013"} for s in shown_stats(driver))
+        box = driver.find_element("id", "max-tokens")
+        box.clear()
+        box.send_keys("1")
+        web.send(driver, PROMPT)
+        web.wait_until(driver, lambda d: web.statuses(d) == ["done", "done"], 30)
+        assert all(s["ms_per_token"] == "\u2013" and s["context"] != "\u2013" for s in shown_stats(driver))
+        first = driver.find_elements("css selector", ".pane")[0]
+        Select(first.find_element("css selector", "select.config")).select_by_value("linear")
+        assert set(shown_stats(driver)[0].values()) == {"\u2013"}
+        asked = len(driver.find_elements("css selector", ".msg.user"))
+        box.clear()
+        box.send_keys("0")
+        web.send(driver, "The dog")
+        assert "max tokens must be a whole number >= 1" in driver.find_element("id", "notice").text
+        assert driver.find_element("id", "prompt").get_attribute("value") == "The dog"   # kept to send again
+        assert len(driver.find_elements("css selector", ".msg.user")) == asked   # nothing sent
+    finally:
+        driver.get("about:blank")
+
+
+def test_a_page_opened_before_the_server_answers_tries_again(page):
+    """/web/config failing once (a server starting or restarting) left a page that ignored every Send."""
+    url, driver = page
+    try:
+        driver.execute_cdp_cmd("Network.enable", {})
+        driver.execute_cdp_cmd("Network.setBlockedURLs", {"urls": ["*/web/config"]})
+        driver.get(url + "/")
+        web.wait_until(driver, lambda d: "trying again" in d.find_element("id", "notice").text, 10)
+        web.send(driver, PROMPT)
+        assert "has not read the server's configuration yet" in driver.find_element("id", "notice").text
+        driver.execute_cdp_cmd("Network.setBlockedURLs", {"urls": []})
+        web.wait_until(driver, lambda d: d.execute_script("return !!(window.gen && window.gen.ready)"), 15)
+        assert len(driver.find_elements("css selector", ".pane")) == 2
+    finally:
+        driver.execute_cdp_cmd("Network.setBlockedURLs", {"urls": []})
+        driver.get("about:blank")
+
+
 def test_enter_sends_and_shift_enter_makes_a_new_line(page):
     from selenium.webdriver.common.keys import Keys
     url, driver = page
@@ -411,6 +468,10 @@ def test_the_page_asks_for_the_api_key_and_sends_it(page):
             assert driver.find_elements("id", "prompt"), \
                 "/ must be public (the guard lets engine.serve.page.PUBLIC_PATHS through without a key)"
             web.wait_until(driver, lambda d: d.find_element("id", "key-form").is_displayed(), 10)
+            driver.find_element("id", "key-input").send_keys("s3cret\u2713\n")   # (a header takes no such key)
+            assert "printable ASCII" in driver.find_element("id", "key-note").text
+            assert driver.execute_script("return sessionStorage.getItem('gen.apiKey')") is None
+            driver.find_element("id", "key-input").clear()
             driver.find_element("id", "key-input").send_keys("wrong\n")   # a typo: the page says it was refused
             web.wait_until(driver, lambda d: d.find_element("id", "key-note").text.startswith(
                 "The server refused the key this tab sent"), 10)

@@ -14,6 +14,7 @@
   window.gen = page;   // the page's state, for scripts (and the browser test): panes, their points and text
 
   class KeyNeeded extends Error {}
+  const RETRY_S = 3;   // seconds between tries to read /web/config
   class Invalid extends Error {}   // a pane's number the page refuses before asking the server
 
   // ---------------------------------------------------------------- the server
@@ -67,6 +68,10 @@
     $("#key-form").onsubmit = ev => {
       ev.preventDefault();
       const key = $("#key-input").value.trim();
+      if (/[^\x21-\x7e]/.test(key)) {   // an HTTP header carries it: printable ASCII (gen serve's rule too)
+        $("#key-note").textContent = "an API key is printable ASCII (no spaces, no \u201csmart\u201d quotes): check it was pasted as given";
+        return;
+      }
       if (key) sessionStorage.setItem(KEY, key);
       $("#key-input").value = "";
       $("#key-form").hidden = true;
@@ -98,7 +103,7 @@
         this.select.appendChild(group);
       }
       this.select.value = configId;
-      this.select.addEventListener("change", () => { this.bindParam(); redraw(); });
+      this.select.addEventListener("change", () => { this.bindParam(); this.blank(); redraw(); });
       this.param.addEventListener("input", () => { this.checkParam(); redraw(); });
       this.bindParam();
       this.transcript = $(".transcript", this.el);
@@ -214,7 +219,11 @@
       };
       for (const [name, f] of Object.entries(fmt)) {
         const dd = $(`[data-stat="${name}"]`, this.el), v = stats[name];
-        if (v === null || v === undefined) continue;
+        if (v === null || v === undefined) {   // not measured this turn (one token: no ms/token): not the last turn's
+          dd.textContent = "\u2013";
+          delete dd.dataset.value;
+          continue;
+        }
         dd.textContent = f(v);
         dd.dataset.value = v;
       }
@@ -239,7 +248,7 @@
         return;
       }
       const body = Object.assign({model: cfg.model, stream: true, stream_options: {include_usage: true, include_stats: true},
-                                  max_tokens: intValue("#max-tokens", 128), temperature: floatValue("#temperature", 0)}, fields);
+                                  max_tokens: intValue("#max-tokens"), temperature: floatValue("#temperature", 0)}, fields);
       if ($("#ignore-eos").checked) body.ignore_eos = true;
       let url;
       if (cfg.chat) {
@@ -256,6 +265,7 @@
       this.answer = "";
       this.finish = null;
       this.points = [];
+      this.blank();
       this.controller = new AbortController();
       const turn = this.turns;
       this.setStatus("streaming");
@@ -300,6 +310,7 @@
       this.history = [];
       this.text = "";
       this.points = [];
+      this.blank();
       this.transcript.textContent = "";
       this.setStatus("idle");
     }
@@ -327,6 +338,17 @@
           this.points.push({context: obj.gen.context, state_bytes: obj.gen.state_bytes, token_ms: obj.gen.token_ms});
       }
       redraw();
+    }
+
+    // the numbers shown back to "–": a new turn, a clear, another configuration (none of them the last turn's)
+    blank() {
+      this.stats = null;
+      this.fresh = false;
+      for (const dd of this.el.querySelectorAll("[data-stat]")) {
+        dd.textContent = "\u2013";
+        delete dd.dataset.value;
+        dd.removeAttribute("title");
+      }
     }
 
     render() {
@@ -368,9 +390,11 @@
     }
   }
 
-  function intValue(sel, fallback) {
-    const v = parseInt($(sel).value, 10);
-    return Number.isFinite(v) && v >= 1 ? v : fallback;
+  function intValue(sel) {   // a whole number >= 1, else an Invalid error naming the field (0 ran as 128)
+    const raw = $(sel).value.trim(), v = /^\d+$/.test(raw) ? Number(raw) : NaN;
+    if (!(v >= 1)) throw new Invalid(`${$(sel).closest("label").textContent.trim()} must be a whole number >= 1, ` +
+                                     `got ${JSON.stringify(raw)}`);
+    return v;
   }
 
   function floatValue(sel, fallback) {
@@ -415,9 +439,21 @@
 
   function send() {
     const box = $("#prompt"), message = box.value;
-    if (!message.trim() || !page.ready) return;
+    if (!message.trim()) return;
+    if (!page.ready) {
+      notice("The page has not read the server's configuration yet: wait a moment (the server may be starting).");
+      return;
+    }
     if (busy()) {
       notice("The panes are still answering: wait, or press Esc to stop them.");
+      return;
+    }
+    try {
+      intValue("#max-tokens");
+    } catch (e) {
+      if (!(e instanceof Invalid)) throw e;
+      notice(e.message);   // the message stays in the box
+      $("#max-tokens").focus();
       return;
     }
     notice("");
@@ -488,18 +524,25 @@
     $("#composer").onsubmit = ev => { ev.preventDefault(); send(); };
     $("#stop").onclick = stopAll;
     $("#clear").onclick = clearAll;
-    $("#add-pane").onclick = () => addPane();
+    $("#add-pane").onclick = () => { if (page.ready) addPane(); };
   }
 
   async function start() {
+    if (page.ready || page.starting) return;   // (the key form and a retry may both call it)
+    page.starting = true;
     try {
       const r = await api("/web/config");
       if (!r.ok) throw new Error(await errorText(r));
       page.config = await r.json();
     } catch (e) {
-      if (!(e instanceof KeyNeeded)) notice(`Could not read the server's configuration: ${e.message}`);
+      page.starting = false;
+      if (!(e instanceof KeyNeeded)) {   // a server still starting or restarting: try again until it answers
+        notice(`Could not read the server's configuration: ${e.message} (trying again every ${RETRY_S} s)`);
+        setTimeout(start, RETRY_S * 1000);
+      }
       return;
     }
+    page.starting = false;
     notice("");
     const cfg = page.config;
     $("#model").textContent = cfg.model;

@@ -40,8 +40,13 @@ const GenBench = (() => {
         b.textContent = f.name;
         b.title = `${f.model || "?"} on ${f.cpu || "?"}`;
         b.onclick = async () => {
-          const got = await api("/web/bench/" + encodeURIComponent(f.name));
-          if (got.ok) add(f.name, await got.json());
+          try {
+            const got = await api("/web/bench/" + encodeURIComponent(f.name));
+            if (!got.ok) throw new Error(`HTTP ${got.status}`);
+            add(f.name, await got.json());
+          } catch (e) {   // a key asked for (the compare tab's form opens), a server gone: said here
+            problem(`${f.name}: ${e.message}`);
+          }
         };
         box.appendChild(b);
       }
