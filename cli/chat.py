@@ -33,7 +33,8 @@ COMMAND = re.compile(r"/[A-Za-z?][\w?-]*")   # what reads as a command: a slash 
 @click.option("-m", "--model", "model_name", default="smollm2", show_default=True,
               help="registered name or path of a model with a chat template (GGUF, tokenizer_config.json)")
 @run_options()
-@click.option("--system", help="a system message for the conversation (default: the template's own, if any)")
+@click.option("--system", help="a system message for the conversation (default: the template's own, if any; "
+                                "\"\" for none at all)")
 @click.option("-n", "--max-new-tokens", default=512, show_default=True, type=int, help="per reply")
 @sampling_options({k: f"the model's, else {v:g}" for k, v in {**CHAT_DEFAULTS, "repetition_penalty": 1.0}.items()})
 @click.option("--seed", type=int, help="default: a fresh seed per reply")
@@ -136,12 +137,26 @@ def in_the_repl(text: str) -> str:
                         "start a new one (/reset), raise --max-context")
 
 
+class PrefillStopped(Exception):
+    """Ctrl-C while a long message is read: raised between two prefill blocks."""
+
+
+PREFILL_BLOCK = 256   # tokens: how often a long message's prefill looks for Ctrl-C (~1 s of SmolLM2 here)
+
+
 def stream_reply(reply) -> bool:
     """Print a reply as it streams; Ctrl-C stops it between tokens (never inside a step, so the
-    session's state stays whole). Returns True if it was interrupted."""
+    session's state stays whole), or while a long message is read, between two blocks of its prefill
+    (the state then holds part of it: the session rebuilds at the next turn). Returns True if it was
+    interrupted."""
     stop = []
     previous = signal.signal(signal.SIGINT, lambda *_: stop.append(True))
     out = sys.stdout
+
+    def between_blocks(done, total):
+        if stop:
+            raise PrefillStopped
+    reply.generation.on_prefill, reply.generation.prefill_block = between_blocks, PREFILL_BLOCK
     try:
         for chunk in reply:
             out.write(chunk)
@@ -149,6 +164,8 @@ def stream_reply(reply) -> bool:
             if stop:
                 reply.close()
                 break
+    except PrefillStopped:
+        pass
     finally:
         signal.signal(signal.SIGINT, previous)
         out.write("\n")

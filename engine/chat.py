@@ -52,10 +52,12 @@ class ChatSession:
     def reset(self) -> None:
         """Forget the conversation (the system message stays) and free the state."""
         self.close_reply()
-        self.messages: list[dict] = [{"role": "system", "content": self.system}] if self.system else []
+        # (system="": an empty system message, which keeps a template's default one out, as llm.chat renders it)
+        self.messages: list[dict] = [{"role": "system", "content": self.system}] if self.system is not None else []
         self.state = None
         self.text = ""             # the rendered conversation text the state holds
         self.pending: list[int] = []   # sampled ids the state does not hold yet (the last reply's last token)
+        self.held: list[int] = []      # every token of the conversation so far (a repetition penalty's prompt)
         self.dirty = False
 
     def close_reply(self) -> None:
@@ -75,17 +77,20 @@ class ChatSession:
         segments = self.template.segments(messages, self.tokenizer.special_tokens, add_generation_prompt=True)
         full = "".join(piece for piece, _ in segments)
         if self.state is not None and not self.dirty and full.startswith(self.text):
+            state, held = self.state, self.held
             ids = self.pending + encode_segments(self.tokenizer, cut(segments, len(self.text)))
         else:
-            if self.state is not None:
-                self.rebuilds += 1
-            self.state = self.model.init_state(batch=1, max_len=self.max_context, spec=self.spec,
-                                               device=self.model.device)
-            self.dirty = False
+            state, held = self.model.init_state(batch=1, max_len=self.max_context, spec=self.spec,
+                                                device=self.model.device), []
             ids = encode_segments(self.tokenizer, segments)
+        # (a Generation refused here, e.g. a full context, leaves the session as it was: a rebuild still due)
         generation = Generation(self.model, [ids], config, self.tokenizer, spec=self.spec, step=self.step,
-                                state=self.state)
+                                state=state, seen=[held])   # a repetition penalty sees the whole conversation
+        if state is not self.state:
+            self.rebuilds += self.state is not None
+            self.state, self.dirty = state, False
         self.reply = ChatReply(self, generation, messages, full)
+        self.reply.held = held + ids
         return self.reply
 
     def _finish(self, reply: "ChatReply", broken: bool) -> None:
@@ -97,6 +102,7 @@ class ChatSession:
         self.messages = reply.messages + [{"role": "assistant", "content": text}]
         self.text = reply.prompt_text + text
         self.pending = [] if ended or not ids else [ids[-1]]
+        self.held = reply.held + list(ids)   # the conversation's tokens (the pending one too)
         self.dirty = self.dirty or broken or not ids
         self.reply = None
 

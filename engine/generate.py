@@ -126,8 +126,12 @@ class Generation(Closing):
     """
 
     def __init__(self, model, prompts: list[list[int]], config: GenerationConfig, tokenizer=None,
-                 attention: str | None = None, feature_map: str | None = None, step=None, state=None, spec=None):
+                 attention: str | None = None, feature_map: str | None = None, step=None, state=None, spec=None,
+                 seen: list[list[int]] | None = None):
+        """state: a state already holding tokens (a chat session's) to continue; seen: per sequence, the
+        tokens that state holds, which a repetition penalty counts as the prompt's (as a whole prompt's)."""
         self.model, self.config, self.tokenizer = model, config, tokenizer
+        self.seen = seen
         self.step = step or model.step   # an engine.steps.Stepper picks the step form; default: the module path
         self.spec = model.run_spec(attention, feature_map, spec)   # the run (engine.runspec.RunSpec)
         self.attention = self.spec.attention
@@ -181,6 +185,7 @@ class Generation(Closing):
         self._t_last = [None] * B
         self._stepped = False   # a decode step ran (the first token comes from the prompt's block)
         self.on_prefill = None   # optional callback(tokens prefilled, prompt tokens), after each prompt block
+        self.prefill_block = PROGRESS_BLOCK   # tokens between two on_prefill calls (whole prefill chunks)
         self._it = self._run()
 
     # ------------------------------------------------------------------ iterator protocol
@@ -221,6 +226,9 @@ class Generation(Closing):
         sampler = Sampler(cfg.sampling, B, model.config.vocab_size, model.device)
         self.seed, self.seeds = sampler.seed, sampler.seeds
         sampler.observe(tokens, valid)
+        for row, held in zip(sampler.rows, self.seen or ()):
+            if row.seen is not None and held:
+                row.seen[0, torch.tensor(held, dtype=torch.long, device=row.seen.device)] = True
         try:
             t = time.perf_counter()
             logits = self._prefill(tokens, valid)                          # (B, V)
@@ -250,13 +258,13 @@ class Generation(Closing):
 
     def _prefill(self, tokens: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
         """tokens (B, P) -> the last position's logits (B, V). With `on_prefill` set, a prompt longer than
-        PROGRESS_BLOCK runs in blocks of whole prefill chunks (the step cuts each block into the chunks
+        `prefill_block` (PROGRESS_BLOCK) runs in blocks of whole prefill chunks (the step cuts each block into the chunks
         it would cut the whole prompt into: the same arithmetic, the same tokens), and `on_prefill(done,
         total)` hears after each. (A padded batch, or a step that prefills in one block, runs whole.)"""
         P, chunk = tokens.shape[1], getattr(self.step, "prefill_chunk", 0)
-        if self.on_prefill is None or valid is not None or not chunk or P <= PROGRESS_BLOCK:
+        if self.on_prefill is None or valid is not None or not chunk or P <= self.prefill_block:
             return self.step(tokens, self.state, valid=valid, last_only=True)[:, -1]
-        block = chunk * max(1, PROGRESS_BLOCK // chunk)
+        block = chunk * max(1, self.prefill_block // chunk)
         for start in range(0, P, block):
             logits = self.step(tokens[:, start:start + block], self.state, last_only=True)[:, -1]
             self.on_prefill(min(start + block, P), P)

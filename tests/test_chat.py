@@ -5,6 +5,8 @@ generation from the whole conversation's ids, on both attention paths; an interr
 keeps the session usable; user text never becomes a control token; errors are one line."""
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +20,7 @@ pytest.importorskip("jinja2", reason="jinja2 is not installed")
 from click.testing import CliRunner  # noqa: E402
 
 from chat_fixtures import CHATML, bpe_model_dir  # noqa: E402
+import cli.chat  # noqa: E402
 from cli.chat import repl  # noqa: E402
 from cli.main import main  # noqa: E402
 from engine.api import load  # noqa: E402
@@ -226,6 +229,71 @@ def test_broken_step_rebuilds_the_state(llm, monkeypatch):
     whole = llm.chat_template.encode(llm.tokenizer, s.messages[:-1])
     assert r2.result.stats.prompt_tokens == len(whole)
     assert r2.result.ids == greedy(llm, whole, 5)
+
+
+def test_a_turn_refused_while_a_rebuild_is_due_leaves_the_rebuild_due(llm):
+    """A reply closed before its first token marks the state for a rebuild; a turn then refused (a full
+    context, a bad setting) had swapped in an empty state and cleared the mark: the next turn fed only its own tokens
+    (the system message and earlier turns were gone)."""
+    s = llm.chat_session(system="You are terse.")
+    s.send("Hello there", temperature=0, max_new_tokens=4).text()
+    s.send("the cat", temperature=0, max_new_tokens=4).close()   # closed before any token: a rebuild is due
+    assert s.dirty
+    with pytest.raises(EngineError, match="outside the vocabulary"):   # (on softmax a full context does the same)
+        s.send("the dog", temperature=0, max_new_tokens=4, eos_ids=[10 ** 6])
+    assert s.dirty
+    r = s.send("the dog", temperature=0, max_new_tokens=5)
+    r.text()
+    whole = llm.chat_template.encode(llm.tokenizer, s.messages[:-1])
+    assert r.result.stats.prompt_tokens == len(whole) and r.result.ids == greedy(llm, whole, 5)
+
+
+def test_a_repetition_penalty_in_a_session_sees_the_whole_conversation(llm):
+    """A session feeds only a turn's new tokens; its repetition penalty counted only those as the prompt,
+    where the same conversation prefilled whole counts every token."""
+    s = llm.chat_session()
+    kw = dict(temperature=0, max_new_tokens=6, repetition_penalty=1.8, ignore_eos=True)
+    r1 = s.send("Hello there", **kw)
+    r1.text()
+    r2 = s.send("the cat sat", **kw)
+    r2.text()
+    whole = conversation_ids(llm, [("Hello there", r1.result.ids)], "the cat sat", eos=())
+    assert r2.result.ids == llm.generate(whole, **kw).ids
+
+
+def test_an_empty_system_message_keeps_the_templates_default_out(llm):
+    """chat_session(system=""), `gen chat --system ""`: an empty system message, as llm.chat renders one
+    (it was taken for none, and the template's default system prompt came back)."""
+    s = llm.chat_session(system="")
+    r = s.send("Hello there", temperature=0, max_new_tokens=2)
+    r.text()
+    empty = [{"role": "system", "content": ""}, {"role": "user", "content": "Hello there"}]
+    assert r.result.stats.prompt_tokens == len(llm.chat_template.encode(llm.tokenizer, empty))
+    assert len(llm.chat_template.encode(llm.tokenizer, empty[1:])) != len(llm.chat_template.encode(llm.tokenizer, empty))
+
+
+def test_ctrl_c_while_a_long_message_is_read_stops_between_prefill_blocks(llm, monkeypatch, capsys):
+    """gen chat: Ctrl-C during a long message's prefill was ignored until the prefill ended (minutes for a
+    long paste). Now it stops between two blocks; the session rebuilds at the next turn."""
+    monkeypatch.setattr(cli.chat, "PREFILL_BLOCK", 32)
+    s = llm.chat_session()
+    calls = {"n": 0}
+    real = llm.step.__class__.__call__
+
+    def step(self, tokens, state, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            os.kill(os.getpid(), signal.SIGINT)   # Ctrl-C in the first block: stream_reply's handler hears it
+        return real(self, tokens, state, *a, **k)
+    monkeypatch.setattr(llm.step.__class__, "__call__", step)
+    reply = s.send("the cat sat on the mat " * 15, temperature=0, max_new_tokens=4)
+    assert cli.chat.stream_reply(reply) is True
+    monkeypatch.setattr(llm.step.__class__, "__call__", real)
+    assert calls["n"] == 1 and reply.result.ids == [] and s.dirty   # one block read, no token
+    r = s.send("the dog", temperature=0, max_new_tokens=3)
+    r.text()
+    whole = llm.chat_template.encode(llm.tokenizer, s.messages[:-1])
+    assert r.result.stats.prompt_tokens == len(whole) and r.result.ids == greedy(llm, whole, 3)
 
 
 def test_llm_chat_streams_the_reply(llm):
