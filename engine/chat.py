@@ -34,7 +34,8 @@ class ChatSession:
     def __init__(self, model, tokenizer, template: ChatTemplate, configure: Callable[[dict], GenerationConfig],
                  eos_ids, attention: str, feature_map: str | None = None, step=None, system: str | None = None,
                  max_context: int | None = None, spec=None):
-        if max_context is not None and (not isinstance(max_context, int) or max_context < 1):
+        if max_context is not None and (not isinstance(max_context, int) or isinstance(max_context, bool)
+                                        or max_context < 1):
             raise InvalidArgumentError(f"max_context must be an integer >= 1, got {max_context!r}")
         if system is not None:   # checked now, not at the first message: a bad one is the session's error
             if not isinstance(system, str):
@@ -70,6 +71,8 @@ class ChatSession:
             raise InvalidArgumentError(f"a message is a string, got {type(content).__name__}")
         if not content.strip():
             raise InvalidArgumentError("the message is empty; type some text")
+        if "max_context" in settings:   # the state's capacity, fixed when the session began
+            raise InvalidArgumentError("max_context is the session's, not a turn's: llm.chat_session(max_context=N)")
         self.close_reply()
         settings.setdefault("eos_ids", self.eos_ids)
         config = self.configure(settings)

@@ -428,6 +428,10 @@ def test_chat_settings_are_checked(llm):
         llm.chat([{"role": "user", "content": "hi"}], temperature=-1)
     with pytest.raises(InvalidArgumentError, match="the message is empty"):
         llm.chat_session().send("  ")
+    with pytest.raises(InvalidArgumentError, match="max_context is the session's"):   # (it was ignored)
+        llm.chat_session().send("hi", max_context=8)
+    with pytest.raises(InvalidArgumentError, match="max_context must be an integer"):   # (True ran as 1)
+        llm.chat_session(max_context=True)
 
 
 def test_chat_text_that_is_not_utf8_is_one_line_everywhere(llm):
