@@ -207,17 +207,27 @@ def test_interrupted_reply_keeps_the_session(llm):
     assert r2.result.ids == greedy(llm, whole, 5)
 
 
-def test_broken_step_rebuilds_the_state(llm, monkeypatch):
-    s = llm.chat_session()
+def at_step(llm, monkeypatch, n: int, action):
+    """Run `action` as the model's n-th step (from 1) begins; returns (the call count, the real step)."""
     calls = {"n": 0}
     real = llm.step.__class__.__call__
 
-    def flaky(self, tokens, state, *a, **k):
+    def step(self, tokens, state, *a, **k):
         calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt     # inside a step: the state may be half written
+        if calls["n"] == n:
+            action()
         return real(self, tokens, state, *a, **k)
-    monkeypatch.setattr(llm.step.__class__, "__call__", flaky)
+    monkeypatch.setattr(llm.step.__class__, "__call__", step)
+    return calls, real
+
+
+def interrupt():
+    raise KeyboardInterrupt     # inside a step: the state may be half written
+
+
+def test_broken_step_rebuilds_the_state(llm, monkeypatch):
+    s = llm.chat_session()
+    _, real = at_step(llm, monkeypatch, 3, interrupt)
     r1 = s.send("Hello there", temperature=0, max_new_tokens=10, ignore_eos=True)
     with pytest.raises(KeyboardInterrupt):
         r1.text()
@@ -272,20 +282,13 @@ def test_an_empty_system_message_keeps_the_templates_default_out(llm):
     assert len(llm.chat_template.encode(llm.tokenizer, empty[1:])) != len(llm.chat_template.encode(llm.tokenizer, empty))
 
 
-def test_ctrl_c_while_a_long_message_is_read_stops_between_prefill_blocks(llm, monkeypatch, capsys):
+def test_ctrl_c_while_a_long_message_is_read_stops_between_prefill_blocks(llm, monkeypatch):
     """gen chat: Ctrl-C during a long message's prefill was ignored until the prefill ended (minutes for a
     long paste). Now it stops between two blocks; the session rebuilds at the next turn."""
     monkeypatch.setattr(cli.chat, "PREFILL_BLOCK", 32)
     s = llm.chat_session()
-    calls = {"n": 0}
-    real = llm.step.__class__.__call__
-
-    def step(self, tokens, state, *a, **k):
-        calls["n"] += 1
-        if calls["n"] == 1:
-            os.kill(os.getpid(), signal.SIGINT)   # Ctrl-C in the first block: stream_reply's handler hears it
-        return real(self, tokens, state, *a, **k)
-    monkeypatch.setattr(llm.step.__class__, "__call__", step)
+    # Ctrl-C in the first block: stream_reply's handler hears it
+    calls, real = at_step(llm, monkeypatch, 1, lambda: os.kill(os.getpid(), signal.SIGINT))
     reply = s.send("the cat sat on the mat " * 15, temperature=0, max_new_tokens=4)
     assert cli.chat.stream_reply(reply) is True
     monkeypatch.setattr(llm.step.__class__, "__call__", real)
