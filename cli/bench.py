@@ -104,7 +104,8 @@ def bench_cmd(model_name, contexts, attention, softmax_layers, window, prefill_t
         # that cannot be written (--json /dev/full) is one line after the table, which keeps the measurements
         written, unwritten = [], None
         for out, write in ((json_path, write_json), (plot_path, plot)):
-            if out and report["results"]:
+            # (the JSON also when every configuration failed: its `failed` says what; a plot needs a row)
+            if out and (report["results"] or (write is write_json and report.get("failed"))):
                 try:
                     write(report, out)
                     written.append(out)
@@ -122,13 +123,15 @@ def bench_cmd(model_name, contexts, attention, softmax_layers, window, prefill_t
             click.echo(f"gen bench: {bad['error']}", err=True)
         if stopped:
             click.echo(f"gen bench: interrupted after {stopped['finished']} of {stopped['configurations']} "
-                       f"configurations (the rows above are those that finished)", err=True)
+                       f"configurations finished (the rows above)", err=True)
         if unwritten:
             fail(f"{unwritten}; the measurements are in the table above")
+        if stopped:   # Ctrl-C first: the user stopped the run
+            sys.exit(130)
         if report.get("failed"):
             n = len(report["failed"])
-            fail(f"{n} configuration{'s' if n > 1 else ''} failed (above); the rows that finished are in the table"
-                 + (" and the files" if written else ""))
-        if stopped:
-            sys.exit(130)
+            fail(f"{n} configuration{'s' if n > 1 else ''} failed (above); "
+                 + (("the rows that finished are in the table" + (" and the files" if written else ""))
+                    if report["results"] else "none finished" + (f" ({', '.join(written)} says which failed)"
+                                                                  if written else "")))
     run_guarded(run)

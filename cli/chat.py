@@ -165,7 +165,7 @@ def stream_reply(reply) -> bool:
                 reply.close()
                 break
     except PrefillStopped:
-        pass
+        click.echo("(stopped while reading the message: it is not in the conversation)", err=True)
     finally:
         signal.signal(signal.SIGINT, previous)
         out.write("\n")

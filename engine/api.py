@@ -223,9 +223,8 @@ class LLM:
             raise InvalidArgumentError(f"load_state(): path must be a file path, got {describe(path)}")
         if not os.path.exists(path):
             raise CheckpointError(f"{os.fspath(path)}: no such file; give the file llm.save_state() wrote")
-        saved = load_state_file(path, self.model, max_len=max_len or self.model.config.max_position_embeddings)
-        check_same_run(saved.state, self.model, self.spec, f"load_state({os.fspath(path)})")
-        return saved
+        return load_state_file(path, self.model, max_len=max_len or self.model.config.max_position_embeddings,
+                               spec=self.spec)   # (another run's state refused before it is allocated)
 
     def resume(self, saved: SavedState, more: Sequence[int] = (), **settings) -> Generation:
         """Continue from a SavedState: feeds its next ids (then `more` ids), generates as `start` does.

@@ -81,7 +81,7 @@ class ChatSession:
         full = "".join(piece for piece, _ in segments)
         if self.state is not None and not self.dirty and full.startswith(self.text):
             state, held = self.state, self.held
-            ids = self.pending + encode_segments(self.tokenizer, cut(segments, len(self.text)))
+            ids = self.pending + encode_segments(self.tokenizer, cut(segments, len(self.text)), after=self.text)
         else:
             state, held = self.model.init_state(batch=1, max_len=self.max_context, spec=self.spec,
                                                 device=self.model.device), []
@@ -92,8 +92,7 @@ class ChatSession:
         if state is not self.state:
             self.rebuilds += self.state is not None
             self.state, self.dirty = state, False
-        self.reply = ChatReply(self, generation, messages, full)
-        self.reply.held = held + ids
+        self.reply = ChatReply(self, generation, messages, full, held + ids)
         return self.reply
 
     def _finish(self, reply: "ChatReply", broken: bool) -> None:
@@ -102,6 +101,9 @@ class ChatSession:
         eos = set(reply.generation.eos)
         ended = bool(ids) and ids[-1] in eos
         text = self.tokenizer.decode(ids[:-1] if ended else ids)
+        if broken and not ids:   # stopped before the reply began (in the message's prefill): never answered,
+            self.messages, self.dirty, self.reply = reply.messages[:-1], True, None   # the message is withdrawn
+            return
         self.messages = reply.messages + [{"role": "assistant", "content": text}]
         self.text = reply.prompt_text + text
         self.pending = [] if ended or not ids else [ids[-1]]
@@ -117,9 +119,11 @@ class ChatReply(Closing):
     the assistant's message.
     """
 
-    def __init__(self, session: ChatSession, generation: Generation, messages: list[dict], prompt_text: str):
+    def __init__(self, session: ChatSession, generation: Generation, messages: list[dict], prompt_text: str,
+                 held: list[int] = ()):
         self.session, self.generation = session, generation
         self.messages, self.prompt_text = messages, prompt_text
+        self.held = list(held)   # the conversation's tokens once this turn's are fed (before the reply's)
         self.finished = False
 
     def __iter__(self):

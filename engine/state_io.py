@@ -67,8 +67,9 @@ def save(path: str | os.PathLike, saved: SavedState, model) -> None:
     save_safetensors(tensors, path, metadata=meta, private=True)   # a state holds a conversation: 0600
 
 
-def load(path: str | os.PathLike, model, max_len: int | None = None, device=None) -> SavedState:
-    """Read a saved state for `model`; a KV cache gets capacity `max_len` (default: its slots)."""
+def load(path: str | os.PathLike, model, max_len: int | None = None, device=None, spec=None) -> SavedState:
+    """Read a saved state for `model`; a KV cache gets capacity `max_len` (default: its slots). spec: the
+    run that will continue it (checked before the state is allocated: `check_same_run`)."""
     path = os.fspath(path)
     if os.path.isdir(path):   # safetensors says only "No such device (os error 19)"
         raise CheckpointError(f"{path}: is a directory; give the file llm.save_state() wrote")
@@ -99,6 +100,8 @@ def load(path: str | os.PathLike, model, max_len: int | None = None, device=None
             fix = f"kv_dtype={dtype}" if part_path == "softmax" else f"dtype={dtype}"
             raise StateMismatchError(f"{path}: a {dtype} {what}, but this model keeps it in {want}; load the "
                                      f"model with {fix}")
+    if spec is not None:
+        check_same_run(state_meta, model, spec, path)
     sd = {"meta": state_meta,
           "tensors": {k.removeprefix("state."): v for k, v in tensors.items() if k.startswith("state.")}}
     device = device or model.device
@@ -144,8 +147,12 @@ def describe_run(state_meta: dict) -> str:
 def check_same_run(state, model, spec, what: str) -> None:
     """StateMismatchError unless `state` is what `model` run as `spec` makes (a state of another run would
     decode as that run, whatever this LLM was loaded as)."""
-    theirs, mine = state.identity(), model.init_state(batch=1, max_len=1, spec=spec).identity()   # (no tensor copied)
+    theirs = state if isinstance(state, dict) else state.identity()   # (a saved file's metadata, or a state's)
+    mine = model.init_state(batch=1, max_len=1, spec=spec).identity()
     if run_of(theirs) != run_of(mine):
+        if describe_run(theirs) == describe_run(mine):   # the same run: the shapes differ
+            raise StateMismatchError(f"{what}: the state is another model's (its layers or heads differ); continue it "
+                                     "with the model it was made with")
         raise StateMismatchError(f"{what}: the state is of a {describe_run(theirs)} run; this LLM runs "
                                  f"{describe_run(mine)}: load the model with the options the state was made with")
 

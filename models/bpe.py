@@ -114,6 +114,12 @@ class BPETokenizer:
             self._chars_per_token = max(1, max(map(len, self.tok.get_vocab()))) if keeps else None
         return self._chars_per_token
 
+    def whole_token_texts(self) -> tuple[str, ...]:
+        """The texts matched as one token wherever they stand (special ones only in template text)."""
+        if getattr(self, "_whole_texts", None) is None:
+            self._whole_texts = tuple(t.content for t in self.tok.get_added_tokens_decoder().values())
+        return self._whole_texts
+
     def decode_continuation(self, ids) -> str:
         """decode(a + b) == decode(a) + decode_continuation(b) whenever a ends on a whole character:
         byte-level BPE carries its spaces inside the tokens, so this is plain `decode`."""
@@ -122,9 +128,9 @@ class BPETokenizer:
     def bytes_of(self, ids) -> bytes:
         """The bytes `ids` stand for (special tokens: their UTF-8 text), so a streaming detokenizer can
         tell a character still arriving from bytes that will never make one."""
-        if getattr(self, "_byte_of", None) is None:
-            self._byte_of = {c: b for b, c in bytes_to_unicode().items()}
+        if getattr(self, "_byte_of", None) is None:   # (_byte_of last: a thread that sees it sees both)
             self._special_ids = {i: t for t, i in self.special_tokens.items()}
+            self._byte_of = {c: b for b, c in bytes_to_unicode().items()}
         out = bytearray()
         for i in ids:
             i = int(i)

@@ -105,7 +105,10 @@ class ChatTemplate:
 
     def names_role(self, role: str) -> bool:
         """The template compares a message's role with `role` (a string literal of it in the source)."""
-        return re.search(f"""['"]{re.escape(role)}['"]""", self.source) is not None
+        named = self.__dict__.setdefault("_named_roles", {})   # (asked at every chat request: once per role)
+        if role not in named:
+            named[role] = re.search(f"""['"]{re.escape(role)}['"]""", self.source) is not None
+        return named[role]
 
     def encode(self, tokenizer, messages, add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the rendered prompt (no BOS added: the template writes one if the model wants it)."""
@@ -129,18 +132,21 @@ class ChatTemplate:
         return None
 
 
-def encode_segments(tokenizer, segments) -> list[int]:
+def encode_segments(tokenizer, segments, after: str = "") -> list[int]:
     """Template pieces with special tokens parsed; user text as plain characters. A piece that goes on
-    from one that did not end in a special token is encoded as a continuation where the tokenizer has
-    one (SentencePiece puts "\u2581" before a text and after each special token, not at a cut the text
-    never had)."""
+    from text that did not end in a token matched whole is encoded as a continuation where the tokenizer
+    has one (SentencePiece puts "\u2581" before a text and after each such token, not at a cut the text
+    never had). after: the text before the first piece ("": none; a chat session's conversation so far)."""
     ids: list[int] = []
     going_on = getattr(tokenizer, "encode_continuation", None)
-    after_special = True   # the text's start: the tokenizer's own rule
+    whole = getattr(tokenizer, "whole_token_texts", None)
+    whole = whole() if whole is not None else tuple(tokenizer.special_tokens)
+    after_whole = not after or any(after.endswith(t) for t in whole)   # the text's start: the tokenizer's own rule
     for piece, is_user in segments:
-        encode = tokenizer.encode if after_special or going_on is None else going_on
+        encode = tokenizer.encode if after_whole or going_on is None else going_on
         ids += encode(piece, special=not is_user)
-        after_special = not is_user and any(piece.endswith(s) for s in tokenizer.special_tokens)
+        # (a user-defined token is matched whole even in user text; a special one only in the template's)
+        after_whole = any(piece.endswith(t) for t in whole if not is_user or t not in tokenizer.special_tokens)
     return ids
 
 

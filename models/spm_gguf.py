@@ -46,16 +46,18 @@ class SentencePieceBPE(BPETokenizer):
         token matched whole in it (special ones where `special`, user-defined ones always), as there."""
         if not getattr(self, "space_prefix", False):
             return self.encode(text, special=special)
-        whole = [t.content for t in self.tok.get_added_tokens_decoder().values() if special or not t.special]
+        whole = [t for t in self.whole_token_texts() if special or t not in self.special_tokens]
         found = [i for i in (text.find(t) for t in whole) if i >= 0]
         head, rest = (text[:min(found)], text[min(found):]) if found else (text, "")
         ids = []
         if head:
-            with self._encoding:
-                if getattr(self, "_bare", None) is None:
-                    self._bare = self._build_bare()
-                self._bare.encode_special_tokens = True   # the head holds no special token, or is plain text
-                ids = self._bare.encode(head, add_special_tokens=False).ids
+            with self._encoding:   # the same tokenizer, its normalizer without the "▁" it puts first
+                prefixed = self.tok.normalizer
+                self.tok.normalizer, self.tok.encode_special_tokens = self._unprefixed, True
+                try:
+                    ids = self.tok.encode(head, add_special_tokens=False).ids
+                finally:
+                    self.tok.normalizer = prefixed
         return ids + (self.encode(rest, special=special) if rest else [])
 
     def bytes_of(self, ids) -> bytes:
@@ -85,7 +87,7 @@ class SentencePieceBPE(BPETokenizer):
         unk = tokens[unk] if isinstance(unk, int) and 0 <= unk < len(tokens) else None
         prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
 
-        def build(prefix=prefix):
+        def build():
             tok = Tokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
             # a normalizer, not Metaspace: that one adds no "▁" before a text that starts with a space
             tok.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE)] * prefix
@@ -97,7 +99,7 @@ class SentencePieceBPE(BPETokenizer):
         out = cls(build(), meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id"),
                   add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", True)), where=where)
         out.continuation = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
-        out.space_prefix, out._build_bare = prefix, lambda: build(prefix=False)
+        out.space_prefix, out._unprefixed = prefix, normalizers.Replace(" ", SPACE)
         out.vocab_size = len(tokens)
         return out
 

@@ -265,6 +265,14 @@ def test_a_failed_configuration_leaves_the_others_in_the_table_json_and_plot(mod
                                "error": "softmax at context 40: worker exited with code -9: no output"}]
     assert out_png.stat().st_size > 0
 
+    def killed(model, settings, attention, context):
+        raise BenchError(f"{attention} at context {context}: worker exited with code -9: no output")
+    monkeypatch.setattr(engine.bench, "run_in_process", killed)   # every one: the JSON still says which
+    res = CliRunner().invoke(main, ["bench", "--model", str(model_dir), "--contexts", "8", "--steps", "2",
+                                    "--no-isolate", "--quiet", "--threads", "1", "--json", str(out_json)])
+    assert res.exit_code == 2 and "2 configurations failed (above); none finished" in res.output
+    assert json.loads(out_json.read_text())["results"] == [] and len(json.loads(out_json.read_text())["failed"]) == 2
+
 
 def test_the_memory_crossover_counts_the_caches_own_dtype(model_dir):
     """With --kv-dtype float16 a KV slot is half an fp32 one: the crossover was computed at the weights' dtype."""

@@ -293,6 +293,7 @@ def test_ctrl_c_while_a_long_message_is_read_stops_between_prefill_blocks(llm, m
     assert cli.chat.stream_reply(reply) is True
     monkeypatch.setattr(llm.step.__class__, "__call__", real)
     assert calls["n"] == 1 and reply.result.ids == [] and s.dirty   # one block read, no token
+    assert s.messages == []   # the message was never answered: withdrawn (the next turn does not read it again)
     r = s.send("the dog", temperature=0, max_new_tokens=3)
     r.text()
     whole = llm.chat_template.encode(llm.tokenizer, s.messages[:-1])

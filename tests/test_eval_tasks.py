@@ -180,7 +180,7 @@ def test_model_args_as_lm_evals_command_line_sends_them(llama_dir):
     if not torch.cuda.is_available():
         assert one.llm.model.device.type == "cpu"
         assert any("cuda:0 is not on this machine" in str(w.message) for w in seen)
-    for args, what in (("temperature=0", "temperature is not an argument"), ("batch_tokens=abc", "batch_tokens must")):
+    for args, what in (("temperature=0", "not an argument of the gen model: temperature"), ("batch_tokens=abc", "batch_tokens must")):
         with pytest.raises(InvalidArgumentError, match=what), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             GenLM.create_from_arg_string(f"model={llama_dir},{args}", extra)

@@ -133,6 +133,16 @@ def test_a_message_cut_out_of_its_template_encodes_as_the_whole_text(name):
     assert got[:len(head) + 1] == tok.encode(text[:text.index(" </s>")], special=True)
 
 
+def test_a_chat_sessions_next_turn_encodes_as_the_whole_conversation():
+    """A session feeds the text the template adds after a reply: encoded as a fresh text it gained a
+    "▁" (Llama 2's ' ' + reply + ' </s>': "▁▁" where the conversation has "▁")."""
+    tok = tokenizer("llama-spm")
+    before = "<s>[INST] hi [/INST] hello there"          # what the state holds: up to the reply's end
+    after = " </s><s>[INST] and then? [/INST]"          # what the next turn's template adds
+    assert tok.encode(before, special=True) + encode_segments(tok, [(after, False)], after=before) == \
+        tok.encode(before + after, special=True)
+
+
 def strings(n: int = 200, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     alphabet = "abc XYZ 0123456789 \n\t.,!?'\"éü日本😀<|>_-   \n\n"

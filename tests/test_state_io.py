@@ -122,6 +122,8 @@ def test_a_state_from_another_model_is_refused(small_model_dir, tmp_path):
     other_shape = LLM(tiny_model(seed=3, num_hidden_layers=3), None, backend="torch")
     with pytest.raises(StateMismatchError, match="configuration"):
         other_shape.load_state(tmp_path / "s.safetensors")
+    with pytest.raises(StateMismatchError, match="the state is another model's"):   # in memory: the run is the same
+        other_shape.resume(llm.prefill([1, 5, 6]))
     linear = load(str(small_model_dir), attention="linear", backend="torch")
     with pytest.raises(StateMismatchError, match="of a softmax run; this LLM runs linear"):
         linear.load_state(tmp_path / "s.safetensors")

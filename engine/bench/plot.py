@@ -68,7 +68,8 @@ def plot(report: dict, path: str | os.PathLike) -> str:
     ax_m.legend(fontsize=7)
     s = report["settings"]
     m = s["machine"]
-    weights = s.get("weights") or s["dtype"]   # (quantized blocks: their format, not the float dtype)
+    # what the matrices held (a GGUF's blocks, e.g. q4_1+q8_0: not the float dtype)
+    weights = ", ".join(sorted({str(r.get("weights") or s["dtype"]) for r in report["results"]})) or s["dtype"]
     fig.suptitle(f"{s['model']} - {m['cpu']}, {m['threads']} thread(s), {weights}, torch {m['torch']}",
                  fontsize=9)
     fig.tight_layout()

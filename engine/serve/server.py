@@ -23,6 +23,7 @@ still bounded by its context).
 from __future__ import annotations
 
 from engine.errors import EngineError
+import functools
 import hashlib
 import os
 
@@ -297,20 +298,24 @@ def choice_seeds(seed: int | None, n: int) -> list:
     return [(seed + i) % 2 ** 63 for i in range(n)]
 
 
+@functools.lru_cache(maxsize=1)
+def engine_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("gen-engine")
+    except PackageNotFoundError:
+        return "dev"
+
+
 def fingerprint(llm, name: str, spec=None) -> str:
     """OpenAI's system_fingerprint: what, besides the seed, decides the tokens (the model, its run: the
     attention, softmax layers, window and sparse keys, `spec` or the server's own; dtype, device and step
     form, the prefill chunk, the engine's version): equal fingerprints and seeds, equal answers."""
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        engine_version = version("gen-engine")
-    except PackageNotFoundError:
-        engine_version = "dev"
     cfg = llm.model.config
     spec = llm.spec if spec is None else spec
     run = (spec.attention, spec.layer_paths(cfg.num_hidden_layers), spec.linear_window, spec.linear_sparse_keys,
            spec.map_set)
-    parts = (engine_version, name, run, str(llm.feature_map), str(next(llm.model.parameters()).dtype),
+    parts = (engine_version(), name, run, str(llm.feature_map), str(next(llm.model.parameters()).dtype),
              str(llm.model.device),
              getattr(llm.step, "backend", None), getattr(llm.step, "prefill_chunk", None), cfg.vocab_size,
              cfg.num_hidden_layers, cfg.hidden_size)

@@ -64,8 +64,9 @@ class GenLM(TemplateLM):
                 raise InvalidArgumentError("GenLM needs an LLM or model=<registered name or path>")
             unknown = sorted(set(load_kwargs) - LOAD_ARGS)
             if unknown:
-                raise InvalidArgumentError(f"GenLM: {', '.join(unknown)} is not an argument of the gen model (model_args "
-                                           f"take model, max_length, batch_tokens and load()'s {', '.join(sorted(LOAD_ARGS))})")
+                raise InvalidArgumentError(f"GenLM: not an argument of the gen model: {', '.join(unknown)} (model_args "
+                                           f"take model, max_length, batch_tokens, dequantize and load()'s "
+                                           f"{', '.join(sorted(LOAD_ARGS))})")
             if device is not None and _absent(str(device)):
                 # lm-eval's command line names cuda:0 unless told otherwise; its own hf model then takes what the
                 # machine has, and so does this one (saying so)

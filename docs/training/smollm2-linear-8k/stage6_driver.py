@@ -77,7 +77,10 @@ ALL_RUNS = {"lin": COMMON + LIN + ["--finetune-lr", "5e-4"],
             "maps": COMMON + LIN + ["--finetune-lr", "0", "--maps-lr", "5e-4"],
             "ret": COMMON + RETRIEVAL + ["--finetune-lr", "5e-4"]}
 # which runs share the GPU: RUNS=ret,ctl for the next loan (stage 6 ran lin,ctl,maps); the first one is probed
-RUNS = {name: ALL_RUNS[name] for name in os.environ.get("RUNS", "lin,ctl,maps").split(",")}
+_ASKED = os.environ.get("RUNS", "lin,ctl,maps").split(",")
+if not _ASKED or not set(_ASKED) <= set(ALL_RUNS):
+    sys.exit(f"RUNS={','.join(_ASKED)}: name runs of {', '.join(ALL_RUNS)}, comma-separated")
+RUNS = {name: ALL_RUNS[name] for name in _ASKED}
 
 
 def start(name, extra):

@@ -68,8 +68,8 @@
     $("#key-form").onsubmit = ev => {
       ev.preventDefault();
       const key = $("#key-input").value.trim();
-      if (/[^\x21-\x7e]/.test(key)) {   // an HTTP header carries it: printable ASCII (gen serve's rule too)
-        $("#key-note").textContent = "an API key is printable ASCII (no spaces, no \u201csmart\u201d quotes): check it was pasted as given";
+      if (/[^\x20-\x7e]/.test(key)) {   // an HTTP header carries it: printable ASCII (gen serve's rule too)
+        $("#key-note").textContent = "an API key is printable ASCII (no \u201csmart\u201d quotes or other symbols): check it was pasted as given";
         return;
       }
       if (key) sessionStorage.setItem(KEY, key);
