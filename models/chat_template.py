@@ -18,7 +18,8 @@ not. When no message contains a special-token string, the whole text is encoded 
 tokens parsed, exactly as transformers does. When one does, the prompt is cut around that message's
 content and the content is encoded as plain text, so a user cannot close a turn by typing
 "<|im_end|>" (PITFALLS #19); the pieces after a cut are encoded as continuations where the tokenizer
-has them (SentencePiece: no "\u2581" added at the cut). No BOS is added: a template that wants one writes it (PITFALLS #18).
+has them (a GGUF's SentencePiece: no "\u2581" added at the cut; a Hugging Face tokenizer.json of the
+SentencePiece kind has none yet, and its pieces after a cut keep a leading "\u2581"). No BOS is added: a template that wants one writes it (PITFALLS #18).
 """
 from __future__ import annotations
 
