@@ -47,6 +47,10 @@ class UntrainedPathWarning(UserWarning):
     """The chosen attention path is not one the weights were trained for."""
 
 
+class QuantizeWarning(UserWarning):
+    """Some matrices could not be quantized as asked and stay in float."""
+
+
 class ThreadsWarning(UserWarning):
     """More threads were asked for than this process has cores: they will wait on each other."""
 
@@ -101,7 +105,12 @@ def load(model: str = "tiny", attention: str | None = None, feature_map: str | N
     spec = net.spec
     set_threads(threads)   # PyTorch's own pool is process-wide; the native step's count travels in the spec
     if spec.quantize is not None:
-        quantize_model(net, spec.quantize)
+        kept = quantize_model(net, spec.quantize)
+        if kept:   # (blocks are 32 wide: the rule is documented, the outcome was silent)
+            total = 4 * net.config.num_hidden_layers + 1
+            warnings.warn(f"quantize={spec.quantize}: {len(kept)} of {total} matrices stay in float (their input width "
+                          f"is not a multiple of 32): {', '.join(kept[:3])}{', ...' if len(kept) > 3 else ''}",
+                          QuantizeWarning, stacklevel=2)
     trim_heap()   # what reading the checkpoint freed (metadata, tokenizer build) goes back to the kernel
     llm = LLM(net, tokenizer, name=str(model), chat_template=template, sampling=sampling, spec=spec,
               feature_map=feature_map, _stacklevel=3)

@@ -50,6 +50,16 @@ def test_quantize_model_keeps_widths_it_cannot_block():
         quantize_model(model, "q5_k")
 
 
+def test_load_says_which_matrices_stay_in_float(tmp_path):
+    """load(quantize=...) on widths blocks cannot take left them float without a word (the rule is 32-wide
+    blocks): a QuantizeWarning names how many and which."""
+    from engine.api import QuantizeWarning, load
+    from models.weights import save_pretrained
+    save_pretrained(tiny_model(intermediate_size=40), str(tmp_path))
+    with pytest.warns(QuantizeWarning, match=r"quantize=q8_0: 2 of 9 matrices stay in float .*layers\.0\.mlp\.down_proj"):
+        load(str(tmp_path), quantize="q8_0", backend="torch")
+
+
 def test_quantize_model_requantizes_other_kinds_and_keeps_its_own():
     model = tiny_model()
     quantize_model(model, "q4_1")
