@@ -240,6 +240,9 @@ def test_a_results_file_keeps_each_task_and_refuses_garbage(tmp_path):
                      (json.dumps({"configuration": dict(conf, extra=1), "tasks": {}}), "its configuration differs"),
                      (good.replace('"settings"', '"x"'), "task 'piqa' has no settings and result"),
                      (good.replace('"value": 0.5', '"value": "high"'), "task 'piqa': a malformed result"),
+                     (good.replace('"documents": 5, ', ''), "task 'piqa': a malformed result"),   # (a KeyError)
+                     (good.replace('"scoring": {}', '"scoring": {"request_tokens_per_s": "fast"}'),
+                      "task 'piqa': a malformed result"),                                     # (a ValueError)
                      (json.dumps({"configuration": conf, "tasks": {"passkey": {"settings": {}, "result": {"lengths": 5}}}}),
                       "task 'passkey': a malformed result"),
                      (good.replace('"result"', '"earlier": [{"settings": {}}], "result"'), "task 'piqa' has no settings"),
@@ -297,6 +300,20 @@ def test_results_of_other_weights_at_the_same_path_are_scored_again(small_tokeni
     assert len(list((tmp_path / "res").glob("*.json"))) == 2          # the first model's results are kept
 
 
+def test_a_layer_edited_in_the_middle_of_a_weights_file_is_other_weights(tmp_path):
+    """The signature read each file's first and last MiB: a layer edited in between (size and all) was the
+    same weights, and --results handed its old scores back."""
+    import os
+    from engine.tasks.harness import weights_signature
+    (tmp_path / "config.json").write_text("{}")
+    data = bytearray(os.urandom(3 << 20))
+    (tmp_path / "model.safetensors").write_bytes(data)
+    before = weights_signature(tmp_path)
+    data[3 << 19] ^= 1
+    (tmp_path / "model.safetensors").write_bytes(data)
+    assert weights_signature(tmp_path) != before
+
+
 def test_two_runs_of_one_configuration_keep_both_results(tmp_path):
     """Two runs into one --results directory at once (--task piqa and --task arc_easy): each wrote its own
     copy of the file, and the last writer's lost the other's task."""
@@ -304,7 +321,8 @@ def test_two_runs_of_one_configuration_keep_both_results(tmp_path):
     conf = {"model": "m", "attention": "softmax", "weights": "x"}
 
     def result(acc):
-        return {"metrics": {"acc": {"value": acc, "stderr": 0.1}}, "scoring": {}, "seconds": 1.0, "documents": 3}
+        return {"metrics": {"acc": {"value": acc, "stderr": 0.1}}, "scoring": {}, "seconds": 1.0, "documents": 3,
+                "documents_available": 3}
     first, second = ResultStore(tmp_path, conf), ResultStore(tmp_path, conf)   # both read the file before
     first.put("piqa", {"limit": 3}, result(0.5))
     second.put("arc_easy", {"limit": 2}, result(0.25))
