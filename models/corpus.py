@@ -5,6 +5,7 @@ the model.
 """
 from __future__ import annotations
 
+import codecs
 import hashlib
 import os
 from typing import Iterator
@@ -12,6 +13,25 @@ from typing import Iterator
 from models.errors import InvalidArgumentError
 
 DOC_SEPARATOR = "<|endoftext|>"
+
+
+def not_utf8(path: str | os.PathLike, e: UnicodeDecodeError) -> InvalidArgumentError:
+    """The one-line error for a file that is not UTF-8, naming the first bad byte's offset in the file (the
+    decoder's own offset counts from the start of its read buffer)."""
+    decoder, done = codecs.getincrementaldecoder("utf-8")(), 0
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(1 << 16)
+            held = len(decoder.getstate()[0])   # bytes of a character begun in the block before
+            try:
+                decoder.decode(block, final=not block)
+            except UnicodeDecodeError as bad:   # (its offsets count from the held bytes)
+                return InvalidArgumentError(f"{os.fspath(path)}: not UTF-8 text ({bad.reason} at byte "
+                                            f"{done - held + bad.start})")
+            if not block:
+                break
+            done += len(block)
+    return InvalidArgumentError(f"{os.fspath(path)}: not UTF-8 text ({e.reason})")
 
 
 def iter_documents(path: str | os.PathLike) -> Iterator[str]:
@@ -32,7 +52,7 @@ def iter_documents(path: str | os.PathLike) -> Iterator[str]:
                 else:
                     lines.append(line)
         except UnicodeDecodeError as e:
-            raise InvalidArgumentError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+            raise not_utf8(path, e) from None
     doc = "".join(lines).strip()
     if doc:
         yield doc

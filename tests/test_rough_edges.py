@@ -18,6 +18,7 @@ from engine.generate import Generation, GenerationConfig
 from engine.loader import load_model
 from engine.sampling import SamplingParams
 from models.config import ModelConfig
+from models.corpus import iter_documents
 from models.tokenizer import Tokenizer
 from models.weights import save_pretrained
 
@@ -208,3 +209,13 @@ def test_eos_ids_take_any_collection_of_token_ids():
         out = llm.stream("Once", eos_ids=ids, temperature=0, max_new_tokens=4)
         "".join(out)
         assert out.result.ids
+
+
+@pytest.mark.parametrize("at", [5, 24004, 65535, 70000])
+def test_a_file_that_is_not_utf8_names_its_first_bad_byte(tmp_path, at):
+    """The decoder's own offset counts from its read buffer: a bad byte at 24004 was reported at 7620."""
+    data = bytearray(b"a" * 80000)
+    data[at] = 0xE9
+    (tmp_path / "t.txt").write_bytes(bytes(data))
+    with pytest.raises(InvalidArgumentError, match=f"not UTF-8 text \\(invalid continuation byte at byte {at}\\)$"):
+        list(iter_documents(tmp_path / "t.txt"))

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import InvalidArgumentError
+from models.corpus import not_utf8
 
 EVAL_EXTRA = "pip install -e '.[eval]'"
 
@@ -161,7 +162,7 @@ def check_task_file(path: str | Path) -> int:
                 n += 1
                 check_item(path, lineno, line)
     except UnicodeDecodeError as e:
-        raise InvalidArgumentError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raise not_utf8(path, e) from None
     if n == 0:
         raise InvalidArgumentError(f"{path}: no items; write one JSON object a line ({TASK_FILE_HELP})")
     return n
