@@ -62,7 +62,7 @@ from engine.loader import build, parse_device
 from engine.quant import dequantize_model
 from models.corpus import file_sha256, read_documents
 from models.linearized import read_adapters, read_maps, write_adapters, write_json, write_maps
-from models.registry import read_checkpoint, resolve
+from models.registry import PACKAGED, REGISTRY, read_checkpoint, resolve
 
 WORK = ".linearize"
 FINETUNE_DTYPES = ("float32", "bfloat16")
@@ -256,6 +256,8 @@ def check_args(a: LinearizeArgs) -> None:
         raise InvalidArgumentError(f"{out}: exists and is not a directory")
     if out.is_dir() and any(p.name != WORK for p in out.iterdir()) and not a.resume:
         raise InvalidArgumentError(f"{out}: directory is not empty; give a new --out (or --resume an interrupted run)")
+    if (out / WORK / "progress.json").is_file() and not a.resume:   # (run again, it started over: the work was lost)
+        raise InvalidArgumentError(f"{out}: holds an interrupted run; add --resume to continue it, or give a new --out")
     if a.resume and not (out / WORK / "progress.json").is_file():
         raise InvalidArgumentError(f"{out}: nothing to resume (no {WORK}/progress.json); run without --resume")
     if a.init is not None:
@@ -290,7 +292,7 @@ def init_config(a: LinearizeArgs) -> None:
         if cfg.get("adapters_on") != "all" or not (d / "adapters.safetensors").is_file():
             raise InvalidArgumentError(f"--init {d}: not a `gen linearize --control` output (a control continues "
                                        "a control's adapters)")
-        if cfg.get("base_model") != a.model:
+        if not same_model(cfg.get("base_model"), a.model):
             raise InvalidArgumentError(f"--init {d}: made from {cfg.get('base_model')!r}, not --model {a.model!r}")
         if cfg.get("lora_rank") != a.lora_rank:
             raise InvalidArgumentError(f"--init {d}: its adapters have rank {cfg.get('lora_rank')}; "
@@ -300,7 +302,7 @@ def init_config(a: LinearizeArgs) -> None:
     if missing:
         raise InvalidArgumentError(f"--init {d}: not a `gen linearize` output (no {', '.join(missing)})")
     cfg = init_json(d)
-    if cfg.get("base_model") != a.model:
+    if not same_model(cfg.get("base_model"), a.model):
         raise InvalidArgumentError(f"--init {d}: made from {cfg.get('base_model')!r}, not --model {a.model!r}")
     if (d / "adapters.safetensors").is_file():   # without: fresh adapters of --lora-rank (a transfer-only output)
         rank = cfg.get("lora_rank", 0)
@@ -344,6 +346,19 @@ def init_json(d: Path) -> dict:
 
 
 # ---------------------------------------------------------------------- data
+def base_model_name(model: str) -> str:
+    """What an output records as its base model: a registered name as given, a path made absolute (a
+    relative one loaded only from the directory the run was started in)."""
+    if model in REGISTRY or model in PACKAGED or not os.path.exists(model):
+        return model
+    return os.path.abspath(model)
+
+
+def same_model(recorded, model: str) -> bool:
+    """`--init`'s base model and --model name one model (a path as typed or made absolute)."""
+    return isinstance(recorded, str) and base_model_name(recorded) == base_model_name(model)
+
+
 def build_rows(tok, a: LinearizeArgs) -> tuple[torch.Tensor, list[dict]]:
     """(N, seq_len) int64 rows, the same number of tokens from each file, and what was used."""
     total = max(a.tokens, a.finetune_tokens or 0)
@@ -369,6 +384,10 @@ def build_rows(tok, a: LinearizeArgs) -> tuple[torch.Tensor, list[dict]]:
     for u in used:   # the same number of rows from each file
         u["tokens_used"] = n * a.seq_len
     mixed = torch.stack([r[:n] for r in rows], 1).flatten(0, 1)
+    if mixed.shape[0] <= a.eval_rows:   # (none left to train on: a traceback deep in the transfer, files left)
+        raise InvalidArgumentError(f"--data makes {mixed.shape[0]} rows of --seq-len {a.seq_len} tokens; the run needs "
+                                   f"more than the {a.eval_rows} kept for the transfer losses: give more text or a "
+                                   f"shorter --seq-len")
     return mixed, used
 
 
@@ -774,9 +793,9 @@ def write_output(model, a, state, used, layer_attention, t0, rows_used, lora=Non
     if lora is not None:
         write_adapters(out / "adapters.safetensors", lora.export())
     if a.control:
-        config = {"base_model": a.model, "attention": "softmax", "adapters_on": "all"}
+        config = {"base_model": base_model_name(a.model), "attention": "softmax", "adapters_on": "all"}
     else:
-        config = {"base_model": a.model, "feature_map": "hedgehog",
+        config = {"base_model": base_model_name(a.model), "feature_map": "hedgehog",
                   "attention": "hybrid" if layer_attention else "linear", "window": a.window,
                   "transfer_loss": relative}
     if layer_attention:

@@ -11,6 +11,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from cli.main import main
+from engine.api import load
 from engine.errors import CheckpointError, InvalidArgumentError
 from engine.linearize import LinearizeArgs, linearize
 from engine.loader import load_model
@@ -151,6 +152,41 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(small_model_dir, corpu
         r = cli("eval", "--model", small_model_dir, "--data", corpus, *extra)
         print(r.output)
         assert r.exit_code == 2 and r.output.startswith("gen: error: ") and len(r.output.strip().splitlines()) == 1
+
+
+def test_text_too_short_for_a_training_row_is_one_line_and_nothing_written(small_model_dir, tmp_path):
+    """Text that fills no more rows than the eval rows left none to train on: a RuntimeError deep in the
+    transfer, with .linearize files left behind."""
+    short = sentence_corpus(tmp_path / "short.txt", 3, seed=2)
+    out = tmp_path / "never"
+    r = cli("linearize", "--model", small_model_dir, "--data", short, "--out", out, "--seq-len", "64",
+            "--threads", "1")
+    assert r.exit_code == 2 and "kept for the transfer losses" in r.output and len(r.output.strip().splitlines()) == 1
+    assert not out.exists() or not any(out.rglob("*"))
+
+
+def test_running_again_without_resume_keeps_an_interrupted_run(small_model_dir, corpus, tmp_path):
+    """After Ctrl-C the same command without --resume started over and overwrote the saved progress."""
+    out = tmp_path / "cut"
+    interrupted_in_the_transfer(args(small_model_dir, corpus, out, finetune_steps=0))
+    before = (out / ".linearize" / "progress.json").read_text()
+    with pytest.raises(InvalidArgumentError, match="holds an interrupted run; add --resume"):
+        linearize(args(small_model_dir, corpus, out, finetune_steps=0), log=lambda m: None)
+    assert (out / ".linearize" / "progress.json").read_text() == before
+
+
+def test_a_base_model_given_as_a_relative_path_is_recorded_whole(small_model_dir, corpus, tmp_path, monkeypatch):
+    """config.json kept --model as typed: a relative path, and the output loaded only from that directory."""
+    monkeypatch.chdir(small_model_dir.parent)
+    out = tmp_path / "rel"
+    linearize(args(small_model_dir.name, corpus, out, finetune_steps=0, layer_steps=1), log=lambda m: None)
+    assert json.loads((out / "config.json").read_text())["base_model"] == str(small_model_dir.resolve())
+    monkeypatch.chdir(tmp_path)
+    load(str(out), attention="linear").generate([1, 5, 6], max_new_tokens=2)
+    assert args(small_model_dir.name, corpus, out).model == small_model_dir.name   # --init with the same relative path:
+    monkeypatch.chdir(small_model_dir.parent)                                      # the same model
+    linearize(args(small_model_dir.name, corpus, tmp_path / "again", finetune_steps=1, layer_steps=1, init=str(out)),
+              log=lambda m: None)
 
 
 def test_maps_for_another_model_are_refused(small_model_dir, corpus, tmp_path):
