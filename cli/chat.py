@@ -40,7 +40,7 @@ COMMAND = re.compile(r"/[A-Za-z?][\w?-]*")   # what reads as a command: a slash 
 @click.option("--seed", type=int, help="default: a fresh seed per reply")
 @device_option
 @dtype_options
-@click.option("-c", "--max-context", type=int, help="softmax KV cache capacity in tokens for the whole conversation "
+@click.option("-c", "--max-context", type=click.IntRange(min=1), help="softmax KV cache capacity in tokens for the whole conversation "
                                                       "(default: the model's context)")
 @backend_option
 @threads_option()

@@ -76,8 +76,9 @@ def eval_cmd(model_name, attention, softmax_layers, window, feature_map, data, t
     ctx = click.get_current_context()   # --trials and --seed have defaults: were they given?
     passkey_flags = [flag for flag, name in (("--trials", "trials"), ("--seed", "seed")) if ctx.get_parameter_source(name)
                      not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)]
+    batch_given = ctx.get_parameter_source("batch_size") not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)
     tasks = check_modes(data, task_list, task_files, limit, lengths, depths, results_dir, max_docs, trials,
-                        context, batch_size, passkey_flags)
+                        context, batch_size if batch_given or data is not None else None, passkey_flags)
     if data is not None:
         return perplexity(model_name, attention, softmax_layers, window, feature_map, data, context, max_docs,
                           batch_size, device, dtype, quantize, threads, as_json, sparse_keys)
@@ -174,9 +175,10 @@ def perplexity(model_name, attention, softmax_layers, window, feature_map, data,
 
 
 def check_modes(data, task_list, task_files, limit, lengths, depths, results_dir, max_docs, trials, context=None,
-                batch_size=8, passkey_flags=()) -> list[str]:
+                batch_size=None, passkey_flags=()) -> list[str]:
     """Which tasks a run asks for (none: perplexity of --data), every option checked against the mode.
-    passkey_flags: the passkey-only options with defaults that were given (--trials, --seed)."""
+    batch_size: --batch-size where it was given or --data runs (None: not given); passkey_flags: the
+    passkey-only options with defaults that were given (--trials, --seed)."""
     if context is not None and context < 2:
         fail(f"--context must be at least 2 tokens, got {context}")
     if data is not None and (task_list or task_files):
@@ -197,6 +199,8 @@ def check_modes(data, task_list, task_files, limit, lengths, depths, results_dir
         return []
     if max_docs is not None:
         fail("--max-docs applies to --data (documents); for tasks use --limit")
+    if batch_size is not None:   # (given with tasks: it ran unused, -4 included)
+        fail("--batch-size applies to --data (windows per batch); tasks size their batches in tokens")
     tasks = []
     for name in (task_list or "").split(","):
         name = name.strip().lower()

@@ -436,6 +436,8 @@ def test_chat_settings_are_checked(llm):
         llm.chat_session().send("hi", max_context=8)
     with pytest.raises(InvalidArgumentError, match="max_context must be an integer"):   # (True ran as 1)
         llm.chat_session(max_context=True)
+    r = CliRunner().invoke(main, ["chat", "--model", "no-such-model", "-c", "0"], input="hi\n")
+    assert r.exit_code == 2 and "'-c' / '--max-context': 0 is not in the range x>=1" in r.output   # (before the load)
 
 
 def test_chat_text_that_is_not_utf8_is_one_line_everywhere(llm):

@@ -60,6 +60,7 @@ def one_line_error(r, text):
     (["--task", "piqa", "--seed", "3"], "--seed applies to --task passkey; lm-eval tasks"),   # was accepted, unused
     (["--task", "piqa", "--trials", "20", "--seed", "0"], "--trials and --seed apply to --task passkey"),
     (["--data", "x.txt", "--trials", "5"], "--trials applies to --task passkey, not to --data"),
+    (["--task", "passkey", "--batch-size", "-4"], "--batch-size applies to --data"),   # was accepted, unused
 ])
 def test_bad_options_are_one_line_before_any_work(args, text):
     one_line_error(gen("--model", "no-such-model", *args), text)
