@@ -88,8 +88,24 @@ def check_resume_settings(saved: dict, a: "LinearizeArgs") -> None:
         was = saved.get(key, ADDED_LATER.get(key, now[key]))   # a key older progress files lack: its default
         if was != now[key]:
             flag = "--" + key.replace("_", "-")
+            if isinstance(was, bool) and isinstance(now[key], bool):   # a switch: given or not
+                raise InvalidArgumentError(f"--resume {'with' if now[key] else 'without'} {flag}, but the interrupted "
+                                           f"run ran {'with' if was else 'without'} it; resume as it began (or start a "
+                                           f"new --out)")
             raise InvalidArgumentError(f"--resume with {flag} {shown(now[key])}, but the interrupted run used "
                                        f"{shown(was)}; resume with the same value (or start a new --out)")
+
+
+def check_resume(state: dict, a: "LinearizeArgs") -> None:
+    """Every setting an interrupted run's progress (`state`) fixes: RESUME_SAME, and once its finetune began
+    the adapters' rank and the maps' learning rate (the optimizer's saved layout)."""
+    check_resume_settings(state["args"], a)
+    if state.get("finetune_done") and state["args"].get("lora_rank", 0) != a.lora_rank:
+        raise InvalidArgumentError(f"--resume with --lora-rank {shown(a.lora_rank)}, but the interrupted finetune "
+                                   f"used {shown(state['args'].get('lora_rank', 0))}; resume with the same value")
+    if state.get("finetune_done") and state["args"].get("maps_lr") != a.maps_lr:   # another optimizer layout
+        raise InvalidArgumentError(f"--resume with --maps-lr {shown(a.maps_lr)}, but the interrupted finetune "
+                                   f"used {shown(state['args'].get('maps_lr'))}; resume with the same value")
 
 
 ADDED_LATER = {"softmax_layers": None}   # RESUME_SAME keys a progress file written before them lacks, and their value then
@@ -260,6 +276,13 @@ def check_args(a: LinearizeArgs) -> None:
         raise InvalidArgumentError(f"{out}: holds an interrupted run; add --resume to continue it, or give a new --out")
     if a.resume and not (out / WORK / "progress.json").is_file():
         raise InvalidArgumentError(f"{out}: nothing to resume (no {WORK}/progress.json); run without --resume")
+    if a.resume:   # a changed setting: one line now, before the model and the data are read
+        try:
+            saved = json.loads((out / WORK / "progress.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            saved = None   # (read again where the run resumes, which says what is wrong with it)
+        if isinstance(saved, dict) and isinstance(saved.get("args"), dict):
+            check_resume(saved, a)
     if a.init is not None:
         init_config(a)
     if a.control:
@@ -524,7 +547,7 @@ def _linearize(a: LinearizeArgs, g: Group, log, on_step) -> dict | None:
     state = progress.load() if a.resume else {}
     data_sha256 = [u["sha256"] for u in used]   # what a --resume checks its text by
     if state:
-        check_resume_settings(state["args"], a)
+        check_resume(state, a)
         was = state.get("data_sha256")
         if was is not None and was != data_sha256:   # the same names, other text: the layers done learned on the old one
             changed = next(u["file"] for u, w in zip(used, was) if u["sha256"] != w)
@@ -650,12 +673,6 @@ def _linearize(a: LinearizeArgs, g: Group, log, on_step) -> dict | None:
         L, a.softmax_layers if a.softmax_layers else highest_loss_layers(relative, a.hybrid))
     # ----------------------------------------------------------------- finetune
     finetune_rows = train_rows[:a.finetune_tokens // a.seq_len] if a.finetune_tokens else transfer_rows
-    if state["finetune_done"] and state["args"].get("lora_rank", 0) != a.lora_rank:
-        raise InvalidArgumentError(f"--resume with --lora-rank {a.lora_rank}, but the interrupted finetune used "
-                                   f"{state['args'].get('lora_rank', 0)}; resume with the same value")
-    if state["finetune_done"] and state["args"].get("maps_lr") != a.maps_lr:   # another optimizer layout
-        raise InvalidArgumentError(f"--resume with --maps-lr {a.maps_lr}, but the interrupted finetune used "
-                                   f"{state['args'].get('maps_lr')}; resume with the same value")
     state["args"]["lora_rank"] = a.lora_rank   # what the finetune's saved progress holds from here on
     state["args"]["maps_lr"] = a.maps_lr
     if a.lora_rank and not a.finetune_steps:

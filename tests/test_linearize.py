@@ -11,6 +11,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from cli.main import main
+import engine.linearize
 from engine.api import load
 from engine.errors import CheckpointError, InvalidArgumentError
 from engine.linearize import LinearizeArgs, linearize
@@ -54,8 +55,10 @@ def test_resume_with_other_settings_is_one_line_and_leaves_the_progress(small_mo
     for change, says in ((dict(seq_len=64), "--seq-len 64, but the interrupted run used 32"),
                          (dict(window=4), "--window 4, but the interrupted run used 0"),
                          (dict(seed=4), "--seed 4, but the interrupted run used 3"),
-                         (dict(softmax_layers=[1]), r"--softmax-layers 1, but the interrupted run used \(not given\)")):
-        with pytest.raises(InvalidArgumentError, match=says):
+                         (dict(softmax_layers=[1]), r"--softmax-layers 1, but the interrupted run used \(not given\)"),
+                         (dict(decay=True), "--resume with --decay, but the interrupted run ran without it")):
+        with pytest.raises(InvalidArgumentError, match=says), pytest.MonkeyPatch.context() as mp:
+            mp.setattr(engine.linearize, "read_checkpoint", lambda *_a, **_k: pytest.fail("read the model first"))
             linearize(args(small_model_dir, corpus, out, finetune_steps=0, resume=True, **change), log=lambda m: None)
         assert (out / ".linearize" / "progress.json").read_text() == before
     # a progress file from before --softmax-layers (no such key) ran without it: a resume adding it is refused
