@@ -177,7 +177,6 @@ class Generation(Closing):
         self.sequences = [Sequence(tokenizer, config.stop, self.eos, N, r) for r in room]
         self.ids: list[list[int]] = [seq.ids for seq in self.sequences]
         self.results: list[Result | None] = [None] * B
-        self.seed = config.sampling.seed
         self.seeds = [config.sampling.seed] * len(self.prompts)   # each row's (the sampler draws them when none was given)
         self._t0 = time.perf_counter()
         self._prefill_s = 0.0
@@ -224,7 +223,7 @@ class Generation(Closing):
         N, B = cfg.max_new_tokens, len(self.prompts)
         tokens, valid = left_pad(self.prompts, model.device)              # (B, P), (B, P) or None
         sampler = Sampler(cfg.sampling, B, model.config.vocab_size, model.device)
-        self.seed, self.seeds = sampler.seed, sampler.seeds
+        self.seeds = sampler.seeds
         sampler.observe(tokens, valid)
         for row, held in zip(sampler.rows, self.seen or ()):
             if row.seen is not None and held:

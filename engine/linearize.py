@@ -279,10 +279,13 @@ def check_args(a: LinearizeArgs) -> None:
     if a.resume:   # a changed setting: one line now, before the model and the data are read
         try:
             saved = json.loads((out / WORK / "progress.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            saved = None   # (read again where the run resumes, which says what is wrong with it)
-        if isinstance(saved, dict) and isinstance(saved.get("args"), dict):
-            check_resume(saved, a)
+        except (OSError, ValueError) as e:
+            raise InvalidArgumentError(f"{out / WORK / 'progress.json'}: cannot be read ({e}); start a new --out") \
+                from None
+        if not isinstance(saved, dict) or not isinstance(saved.get("args"), dict):
+            raise InvalidArgumentError(f"{out / WORK / 'progress.json'}: not a gen linearize progress file; start a "
+                                       f"new --out")
+        check_resume(saved, a)
     if a.init is not None:
         init_config(a)
     if a.control:
@@ -546,8 +549,7 @@ def _linearize(a: LinearizeArgs, g: Group, log, on_step) -> dict | None:
     L = cfg.num_hidden_layers
     state = progress.load() if a.resume else {}
     data_sha256 = [u["sha256"] for u in used]   # what a --resume checks its text by
-    if state:
-        check_resume(state, a)
+    if state:   # (its settings were checked with the arguments: check_args)
         was = state.get("data_sha256")
         if was is not None and was != data_sha256:   # the same names, other text: the layers done learned on the old one
             changed = next(u["file"] for u, w in zip(used, was) if u["sha256"] != w)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import math
 import os
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -341,12 +340,18 @@ class Sampler:
     def __init__(self, params: SamplingParams, batch: int, vocab_size: int, device="cpu"):
         check_vocab(params, vocab_size)
         self.params = params
-        # no seed: each row its own draw from the OS (four copies of one prompt are four samples, as
+        # no seed: each row draws its own from the OS (four copies of one prompt are four samples, as
         # num_return_sequences gives); a seed: every row that seed (a row samples what it would alone)
-        self.seeds = [params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-                      for _ in range(batch)]
-        self.seed = self.seeds[0] if self.seeds else params.seed
-        self.rows = [RowSampler(dataclasses.replace(params, seed=seed), [], vocab_size, device) for seed in self.seeds]
+        self.rows = [RowSampler(params, [], vocab_size, device) for _ in range(batch)]
+
+    @property
+    def seeds(self) -> list[int]:
+        """Each row's seed (drawn from the OS where none was given)."""
+        return [row.seed for row in self.rows]
+
+    @property
+    def seed(self) -> int | None:
+        return self.rows[0].seed if self.rows else self.params.seed
 
     def observe(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Prompt tokens (B, T) int64; valid (B, T) bool, False at pads (not counted as seen)."""
