@@ -22,6 +22,7 @@ if _QUIET_START:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 try:
+    import importlib
     import importlib.metadata
     import platform
     import sys
@@ -39,23 +40,49 @@ try:
     from cli.eval import eval_cmd
     from cli.generate import generate_cmd
     from cli.linearize import linearize_cmd
-    from cli.serve import serve_cmd
     from cli.train import train_cmd
 finally:   # whatever an import raised, Ctrl-C is Python's again
     if _QUIET_START:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 DEFAULT_COMMAND = "generate"
+# Subcommands imported only when named (`gen serve`, `gen --help`): the server's stack (FastAPI, pydantic,
+# uvicorn, sse-starlette) takes ~0.5 s to import, a fifth of every other command's start. name -> (module, attribute)
+LAZY_COMMANDS = {"serve": ("cli.serve", "serve_cmd")}
+
+
+@contextmanager
+def quiet_sigint():
+    """Ctrl-C while a module imports ends the process quietly (the signal's default), as at start."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 class GenGroup(click.Group):
     """A click group whose arguments go to `generate` unless the first one names a subcommand,
     and whose usage errors (its own and its subcommands') are one line on stderr, exit code 2."""
 
+    def list_commands(self, ctx):
+        return sorted({*self.commands, *LAZY_COMMANDS})
+
+    def get_command(self, ctx, name):
+        if name not in self.commands and name in LAZY_COMMANDS:
+            module, attribute = LAZY_COMMANDS[name]
+            with quiet_sigint():
+                self.add_command(getattr(importlib.import_module(module), attribute), name)
+        return self.commands.get(name)
+
     def parse_args(self, ctx, args):
-        if args and args[0] not in self.commands and args[0] not in (*ctx.help_option_names, "--version"):
+        names = self.list_commands(ctx)
+        if args and args[0] not in names and args[0] not in (*ctx.help_option_names, "--version"):
             if not ctx.resilient_parsing:
-                note_misspelled_command(args, self.commands)
+                note_misspelled_command(args, names)
             args = [DEFAULT_COMMAND, *args]
         return super().parse_args(ctx, args)
 
@@ -167,7 +194,6 @@ main.add_command(eval_cmd)
 main.add_command(convert_cmd)
 main.add_command(bench_cmd)
 main.add_command(chat_cmd)
-main.add_command(serve_cmd)
 main.add_command(linearize_cmd)
 
 if __name__ == "__main__":

@@ -187,7 +187,7 @@ def test_every_command_offers_the_engines_backends_from_one_declaration():
 
     from cli.main import main as cli_main
     from engine.runspec import BACKENDS
-    commands = {n: cli_main.commands[n] for n in ("generate", "chat", "bench", "serve")}
+    commands = {n: cli_main.get_command(None, n) for n in ("generate", "chat", "bench", "serve")}
     for name, cmd in commands.items():
         option = next(p for p in cmd.params if p.name == "backend")
         assert tuple(option.type.choices) == BACKENDS, name
