@@ -128,7 +128,8 @@ def eval_cmd(model_name, attention, softmax_layers, window, feature_map, data, t
                     if cached is not None:
                         results[name] = dict(cached, cached=str(store.path))
                     elif name == "passkey":
-                        with tqdm(total=len(lengths_) * trials, desc="passkey", unit="trial", disable=as_json) as bar:
+                        with tqdm(total=len(lengths_) * trials, desc="passkey", unit="trial",
+                                  disable=not shows_progress(as_json)) as bar:
                             results[name] = run_passkey(llm, lengths_, depths_, trials, seed, progress=bar.update,
                                                         points=points)
                     else:
@@ -164,7 +165,7 @@ def perplexity(model_name, attention, softmax_layers, window, feature_map, data,
         if quantize:
             quantize_model(model, quantize)
         res = evaluate_file(model, tokenizer, data, attention=model.spec.attention, feature_map=feature_map,
-                            context=context, batch_size=batch_size, progress=not as_json, max_docs=max_docs)
+                            context=context, batch_size=batch_size, progress=shows_progress(as_json), max_docs=max_docs)
         if as_json:
             echo(json.dumps({"model": str(model_name), "data": data, **res.to_dict()}))
         else:
@@ -283,6 +284,19 @@ def describe(name: str, res: dict) -> str:
     rate = f", {s['request_tokens_per_s']:.0f} request tokens/s" if s.get("request_tokens_per_s") else ""
     return (f"{name}: {metrics} ({res['documents']} of {res['documents_available']} documents, "
             f"{res['seconds']:.1f} s{rate}){cached}")
+
+
+def shows_progress(as_json: bool, stream=None) -> bool:
+    """A progress bar on stderr: always for the human output; with --json only where stderr is a terminal
+    (`gen eval ... --json > out.json` at a prompt, a 30-minute passkey run, showed nothing), so a script
+    that reads both streams gets the JSON alone. lm-eval's tasks print their own progress either way."""
+    stream = sys.stderr if stream is None else stream
+    if not as_json:
+        return True
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):   # a closed or replaced stderr
+        return False
 
 
 def echo(text: str) -> None:

@@ -336,3 +336,41 @@ def test_context_with_passkey_warns_that_it_is_ignored(small_model_dir):
     """--context limits the lm-eval tasks' items; passkey's prompts are its --lengths (it was silent)."""
     r = gen("--model", small_model_dir, "--task", "passkey", "--lengths", 260, "--trials", 1, "--context", 20, "--json")
     assert r.exit_code == 0 and "--context 20 is ignored by the passkey task" in r.stderr, r.output
+
+
+def test_json_output_keeps_a_progress_bar_on_a_terminal_stderr(small_model_dir):
+    """`gen eval ... --json > out.json` at a prompt showed nothing for a whole passkey run: with --json the
+    bar goes to stderr where stderr is a terminal, and stays off where a program reads it."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import subprocess
+    import termios
+    import sys
+    from pathlib import Path
+
+    args = [sys.executable, "-m", "cli.main", "eval", "--model", str(small_model_dir), "--attention", "linear",
+            "--task", "passkey", "--lengths", "260", "--depths", "0.5", "--trials", "2", "--threads", "1", "--json"]
+    root = Path(__file__).resolve().parent.parent
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))   # a terminal's size (tqdm's width)
+    try:
+        run = subprocess.run(args, stdout=subprocess.PIPE, stderr=slave, cwd=root, timeout=300)
+        os.close(slave)
+        seen = b""
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:   # the terminal's other end is closed: all of it read
+                break
+            if not chunk:
+                break
+            seen += chunk
+    finally:
+        os.close(master)
+    assert run.returncode == 0, seen[-2000:]
+    assert json.loads(run.stdout)["tasks"]["passkey"]["lengths"]["260"]["trials"] == 2
+    assert b"passkey: 100%" in seen
+    piped = subprocess.run(args, capture_output=True, cwd=root, timeout=300)
+    assert piped.returncode == 0 and b"passkey: " not in piped.stderr and json.loads(piped.stdout)
