@@ -35,7 +35,13 @@ its peak there): docs/training/smollm2-linear-8k/stage6_linearized.json. A later
 The next loan (issue 30): `RUNS=ret,ctl` trains the retrieval configuration (`--softmax-layers
 4,6,14,15,17,18,20,23`, from the -8k set) beside its control on the same rows, seed and steps; the two fit at
 batch 2 (A's 49 GiB and the control's 26 GiB above). Checked on a CPU first: `DRY=1 RUNS=ret,ctl OUT=/tmp/dry
-python3 docs/training/smollm2-linear-8k/stage6_driver.py 300` (256-token rows, one thread)."""
+python3 docs/training/smollm2-linear-8k/stage6_driver.py 300` (256-token rows, one thread).
+
+As run on 2026-11-28, a fourth loan (stage 7): the two calls above (call 1 without the pytest, 11 s), then
+`RUNS=ret,ctl ... run.py 575`: probe 1.97 s a step at batch 2, load 32 s -> 175 steps, `--budget 7.65`;
+the control ran its 175 steps in 68 s, the retrieval run its 175 in 357 s beside it (68 GB in use at the
+half-way mark), both packed; 426 s of the call. Logs and curves:
+docs/training/smollm2-linear-8k/stage7_{retrieval,control}.json."""
 import os
 import re
 import subprocess
