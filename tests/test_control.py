@@ -119,7 +119,8 @@ def test_control_cli(small_model_dir, corpus, tmp_path):  # noqa: F811
 
 @pytest.mark.parametrize("name, linear_name", [("smollm2-control", "smollm2-linear"),
                                                 ("smollm2-control-linear", "smollm2-linear"),
-                                                ("smollm2-control-8k", "smollm2-linear-8k")])
+                                                ("smollm2-control-8k", "smollm2-linear-8k"),
+                                                ("smollm2-control-retrieval", "smollm2-linear-retrieval")])
 def test_shipped_smollm2_control(name, linear_name):
     """weights/smollm2-control: adapters only, on every layer of smollm2, read by softmax attention; the
     same rank as smollm2-linear's (the card compares them)."""

@@ -204,7 +204,7 @@ def test_maps_for_another_model_are_refused(small_model_dir, corpus, tmp_path):
     assert r.exit_code == 2 and "belong to another model" in r.output and len(r.output.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("name", ["smollm2-linear", "smollm2-linear-8k", "smollm2-linear-1k"])
+@pytest.mark.parametrize("name", ["smollm2-linear", "smollm2-linear-8k", "smollm2-linear-1k", "smollm2-linear-retrieval"])
 def test_shipped_smollm2_linear_config(name):
     """weights/smollm2-linear (its default set since 2026-11-28: the stages on 8,192-token rows, also
     -8k, whose maps carry a gated decay; -1k: the default set before, 1,024-token rows, no decay): maps
@@ -225,6 +225,9 @@ def test_shipped_smollm2_linear_config(name):
             assert (resolve(name) / f).read_bytes() == (resolve("smollm2-linear-8k") / f).read_bytes(), f
     L = cfg.num_hidden_layers
     assert cfg.window == 256 and cfg.sparse_keys == 64
+    softmax_layers = [i for i, p in enumerate(cfg.layer_attention) if p == "softmax"]
+    assert softmax_layers == ([4, 6, 14, 15, 17, 18, 20, 23] if name.endswith("-retrieval")   # chosen by retrieval
+                              else [3, 5, 9, 10, 11, 13, 18, 23])   # auto:8, by transfer loss
     default = state_bytes(cfg, cfg.layer_attention or ("linear",) * L,
                           32768, feature_dim=2 * cfg.head_dim, window=cfg.window, sparse_keys=cfg.sparse_keys)
     softmax = state_bytes(cfg, ("softmax",) * L, 32768)
