@@ -106,7 +106,7 @@ KV_DTYPE_HELP = ("the KV cache's dtype (default: the model's): float32, float16,
 def prefill_chunk_option(fn):
     """`--prefill-chunk N`, one declaration for every command that generates (gen, chat, serve)."""
     return click.option("--prefill-chunk", type=click.IntRange(min=0), default=DEFAULT_PREFILL_CHUNK,
-                        show_default=True,
+                        show_default="16 on the C step, 512 on the PyTorch path (a GPU, fp32 / bf16 weights)",
                         help="prefill prompts in blocks of at most N tokens (0: one block); the server feeds "
                              "one block between decode steps. The same N gives the same tokens in gen, "
                              "the Python API and gen serve")(fn)

@@ -59,7 +59,7 @@ def load(model: str = "tiny", attention: str | None = None, feature_map: str | N
          device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
          backend: str = "auto", threads: int | None = None, native: bool = False,
          quantize: str | None = None, softmax_layers=None, window: int | None = None,
-         kv_dtype: str | torch.dtype | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+         kv_dtype: str | torch.dtype | None = None, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
          activations: str = DEFAULT_ACTIVATIONS, sparse_keys: int | None = None) -> "LLM":
     """Load a registered model name (`tiny`) or a checkpoint path; attention None = the model's own.
 
@@ -79,7 +79,9 @@ def load(model: str = "tiny", attention: str | None = None, feature_map: str | N
     (PyTorch's arithmetic throughout: the module and torch steps' tokens) or "q8" (rounded throughout:
     faster, less exact).
     prefill_chunk: prompts are prefilled in blocks of at most this many tokens (0: one block), as
-    `gen --prefill-chunk` and `gen serve` do, so the same request gives the same tokens everywhere.
+    `gen --prefill-chunk` and `gen serve` do, so the same request gives the same tokens everywhere;
+    None (the default): 16 where the C step prefills (a CPU, f16 or quantized weights), 512 on the
+    PyTorch path (a GPU, fp32 / bf16 weights), `llm.step.chunk` says which.
 
     Every option is resolved once, with the checkpoint's config, into `LLM.spec` (engine.runspec.RunSpec,
     where the rules live); warns (UntrainedPathWarning) when `attention` is a path the weights were
@@ -126,7 +128,7 @@ class LLM:
 
     def __init__(self, model, tokenizer=None, attention: str | None = None, feature_map: str | None = None,
                  name: str | None = None, backend: str = "auto", chat_template=None,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, sampling: dict | None = None,
+                 prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK, sampling: dict | None = None,
                  activations: str = DEFAULT_ACTIVATIONS, _stacklevel: int = 2, spec: RunSpec | None = None):
         """spec: the run (what `load` resolves); without it, the model's default run on `attention`
         with `feature_map`, `backend`, `prefill_chunk` and `activations`."""

@@ -260,7 +260,7 @@ class Generation(Closing):
         `prefill_block` (PROGRESS_BLOCK) runs in blocks of whole prefill chunks (the step cuts each block into the chunks
         it would cut the whole prompt into: the same arithmetic, the same tokens), and `on_prefill(done,
         total)` hears after each. (A padded batch, or a step that prefills in one block, runs whole.)"""
-        P, chunk = tokens.shape[1], getattr(self.step, "prefill_chunk", 0)
+        P, chunk = tokens.shape[1], getattr(self.step, "chunk", 0)
         if self.on_prefill is None or valid is not None or not chunk or P <= self.prefill_block:
             return self.step(tokens, self.state, valid=valid, last_only=True)[:, -1]
         block = chunk * max(1, self.prefill_block // chunk)

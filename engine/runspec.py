@@ -37,7 +37,14 @@ QUANT_KINDS = ("q8_0", "q4_0", "q4_1")
 # and every caller chunks alike, so a request gives the same tokens from the API, the CLI and the server.
 # 16 measured best on SmolLM2 Q4_1 (2 cores, C step): 324 prefill tokens/s against 139 for 512-token
 # blocks, a chunk ~38 ms next to a 12 ms decode step (benchmarks/prefill_chunk.py).
-DEFAULT_PREFILL_CHUNK = 16
+# The default (None) picks per model: NATIVE_PREFILL_CHUNK where the C step prefills the prompt blocks
+# (a CPU, f16 or quantized weights), MODULE_PREFILL_CHUNK on the PyTorch path (a GPU, fp32 / bf16 weights,
+# --backend torch): there each block re-reads, and dequantizes, every weight, ~400 tensor operations a
+# token at 16 (SmolLM2 Q4_1, 600 tokens on one core: 21.6 s in blocks of 16, 2.9 s in blocks of 512; on a
+# GPU each operation is a kernel launch). An int given is used on every path.
+DEFAULT_PREFILL_CHUNK = None
+NATIVE_PREFILL_CHUNK = 16
+MODULE_PREFILL_CHUNK = 512
 # What quantized weights multiply in the native step (engine.steps.native.NativeStep): "f32" activations
 # (PyTorch's arithmetic) or "q8" (activations rounded to q8 blocks, llama.cpp's); see benchmarks/quant_activations.py.
 DEFAULT_ACTIVATIONS = "f32-prompt"
@@ -89,11 +96,14 @@ def check_quantize(kind) -> str:
     return kind
 
 
-def check_prefill_chunk(chunk) -> int:
-    """0 = whole prompts in one block; else a positive token count."""
+def check_prefill_chunk(chunk) -> int | None:
+    """None = the default for the path that prefills (DEFAULT_PREFILL_CHUNK); 0 = whole prompts in one
+    block; else a positive token count."""
+    if chunk is None:
+        return None
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
         raise InvalidArgumentError(f"prefill_chunk must be a non-negative integer (0: the whole prompt in one "
-                                   f"block), got {chunk!r}")
+                                   f"block) or None (the path's default), got {chunk!r}")
     return chunk
 
 
@@ -207,14 +217,14 @@ class RunSpec:
     torch_threads: int = 1                          # PyTorch's intra-op pool
     quantize: str | None = None
     activations: str = DEFAULT_ACTIVATIONS
-    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK
 
     @classmethod
     def resolve(cls, cfg: ModelConfig, *, attention: str | None = None, softmax_layers=None,
                 window: int | None = None, feature_map: str | None = None, dtype=None, kv_dtype=None,
                 device="cpu", backend: str = "auto", native: bool = False, threads: int | None = None,
                 quantize: str | None = None, activations: str = DEFAULT_ACTIVATIONS,
-                prefill_chunk: int = DEFAULT_PREFILL_CHUNK, sparse_keys: int | None = None) -> "RunSpec":
+                prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK, sparse_keys: int | None = None) -> "RunSpec":
         """The run `cfg` (the checkpoint's config) and the user's options ask for; nothing given: the
         checkpoint's own default. attention="softmax": the base model unchanged; "linear" without
         `window`: every layer a pure linear RNN; `softmax_layers` ("2,9,11", [2, 9, 11], "auto:K")
@@ -367,4 +377,4 @@ __all__ = ["RunSpec", "resolve_mode", "map_set_for", "check_attention", "check_w
            "check_sparse_keys", "check_threads", "check_backend", "check_activations", "check_quantize", "check_prefill_chunk",
            "parse_dtype", "parse_device", "parse_softmax_layers", "layer_attention_for", "highest_loss_layers",
            "UnknownAttentionError", "WindowError", "ThreadsError", "BACKENDS", "ACTIVATIONS",
-           "QUANT_KINDS", "DEFAULT_PREFILL_CHUNK", "DEFAULT_ACTIVATIONS", "DTYPES", "NO_WINDOW"]
+           "QUANT_KINDS", "DEFAULT_PREFILL_CHUNK", "NATIVE_PREFILL_CHUNK", "MODULE_PREFILL_CHUNK", "DEFAULT_ACTIVATIONS", "DTYPES", "NO_WINDOW"]

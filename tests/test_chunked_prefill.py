@@ -15,14 +15,14 @@ from engine.api import LLM
 from engine.errors import InvalidArgumentError
 from engine.sampling import SamplingParams
 from engine.serve.scheduler import Failure, Job, Scheduler
-from engine.steps import DEFAULT_PREFILL_CHUNK, make_step
+from engine.steps import DEFAULT_PREFILL_CHUNK, MODULE_PREFILL_CHUNK, NATIVE_PREFILL_CHUNK, make_step
 
 LONG = 400          # the long prompt: 25 chunks of 16
 
 
 @pytest.fixture(scope="module")
 def llm():
-    return load("tiny", attention="softmax")
+    return load("tiny", attention="softmax", prefill_chunk=16)   # given: used on the module path too
 
 
 def ids(n: int, seed: int = 0) -> list[int]:
@@ -53,6 +53,29 @@ def test_prefill_chunk_is_checked():
     with pytest.raises(InvalidArgumentError, match="prefill_chunk"):
         make_step(load("tiny").model, prefill_chunk=2.5)
     assert load("tiny").step.prefill_chunk == DEFAULT_PREFILL_CHUNK
+
+
+def test_the_default_chunk_follows_the_path_that_prefills(monkeypatch):
+    """Unless given, prompt blocks are NATIVE_PREFILL_CHUNK tokens where the C step prefills them and
+    MODULE_PREFILL_CHUNK on the module path (a GPU, fp32 / bf16 weights, --backend torch): there each block
+    re-read, and dequantized, every weight (SmolLM2 Q4_1, 600 tokens: 21.6 s in blocks of 16, 2.9 s in blocks
+    of 512 on one core; a kernel launch an operation on a GPU). The logits are the one-block ones."""
+    llm = load("tiny", attention="softmax")          # fp32 weights: PyTorch's GEMMs prefill them
+    assert llm.step.chunk == MODULE_PREFILL_CHUNK and llm.step.prefill_chunk is None
+    assert load("tiny", prefill_chunk=8).step.chunk == 8
+    assert load("tiny", prefill_chunk=0).step.chunk == 0
+    native = load("tiny", backend="native") if "native" in load("tiny").step.forms_available else None
+    if native is not None:
+        assert native.step.chunk == NATIVE_PREFILL_CHUNK
+    m, blocks = llm.model, []
+    real = m.step
+    monkeypatch.setattr(m, "step", lambda tokens, state, **kw: blocks.append(tokens.shape[1]) or real(tokens, state, **kw))
+    tokens = torch.tensor([ids(600, 3)])
+    got = llm.step(tokens, m.init_state(1, 610, "softmax"), last_only=True)[:, -1]
+    assert blocks == [512, 88]
+    monkeypatch.setattr(m, "step", real)
+    whole = make_step(m, prefill_chunk=0)(tokens, m.init_state(1, 610, "softmax"), last_only=True)[:, -1]
+    assert (got - whole).abs().max().item() < 1e-4
 
 
 class Collector:
@@ -101,7 +124,7 @@ def admitted_while_running(sched, path: str, n: int, max_tokens: int) -> tuple[i
 @pytest.mark.parametrize("path", ["softmax", "linear"])
 def test_a_long_prompt_is_fed_between_decode_steps(llm, path):
     between, got = admitted_while_running(Scheduler(llm.model, llm.tokenizer, llm.step, max_batch=4), path, LONG, 8)
-    chunks = -(-LONG // llm.step.prefill_chunk)
+    chunks = -(-LONG // llm.step.chunk)
     print(f"{between} tokens of the running stream while {chunks} chunks were fed")
     assert between >= chunks - 2      # one decode step per chunk (one iteration may have begun already)
     alone = LLM(llm.model, llm.tokenizer, attention=path).generate([ids(LONG, 4)], max_new_tokens=8, temperature=0,
@@ -163,7 +186,7 @@ def test_a_prompt_fed_in_pieces_equals_it_fed_whole(native_llm, path):
             got = done.value
             break
     assert step.last_prefill_form == "native"
-    assert n == -(-70 // step.prefill_chunk) * m.config.num_hidden_layers
+    assert n == -(-70 // step.chunk) * m.config.num_hidden_layers
     assert torch.equal(got, want)
     assert pieces.slots == whole.slots == 70
     for a, b in zip(pieces.tensors(), whole.tensors()):
@@ -176,7 +199,7 @@ def test_a_long_prompt_goes_a_layer_at_a_time_between_decode_steps(native_llm):
     llm, n = native_llm, 100
     sched = Scheduler(llm.model, llm.tokenizer, llm.step, max_batch=4, prefill_share=0.0)
     between, got = admitted_while_running(sched, "softmax", n, 6)
-    pieces = -(-n // llm.step.prefill_chunk) * llm.model.config.num_hidden_layers
+    pieces = -(-n // llm.step.chunk) * llm.model.config.num_hidden_layers
     print(f"{between} tokens of the running stream while {pieces} pieces were fed")
     assert between >= pieces - 2
     assert got == llm.generate([ids(n, 4)], max_new_tokens=6, temperature=0, max_context=n + 6)[0].ids

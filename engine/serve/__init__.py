@@ -24,7 +24,7 @@ def open_server(model: str, attention: str | None = None, feature_map: str | Non
                 backend: str = "auto", threads: int | None = None, max_batch: int = 16,
                 max_context: int | None = None, max_queue: int | None = None, softmax_layers=None,
                 window: int | None = None, kv_dtype=None, max_prompt: int | None = None, sparse_keys: int | None = None,
-                queue_timeout: float | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                queue_timeout: float | None = None, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
                 activations: str = DEFAULT_ACTIVATIONS,
                 max_tokens_cap: int | None = None, aliases: tuple[str, ...] = (), device="cpu",
                 prefill_share: float = PREFILL_SHARE) -> Server:

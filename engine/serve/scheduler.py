@@ -16,7 +16,7 @@ and the jobs in row order. A loop iteration (1) admits queued jobs: each gets a 
 (restored from the prefix cache when its prompt extends a cached one; prompts of one path and
 length that fit one chunk, arriving together, are prefilled at once as one unpadded batch, then
 split); (2) prefills: while sequences decode, prompts advance in pieces (`Stepper.pieces`: a layer
-of a chunk of `stepper.prefill_chunk` tokens on the native step, the same bits as the whole chunk),
+of a chunk of `stepper.chunk` tokens on the native step, the same bits as the whole chunk),
 oldest first, for about `prefill_share` decode steps' time (chunked prefill, as vLLM and
 llama-server do, sliced finer: the running streams keep flowing whatever the prompt's length; the
 chunks start where the stepper's own would, so the tokens equal the API's); with nothing decoding a
@@ -248,7 +248,7 @@ class Scheduler:
         self.pools: dict[str, Pool] = {}
         self.pending: deque[Job] = deque()
         self.prefilling: list[Prefill] = []      # admitted, prompt not fed yet (oldest first)
-        self.chunk = getattr(stepper, "prefill_chunk", 0) or 0   # 0: whole prompts in one block
+        self.chunk = getattr(stepper, "chunk", 0) or 0   # 0: whole prompts in one block (Stepper.chunk)
         self.cond = threading.Condition()
         self.thread: threading.Thread | None = None
         self._stopping = False

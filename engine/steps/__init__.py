@@ -29,8 +29,8 @@ from typing import Protocol
 
 import torch
 
-from engine.runspec import (BACKENDS, DEFAULT_ACTIVATIONS, DEFAULT_PREFILL_CHUNK, check_backend,  # noqa: F401
-                            check_prefill_chunk)
+from engine.runspec import (BACKENDS, DEFAULT_ACTIVATIONS, DEFAULT_PREFILL_CHUNK, MODULE_PREFILL_CHUNK,  # noqa: F401
+                            NATIVE_PREFILL_CHUNK, check_backend, check_prefill_chunk)
 from engine.steps.graph_step import GraphStep
 from engine.steps.native import ACTIVATIONS, NativeStep, NativeUnavailableError, check_activations, pool_rest
 from engine.steps.rows_alone import prefill_rows_alone, rows_alone_apply
@@ -59,16 +59,18 @@ class ModuleStep:
 
 
 class Stepper:
-    """What the generation loop calls. Prompt blocks run in chunks of `prefill_chunk` tokens, each on
+    """What the generation loop calls. Prompt blocks run in chunks of `chunk` tokens (`prefill_chunk`,
+    or where that is None NATIVE_PREFILL_CHUNK when the native step prefills this model's blocks,
+    MODULE_PREFILL_CHUNK when the module path does: a GPU, fp32 / bf16 weights, --backend torch), each on
     the native pool where it applies, else the module path; a prompt block (last_only) of left-padded
     rows, or of rows the native step will decode that the native pool cannot prefill, runs row by
     row, each row as it runs alone, chunks included (engine.steps.rows_alone); one-token steps run
     the first form of `forms` that applies (the last one always does)."""
 
     def __init__(self, model, backend: str = "auto", threads: int | None = None,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, activations: str = DEFAULT_ACTIVATIONS):
+                 prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK, activations: str = DEFAULT_ACTIVATIONS):
         self.model, self.backend = model, check_backend(backend)
-        self.prefill_chunk = check_prefill_chunk(prefill_chunk)
+        self.prefill_chunk = check_prefill_chunk(prefill_chunk)   # as given (None: the path's default)
         self.activations = check_activations(activations)
         self.forms: list[StepForm] = []
         self.fallback: str | None = None
@@ -89,6 +91,14 @@ class Stepper:
             self.forms.append(torch_form)
         self.last_form: str | None = None
         self.last_prefill_form: str | None = None   # the form that ran the last prompt block
+        # tokens a prompt block runs at a time (0: whole prompts), the same for every caller (the generation
+        # loop's progress blocks and the server's pieces are cut at its multiples)
+        if self.prefill_chunk is not None:
+            self.chunk = self.prefill_chunk
+        else:
+            natively = any(f.name == "native" and model.embed_tokens.weight.device.type == "cpu"
+                           and (backend == "native" or f.prefills_fastest()) for f in self.forms)
+            self.chunk = NATIVE_PREFILL_CHUNK if natively else MODULE_PREFILL_CHUNK
 
     def rest(self) -> None:
         """The caller steps away for a while (a server delivering a step's tokens): after a native
@@ -132,7 +142,7 @@ class Stepper:
     def __call__(self, tokens: torch.Tensor, state, valid: torch.Tensor | None = None,
                  last_only: bool = False) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, V), or (B, 1, V) with last_only (a prompt block: it runs in
-        chunks of `prefill_chunk` tokens from each row's first real token; the logits are the last chunk's)."""
+        chunks of `chunk` tokens from each row's first real token; the logits are the last chunk's)."""
         if valid is None and tokens.dim() == 2 and tokens.shape[1] == 1:
             return self._one_token(tokens, state)
         if last_only and tokens.dim() == 2:   # a prompt block
@@ -143,7 +153,7 @@ class Stepper:
             if (not (valid is None and self._native_prefill(state, tokens)) and rows_alone_apply(tokens, state, valid)
                     and (valid is not None or self._native_decodes(state, tokens))):
                 return prefill_rows_alone(lambda t, s: self(t, s, last_only=True), tokens, state, valid)
-            chunk = self.prefill_chunk or tokens.shape[1]
+            chunk = self.chunk or tokens.shape[1]
             for s in range(0, tokens.shape[1], chunk):
                 logits = self._block(tokens[:, s:s + chunk], state, None if valid is None else valid[:, s:s + chunk])
             return logits
@@ -164,7 +174,7 @@ class Stepper:
             yield
             return logits
         want, out = logits, None
-        chunk = self.prefill_chunk or tokens.shape[1]
+        chunk = self.chunk or tokens.shape[1]
         for s in range(0, tokens.shape[1], chunk):
             block = tokens[:, s:s + chunk]
             form = self._native_prefill(state, block) if block.shape[1] > 1 else None
@@ -201,7 +211,7 @@ class Stepper:
 
 
 def make_step(model, backend: str = "auto", threads: int | None = None,
-              prefill_chunk: int = DEFAULT_PREFILL_CHUNK, activations: str = DEFAULT_ACTIVATIONS) -> Stepper:
+              prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK, activations: str = DEFAULT_ACTIVATIONS) -> Stepper:
     return Stepper(model, backend, threads, prefill_chunk, activations)
 
 

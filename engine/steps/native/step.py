@@ -99,9 +99,15 @@ class NativeStep:
                 and tokens.shape[1] > PREFILL_ROWS:
             return (f"prompt blocks of window states longer than {PREFILL_ROWS} tokens run the module path (their "
                     f"pad mask moves once a block)")
-        if fastest and self.model.embed_tokens.weight.dtype != torch.float16 and not self._quantized():
+        if fastest and not self.prefills_fastest():
             return "prompt blocks of fp32 and bf16 weights are faster on PyTorch's GEMMs"
         return self.why_not(state, tokens)
+
+    def prefills_fastest(self) -> bool:
+        """Whether this step's prompt blocks beat PyTorch's on these weights (f16 and quantized ones, on
+        the CPU this step runs on): the blocks `auto` hands it."""
+        return (self.model.embed_tokens.weight.device.type == "cpu"
+                and (self.model.embed_tokens.weight.dtype == torch.float16 or self._quantized()))
 
     def _quantized(self) -> bool:
         return any(isinstance(m, QuantLinear) for m in self.model.modules())
