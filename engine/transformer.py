@@ -361,6 +361,20 @@ class Transformer(nn.Module):
         tokens (B, T) int64; valid (B, T) bool, False at left pads (prompt blocks only).
         Returns logits (B, T, V), or (B, 1, V) for the last position if `last_only`.
         """
+        pieces = self.step_pieces(tokens, state, valid, last_only)
+        while True:
+            try:
+                next(pieces)
+            except StopIteration as done:
+                return done.value
+
+    @torch.inference_mode()   # (on a generator: around each resumption, not across the yields)
+    def step_pieces(self, tokens: torch.Tensor, state: State, valid: torch.Tensor | None = None,
+                    last_only: bool = False):
+        """`step` as a generator that yields after each layer and returns the same logits, bit for bit
+        (StopIteration.value): the server feeds a long prompt on the module path a layer at a time between
+        decode steps (engine.steps.Stepper.pieces). Between pieces the state is open: nothing else may
+        step it."""
         span = state.open(tokens, valid)
         x = self.embed_tokens(tokens)
         rope = None
@@ -373,6 +387,7 @@ class Transformer(nn.Module):
         for i, (layer, path) in enumerate(zip(self.layers, self.paths_of(state))):
             layer_rope = rope if mixed is None or self.uses_rope(mixed[i]) else None
             x = layer(x, layer_rope, lambda q, k, v, i=i: state.attend(i, q, k, v, span), path != "softmax")
+            yield
         state.commit(span)
         if last_only:
             x = x[:, -1:]

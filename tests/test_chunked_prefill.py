@@ -193,6 +193,31 @@ def test_a_prompt_fed_in_pieces_equals_it_fed_whole(native_llm, path):
         assert torch.equal(a[..., :70, :] if path == "softmax" else a, b[..., :70, :] if path == "softmax" else b)
 
 
+@pytest.mark.parametrize("path", ["softmax", "linear"])
+def test_the_module_path_feeds_a_layer_a_piece_as_fed_whole(path):
+    """On the module path (fp32 weights; a GPU) a block is 512 tokens, so Stepper.pieces runs it a layer a
+    piece (Transformer.step_pieces): the server's stall per piece stays a layer of a block, and the logits
+    and the state are the whole block's, bit for bit."""
+    llm = load("tiny", attention=path)
+    m, step = llm.model, llm.step
+    tokens = torch.tensor([ids(600, 9)])
+    whole, pieces = m.init_state(1, 610, path), m.init_state(1, 610, path)
+    want = step(tokens, whole, last_only=True)
+    work, n = step.pieces(tokens, pieces), 0
+    while True:
+        try:
+            next(work)
+            n += 1
+        except StopIteration as done:
+            got = done.value
+            break
+    assert step.last_prefill_form == "module" and step.chunk == MODULE_PREFILL_CHUNK
+    assert n == 2 * m.config.num_hidden_layers          # two blocks (512 + 88), a layer each a piece
+    assert torch.equal(got, want)
+    for a, b in zip(pieces.tensors(), whole.tensors()):
+        assert torch.equal(a, b)
+
+
 def test_a_long_prompt_goes_a_layer_at_a_time_between_decode_steps(native_llm):
     """With no time to share (prefill_share 0) the server feeds one piece, a layer of a chunk, per
     iteration: the running stream gets a token per piece, and the long prompt's tokens are the API's."""

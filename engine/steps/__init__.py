@@ -164,7 +164,7 @@ class Stepper:
     def pieces(self, tokens: torch.Tensor, state, logits: bool = True):
         """A prompt block (B, T) without pads, `self(tokens, state, last_only=True)` in pieces: a
         generator that yields after each piece of work and returns the same logits (StopIteration.value),
-        bit for bit. The native form's chunks run a layer a piece; other forms a chunk a piece. Between
+        bit for bit. The native form's chunks and the module path's run a layer a piece. Between
         pieces the state is open: nothing else may step it. The server feeds a long prompt this way, a
         few pieces between decode steps (engine.serve.scheduler). logits=False: a block that is not
         the prompt's last; the native form skips the output layer (the value returned is then None or
@@ -182,6 +182,9 @@ class Stepper:
                 self.last_prefill_form = form.name
                 head = want and s + chunk >= tokens.shape[1]   # the call's last chunk, when asked
                 out = yield from form.prefill_pieces(block, state, head=head)
+            elif form is None and block.shape[1] > 1 and hasattr(self.model, "step_pieces"):
+                self.last_form = self.last_prefill_form = "module"   # a layer a piece, as _block's arithmetic
+                out = yield from self.model.step_pieces(block, state, last_only=True)
             else:
                 out = self._block(block, state, None)
                 yield
