@@ -104,10 +104,9 @@ class NativeStep:
         return self.why_not(state, tokens)
 
     def prefills_fastest(self) -> bool:
-        """Whether this step's prompt blocks beat PyTorch's on these weights (f16 and quantized ones, on
-        the CPU this step runs on): the blocks `auto` hands it."""
-        return (self.model.embed_tokens.weight.device.type == "cpu"
-                and (self.model.embed_tokens.weight.dtype == torch.float16 or self._quantized()))
+        """Whether this step's prompt blocks beat PyTorch's on these weights (f16 and quantized ones): the
+        blocks `auto` hands it (where it runs at all: `why_not`)."""
+        return self.model.embed_tokens.weight.dtype == torch.float16 or self._quantized()
 
     def _quantized(self) -> bool:
         return any(isinstance(m, QuantLinear) for m in self.model.modules())
