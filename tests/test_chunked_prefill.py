@@ -169,6 +169,17 @@ def native_llm():
     return llm
 
 
+def drain(work):
+    """Run a pieces generator to its end: (pieces it yielded, the value it returned)."""
+    n = 0
+    while True:
+        try:
+            next(work)
+            n += 1
+        except StopIteration as done:
+            return n, done.value
+
+
 @pytest.mark.parametrize("path", ["softmax", "linear"])
 def test_a_prompt_fed_in_pieces_equals_it_fed_whole(native_llm, path):
     """Stepper.pieces: the native form runs a chunk a layer a piece (chunks x layers pieces), and the
@@ -177,14 +188,7 @@ def test_a_prompt_fed_in_pieces_equals_it_fed_whole(native_llm, path):
     tokens = torch.tensor([ids(70, 8)])
     whole, pieces = m.init_state(1, 80, path), m.init_state(1, 80, path)
     want = step(tokens, whole, last_only=True)
-    work, n = step.pieces(tokens, pieces), 0
-    while True:
-        try:
-            next(work)
-            n += 1
-        except StopIteration as done:
-            got = done.value
-            break
+    n, got = drain(step.pieces(tokens, pieces))
     assert step.last_prefill_form == "native"
     assert n == -(-70 // step.chunk) * m.config.num_hidden_layers
     assert torch.equal(got, want)
@@ -203,14 +207,7 @@ def test_the_module_path_feeds_a_layer_a_piece_as_fed_whole(path):
     tokens = torch.tensor([ids(600, 9)])
     whole, pieces = m.init_state(1, 610, path), m.init_state(1, 610, path)
     want = step(tokens, whole, last_only=True)
-    work, n = step.pieces(tokens, pieces), 0
-    while True:
-        try:
-            next(work)
-            n += 1
-        except StopIteration as done:
-            got = done.value
-            break
+    n, got = drain(step.pieces(tokens, pieces))
     assert step.last_prefill_form == "module" and step.chunk == MODULE_PREFILL_CHUNK
     assert n == 2 * m.config.num_hidden_layers          # two blocks (512 + 88), a layer each a piece
     assert torch.equal(got, want)
