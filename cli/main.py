@@ -12,21 +12,31 @@ from __future__ import annotations
 
 import signal
 import threading
+from contextlib import contextmanager
 
-# Ctrl-C while torch and the commands import (a second or two) ends the process quietly, as the
-# signal's default does, instead of a KeyboardInterrupt traceback out of some library's import;
-# Python's handler comes back once they are in (a SIGINT that was ignored stays ignored).
-_QUIET_START = (threading.current_thread() is threading.main_thread()
-                and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
-if _QUIET_START:
+
+@contextmanager
+def quiet_sigint():
+    """Ctrl-C while modules import (torch and the commands at start, a second or two; `gen serve`'s stack
+    when named) ends the process quietly, as the signal's default does, instead of a KeyboardInterrupt
+    traceback out of some library's import; Python's handler comes back once they are in, whatever an
+    import raised (a SIGINT that was ignored stays ignored)."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
-try:
+
+with quiet_sigint():
     import importlib
     import importlib.metadata
     import platform
     import sys
-    from contextlib import contextmanager
 
     import click
 
@@ -41,27 +51,11 @@ try:
     from cli.generate import generate_cmd
     from cli.linearize import linearize_cmd
     from cli.train import train_cmd
-finally:   # whatever an import raised, Ctrl-C is Python's again
-    if _QUIET_START:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 DEFAULT_COMMAND = "generate"
 # Subcommands imported only when named (`gen serve`, `gen --help`): the server's stack (FastAPI, pydantic,
 # uvicorn, sse-starlette) takes ~0.5 s to import, a fifth of every other command's start. name -> (module, attribute)
 LAZY_COMMANDS = {"serve": ("cli.serve", "serve_cmd")}
-
-
-@contextmanager
-def quiet_sigint():
-    """Ctrl-C while a module imports ends the process quietly (the signal's default), as at start."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        yield
-        return
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 class GenGroup(click.Group):

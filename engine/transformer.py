@@ -361,10 +361,10 @@ class Transformer(nn.Module):
         tokens (B, T) int64; valid (B, T) bool, False at left pads (prompt blocks only).
         Returns logits (B, T, V), or (B, 1, V) for the last position if `last_only`.
         """
-        pieces = self.step_pieces(tokens, state, valid, last_only)
+        layers = self._layers(tokens, state, valid, last_only)   # (inside this call's inference mode)
         while True:
             try:
-                next(pieces)
+                next(layers)
             except StopIteration as done:
                 return done.value
 
@@ -375,6 +375,10 @@ class Transformer(nn.Module):
         (StopIteration.value): the server feeds a long prompt on the module path a layer at a time between
         decode steps (engine.steps.Stepper.pieces). Between pieces the state is open: nothing else may
         step it."""
+        return (yield from self._layers(tokens, state, valid, last_only))
+
+    def _layers(self, tokens: torch.Tensor, state: State, valid: torch.Tensor | None, last_only: bool):
+        """step's arithmetic, yielding after each layer (plain: the callers hold inference mode)."""
         span = state.open(tokens, valid)
         x = self.embed_tokens(tokens)
         rope = None
