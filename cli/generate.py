@@ -22,6 +22,8 @@ from engine.steps import DEFAULT_ACTIVATIONS, DEFAULT_PREFILL_CHUNK
 @click.argument("prompt", required=False)
 @click.option("-p", "--prompt", "prompt_opt", metavar="TEXT",
               help="the prompt as an option (also when it equals a subcommand's name)")
+@click.option("-f", "--file", "prompt_file", metavar="PATH",
+              help="read the prompt from this UTF-8 text file (llama.cpp's -f; one trailing newline dropped)")
 @click.option("--ids", metavar="1,2,3", help="a prompt of token ids instead of text (no BOS added)")
 @click.option("--chat", "chat_message", metavar="TEXT",
               help="answer this one user message with the model's chat template, then exit (see `gen chat`)")
@@ -49,7 +51,7 @@ from engine.steps import DEFAULT_ACTIVATIONS, DEFAULT_PREFILL_CHUNK
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object (text, ids, finish_reason, stop_reason, stats)")
 @prefill_chunk_option
 @activations_option
-def generate_cmd(prompt, prompt_opt, ids, chat_message, system, model_name, attention, softmax_layers, window, feature_map, max_new_tokens,
+def generate_cmd(prompt, prompt_opt, prompt_file, ids, chat_message, system, model_name, attention, softmax_layers, window, feature_map, max_new_tokens,
                  temperature,
                  top_k, top_p, min_p, repetition_penalty, seed, stop, device, dtype, kv_dtype, max_context, echo, backend, native,
                  threads, quantize, verbose, as_json, prefill_chunk, activations, sparse_keys=None):
@@ -65,11 +67,11 @@ def generate_cmd(prompt, prompt_opt, ids, chat_message, system, model_name, atte
     def run():
         check_stdio(stdin="pipe the prompt in (gen - < prompt.txt) or give it as an argument"
                     if prompt == "-" else None)
-        if chat_message is not None and (prompt, prompt_opt, ids) != (None, None, None):
-            fail("--chat takes the message itself; give no PROMPT, --prompt or --ids with it")
+        if chat_message is not None and (prompt, prompt_opt, prompt_file, ids) != (None, None, None, None):
+            fail("--chat takes the message itself; give no PROMPT, --prompt, --file or --ids with it")
         if system is not None and chat_message is None:
             fail("--system goes with --chat MESSAGE (or gen chat --system TEXT for a conversation)")
-        the_prompt = read_prompt(prompt, prompt_opt, ids) if chat_message is None else chat_message
+        the_prompt = read_prompt(prompt, prompt_opt, ids, prompt_file) if chat_message is None else chat_message
         make_config(**settings)                      # bad settings fail before the model loads
         llm = load_quietly(model_name, attention, feature_map, device, dtype, native_backend(backend, native),
                           threads, quantize, softmax_layers=softmax_layers, window=window, kv_dtype=kv_dtype,
@@ -117,16 +119,17 @@ def generate_cmd(prompt, prompt_opt, ids, chat_message, system, model_name, atte
     run_guarded(run)
 
 
-def read_prompt(prompt, prompt_opt, ids):
-    """Exactly one of PROMPT, --prompt, --ids -> text or a list of ids."""
-    given = [p for p in (prompt, prompt_opt, ids) if p is not None]
+def read_prompt(prompt, prompt_opt, ids, prompt_file=None):
+    """Exactly one of PROMPT, --prompt, --file, --ids -> text or a list of ids."""
+    given = [p for p in (prompt, prompt_opt, prompt_file, ids) if p is not None]
     if len(given) != 1:
         if not given:
-            fail("give one prompt: PROMPT, --prompt TEXT, or --ids 1,2,3")
-        if prompt is not None and prompt_opt is not None and ids is None:   # gen -p Once upon: "upon" is PROMPT
-            fail(f'give the prompt once: PROMPT, --prompt or --ids, not several (a prompt of several words goes '
-                 f'in quotes: --prompt "{prompt_opt} {prompt}")')
-        fail("give the prompt once: PROMPT, --prompt or --ids, not several")
+            fail("give one prompt: PROMPT, --prompt TEXT, --file PATH or --ids 1,2,3")
+        if prompt is not None and prompt_opt is not None and (ids, prompt_file) == (None, None):
+            # gen -p Once upon: "upon" is PROMPT
+            fail(f'give the prompt once: PROMPT, --prompt, --file or --ids, not several (a prompt of several words '
+                 f'goes in quotes: --prompt "{prompt_opt} {prompt}")')
+        fail("give the prompt once: PROMPT, --prompt, --file or --ids, not several")
     if ids is not None:
         try:
             out = [int(x) for x in ids.replace(" ", "").strip(",").split(",")] if ids.strip(" ,") else []
@@ -135,22 +138,38 @@ def read_prompt(prompt, prompt_opt, ids):
         if not out:
             fail("the prompt is empty; --ids needs at least one token id")
         return out
-    text = given[0]
+    text, where = given[0], None
     if prompt == "-":
         raw = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
+        text, where = utf8_prompt(raw, "the prompt on stdin"), "stdin"
+    elif prompt_file is not None:
         try:
-            text = raw.decode("utf-8").removesuffix("\n")
-        except UnicodeDecodeError as e:
-            fail(f"the prompt on stdin is not valid UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start}); "
-                 f"pass UTF-8 text")
+            with open(prompt_file, "rb") as f:
+                raw = f.read()
+        except IsADirectoryError:
+            fail(f"--file {prompt_file}: is a directory; give a text file")
+        except OSError as e:
+            fail(f"--file {prompt_file}: {e.strerror}")
+        text, where = utf8_prompt(raw, f"--file {prompt_file}"), f"--file {prompt_file}"
     try:
         check_text(text, "the prompt")
     except InvalidArgumentError as e:
-        fail(str(e).removeprefix("the prompt: ") if "empty" not in str(e) else
-             "the prompt is empty or only whitespace; give some text (or '-' to read it from stdin)")
+        if "empty" not in str(e):
+            fail(str(e).removeprefix("the prompt: "))
+        if where is not None:
+            fail(f"the prompt read from {where} is empty or only whitespace; put the prompt's text there")
+        fail("the prompt is empty or only whitespace; give some text (or '-' to read it from stdin)")
     if not text:
         fail("the prompt is empty; give some text (or '-' to read it from stdin)")
     return text
+
+
+def utf8_prompt(raw: bytes, what: str) -> str:
+    """A prompt's bytes as text, one trailing newline dropped (what `echo` and editors add)."""
+    try:
+        return raw.decode("utf-8").removesuffix("\n")
+    except UnicodeDecodeError as e:
+        fail(f"{what} is not valid UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start}); pass UTF-8 text")
 
 
 LOADING_NOTICE_S = 1.0   # a load taking longer says so on stderr, when stderr is a terminal

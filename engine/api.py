@@ -288,9 +288,9 @@ class LLM:
 
     def _template(self):
         if self.chat_template is None:
-            raise InvalidArgumentError(f"{self.name or 'this model'} has no chat template (none in its GGUF, "
-                                       f"tokenizer_config.json or chat_template.jinja); generate from a "
-                                       f"plain prompt instead")
+            raise InvalidArgumentError(f"{self.name or 'this model'} has no chat template (a chat model carries "
+                                       f"one in its GGUF, tokenizer_config.json or chat_template.jinja); generate "
+                                       f"from a plain prompt instead")
         if self.tokenizer is None or not hasattr(self.tokenizer, "special_tokens"):
             raise InvalidArgumentError(f"{self.name or 'this model'} has a chat template but no byte-level BPE "
                                        f"tokenizer (tokenizer.json or GGUF) to encode it; use stream() with a prompt")

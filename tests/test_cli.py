@@ -71,6 +71,27 @@ def test_prompt_from_stdin(small_model_dir):
     assert piped == {**direct, "stats": piped["stats"]} and piped["stats"]["prompt_tokens"] == direct["stats"]["prompt_tokens"]
 
 
+def test_prompt_from_a_file(small_model_dir, tmp_path):
+    """-f / --file (llama.cpp's): the file's text is the prompt, as if piped in; a missing, undecodable,
+    empty or directory file, or a second prompt beside it, is one line."""
+    from conftest import one_line_error
+    (tmp_path / "p.txt").write_text("the cat sat\n")
+    direct = gen_json("--model", small_model_dir, *GREEDY, "the cat sat")
+    for flag in ("-f", "--file"):
+        got = gen_json("--model", small_model_dir, *GREEDY, flag, tmp_path / "p.txt")
+        assert got == {**direct, "stats": got["stats"]} and got["stats"]["prompt_tokens"] == direct["stats"]["prompt_tokens"]
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (tmp_path / "blank.txt").write_text("  \n")
+    for path, words in ((tmp_path / "nope.txt", ("nope.txt", "No such file")),
+                        (tmp_path / "latin1.txt", ("latin1.txt", "not valid UTF-8", "0xe9 at offset 3")),
+                        (tmp_path / "blank.txt", ("read from --file", "blank.txt", "empty or only whitespace")),
+                        (tmp_path, ("is a directory",))):
+        one_line_error(gen("--model", small_model_dir, "--file", path), *words)
+    one_line_error(gen("--model", small_model_dir, "--file", tmp_path / "p.txt", "the dog"), "give the prompt once",
+                   "--file")
+    one_line_error(gen("--model", small_model_dir, "--file", tmp_path / "p.txt", "--chat", "hi"), "--chat", "--file")
+
+
 def test_prompt_of_token_ids(small_model_dir):
     out = gen_json("--model", small_model_dir, *GREEDY, "--ids", "1,40,41,42")
     api = api_result(small_model_dir, [1, 40, 41, 42])
@@ -254,7 +275,8 @@ def test_feature_map_with_softmax_warns_that_it_is_ignored(small_model_dir):
 
 def test_empty_stdin_prompt(small_model_dir):
     r = gen("--model", small_model_dir, "-", input="")
-    assert r.exit_code == 2 and "empty" in r.stderr
+    assert r.exit_code == 2 and "the prompt read from stdin is empty" in r.stderr   # not "or '-' to read it from stdin"
+    assert "'-'" not in r.stderr
 
 
 # ---------------------------------------------------------------------- the installed command
