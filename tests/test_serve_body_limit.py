@@ -115,3 +115,42 @@ def test_a_refused_client_that_goes_on_holding_the_connection_is_closed_after_th
         while held and time.monotonic() < deadline:   # bounded wait for the server to let go
             time.sleep(0.05)
         assert not held, "the server still holds the refused connection"
+
+
+
+def test_a_connection_reset_before_the_half_close_is_closed_not_held():
+    """A client that reads the start of the 413 and closes with the answer's rest unread resets the
+    connection; the server's half-close then fails (ENOTCONN). It must close the connection instead:
+    uvicorn's later closes see it lingering and do nothing, so each one was held for good against
+    --max-connections (a hostile client's 15 oversized uploads left a server with a limit of 10
+    answering everything 503, each with a traceback in its log)."""
+    import errno
+    from types import SimpleNamespace
+
+    import h11
+
+    from engine.serve.connections import Connections
+
+    class ResetTransport:
+        closed = 0
+
+        def is_closing(self):
+            return self.closed > 0
+
+        def can_write_eof(self):
+            return True
+
+        def write_eof(self):
+            raise OSError(errno.ENOTCONN, "Transport endpoint is not connected")
+
+        def resume_reading(self):
+            raise AssertionError("nothing to read from a reset connection")
+
+        def close(self):
+            self.closed += 1
+
+    conn = Connections.__new__(Connections)   # the state connection_made leaves, on a client still sending a body
+    conn._raw, conn._lingered, conn._closing_now, conn._header_timer = ResetTransport(), None, False, None
+    conn.conn = SimpleNamespace(their_state=h11.SEND_BODY)
+    conn._close()
+    assert conn._raw.closed == 1 and conn._lingered is None

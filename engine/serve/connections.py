@@ -138,8 +138,12 @@ class Connections(H11Protocol):
             raw.close()
             return
         self._disarm()
+        try:
+            raw.write_eof()      # after what is buffered: the client sees the answer, then the end
+        except OSError:          # the client reset the connection already (ENOTCONN): nothing to linger for,
+            raw.close()          # and a close that never ran would hold its socket against --max-connections
+            return
         self._lingered = 0
-        raw.write_eof()          # after what is buffered: the client sees the answer, then the end
         raw.resume_reading()     # uvicorn may have paused reading while the body was unread
         self._linger_timer = self.loop.call_later(LINGER_S, raw.close)
 
