@@ -129,6 +129,33 @@ def test_disconnect_mid_stream_frees_the_state_within_a_step(live, path):
         sched.stepper = inner
 
 
+def test_a_non_streaming_client_that_leaves_frees_its_row_while_tokens_flow(live):
+    """A non-streaming request answers only at the end, so its tokens arrive for the whole run and the
+    handler never waits long for one: the client must still be looked for (it was only when no token
+    came for POLL_S, so a client gone with max_tokens 100000 held its batch row to the end)."""
+    import socket
+    assert live.wait_idle()
+    sched = live.scheduler
+    inner = sched.stepper
+    sched.stepper = SlowSteps(inner)   # timing only: ~100 tokens a second, never a 0.25 s gap
+    body = json.dumps({"model": NAME, "prompt": "the cat", "max_tokens": 100000, "attention": "linear",
+                       "ignore_eos": True}).encode()
+    steps_before = sched.steps
+    try:
+        with socket.create_connection(("127.0.0.1", live.port), timeout=10) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            deadline = time.monotonic() + 10
+            while sched.steps < steps_before + 30 and time.monotonic() < deadline:   # decoding, tokens flowing
+                time.sleep(0.02)
+            assert sched.active == 1, sched.stats()
+        steps_at_close = sched.steps
+        assert live.wait_idle(10), f"the row is still held after the client left: {sched.stats()}"
+        assert sched.steps - steps_at_close <= 100, "the request kept decoding long after its client left"
+    finally:
+        sched.stepper = inner
+
+
 def test_at_capacity_a_request_gets_429_with_retry_after(small_model_dir):
     live = LiveServer(make_server(small_model_dir, max_batch=1, max_queue=0, max_tokens_cap=0))   # a row held
     try:

@@ -206,19 +206,28 @@ def create_app(server: Server, policy: Policy | None = None) -> "FastAPI":
 
     async def _wait(request: Request, job, queue: asyncio.Queue, deadline: float | None = None):
         """`job`'s next events; None once the client has gone (the job is cancelled: a queued job leaves
-        the queue at once). Past `deadline` (time.monotonic) a job still in the queue is withdrawn: 503."""
+        the queue at once). The client is looked for every POLL_S, whether or not tokens arrive meanwhile
+        (a non-streaming request's tokens can arrive for minutes: a client that left must not hold its
+        batch row until max_tokens). Past `deadline` (time.monotonic) a job still in the queue is
+        withdrawn: 503."""
         while True:
             timeout = POLL_S if deadline is None else max(0.0, min(POLL_S, deadline - time.monotonic()))
             try:
-                return await _pending(queue, timeout)
+                events = await _pending(queue, timeout)
             except asyncio.TimeoutError:
+                events = None
+            now = time.monotonic()
+            if events is None or now >= getattr(request.state, "gen_look_at", 0.0):
+                request.state.gen_look_at = now + POLL_S
                 if await request.is_disconnected():
                     job.cancel()
                     return None
-                if deadline is not None and time.monotonic() >= deadline:
-                    if server.scheduler.withdraw(job):
-                        raise queue_timeout(server.queue_timeout, server.retry_after) from None
-                    deadline = None   # admitted meanwhile: it runs
+            if events is not None:
+                return events
+            if deadline is not None and now >= deadline:
+                if server.scheduler.withdraw(job):
+                    raise queue_timeout(server.queue_timeout, server.retry_after) from None
+                deadline = None   # admitted meanwhile: it runs
 
     return app
 
