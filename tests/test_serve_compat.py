@@ -412,14 +412,20 @@ def test_a_request_for_n_choices_takes_n_places_and_is_cancelled_whole(live, sma
 def test_served_model_names_and_a_request_without_model(small_model_dir):
     """--served-model-name: every name is accepted as `model`, the first is reported; a request with no
     `model` gets the served model (as vLLM and llama-server take it); any other name is still a 404."""
-    srv = LiveServer(make_server(small_model_dir, aliases=("gpt-3.5-turbo",)))
+    srv = LiveServer(make_server(small_model_dir, aliases=("gpt-3.5-turbo", "HuggingFaceTB/SmolLM2-135M")))
     try:
+        c = client(srv)   # the openai client's models.retrieve
+        for name in (NAME, "gpt-3.5-turbo", "HuggingFaceTB/SmolLM2-135M"):   # a name with a slash too
+            assert c.models.retrieve(name).id == name
+        r = httpx.get(srv.url + "/v1/models/HuggingFaceTB/other")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
         for model in ("gpt-3.5-turbo", NAME, None):
             body = {"prompt": "x", "max_tokens": 2} | ({"model": model} if model else {})
             r = httpx.post(srv.url + "/v1/completions", json=body, timeout=30)
             assert r.status_code == 200 and r.json()["model"] == NAME, r.text
         r = httpx.post(srv.url + "/v1/completions", json={"model": "gpt-9", "prompt": "x"}, timeout=30)
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
-        assert [m["id"] for m in httpx.get(srv.url + "/v1/models").json()["data"]] == [NAME, "gpt-3.5-turbo"]
+        assert [m["id"] for m in httpx.get(srv.url + "/v1/models").json()["data"]] == \
+            [NAME, "gpt-3.5-turbo", "HuggingFaceTB/SmolLM2-135M"]
     finally:
         srv.stop()

@@ -136,7 +136,7 @@ def create_app(server: Server, policy: Policy | None = None) -> "FastAPI":
         return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "gen"}
                                            for name in server.names]}
 
-    @app.get("/v1/models/{name}")
+    @app.get("/v1/models/{name:path}")   # a name may hold slashes: "org/model", a directory's path
     async def model(name: str):
         server.check_model(name)
         return {"id": name, "object": "model", "created": created, "owned_by": "gen"}
