@@ -143,6 +143,15 @@ def test_with_cors_origin_preflights_are_answered_for_that_origin_only(keyed):
     assert "POST" in r.headers["access-control-allow-methods"]
     assert {"authorization", "content-type"} <= {h.strip().lower() for h in
                                                  r.headers["access-control-allow-headers"].split(",")}
+    # a page using an official OpenAI SDK (openai-node in a browser) asks for its own headers too
+    sdk = "authorization, content-type, x-stainless-os, x-stainless-retry-count, x-stainless-timeout, openai-project"
+    r = httpx.options(keyed.url + "/v1/chat/completions", headers=dict(pre, **{"Access-Control-Request-Headers": sdk}))
+    assert r.status_code == 200, r.text
+    assert {h.strip() for h in sdk.split(",")} <= {h.strip().lower() for h in
+                                                  r.headers["access-control-allow-headers"].split(",")}
+    for ask in ("x-stainless-os", "x-stainless-os, x-secret"):   # alone; beside one the server does not take
+        r = httpx.options(keyed.url + "/v1/chat/completions", headers=dict(pre, **{"Access-Control-Request-Headers": ask}))
+        assert (r.status_code == 200) == ("x-secret" not in ask), r.text
     r = httpx.options(keyed.url + "/v1/chat/completions", headers=dict(pre, Origin="http://evil.example"))
     openai_error(r, 403, "origin_not_allowed")
     assert "access-control-allow-origin" not in r.headers

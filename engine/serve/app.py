@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import json
+import re
 import threading
 import time
 import uuid
@@ -27,6 +28,7 @@ from contextlib import asynccontextmanager
 
 from sse_starlette.sse import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request    # what FastAPI hands a route (fastapi.Request is this class)
@@ -45,18 +47,35 @@ DONE = b"data: [DONE]\r\n\r\n"
 MAX_DEPTH = 64    # JSON nesting a body may have (a chat request needs 4)
 
 
+# what the official OpenAI SDKs add to every request (openai-node in a browser, dangerouslyAllowBrowser:
+# x-stainless-os, -lang, -retry-count, -timeout, ...): a page on an allowed origin that uses one preflights them
+SDK_HEADERS = re.compile(r"x-stainless-[a-z0-9-]+|openai-(?:organization|project|beta)")
+
+
 class JSONRefusingCORS(CORSMiddleware):
     """Starlette's CORS middleware, with a refused preflight (an origin, method or header not allowed)
-    answered in OpenAI's error shape instead of plain text; what it allows is Starlette's, unchanged."""
+    answered in OpenAI's error shape instead of plain text, and the OpenAI SDKs' own headers (SDK_HEADERS)
+    allowed beside the configured ones; the rest is Starlette's, unchanged."""
 
     def preflight_response(self, request_headers):
+        asked = [h.strip().lower() for h in request_headers.get("access-control-request-headers", "").split(",")]
+        sdk = [h for h in asked if SDK_HEADERS.fullmatch(h)]
+        if sdk:   # Starlette judges the others
+            raw = [(k, v) for k, v in request_headers.raw if k != b"access-control-request-headers"]
+            rest = [h for h in asked if h and h not in sdk]
+            request_headers = Headers(raw=raw + ([(b"access-control-request-headers", ", ".join(rest).encode())]
+                                                 if rest else []))
         response = super().preflight_response(request_headers)
         if response.status_code < 400:
+            if sdk:
+                response.headers["access-control-allow-headers"] = ", ".join(
+                    [response.headers["access-control-allow-headers"], *sdk])
             return response
         reason = bytes(response.body).decode("utf-8", "replace").strip() or "CORS preflight refused"
         headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "content-type")}
         return APIError(response.status_code, f"{reason} (this server takes GET and POST with the headers "
-                        "Authorization and Content-Type, from the origins gen serve --cors-origin names)",
+                        "Authorization, Content-Type and the OpenAI SDKs' own, from the origins gen serve --cors-origin "
+                        "names)",
                         code="cors_refused", headers=headers).response()
 
 
