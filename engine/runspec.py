@@ -20,6 +20,8 @@ torch). It stays a default set at `import engine`, before torch, never over the 
 """
 from __future__ import annotations
 
+import re
+
 import dataclasses
 from dataclasses import dataclass
 
@@ -161,10 +163,10 @@ def highest_loss_layers(relative, k: int) -> list[int]:
 
 def layer_numbers(text: str, alternative: str = "") -> list[int]:
     """--softmax-layers "2,9,11" -> [2, 9, 11] (empty items skipped; each layer checked against a model later)."""
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise InvalidArgumentError(f"--softmax-layers {text}: give layer numbers like 2,9,11{alternative}") from None
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not all(re.fullmatch(r"[+-]?[0-9]+", x) for x in items):   # ASCII digits: int() also reads "١" and "1_0"
+        raise InvalidArgumentError(f"--softmax-layers {text}: give layer numbers like 2,9,11{alternative}")
+    return [int(x) for x in items]
 
 
 def parse_softmax_layers(spec, cfg) -> tuple[str, ...]:
@@ -249,7 +251,7 @@ class RunSpec:
                     **settings) -> "RunSpec":
         """The mode a config names as it stands (its attention, layer_attention and window; `attention`
         another path on the same layers and window): what a model runs when given no spec."""
-        path = check_attention(attention or cfg.attention)
+        path = check_attention(cfg.attention if attention is None else attention)
         layers = None
         if path == "hybrid":
             if cfg.layer_attention is None:
@@ -262,7 +264,7 @@ class RunSpec:
     def with_path(self, cfg: ModelConfig, attention: str | None = None, feature_map: str | None = None) -> "RunSpec":
         """This run on another path with the same window (hybrid: this run's layers, else the config's)
         and map set, or with another feature map: what `init_state(attention=...)` without a spec means."""
-        path = check_attention(attention or self.attention)
+        path = check_attention(self.attention if attention is None else attention)
         layers = None
         if path == "hybrid":
             layers = self.layer_attention if self.layer_attention is not None else cfg.layer_attention
@@ -349,7 +351,8 @@ def resolve_mode(cfg: ModelConfig, attention=None, softmax_layers=None, window=N
 
 
 def _explicit_mode(cfg: ModelConfig, attention, softmax_layers, window) -> dict:
-    path = check_attention(attention or ("hybrid" if softmax_layers is not None else cfg.attention))
+    path = check_attention(attention if attention is not None else
+                           "hybrid" if softmax_layers is not None else cfg.attention)
     if softmax_layers is not None and path != "hybrid":
         raise InvalidArgumentError(f"--softmax-layers needs --attention hybrid (got {path})")
     if path == "softmax":

@@ -31,6 +31,12 @@ RULES = {   # a rule's message, as its one definition spells it: (rule, typed er
 }
 
 
+@pytest.mark.parametrize("layers", ["\u0661", "1_0", "\uff11", "1.0", "one"])
+def test_softmax_layers_are_ascii_layer_numbers(layers):
+    with pytest.raises(InvalidArgumentError, match="give layer numbers like 2,9,11"):
+        RunSpec.resolve(tiny_config(), attention="hybrid", softmax_layers=layers)
+
+
 @pytest.mark.parametrize("message", list(RULES))
 def test_each_rule_raises_its_typed_one_line_error(message):
     kind, breaks = RULES[message]
@@ -152,6 +158,10 @@ def test_a_requests_attention_means_what_the_cli_means(hybrid_window_dir):
         assert err["message"] == str(e.value) and err["param"] == "window"
         bad = ask(attention="flash")
         assert bad.status_code == 400 and "unknown attention 'flash'" in bad.json()["error"]["message"]
+        bad = ask(attention="")    # an empty name is not the default (null is)
+        assert bad.status_code == 400 and "unknown attention ''" in bad.json()["error"]["message"]
+        bad = ask(attention="hybrid", softmax_layers="\u0661")   # ARABIC-INDIC DIGIT ONE: int() reads it, a layer list not
+        assert bad.status_code == 400 and "give layer numbers like 2,9,11" in bad.json()["error"]["message"]
     finally:
         live.stop()
 
