@@ -113,6 +113,22 @@ def test_loglikelihoods_equal_lm_evals_own_hf_model(llama_dir, hf_lm):
     assert abs(rolling[0] - rolling[1]) <= 1e-3, rolling
 
 
+def test_special_token_text_is_read_as_hf_reads_it(llama_dir, hf_lm):
+    """Text holding a special token's string ("</s>", "<s>") is encoded as `hf` encodes it: the token's own
+    id (a Hugging Face tokenizer parses them), and no BOS added before a text that starts with BOS's text
+    (lm-eval's has_bos_prefix); so the scores agree too (they were 0.87 nats apart)."""
+    ours = gen_lm(llama_dir, attention="softmax")
+    for text in ("<s>The cat sat", "a </s> b", "the cat</s>"):
+        assert ours.tok_encode(text) == hf_lm.tok_encode(text), text
+    items = [("<s>The cat sat on the", " mat."), ("She said hello.</s>", " The dog ran."), ("a </s> b", " the sun")]
+    a = ours.loglikelihood(requests("loglikelihood", items))
+    b = hf_lm.loglikelihood(requests("loglikelihood", items))
+    assert max(abs(x[0] - y[0]) for x, y in zip(a, b)) <= 1e-4, (a, b)
+    text = "<s>" + " ".join(generated_sentences(3, seed=2))
+    rolling = [lm.loglikelihood_rolling(requests("loglikelihood_rolling", [(text,)]))[0] for lm in (ours, hf_lm)]
+    assert abs(rolling[0] - rolling[1]) <= 1e-3, rolling
+
+
 def test_acc_and_acc_norm_equal_lm_evals_own_hf_model(llama_dir, hf_lm, tmp_path):
     _, yaml_path = mc_task(tmp_path)
     (ours, our_samples), (theirs, their_samples) = evaluate(gen_lm(llama_dir), yaml_path), evaluate(hf_lm, yaml_path)

@@ -113,9 +113,27 @@ class GenLM(TemplateLM):
         return 256
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        """add_special_tokens None: BOS where the model's tokenizer adds one (as `hf` with its
-        tokenizer's default); False: never."""
-        return self.tokenizer.encode(string, bos=add_special_tokens is not False)
+        """As `hf` encodes: special-token strings in the text ("<s>", "<|endoftext|>") are their single
+        ids, as a Hugging Face tokenizer's encode reads them (where the tokenizer can: a SentencePiece
+        .model file reads them as text); add_special_tokens None: BOS where the model's tokenizer adds
+        one, unless the text already starts with the prefix token's text; False: never."""
+        bos = add_special_tokens is not False
+        if add_special_tokens is None and bos and self._prefix_text and string.startswith(self._prefix_text):
+            bos = False
+        if self._parses_special:
+            return self.tokenizer.encode(string, bos=bos, special=True)
+        return self.tokenizer.encode(string, bos=bos)
+
+    @property
+    def _parses_special(self) -> bool:
+        return "special" in inspect.signature(self.tokenizer.encode).parameters
+
+    @property
+    def _prefix_text(self) -> str:
+        """What lm-eval's `has_bos_prefix` compares a text's start with: the prefix token decoded."""
+        if getattr(self, "_prefix_text_memo", None) is None:
+            self._prefix_text_memo = self.tokenizer.decode([self.prefix_token_id]) if self._parses_special else ""
+        return self._prefix_text_memo
 
     def tok_decode(self, ids) -> str:
         return self.tokenizer.decode(ids)
