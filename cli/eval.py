@@ -86,8 +86,8 @@ def eval_cmd(model_name, attention, softmax_layers, window, feature_map, data, t
     def run():
         if threads is not None:
             set_threads(threads)
-        lengths_ = parse_lengths(lengths) if lengths else list(PASSKEY_LENGTHS)
-        depths_ = parse_depths(depths) if depths else list(DEPTHS)
+        lengths_ = parse_lengths(lengths) if lengths is not None else list(PASSKEY_LENGTHS)   # "": refused
+        depths_ = parse_depths(depths) if depths is not None else list(DEPTHS)
         kept_in = check_results_dir(results_dir) if results_dir is not None else None   # before the model loads
         harness = [t for t in tasks if t != "passkey"]
         with tempfile.TemporaryDirectory(prefix="gen-eval-") as tmp:
@@ -133,7 +133,8 @@ def eval_cmd(model_name, attention, softmax_layers, window, feature_map, data, t
                             results[name] = run_passkey(llm, lengths_, depths_, trials, seed, progress=bar.update,
                                                         points=points)
                     else:
-                        results[name] = run_lm_eval_task(llm, name, yamls[name], limit=limit, max_length=context)
+                        results[name] = run_lm_eval_task(llm, name, yamls[name], limit=limit, max_length=context,
+                                                         length_option="--context N")
                     if store and cached is None:
                         store.put(name, settings, results[name])
                     if not as_json:
@@ -184,7 +185,7 @@ def check_modes(data, task_list, task_files, limit, lengths, depths, results_dir
         fail(f"--context must be at least 2 tokens, got {context}")
     if data is not None and (task_list or task_files):
         fail("give --data (perplexity of a corpus) or --task / --task-file (tasks), not both")
-    if data is None and not (task_list or task_files):
+    if data is None and task_list is None and not task_files:
         fail("give --data FILE (perplexity), --task NAMES (e.g. piqa,passkey) or --task-file FILE (your own items)")
     if data is not None:
         for flag, value in (("--limit", limit), ("--lengths", lengths), ("--depths", depths),
@@ -215,7 +216,7 @@ def check_modes(data, task_list, task_files, limit, lengths, depths, results_dir
         fail(f"--limit must be at least 1, got {limit}")
     if limit is not None and tasks == ["passkey"] and not task_files:
         fail("--limit applies to lm-eval tasks and --task-file; passkey takes --lengths and --trials")
-    if (lengths or depths) and "passkey" not in tasks:
+    if (lengths is not None or depths is not None) and "passkey" not in tasks:
         fail("--lengths and --depths apply to --task passkey")
     if passkey_flags and "passkey" not in tasks:   # lm-eval's zero-shot tasks draw nothing at random
         fail(f"{' and '.join(passkey_flags)} {'apply' if len(passkey_flags) > 1 else 'applies'} to --task passkey; "

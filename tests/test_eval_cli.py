@@ -40,6 +40,10 @@ def one_line_error(r, text):
     (["--data", "x.txt", "--task", "piqa"], "not both"),
     (["--task", "piqa,mmlu"], "unknown task 'mmlu'; valid: piqa"),
     (["--task", ","], "--task is empty"),
+    (["--task", ""], "--task is empty"),   # an empty shell variable: not "give --data or --task"
+    (["--task", "passkey", "--lengths", ""], "give positive whole numbers"),   # was: the whole default grid
+    (["--task", "passkey", "--depths", ""], "give shares between 0 and 1"),
+    (["--task", "piqa", "--depths", ""], "--lengths and --depths apply to --task passkey"),
     (["--task", "piqa", "--limit", "0"], "--limit must be at least 1"),
     (["--task", "piqa", "--lengths", "512"], "--lengths and --depths apply to --task passkey"),
     (["--task", "passkey", "--trials", "0"], "--trials must be at least 1"),
@@ -182,6 +186,9 @@ def test_a_task_file_is_scored_by_lm_eval(small_model_dir, tmp_path):
     assert res["scoring"]["requests"] == 7
     items.write_text('{"context": "x", "choices": ["a", "b"], "answer": 5}\n')
     one_line_error(gen("--model", small_model_dir, "--task-file", items), "line 1: \"answer\" must be the index")
+    items.write_text(json.dumps({"context": "He said", "choices": [" ".join(generated_sentences(4)), "no"], "answer": 1}))
+    one_line_error(gen("--model", small_model_dir, "--task-file", items, "--context", 8),   # gen eval's option, not
+                   "longer than max_length 8: raise max_length (--context N)")            # lm-eval's model_args
     one_line_error(gen("--model", small_model_dir, "--task-file", "/dev/null"), "/dev/null: not a regular file")
 
 

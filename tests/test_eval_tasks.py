@@ -295,7 +295,11 @@ def test_a_missing_or_malformed_data_file_is_one_line(tmp_path):
                                       ('["a"]', "JSON object"),
                                       ('{"choices": ["a", "b"], "answer": 0}', '"context"'),
                                       ('{"context": "c", "choices": ["a"], "answer": 0}', '"choices"'),
-                                      ('{"context": "c", "choices": ["a", "b"], "answer": 2}', '"answer"')])
+                                      ('{"context": "c", "choices": ["a", "b"], "answer": 2}', '"answer"'),
+                                      ('{"context": "Q\\ud800", "choices": ["a", "b"], "answer": 0}',
+                                       '"context" holds a lone surrogate (U+D800'),
+                                      ('{"context": "Q", "choices": ["a", "b\\udfff"], "answer": 0}',
+                                       '"choices[1]" holds a lone surrogate (U+DFFF')])
 def test_a_bad_task_file_line_is_one_line(tmp_path, line, why):
     path = tmp_path / "items.jsonl"
     path.write_text(json.dumps(MC[0]) + "\n" + line + "\n")

@@ -50,14 +50,15 @@ class GenLM(TemplateLM):
     a registered name or path loaded with `load()`'s keyword arguments (attention, softmax_layers,
     window, feature_map, dtype, quantize, threads). max_length: tokens a request may hold (default:
     the model's trained positions). batch_tokens: padded tokens per model call (engine.tasks.scoring);
-    stats: a ScoreStats the scorer adds its counts to.
+    stats: a ScoreStats the scorer adds its counts to; length_option: how the caller sets max_length, for the
+    advice of a request that does not fit (`gen eval` says "--context N").
     A model holding quantized blocks is dequantized once, in place (scoring runs the float form of the
     weights). batch_size and max_batch_size, which lm-eval passes to every model, are not used: batches
     are sized in tokens."""
 
     def __init__(self, llm: LLM | None = None, *, model: str | None = None, max_length: int | None = None,
                  batch_tokens: int = 2048, dequantize: bool = True, stats: ScoreStats | None = None, batch_size=None,
-                 device=None, max_batch_size=None, **load_kwargs):
+                 device=None, max_batch_size=None, length_option: str = "model_args max_length=N", **load_kwargs):
         super().__init__()
         if llm is None:
             if model is None:
@@ -83,7 +84,7 @@ class GenLM(TemplateLM):
             raise InvalidArgumentError(f"{llm.name or 'this model'} ships no tokenizer; lm-eval tasks are text")
         if dequantize:
             dequantize_model(llm.model)
-        self.llm, self.tokenizer = llm, llm.tokenizer
+        self.llm, self.tokenizer, self.length_option = llm, llm.tokenizer, length_option
         self._max_length = int(max_length) if max_length is not None else None
         if self._max_length is not None and self._max_length < 2:
             raise InvalidArgumentError(f"max_length must be at least 2 tokens, got {max_length}")
@@ -145,7 +146,7 @@ class GenLM(TemplateLM):
             cont = list(cont)
             if len(cont) > self.max_length:   # (`hf` asserts; cutting it would score another text)
                 raise InvalidArgumentError(f"a continuation of {len(cont)} tokens is longer than max_length "
-                                           f"{self.max_length}: raise max_length (model_args max_length=N)")
+                                           f"{self.max_length}: raise max_length ({self.length_option})")
             whole = (list(ctx) + cont)[-(self.max_length + 1):]  # at least one context token is left
             pairs.append((whole[:-len(cont)], cont))
         with tqdm(total=len(pairs), disable=disable_tqdm, desc="Running loglikelihood requests") as bar:
@@ -190,7 +191,7 @@ class GenLM(TemplateLM):
             keep = self.max_length - max_new
             if keep < 1:   # (`hf` asserts: a prompt cut to nothing answers another question)
                 raise InvalidArgumentError(f"max_gen_toks {max_new} leaves no room for the prompt in max_length "
-                                           f"{self.max_length}: lower the task's max_gen_toks or raise max_length")
+                                           f"{self.max_length}: lower the task's max_gen_toks or raise max_length ({self.length_option})")
             prompts = {i: self.tok_encode(requests[i].args[0])[-keep:] for i in idx}
             order = sorted(idx, key=lambda i: len(prompts[i]))
             for b in range(0, len(order), GENERATE_BATCH):

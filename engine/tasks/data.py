@@ -184,6 +184,12 @@ def check_item(path: Path, lineno: int, line: str) -> None:
     answer = item.get("answer")
     if isinstance(answer, bool) or not isinstance(answer, int) or not 0 <= answer < len(choices):
         raise InvalidArgumentError(f"{where}: \"answer\" must be the index of the right choice (0..{len(choices) - 1})")
+    for field, text in (("context", item["context"]), *((f"choices[{i}]", c) for i, c in enumerate(choices))):
+        try:   # a "\ud800" escape: JSON Python reads, a lone surrogate no UTF-8 reader of the file (pyarrow) takes
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidArgumentError(f"{where}: \"{field}\" holds a lone surrogate (U+{ord(text[e.start]):04X}, "
+                                       f"an escape such as \\ud800 without its pair); write the character itself") from None
 
 
 def task_file_name(path: str | Path) -> str:

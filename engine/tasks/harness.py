@@ -277,9 +277,11 @@ def register() -> None:
 
 
 def run_lm_eval_task(llm, name: str, yaml_path: str | os.PathLike, limit: int | None = None,
-                     max_length: int | None = None, bootstrap_iters: int = BOOTSTRAP_ITERS) -> dict:
+                     max_length: int | None = None, bootstrap_iters: int = BOOTSTRAP_ITERS,
+                     length_option: str | None = None) -> dict:
     """Score one task YAML with lm-eval on `llm` (an engine.api.LLM, through engine.tasks.adapter.GenLM,
-    with its weights dequantized in place); Hugging Face libraries offline."""
+    with its weights dequantized in place); Hugging Face libraries offline. length_option: how the caller
+    sets max_length, for the adapter's advice (`gen eval`: "--context N")."""
     os.environ["HF_DATASETS_OFFLINE"] = os.environ["HF_HUB_OFFLINE"] = "1"
     import datasets   # noqa: F401  (read the variables above before lm-eval imports it)
     datasets.config.HF_DATASETS_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
@@ -296,7 +298,8 @@ def run_lm_eval_task(llm, name: str, yaml_path: str | os.PathLike, limit: int | 
     quiet_git = mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", lambda: None) \
         if hasattr(lm_eval.evaluator, "get_git_commit_hash") else contextlib.nullcontext()   # (a later lm-eval may move it)
     with contextlib.redirect_stdout(sys.stderr), quiet_git:
-        out = lm_eval.simple_evaluate(model="gen", model_args={"llm": llm, "max_length": max_length, "stats": stats},
+        out = lm_eval.simple_evaluate(model="gen", model_args={"llm": llm, "max_length": max_length, "stats": stats,
+                                                                    **({"length_option": length_option} if length_option else {})},
                                       tasks=[str(yaml_path)], task_manager=TaskManager(include_defaults=False),
                                       limit=limit, bootstrap_iters=bootstrap_iters, log_samples=False)
     seconds = time.perf_counter() - t0
