@@ -21,15 +21,18 @@ these, and `stats` of each reply says how many tokens were prefilled.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
-from engine.errors import InvalidArgumentError
+from engine.errors import InvalidArgumentError, SessionBusyError
 from engine.generate import Closing, Generation, GenerationConfig, Result
 from models.chat_template import ChatTemplate, check_messages, encode_segments
 
 
 class ChatSession:
-    """One conversation on one model. Not thread-safe: one reply at a time."""
+    """One conversation on one model, one reply at a time: a message sent while another thread still
+    reads the last reply is a SessionBusyError (the conversation is left as it was); a session per
+    thread for conversations side by side."""
 
     def __init__(self, model, tokenizer, template: ChatTemplate, configure: Callable[[dict], GenerationConfig],
                  eos_ids, attention: str, feature_map: str | None = None, step=None, system: str | None = None,
@@ -48,6 +51,7 @@ class ChatSession:
         self.system, self.max_context = system, max_context or model.config.max_position_embeddings
         self.rebuilds = 0
         self.reply: ChatReply | None = None
+        self.reading = threading.RLock()   # held while a reply steps or closes, and while send() runs
         self.reset()
 
     def reset(self) -> None:
@@ -73,6 +77,15 @@ class ChatSession:
             raise InvalidArgumentError("the message is empty; type some text")
         if "max_context" in settings:   # the state's capacity, fixed when the session began
             raise InvalidArgumentError("max_context is the session's, not a turn's: llm.chat_session(max_context=N)")
+        if not self.reading.acquire(blocking=False):
+            raise SessionBusyError("chat_session().send(): another thread is reading this session's last reply; a "
+                                   "session is one conversation, one reply at a time: use a session per thread")
+        try:
+            return self._send(content, settings)
+        finally:
+            self.reading.release()
+
+    def _send(self, content: str, settings: dict) -> "ChatReply":
         self.close_reply()
         settings.setdefault("eos_ids", self.eos_ids)
         config = self.configure(settings)
@@ -107,7 +120,9 @@ class ChatSession:
         self.messages = reply.messages + [{"role": "assistant", "content": text}]
         self.text = reply.prompt_text + text
         self.pending = [] if ended or not ids else [ids[-1]]
-        self.held = reply.held + list(ids)   # the conversation's tokens (the pending one too)
+        # the conversation's tokens (the pending one too; an EOS that ended the reply is the template's to
+        # write: the next turn's text holds it)
+        self.held = reply.held + list(ids[:-1] if ended else ids)
         self.dirty = self.dirty or broken or not ids
         self.reply = None
 
@@ -132,20 +147,31 @@ class ChatReply(Closing):
     def __next__(self) -> str:
         if self.finished:
             raise StopIteration
+        if not self.session.reading.acquire(blocking=False):
+            raise SessionBusyError("chat_session(): this reply is being read in another thread; read a reply in "
+                                   "one thread (a session per thread for conversations side by side)")
         try:
             for event in self.generation:
                 if event.text:
                     return event.text
+            self._end(broken=False)
         except BaseException:   # raised inside a step: the state may be half written
             self._end(broken=True)
             raise
-        self._end(broken=False)
+        finally:
+            self.session.reading.release()
         raise StopIteration
 
     def close(self) -> None:
-        if not self.finished:
+        if self.finished:
+            return
+        if not self.session.reading.acquire(blocking=False):   # (send() closing the last reply holds it already)
+            raise SessionBusyError("chat_session(): this reply is being read in another thread; close it there")
+        try:
             self.generation.close()
             self._end(broken=False)
+        finally:
+            self.session.reading.release()
 
     def _end(self, broken: bool) -> None:
         if not self.finished:

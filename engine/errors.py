@@ -3,7 +3,7 @@
 The CLI turns any `EngineError` into one line on stderr and exit code 2.
 """
 from models.errors import (CheckpointError, ConfigError, ContextFullError, EngineError,
-                           InvalidArgumentError, StateMismatchError)
+                           InvalidArgumentError, SessionBusyError, StateMismatchError)
 
 __all__ = ["EngineError", "ConfigError", "CheckpointError", "InvalidArgumentError", "ContextFullError",
-           "StateMismatchError"]
+           "StateMismatchError", "SessionBusyError"]

@@ -27,3 +27,7 @@ class ContextFullError(EngineError, RuntimeError):
 
 class StateMismatchError(EngineError, ValueError):
     """Tokens and state disagree (batch size, device, model)."""
+
+
+class SessionBusyError(EngineError, RuntimeError):
+    """A chat session got a message while another thread was still reading its last reply."""

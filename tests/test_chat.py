@@ -192,6 +192,63 @@ def test_session_second_turn_prefills_only_new_tokens(llm):
     assert s.rebuilds == 0 and s.state.slots == len(whole) + len(r2.result.ids) - 1
 
 
+def test_a_message_while_another_thread_reads_the_reply_is_refused_and_the_conversation_kept(llm):
+    """A session is one conversation: a send() (or the reply's close()) from a second thread while the first
+    is inside the reply's next step was "generator already executing" from deep inside, and a turn lost;
+    now a SessionBusyError, and the reading thread's reply goes on to its end, recorded."""
+    import threading
+
+    from engine.errors import SessionBusyError
+    s = llm.chat_session()
+    reply = s.send("Hello there", temperature=0, max_new_tokens=6, ignore_eos=True)
+    inside, go_on = threading.Event(), threading.Event()
+
+    class Held:   # the reply's generation, holding its first step until told to go on
+        def __init__(self, inner):
+            self.inner, self.first = inner, True
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            if self.first:
+                self.first = False
+                inside.set()
+                go_on.wait(10)
+            return next(self.inner)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    reply.generation = Held(reply.generation)
+    text = []
+    reader = threading.Thread(target=lambda: text.append(reply.text()))
+    reader.start()
+    assert inside.wait(10)
+    with pytest.raises(SessionBusyError, match="another thread"):
+        s.send("the cat sat", temperature=0, max_new_tokens=4)
+    with pytest.raises(SessionBusyError, match="another thread"):
+        reply.close()
+    go_on.set()
+    reader.join(10)
+    assert text and len(reply.result.ids) == 6
+    assert [m["role"] for m in s.messages] == ["user", "assistant"] and s.messages[0]["content"] == "Hello there"
+    assert s.send("the cat sat", temperature=0, max_new_tokens=4).text() is not None   # usable again
+
+
+def test_the_conversations_tokens_are_those_the_state_holds(llm):
+    """held (what a repetition penalty sees) is the conversation's tokens: a reply's closing EOS once (the
+    next turn's template writes it), not the sampled one and the template's both."""
+    probe = llm.chat_session().send("Hello there", temperature=0, max_new_tokens=1)
+    probe.text()
+    end = probe.result.ids[0]   # the reply's first token, made its end below
+    s = llm.chat_session()
+    s.send("Hello there", temperature=0, max_new_tokens=4, eos_ids=(end, *llm.chat_eos_ids())).text()
+    assert s.pending == [] and len(s.held) == s.state.slots     # ended on its first token: nothing pending
+    s.send("the cat sat", temperature=0, max_new_tokens=3, ignore_eos=True).text()
+    assert len(s.held) == s.state.slots + len(s.pending)
+
+
 def test_interrupted_reply_keeps_the_session(llm):
     s = llm.chat_session()
     r1 = s.send("Hello there", temperature=0, max_new_tokens=20, ignore_eos=True)
