@@ -20,9 +20,8 @@ torch). It stays a default set at `import engine`, before torch, never over the 
 """
 from __future__ import annotations
 
-import re
-
 import dataclasses
+import re
 from dataclasses import dataclass
 
 import torch
