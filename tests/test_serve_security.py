@@ -41,7 +41,8 @@ def keyed(small_model_dir):
 # ---------------------------------------------------------------------- who may call
 @pytest.mark.parametrize("host", ["evil.example", "evil.example:8000", "127.0.0.1.evil.example", "10.0.0.7",
                                   "[127.0.0.1].evil.example:8000", "[::1]evil.example", "[::1]@evil.example", "[::1",
-                                  "[localhost].evil.example"])   # (a bracket's content was taken, the rest ignored)
+                                  "[localhost].evil.example",   # (a bracket's content was taken, the rest ignored)
+                                  "localhost:80@evil.example", "localhost@evil.example", "localhost:x"])   # (after a colon)
 def test_a_foreign_host_is_refused(live, host):
     err = openai_error(httpx.get(live.url + "/v1/models", headers={"Host": host}), 400, "host_not_allowed")
     assert "--allow-host" in err["message"]
@@ -78,6 +79,9 @@ def test_a_web_page_cannot_drive_the_server(live):
                  403, "origin_not_allowed")
     same = httpx.post(live.url + "/v1/completions", json=GOOD, headers={"Origin": live.url})   # its own page
     assert same.status_code == 200, same.text
+    for scheme in ("evil", "file", "chrome-extension"):   # this Host under another scheme is not this page
+        openai_error(httpx.post(live.url + "/v1/completions", json=GOOD,
+                                headers={"Origin": live.url.replace("http", scheme, 1)}), 403, "origin_not_allowed")
 
 
 def test_json_with_a_charset_is_json(live):

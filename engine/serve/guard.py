@@ -94,21 +94,25 @@ class Policy:
         origin = origin.rstrip("/")
         if "*" in self.cors_origins or origin in self.cors_origins:
             return True
-        return host is not None and origin.split("://", 1)[-1].lower() == host.lower()
+        scheme, sep, where = origin.partition("://")   # a page's own origin: http(s), this very Host
+        return host is not None and bool(sep) and scheme.lower() in ("http", "https") and where.lower() == host.lower()
 
 
 def _name(host: str) -> str:
     """A Host header's name: no port, no IPv6 brackets, no trailing dot, lower case. A bracketed value
     is an address only when nothing but a port follows it ("[::1]:8000"); anything else
-    ("[::1].evil.example", "[::1") is no name ("": no allowed name or domain matches it)."""
+    ("[::1].evil.example", "[::1"), a port that is not digits or a name holding "@", "/", "\\" or a space
+    ("localhost:80@evil.example") is no name ("": no allowed name or domain matches it)."""
     host = host.strip().lower()
     if host.startswith("["):
         address, bracket, port = host[1:].partition("]")
         whole = bracket and (not port or (port[0] == ":" and port[1:].isdigit()))
         return address if whole else ""
     if host.count(":") == 1:
-        host = host.split(":", 1)[0]
-    return host.rstrip(".")
+        host, port = host.split(":", 1)
+        if not (port.isascii() and port.isdigit()):   # "localhost:80@evil.example": no port, so no name
+            return ""
+    return "" if any(c in host for c in "@/\\ ") else host.rstrip(".")
 
 
 def _headers(scope) -> dict[str, str]:
