@@ -6,6 +6,7 @@ import shlex
 import sys
 
 import click
+from click.core import ParameterSource
 
 from cli.common import (backend_option, KV_DTYPE_HELP, check_output_path, check_stdio, device_option, fail,
                         native_backend, run_guarded, threads_option, writing_stdout)
@@ -13,8 +14,10 @@ from engine.bench import DEFAULT_CONTEXTS, BenchSettings, run_bench, write_json
 from engine.bench.configs import parse_attentions
 from engine.bench.output import written_in_place
 from engine.errors import InvalidArgumentError
+from engine.runspec import parse_dtype
 from engine.bench.plot import plot, plot_format
 from engine.bench.report import format_table, summary_lines
+from engine.bench.sweep import WEIGHTS
 
 
 def parse_contexts(ctx, param, value):
@@ -82,8 +85,16 @@ def bench_cmd(model_name, contexts, attention, softmax_layers, window, prefill_t
 
     Prints a table and a summary naming the crossover depth; --json and --plot save them.
     """
+    dtype_given = click.get_current_context().get_parameter_source("dtype") is not ParameterSource.DEFAULT
+
     def run():
         check_stdio()   # the table is the product: a closed stdout is one line before measuring
+        if weights is not None and dtype_given and parse_dtype(dtype) != parse_dtype(WEIGHTS[weights][0]):
+            fail(f"--weights {weights} runs {WEIGHTS[weights][0]} weights"
+                 f"{' (quantized blocks of an fp32 model)' if WEIGHTS[weights][1] else ''}, --dtype {dtype} other ones: "
+                 f"give one of them")
+        if json_path and plot_path and os.path.realpath(json_path) == os.path.realpath(plot_path):
+            fail(f"--json and --plot both name {plot_path}: the plot would replace the JSON; give each its own file")
         for out in (json_path, plot_path):   # fail before measuring, not after the whole run
             if out and not written_in_place(out):   # (a device or FIFO is opened, nothing created beside it)
                 check_output_path(os.path.realpath(out) if os.path.islink(out) else out)   # a link: its target's

@@ -181,6 +181,25 @@ def test_cli_refuses_a_plot_format_before_measuring(model_dir, tmp_path, monkeyp
     assert (tmp_path / "noext").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize("args, says", [
+    (["--weights", "f16", "--dtype", "float32"], "--weights f16 runs float16 weights, --dtype float32 other ones"),
+    (["--weights", "q4_0", "--dtype", "bfloat16"], "(quantized blocks of an fp32 model)"),
+    (["--json", "{same}", "--plot", "{same}"], "the plot would replace the JSON"),
+])
+def test_cli_refuses_options_that_contradict_each_other_before_measuring(model_dir, tmp_path, monkeypatch, args, says):
+    """Each ran and exited 0: --weights set the dtype over an explicit --dtype (the table said another
+    dtype than the one asked for), and --json X --plot X wrote the JSON, then the PNG over it."""
+    from cli.main import main
+    import cli.bench
+    monkeypatch.setattr(cli.bench, "run_bench", lambda *a, **k: pytest.fail("measured before refusing"))
+    args = [a.format(same=tmp_path / "same.png") for a in args]
+    res = CliRunner().invoke(main, ["bench", "--model", str(model_dir), *args])
+    assert res.exit_code == 2 and res.output.count("\n") == 1 and says in res.output, res.output
+    for agree in (["--weights", "f16", "--dtype", "fp16"], ["--weights", "q8_0", "--dtype", "float32"]):
+        monkeypatch.setattr(cli.bench, "run_bench", lambda *a, **k: {"results": [], "settings": {}})
+        assert CliRunner().invoke(main, ["bench", "--model", str(model_dir), *agree]).exit_code == 0
+
+
 def test_cli_refuses_a_depth_the_machine_cannot_hold(model_dir):
     from cli.main import main
     res = CliRunner().invoke(main, ["bench", "--model", str(model_dir), "--contexts", "8,100000000000",
