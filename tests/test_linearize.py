@@ -45,6 +45,16 @@ def interrupted_in_the_transfer(a: LinearizeArgs) -> None:
         linearize(a, log=lambda m: None, on_step=interrupt)
 
 
+def test_a_data_file_given_twice_is_one_line_before_anything_is_read(small_model_dir, corpus, tmp_path):
+    """--data F --data F (or F under another spelling of its path) read F twice: twice its share of every
+    row mix, and data.json listing it twice."""
+    from engine.linearize import check_args
+    for twice in ([str(corpus), str(corpus)], [str(corpus), f"{corpus.parent}/./{corpus.name}"]):
+        with pytest.raises(InvalidArgumentError, match="is given twice.*give each file once"):
+            check_args(args(small_model_dir, corpus, tmp_path / "out", data=twice))
+    assert not (tmp_path / "out").exists()
+
+
 def test_resume_with_other_settings_is_one_line_and_leaves_the_progress(small_model_dir, corpus, tmp_path):
     """An interrupted run resumed with another --seq-len (or window, seed, learning rate...) mixed them
     silently (layers transferred on rows of 32 tokens, the rest on 64, the summary saying 64); the
