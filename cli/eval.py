@@ -183,7 +183,7 @@ def check_modes(data, task_list, task_files, limit, lengths, depths, results_dir
     passkey-only options with defaults that were given (--trials, --seed)."""
     if context is not None and context < 2:
         fail(f"--context must be at least 2 tokens, got {context}")
-    if data is not None and (task_list or task_files):
+    if data is not None and (task_list is not None or task_files):
         fail("give --data (perplexity of a corpus) or --task / --task-file (tasks), not both")
     if data is None and task_list is None and not task_files:
         fail("give --data FILE (perplexity), --task NAMES (e.g. piqa,passkey) or --task-file FILE (your own items)")

@@ -7,7 +7,7 @@ from cli.common import (backend_option, dtype_options, activations_option, devic
                         run_options, threads_option)
 from cli.open_page import open_when_ready, page_url
 from engine.serve import PREFILL_SHARE, Policy, open_server, run
-from engine.serve.guard import (DEFAULT_KEEP_ALIVE_S, DEFAULT_MAX_BODY, DEFAULT_MAX_CONNECTIONS,
+from engine.serve.guard import (DEFAULT_KEEP_ALIVE_S, DEFAULT_MAX_BODY, DEFAULT_MAX_CONNECTIONS, host_name,
                                 DEFAULT_READ_TIMEOUT_S, LOOPBACK)
 from engine.serve.connections import check_listen
 from engine.serve.server import DEFAULT_QUEUE_TIMEOUT_S
@@ -113,6 +113,9 @@ def serve_cmd(model_name, attention, softmax_layers, window, feature_map, host, 
         fail("--served-model-name takes a non-empty name")
     if any(not h.strip() for h in allow_hosts) or any(not o.strip() for o in cors_origins):
         fail("--allow-host and --cors-origin take a non-empty name")
+    for name in allow_hosts:
+        if not host_name(name):
+            fail(f"--allow-host {name}: not a host name; give a name (my.box), name:port, *.domain or *")
     if not 0 < port < 65536:
         fail(f"--port must be in 1..65535, got {port}")
     if not 0 <= prefill_share < float("inf"):

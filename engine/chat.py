@@ -30,8 +30,9 @@ from models.chat_template import ChatTemplate, check_messages, encode_segments
 
 
 class ChatSession:
-    """One conversation on one model, one reply at a time: a message sent while another thread still
-    reads the last reply is a SessionBusyError (the conversation is left as it was); a session per
+    """One conversation on one model, one reply at a time. A send(), reset() or a reply's close() from
+    another thread while a thread is inside the reply's next chunk is a SessionBusyError (the conversation
+    is left as it was); between chunks a send() closes the last reply, as in one thread. A session per
     thread for conversations side by side."""
 
     def __init__(self, model, tokenizer, template: ChatTemplate, configure: Callable[[dict], GenerationConfig],
@@ -56,6 +57,15 @@ class ChatSession:
 
     def reset(self) -> None:
         """Forget the conversation (the system message stays) and free the state."""
+        if not self.reading.acquire(blocking=False):
+            raise SessionBusyError("chat_session().reset(): another thread is reading this session's last reply; "
+                                   "reset it there, or use a session per thread")
+        try:
+            self._reset()
+        finally:
+            self.reading.release()
+
+    def _reset(self) -> None:
         self.close_reply()
         # (system="": an empty system message, which keeps a template's default one out, as llm.chat renders it)
         self.messages: list[dict] = [{"role": "system", "content": self.system}] if self.system is not None else []

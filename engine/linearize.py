@@ -265,14 +265,14 @@ def check_args(a: LinearizeArgs) -> None:
         raise InvalidArgumentError(f"--gate-lr must be positive, got {a.gate_lr}")
     if a.budget is not None and a.budget <= 0:
         raise InvalidArgumentError(f"--budget must be a positive number of minutes, got {a.budget}")
-    for path in a.data:
-        read_documents(path)          # raises on a missing, non-UTF-8 or empty file
     seen = {}
     for path in a.data:               # one file given twice was read twice: twice its share of every row mix
         key = Path(path).resolve()
         if key in seen:
             raise InvalidArgumentError(f"--data {path} is given twice ({seen[key]} already): give each file once")
         seen[key] = path
+    for path in a.data:
+        read_documents(path)          # raises on a missing, non-UTF-8 or empty file
     out = Path(a.out)
     if out.exists() and not out.is_dir():
         raise InvalidArgumentError(f"{out}: exists and is not a directory")

@@ -229,11 +229,14 @@ def test_a_message_while_another_thread_reads_the_reply_is_refused_and_the_conve
         s.send("the cat sat", temperature=0, max_new_tokens=4)
     with pytest.raises(SessionBusyError, match="another thread"):
         reply.close()
+    with pytest.raises(SessionBusyError, match="another thread"):
+        s.reset()
     go_on.set()
     reader.join(10)
     assert text and len(reply.result.ids) == 6
     assert [m["role"] for m in s.messages] == ["user", "assistant"] and s.messages[0]["content"] == "Hello there"
-    assert s.send("the cat sat", temperature=0, max_new_tokens=4).text() is not None   # usable again
+    s.send("the cat sat", temperature=0, max_new_tokens=4).text()                       # usable again
+    assert [m["content"] for m in s.messages[::2]] == ["Hello there", "the cat sat"] and len(s.messages) == 4
 
 
 def test_the_conversations_tokens_are_those_the_state_holds(llm):

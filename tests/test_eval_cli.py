@@ -38,6 +38,7 @@ def one_line_error(r, text):
 @pytest.mark.parametrize("args,text", [
     ([], "give --data FILE (perplexity), --task NAMES"),
     (["--data", "x.txt", "--task", "piqa"], "not both"),
+    (["--data", "x.txt", "--task", ""], "not both"),   # an empty --task beside --data was dropped unsaid
     (["--task", "piqa,mmlu"], "unknown task 'mmlu'; valid: piqa"),
     (["--task", ","], "--task is empty"),
     (["--task", ""], "--task is empty"),   # an empty shell variable: not "give --data or --task"

@@ -299,7 +299,9 @@ def test_a_missing_or_malformed_data_file_is_one_line(tmp_path):
                                       ('{"context": "Q\\ud800", "choices": ["a", "b"], "answer": 0}',
                                        '"context" holds a lone surrogate (U+D800'),
                                       ('{"context": "Q", "choices": ["a", "b\\udfff"], "answer": 0}',
-                                       '"choices[1]" holds a lone surrogate (U+DFFF')])
+                                       '"choices[1]" holds a lone surrogate (U+DFFF'),
+                                      ('{"context": "Q", "choices": ["a", "b"], "answer": 0, "note": "\\ud800"}',
+                                       'a string holds a lone surrogate')])
 def test_a_bad_task_file_line_is_one_line(tmp_path, line, why):
     path = tmp_path / "items.jsonl"
     path.write_text(json.dumps(MC[0]) + "\n" + line + "\n")

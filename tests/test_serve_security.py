@@ -128,6 +128,12 @@ def test_gen_api_key_env_sets_the_key(monkeypatch):
     policy = seen["policy"]
     assert policy.api_key == "flag" and policy.docs and policy.cors_origins == ("http://a.example",)
     assert {"my.box", "192.168.5.5"} <= set(policy.allow_hosts)
+    for bad in ("my.box:", "my.box:*", "a b", "x@y"):   # no name: "" in the list matched every malformed Host
+        r = CliRunner().invoke(main, ["serve", "--allow-host", bad])
+        assert r.exit_code == 2 and "not a host name" in r.output and "Traceback" not in r.output, r.output
+        with pytest.raises(ValueError, match="not a host name"):
+            Policy(allow_hosts=("localhost", bad))
+    assert not Policy(allow_hosts=("*.example",)).host_allowed("localhost:80@evil.example")
 
 
 # ---------------------------------------------------------------------- CORS
@@ -148,7 +154,8 @@ def test_with_cors_origin_preflights_are_answered_for_that_origin_only(keyed):
     assert {"authorization", "content-type"} <= {h.strip().lower() for h in
                                                  r.headers["access-control-allow-headers"].split(",")}
     # a page using an official OpenAI SDK (openai-node in a browser) asks for its own headers too
-    sdk = "authorization, content-type, x-stainless-os, x-stainless-retry-count, x-stainless-timeout, openai-project"
+    sdk = ("authorization, content-type, x-stainless-os, x-stainless-retry-count, x-stainless-timeout, openai-project, "
+           "user-agent")   # (Firefox and Safari preflight the SDK's User-Agent)
     r = httpx.options(keyed.url + "/v1/chat/completions", headers=dict(pre, **{"Access-Control-Request-Headers": sdk}))
     assert r.status_code == 200, r.text
     assert {h.strip() for h in sdk.split(",")} <= {h.strip().lower() for h in

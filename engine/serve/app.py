@@ -48,8 +48,9 @@ MAX_DEPTH = 64    # JSON nesting a body may have (a chat request needs 4)
 
 
 # what the official OpenAI SDKs add to every request (openai-node in a browser, dangerouslyAllowBrowser:
-# x-stainless-os, -lang, -retry-count, -timeout, ...): a page on an allowed origin that uses one preflights them
-SDK_HEADERS = re.compile(r"x-stainless-[a-z0-9-]+|openai-(?:organization|project|beta)")
+# x-stainless-os, -lang, -retry-count, -timeout, ..., and a User-Agent, which Firefox and Safari then
+# preflight): a page on an allowed origin that uses one preflights them
+SDK_HEADERS = re.compile(r"x-stainless-[a-z0-9-]+|openai-(?:organization|project|beta)|user-agent")
 
 
 class JSONRefusingCORS(CORSMiddleware):

@@ -78,6 +78,9 @@ class Policy:
             raise ValueError(f"read_timeout must be a number of seconds >= 0 (0 = none), got {self.read_timeout}")
         if not 0 < self.keep_alive < float("inf"):
             raise ValueError(f"keep_alive must be a number of seconds > 0, got {self.keep_alive}")
+        bad = [h for h in self.allow_hosts if not _name(h)]
+        if bad:   # ("": every malformed Host would match it)
+            raise ValueError(f"allow_hosts: {bad[0]!r} is not a host name (a name, name:port, *.domain or *)")
         object.__setattr__(self, "allow_hosts", tuple(_name(h) for h in self.allow_hosts))
         object.__setattr__(self, "cors_origins", tuple(o.rstrip("/") for o in self.cors_origins))
 
@@ -87,7 +90,7 @@ class Policy:
         if not host:
             return False
         name = _name(host)
-        return any(name == h or (h.startswith("*.") and name.endswith(h[1:])) for h in self.allow_hosts)
+        return bool(name) and any(name == h or (h.startswith("*.") and name.endswith(h[1:])) for h in self.allow_hosts)
 
     def origin_allowed(self, origin: str, host: str | None) -> bool:
         """A page's Origin may call: one of `cors_origins`, or the server's own (same origin)."""
@@ -113,6 +116,9 @@ def _name(host: str) -> str:
         if not (port.isascii() and port.isdigit()):   # "localhost:80@evil.example": no port, so no name
             return ""
     return "" if any(c in host for c in "@/\\ ") else host.rstrip(".")
+
+
+host_name = _name   # what --allow-host checks its names with
 
 
 def _headers(scope) -> dict[str, str]:

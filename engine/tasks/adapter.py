@@ -133,7 +133,8 @@ class GenLM(TemplateLM):
     def _prefix_text(self) -> str:
         """What lm-eval's `has_bos_prefix` compares a text's start with: the prefix token decoded."""
         if getattr(self, "_prefix_text_memo", None) is None:
-            self._prefix_text_memo = self.tokenizer.decode([self.prefix_token_id]) if self._parses_special else ""
+            prefix = self.prefix_token_id   # (-1: a tokenizer with neither BOS nor EOS)
+            self._prefix_text_memo = self.tokenizer.decode([prefix]) if self._parses_special and prefix >= 0 else ""
         return self._prefix_text_memo
 
     def tok_decode(self, ids) -> str:

@@ -190,6 +190,11 @@ def check_item(path: Path, lineno: int, line: str) -> None:
         except UnicodeEncodeError as e:
             raise InvalidArgumentError(f"{where}: \"{field}\" holds a lone surrogate (U+{ord(text[e.start]):04X}, "
                                        f"an escape such as \\ud800 without its pair); write the character itself") from None
+    try:   # any other field's string or key (the reader of the file takes the whole line)
+        json.dumps(item, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidArgumentError(f"{where}: a string holds a lone surrogate (an escape such as \\ud800 without its "
+                                   f"pair); write the character itself") from None
 
 
 def task_file_name(path: str | Path) -> str:
