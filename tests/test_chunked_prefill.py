@@ -211,8 +211,9 @@ def test_the_module_path_feeds_a_layer_a_piece_as_fed_whole(path):
     assert step.last_prefill_form == "module" and step.chunk == MODULE_PREFILL_CHUNK
     assert n == 2 * m.config.num_hidden_layers          # two blocks (512 + 88), a layer each a piece
     assert torch.equal(got, want)
-    for a, b in zip(pieces.tensors(), whole.tensors()):
-        assert torch.equal(a, b)
+    assert pieces.slots == whole.slots == 600
+    for a, b in zip(pieces.tensors(), whole.tensors()):   # (a KV slot never written may hold anything)
+        assert torch.equal(a[..., :600, :] if path == "softmax" else a, b[..., :600, :] if path == "softmax" else b)
 
 
 def test_a_long_prompt_goes_a_layer_at_a_time_between_decode_steps(native_llm):
