@@ -552,6 +552,12 @@ def _linearize(a: LinearizeArgs, g: Group, log, on_step) -> dict | None:
     rows, used = build_rows(ckpt.tokenizer, a)
     eval_rows, train_rows = rows[-a.eval_rows:], rows[:-a.eval_rows]
     transfer_rows = train_rows[:max(1, a.tokens // a.seq_len)]
+    have = train_rows.shape[0] * a.seq_len
+    if have < a.tokens:   # (it went on with what there was, unsaid)
+        log(f"note: --data gives {have:,} training tokens, fewer than --tokens {a.tokens:,}: the transfer uses those")
+    if a.finetune_tokens and have < a.finetune_tokens:
+        log(f"note: --data gives {have:,} training tokens, fewer than --finetune-tokens {a.finetune_tokens:,}: the "
+            f"finetune draws its rows from those")
     L = cfg.num_hidden_layers
     state = progress.load() if a.resume else {}
     data_sha256 = [u["sha256"] for u in used]   # what a --resume checks its text by

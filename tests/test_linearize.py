@@ -55,6 +55,20 @@ def test_a_data_file_given_twice_is_one_line_before_anything_is_read(small_model
     assert not (tmp_path / "out").exists()
 
 
+def test_more_tokens_than_the_data_holds_is_said(small_model_dir, corpus, tmp_path):
+    """--tokens or --finetune-tokens beyond what --data gives ran on what there was, unsaid (data.json's
+    tokens_used the only trace)."""
+    said = []
+    linearize(args(small_model_dir, corpus, tmp_path / "big", tokens=10 ** 9, finetune_tokens=2 * 10 ** 9,
+                   layer_steps=1, finetune_steps=1), log=said.append)
+    notes = [m for m in said if m.startswith("note: --data gives")]
+    assert len(notes) == 2 and "fewer than --tokens 1,000,000,000" in notes[0], said
+    assert "fewer than --finetune-tokens 2,000,000,000: the finetune draws its rows from those" in notes[1]
+    said.clear()
+    linearize(args(small_model_dir, corpus, tmp_path / "small", layer_steps=1, finetune_steps=1), log=said.append)
+    assert not [m for m in said if m.startswith("note: --data gives")], said
+
+
 def test_resume_with_other_settings_is_one_line_and_leaves_the_progress(small_model_dir, corpus, tmp_path):
     """An interrupted run resumed with another --seq-len (or window, seed, learning rate...) mixed them
     silently (layers transferred on rows of 32 tokens, the rest on 64, the summary saying 64); the
