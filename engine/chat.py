@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from contextlib import contextmanager
 
 from engine.errors import InvalidArgumentError, SessionBusyError
 from engine.generate import Closing, Generation, GenerationConfig, Result
@@ -55,15 +56,22 @@ class ChatSession:
         self.reading = threading.RLock()   # held while a reply steps or closes, and while send() runs
         self.reset()
 
-    def reset(self) -> None:
-        """Forget the conversation (the system message stays) and free the state."""
+    @contextmanager
+    def alone(self, call: str):
+        """Around what steps or changes the conversation: held by this thread (again: an RLock), or
+        SessionBusyError naming `call` when another thread is inside the reply's next chunk."""
         if not self.reading.acquire(blocking=False):
-            raise SessionBusyError("chat_session().reset(): another thread is reading this session's last reply; "
-                                   "reset it there, or use a session per thread")
+            raise SessionBusyError(f"{call}: another thread is reading this session's reply; a session is one "
+                                   f"conversation, one reply at a time: use a session per thread")
         try:
-            self._reset()
+            yield
         finally:
             self.reading.release()
+
+    def reset(self) -> None:
+        """Forget the conversation (the system message stays) and free the state."""
+        with self.alone("chat_session().reset()"):
+            self._reset()
 
     def _reset(self) -> None:
         self.close_reply()
@@ -87,13 +95,8 @@ class ChatSession:
             raise InvalidArgumentError("the message is empty; type some text")
         if "max_context" in settings:   # the state's capacity, fixed when the session began
             raise InvalidArgumentError("max_context is the session's, not a turn's: llm.chat_session(max_context=N)")
-        if not self.reading.acquire(blocking=False):
-            raise SessionBusyError("chat_session().send(): another thread is reading this session's last reply; a "
-                                   "session is one conversation, one reply at a time: use a session per thread")
-        try:
+        with self.alone("chat_session().send()"):
             return self._send(content, settings)
-        finally:
-            self.reading.release()
 
     def _send(self, content: str, settings: dict) -> "ChatReply":
         self.close_reply()
@@ -157,31 +160,23 @@ class ChatReply(Closing):
     def __next__(self) -> str:
         if self.finished:
             raise StopIteration
-        if not self.session.reading.acquire(blocking=False):
-            raise SessionBusyError("chat_session(): this reply is being read in another thread; read a reply in "
-                                   "one thread (a session per thread for conversations side by side)")
-        try:
-            for event in self.generation:
-                if event.text:
-                    return event.text
-            self._end(broken=False)
-        except BaseException:   # raised inside a step: the state may be half written
-            self._end(broken=True)
-            raise
-        finally:
-            self.session.reading.release()
+        with self.session.alone("chat_session() reply"):
+            try:
+                for event in self.generation:
+                    if event.text:
+                        return event.text
+                self._end(broken=False)
+            except BaseException:   # raised inside a step: the state may be half written
+                self._end(broken=True)
+                raise
         raise StopIteration
 
     def close(self) -> None:
         if self.finished:
             return
-        if not self.session.reading.acquire(blocking=False):   # (send() closing the last reply holds it already)
-            raise SessionBusyError("chat_session(): this reply is being read in another thread; close it there")
-        try:
+        with self.session.alone("chat_session() reply's close()"):   # (send() closing the last reply holds it)
             self.generation.close()
             self._end(broken=False)
-        finally:
-            self.session.reading.release()
 
     def _end(self, broken: bool) -> None:
         if not self.finished:

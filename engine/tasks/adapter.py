@@ -85,6 +85,12 @@ class GenLM(TemplateLM):
         if dequantize:
             dequantize_model(llm.model)
         self.llm, self.tokenizer, self.length_option = llm, llm.tokenizer, length_option
+        # as `hf` reads a text: special-token strings as their ids where the tokenizer can (a SentencePiece
+        # .model file reads them as text), and the prefix token's text, which lm-eval's has_bos_prefix
+        # compares a text's start with (-1: a tokenizer with neither BOS nor EOS)
+        self._special = {"special": True} if "special" in inspect.signature(llm.tokenizer.encode).parameters else {}
+        prefix = self.prefix_token_id
+        self._prefix_text = llm.tokenizer.decode([prefix]) if self._special and prefix >= 0 else ""
         self._max_length = int(max_length) if max_length is not None else None
         if self._max_length is not None and self._max_length < 2:
             raise InvalidArgumentError(f"max_length must be at least 2 tokens, got {max_length}")
@@ -121,21 +127,7 @@ class GenLM(TemplateLM):
         bos = add_special_tokens is not False
         if add_special_tokens is None and bos and self._prefix_text and string.startswith(self._prefix_text):
             bos = False
-        if self._parses_special:
-            return self.tokenizer.encode(string, bos=bos, special=True)
-        return self.tokenizer.encode(string, bos=bos)
-
-    @property
-    def _parses_special(self) -> bool:
-        return "special" in inspect.signature(self.tokenizer.encode).parameters
-
-    @property
-    def _prefix_text(self) -> str:
-        """What lm-eval's `has_bos_prefix` compares a text's start with: the prefix token decoded."""
-        if getattr(self, "_prefix_text_memo", None) is None:
-            prefix = self.prefix_token_id   # (-1: a tokenizer with neither BOS nor EOS)
-            self._prefix_text_memo = self.tokenizer.decode([prefix]) if self._parses_special and prefix >= 0 else ""
-        return self._prefix_text_memo
+        return self.tokenizer.encode(string, bos=bos, **self._special)
 
     def tok_decode(self, ids) -> str:
         return self.tokenizer.decode(ids)
